@@ -1,0 +1,26 @@
+"""lmstack: an LLM inference server built as a minimal core plus plugins."""
+
+from lmstack.sampling_params import SamplingParams
+
+__all__ = ["LLM", "AsyncEngine", "LLMEngine", "SamplingParams", "hookimpl"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import lmstack` (and the CLI) stays fast; torch loads only when the engine is used.
+    if name == "LLM":
+        from lmstack.llm import LLM
+
+        return LLM
+    if name == "AsyncEngine":
+        from lmstack.async_engine import AsyncEngine
+
+        return AsyncEngine
+    if name == "LLMEngine":
+        from lmstack.engine import LLMEngine
+
+        return LLMEngine
+    if name == "hookimpl":
+        from lmstack.hookspecs import hookimpl
+
+        return hookimpl
+    raise AttributeError(name)

@@ -1,0 +1,112 @@
+"""`AsyncEngine`: the engine loop in a background thread, requests as async streams."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from lmstack.engine import LLMEngine, StackSource
+from lmstack.outputs import EngineStats, RequestOutput
+from lmstack.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    """One thread owns the engine and runs steps; the event loop only exchanges messages
+    with it, so a step never blocks other coroutines."""
+
+    def __init__(self, stack: StackSource | LLMEngine, **kw: Any) -> None:
+        self.engine = stack if isinstance(stack, LLMEngine) else LLMEngine(stack, **kw)
+        self._lock = threading.Lock()  # guards _inbox
+        self._inbox: list[tuple[str, Any]] = []
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="lmstack-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate now (raises InvalidRequestError), then yield outputs as they arrive; the
+        last one has `finished=True`. Leaving the iteration early aborts the request."""
+        req = self.engine.make_request(prompt, params, request_id=request_id, priority=priority)
+        return self._stream(req)
+
+    async def _stream(self, req) -> AsyncIterator[RequestOutput]:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
+        self._post("add", req)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not finished:
+                self._post("abort", req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post("abort", request_id)
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.stats
+
+    def _post(self, kind: str, payload: Any) -> None:
+        with self._lock:
+            self._inbox.append((kind, payload))
+        self._wake.set()
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stopped:
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+                self._wake.clear()
+            for kind, payload in inbox:
+                if kind == "add":
+                    eng.enqueue(payload)
+                elif kind == "abort":
+                    eng.abort(payload)
+            if not eng.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                continue
+            try:
+                outputs = eng.step()
+            except BaseException as exc:  # a failed step must not hang the clients
+                self._error = exc
+                for rid in list(eng.requests):
+                    eng.abort(rid)
+                    self._deliver(rid, RuntimeError(f"engine step failed: {exc}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self.engine.shutdown()

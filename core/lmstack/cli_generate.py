@@ -1,0 +1,29 @@
+"""`lmstack generate`: stream a chat answer from the stack's model to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lmstack.sampling_params import SamplingParams
+
+
+def run(args: argparse.Namespace) -> int:
+    from lmstack.engine import LLMEngine
+
+    engine = LLMEngine(args.stack)
+    params = SamplingParams(
+        temperature=getattr(args, "temperature", 0.0) or 0.0,
+        max_tokens=getattr(args, "max_tokens", None) or 256,
+        seed=getattr(args, "seed", None),
+    )
+    messages = [{"role": "user", "content": args.prompt}]
+    req = engine.make_request(engine.tokenizer.encode_chat(messages), params)
+    engine.enqueue(req)
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].text_delta)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    engine.shutdown()
+    return 0

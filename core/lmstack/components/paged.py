@@ -1,0 +1,243 @@
+"""`paged`: the reference KV-cache block allocator (vLLM-style paging).
+
+Fixed-size blocks, allocated as tokens arrive; per-sequence block tables; reference counts so
+forks (n > 1) share the prompt's blocks, with copy-on-write when a shared block is written;
+truncation for rejected drafts. Full blocks get a content hash (parent hash + token ids +
+extra keys) when a `BlockCache` is attached: that is where prefix reuse and tiering plug in.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+
+import msgspec
+
+from lmstack.errors import ConfigError
+from lmstack.interfaces import BlockCache, BuildContext, KVAllocator
+from lmstack.registry import Component
+from lmstack.sequence import Sequence
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str, path: str = "allocator.kv_cache_memory") -> int:
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"expected a size like 512MiB or 2GiB, got {value!r}", path)
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
+    block_size: int = 16
+    # Memory budget for K and V of all layers; the block count is derived from it.
+    kv_cache_memory: int | str = "1GiB"
+    # Overrides the budget (tests use it to force preemption).
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ConfigError(f"must be in [1, 1024], got {self.block_size}", "allocator.block_size")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"must be >= 1, got {self.num_blocks}", "allocator.num_blocks")
+        if parse_bytes(self.kv_cache_memory) <= 0:
+            raise ConfigError("must be positive", "allocator.kv_cache_memory")
+
+
+def hash_block(parent: int | None, token_ids: tuple[int, ...], extra: tuple = ()) -> int:
+    return hash((parent, token_ids, extra))
+
+
+class PagedAllocator(KVAllocator):
+    def __init__(self, num_blocks: int, block_size: int, block_cache: BlockCache | None = None) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.block_cache = block_cache
+        self._refcount = [0] * num_blocks
+        # Free blocks in LRU order (oldest first): hashed blocks stay reusable until popped.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._tables: dict[int, list[int]] = {}
+        self._hash_of_block: dict[int, int] = {}
+        self._seq_hashes: dict[int, list[int]] = {}  # seq_id -> hash of each full block
+
+    # --- queries ---------------------------------------------------------------------------
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self._tables.get(seq.seq_id, [])
+
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def owners(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for seq_id, table in self._tables.items():
+            for b in table:
+                out.setdefault(b, []).append(seq_id)
+        return out
+
+    def refcount(self, block_id: int) -> int:
+        return self._refcount[block_id]
+
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int]:
+        """(new blocks to append, shared blocks to copy) for writing the next tokens."""
+        table = self._tables.get(seq.seq_id, [])
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        total = -(-end // self.block_size)
+        new = max(0, total - len(table))
+        first = start // self.block_size
+        cow = sum(1 for b in table[first:total] if self._refcount[b] > 1)
+        return new, cow
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return sum(self._blocks_needed(seq, num_new_tokens)) <= len(self._free)
+
+    # --- actions ---------------------------------------------------------------------------
+
+    def _pop_free(self) -> int:
+        if not self._free:
+            raise MemoryError("out of KV-cache blocks")
+        block, _ = self._free.popitem(last=False)
+        old_hash = self._hash_of_block.pop(block, None)
+        if old_hash is not None and self.block_cache is not None:
+            self.block_cache.evict(old_hash, block)
+        self._refcount[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self._refcount[block] -= 1
+        if self._refcount[block] == 0:
+            self._free[block] = None
+        elif self._refcount[block] < 0:  # a bookkeeping bug must not go unnoticed
+            raise RuntimeError(f"block {block} released more often than referenced")
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        new, cow = self._blocks_needed(seq, num_new_tokens)
+        if new + cow > len(self._free):
+            raise MemoryError(f"need {new + cow} KV blocks, {len(self._free)} free")
+        table = self._tables.setdefault(seq.seq_id, [])
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        copies: list[tuple[int, int]] = []
+        for i in range(start // self.block_size, min(len(table), -(-end // self.block_size))):
+            src = table[i]
+            if self._refcount[src] > 1:
+                dst = self._pop_free()
+                self._release(src)
+                table[i] = dst
+                copies.append((src, dst))
+        for _ in range(new):
+            table.append(self._pop_free())
+        if self.block_cache is not None:
+            self._register_full_blocks(seq, end)
+        return copies
+
+    def free(self, seq: Sequence) -> None:
+        table = self._tables.pop(seq.seq_id, None)
+        self._seq_hashes.pop(seq.seq_id, None)
+        # Release the tail first so a block's descendants are evicted before it (LRU order).
+        for b in reversed(table or []):
+            self._release(b)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        table = self._tables.get(parent.seq_id, [])
+        for b in table:
+            self._refcount[b] += 1
+        self._tables[child.seq_id] = list(table)
+        if parent.seq_id in self._seq_hashes:
+            self._seq_hashes[child.seq_id] = list(self._seq_hashes[parent.seq_id])
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        table = self._tables.get(seq.seq_id, [])
+        keep = -(-num_tokens // self.block_size)
+        while len(table) > keep:
+            self._release(table.pop())
+        hashes = self._seq_hashes.get(seq.seq_id)
+        if hashes is not None:
+            full = num_tokens // self.block_size
+            for b in table[full:]:
+                # The partly kept block will be overwritten: its content hash is void.
+                if self._refcount[b] == 1:
+                    self._hash_of_block.pop(b, None)
+            del hashes[full:]
+
+    # --- content hashes (prefix reuse / tiering seam) -----------------------------------------
+
+    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Hash every block that is full once `num_tokens` tokens are written."""
+        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
+        table = self._tables[seq.seq_id]
+        bs = self.block_size
+        while len(hashes) < num_tokens // bs and len(hashes) < len(table):
+            i = len(hashes)
+            h = hash_block(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]),
+                           self._extra_keys(seq))
+            hashes.append(h)
+            block = table[i]
+            if self._hash_of_block.get(block) != h:
+                self._hash_of_block[block] = h
+                self.block_cache.register(h, block)
+
+    @staticmethod
+    def _extra_keys(seq: Sequence) -> tuple:
+        salt = getattr(seq.request, "cache_salt", None)
+        return (salt,) if salt is not None else ()
+
+    def attach_cached_prefix(self, seq: Sequence) -> int:
+        """Attach the longest run of cached full prompt blocks; returns the tokens they hold.
+        At least one prompt token is always left to compute, so the step yields logits."""
+        if self.block_cache is None or seq.seq_id in self._tables:
+            return 0
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        table: list[int] = []
+        hashes: list[int] = []
+        for i in range(max_blocks):
+            h = hash_block(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]),
+                           self._extra_keys(seq))
+            block = self.block_cache.lookup(h)
+            if block is None or self._hash_of_block.get(block) != h:
+                break
+            if self._refcount[block] == 0:
+                del self._free[block]
+            self._refcount[block] += 1
+            table.append(block)
+            hashes.append(h)
+        if table:
+            self._tables[seq.seq_id] = table
+            self._seq_hashes[seq.seq_id] = hashes
+        return len(table) * bs
+
+
+def kv_bytes_per_block(ctx: BuildContext, block_size: int) -> int:
+    cfg = ctx.model_config
+    if cfg is None:
+        raise ValueError("the paged allocator needs the model config to size its blocks")
+    elt = ctx.kv_cache_dtype.itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * elt
+
+
+def build(options: PagedOptions, ctx: BuildContext) -> PagedAllocator:
+    if options.num_blocks is not None:
+        num_blocks = options.num_blocks
+    else:
+        per_block = ctx.extra.get("kv_bytes_per_block") or kv_bytes_per_block(ctx, options.block_size)
+        num_blocks = parse_bytes(options.kv_cache_memory) // per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"{options.kv_cache_memory} holds no block of {per_block} bytes; raise it",
+                "allocator.kv_cache_memory",
+            )
+    return PagedAllocator(num_blocks, options.block_size, ctx.extra.get("block_cache"))
+
+
+COMPONENT = Component(
+    name="paged",
+    kind="allocator",
+    factory=build,
+    options_type=PagedOptions,
+    description="Paged KV cache: fixed-size ref-counted blocks, block tables, copy-on-write forks.",
+    capabilities={"devices": ("cpu", "cuda", "mps"), "fork": True, "truncate": True, "content_hash": True},
+)

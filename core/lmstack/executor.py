@@ -1,0 +1,61 @@
+"""The executor seam: what drives the model, in-process or over worker processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmstack.batch import ModelInput, ModelOutput
+from lmstack.interfaces import AttentionBackend, Executor, Quantizer
+from lmstack.model.config import ModelConfig
+from lmstack.model_runner import ModelRunner
+
+
+@dataclass
+class ExecutorSpec:
+    """Everything a worker needs to build its model runner. Picklable apart from the
+    component instances, which a multi-process layout rebuilds in each worker from the
+    resolved stack (`stack`)."""
+
+    model: str  # name or path, resolved by lmstack.model.source
+    model_config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    kv_cache_dtype: torch.dtype
+    max_positions: int
+    quantizer: Quantizer
+    prefill: AttentionBackend
+    decode: AttentionBackend
+    stack: object = None  # lmstack.resolve.ResolvedStack
+
+
+class InProcessExecutor(Executor):
+    """Runs the model in the engine's own process (the `single` layout)."""
+
+    def __init__(self, spec: ExecutorSpec) -> None:
+        self.spec = spec
+        self.runner: ModelRunner | None = None
+
+    def load_model(self) -> None:
+        from lmstack.model.source import open_model_source
+
+        s = self.spec
+        weights = open_model_source(s.model).load_weights(torch.float32)
+        self.runner = ModelRunner(
+            s.model_config, weights, dtype=s.dtype, device=s.device, quantizer=s.quantizer,
+            prefill=s.prefill, decode=s.decode, kv_cache_dtype=s.kv_cache_dtype,
+            max_positions=s.max_positions,
+        )
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        c = self.spec.model_config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size * self.spec.kv_cache_dtype.itemsize
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        assert self.runner is not None
+        self.runner.init_kv_cache(num_blocks, block_size)
+
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        assert self.runner is not None, "load_model() first"
+        return self.runner.execute(model_input)

@@ -1,0 +1,302 @@
+"""The extension seams: one abstract base per component kind.
+
+Plugins subclass these (or satisfy them structurally) and register a `Component` whose
+factory builds the instance. Everything a component may rely on is here or in
+`lmstack.batch` / `lmstack.sequence`; nothing else in the core is API.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from lmstack.batch import AttentionMetadata, ModelInput, ModelOutput
+    from lmstack.model.config import ModelConfig
+    from lmstack.sequence import Sequence
+
+
+# ---------------------------------------------------------------------------------------------
+# Build context: what a factory gets besides its own options.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Limits resolved once from the stack and the model."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass
+class BuildContext:
+    """Passed to every component factory. Fields are filled in the order components are built:
+    quantizer, attention, parallel, allocator (needs the KV geometry), scheduler (needs the
+    allocator), speculator."""
+
+    model_config: ModelConfig | None
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    limits: EngineLimits | None = None
+    allocator: KVAllocator | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV allocator
+# ---------------------------------------------------------------------------------------------
+
+
+class BlockCache(Protocol):
+    """Where a cache component (prefix reuse, tiered offload) meets the allocator.
+
+    The allocator computes a content hash for every full block (parent hash, token ids, extra
+    keys) and calls these; the reference allocator runs with none attached.
+    """
+
+    def lookup(self, block_hash: int) -> int | None:
+        """A resident physical block holding this content, or None (a miss)."""
+
+    def register(self, block_hash: int, block_id: int) -> None:
+        """A block just became full with this content."""
+
+    def evict(self, block_hash: int, block_id: int) -> None:
+        """A hashed block is about to be reused for other content: it leaves device memory.
+        A tiered cache copies it to a lower tier here."""
+
+
+class KVAllocator(ABC):
+    """Owns the KV-cache blocks. Blocks are reference-counted; block tables map a sequence's
+    logical blocks to physical ones. Every method keys sequences by `seq.seq_id`."""
+
+    block_size: int
+    num_blocks: int
+
+    @abstractmethod
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether `allocate(seq, num_new_tokens)` would succeed now."""
+
+    @abstractmethod
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Make room for tokens [seq.num_computed_tokens, + num_new_tokens). Shared blocks in
+        that range are copied first (copy-on-write); returns the (src, dst) block copies the
+        runner must apply before the step. Raises MemoryError if blocks run out."""
+
+    @abstractmethod
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references (finish, abort, preemption). Idempotent."""
+
+    @abstractmethod
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Child shares all of the parent's blocks (refcount + 1)."""
+
+    @abstractmethod
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep slots for the first `num_tokens` tokens only; blocks past them go back."""
+
+    @abstractmethod
+    def block_table(self, seq: Sequence) -> list[int]:
+        """Physical block ids, in logical order."""
+
+    @abstractmethod
+    def num_free_blocks(self) -> int: ...
+
+    def usage(self) -> float:
+        """Fraction of blocks in use, 0..1."""
+        return 1.0 - self.num_free_blocks() / max(1, self.num_blocks)
+
+    def attach_cached_prefix(self, seq: Sequence) -> int:
+        """Give a new sequence the cached blocks of its longest known prefix (prefix reuse) and
+        return the number of tokens they hold, which the scheduler then skips. Called before the
+        sequence's first allocation; 0 without a cache component."""
+        return 0
+
+    def owners(self) -> dict[int, list[int]]:
+        """block id -> seq ids referencing it (for leak / ownership checks in tests)."""
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # query length this step: a prefill chunk, 1 for decode, 1 + drafts
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler(ABC):
+    """Decides, each step, which sequences run and how many tokens each computes.
+
+    Contract (checked by `lmstack.testing`): `schedule()` allocates the KV slots of everything
+    it schedules (through the allocator) and never exceeds the limits; after the step the
+    engine advances `seq.num_computed_tokens` by the scheduled amount and appends sampled
+    tokens; finished or aborted sequences are handed back through `finish()`, which must free
+    their blocks. Sequences arrive through `add()`.
+    """
+
+    @abstractmethod
+    def add(self, seq: Sequence) -> None: ...
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput: ...
+
+    @abstractmethod
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+
+    @abstractmethod
+    def num_waiting(self) -> int: ...
+
+    @abstractmethod
+    def num_running(self) -> int: ...
+
+    def has_unfinished(self) -> bool:
+        return self.num_waiting() + self.num_running() > 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+
+class AttentionBackend(ABC):
+    """Attention over the paged KV cache.
+
+    Cache layout (agreed at resolution): per layer, `k_cache` and `v_cache` of shape
+    [num_blocks, block_size, num_kv_heads, head_dim]; token slot s lives at
+    (s // block_size, s % block_size). New tokens' K/V are written with `write_kv` before
+    `prefill` / `decode` run, so kernels may read the whole context from the cache.
+    """
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """k, v: [T, Hkv, D]; slot_mapping: [T] int64."""
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    @abstractmethod
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, meta: AttentionMetadata, *, scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Varlen causal attention for sequences whose query length may exceed 1; each query
+        also attends to the sequence's `context_lens` earlier tokens in the cache.
+        q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's tokens, already in the cache).
+        Returns [T, Hq, D]."""
+
+    @abstractmethod
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, *, scale: float, sliding_window: int | None,
+    ) -> torch.Tensor:
+        """One query token per sequence attending to its `seq_lens` cached tokens.
+        q: [B, Hq, D]. Returns [B, Hq, D]."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizer
+# ---------------------------------------------------------------------------------------------
+
+LinearFactory = Callable[[int, int, bool, str], nn.Module]
+"""(in_features, out_features, bias, name) -> a module mapping [..., in] -> [..., out]."""
+
+
+class Quantizer(ABC):
+    """Chooses how linear layers are built and stored, and the KV-cache dtype.
+
+    The model builds every linear through `linear_factory()`; after the weights load,
+    `process_model` may swap modules for quantized ones (as gpt-fast does)."""
+
+    kv_cache_dtype: torch.dtype | None = None  # None: the model dtype
+
+    def linear_factory(self) -> LinearFactory:
+        def make(in_features: int, out_features: int, bias: bool, name: str) -> nn.Module:
+            return nn.Linear(in_features, out_features, bias=bias)
+
+        return make
+
+    def process_model(self, model: nn.Module) -> None:
+        """Called once after the weights are loaded."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculator
+# ---------------------------------------------------------------------------------------------
+
+
+class Speculator(ABC):
+    """Proposes draft tokens; the core verifies them (lossless)."""
+
+    num_draft_tokens: int = 0
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        """seq_id -> draft tokens (may be empty) for sequences in decode."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel layout / executor
+# ---------------------------------------------------------------------------------------------
+
+
+class Executor(ABC):
+    """Drives the model. The built-in runs in-process; a parallel layout may start N worker
+    processes over torch.distributed and broadcast each `ModelInput` to them. Only rank 0's
+    `ModelOutput` comes back."""
+
+    @abstractmethod
+    def load_model(self) -> None: ...
+
+    @abstractmethod
+    def kv_cache_bytes_per_block(self, block_size: int) -> int: ...
+
+    @abstractmethod
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
+
+    @abstractmethod
+    def execute(self, model_input: ModelInput) -> ModelOutput: ...
+
+    def shutdown(self) -> None:
+        """Stop workers; idempotent."""
+
+
+class ParallelLayout(ABC):
+    world_size: int = 1
+
+    @abstractmethod
+    def create_executor(self, spec: Any) -> Executor:
+        """`spec` is an `lmstack.executor.ExecutorSpec` (model source, dtype, device,
+        quantizer, attention backends)."""

@@ -1,0 +1,63 @@
+"""`LLM`: the offline API — generate or chat over a batch of prompts, run to completion."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from lmstack.engine import LLMEngine, StackSource
+from lmstack.outputs import EngineStats, RequestOutput
+from lmstack.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """`LLM(stack)` with a stack file path, a mapping, or a `StackConfig`."""
+
+    def __init__(self, stack: StackSource = None, **kw: Any) -> None:  # type: ignore[assignment]
+        self.engine = LLMEngine(stack if stack is not None else {}, **kw)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Prompts as text or token ids; one params for all or one per prompt. Results come back
+        in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(plist)
+        if len(params) != len(plist):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
+        # Validate everything before anything runs, so one bad prompt fails the call cleanly.
+        reqs = [self.engine.make_request(p, sp) for p, sp in zip(plist, params, strict=True)]
+        for r in reqs:
+            self.engine.enqueue(r)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(reqs):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r.request_id] for r in reqs]
+
+    def chat(
+        self,
+        messages: list[Message] | Seq[list[Message]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {role, content}) or several; the model's chat template
+        renders each, with the assistant turn opened."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
+        prompts = [self.engine.tokenizer.encode_chat(c) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, params)
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()

@@ -1,0 +1,83 @@
+"""What the core knows about every installed component: name, kind, origin, capabilities, options."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgspec
+
+from lmstack.errors import ResolutionError
+
+KINDS = ("scheduler", "allocator", "attention", "quantizer", "speculator", "parallel")
+
+
+class NoOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """Options struct for components that take none."""
+
+
+@dataclass(frozen=True)
+class Component:
+    """One registered component.
+
+    `factory(options, ctx)` builds the instance; `options` is an instance of `options_type`
+    (a msgspec Struct with ``forbid_unknown_fields=True``) and `ctx` a `BuildContext`.
+
+    `capabilities` says what the component supports (see `lmstack.capabilities` for the keys
+    the core checks), `requires` what it needs from the rest of the stack.
+    """
+
+    name: str
+    kind: str
+    factory: Callable[..., Any]
+    options_type: type[msgspec.Struct] = NoOptions
+    capabilities: Mapping[str, Any] = field(default_factory=dict)
+    requires: Mapping[str, Any] = field(default_factory=dict)
+    description: str = ""
+    distribution: str = ""
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"component {self.name!r}: unknown kind {self.kind!r}, expected one of {KINDS}")
+
+    @property
+    def option_names(self) -> list[str]:
+        return list(self.options_type.__struct_fields__)
+
+
+class Registry:
+    """All components, by kind and name. Filled once by the plugin manager."""
+
+    def __init__(self) -> None:
+        self._by_kind: dict[str, dict[str, Component]] = {k: {} for k in KINDS}
+
+    def add(self, component: Component, distribution: str = "", version: str = "") -> None:
+        if distribution and not component.distribution:
+            component = replace(component, distribution=distribution, version=version)
+        table = self._by_kind[component.kind]
+        old = table.get(component.name)
+        if old is not None:
+            raise ResolutionError(
+                f"{component.kind} {component.name!r} is registered twice: by "
+                f"{old.distribution or 'unknown'} and by {component.distribution or 'unknown'}; "
+                "uninstall one of them or disable it with LMSTACK_PLUGINS"
+            )
+        table[component.name] = component
+
+    def get(self, kind: str, name: str) -> Component:
+        table = self._by_kind[kind]
+        if name not in table:
+            known = ", ".join(sorted(table)) or "none"
+            raise ResolutionError(
+                f"unknown {kind} {name!r}; installed {kind} components: {known} "
+                "(run `lmstack plugins` to list them with their packages)"
+            )
+        return table[name]
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._by_kind[kind])
+
+    def all(self) -> list[Component]:
+        return [c for k in KINDS for c in sorted(self._by_kind[k].values(), key=lambda c: c.name)]

@@ -1,0 +1,108 @@
+"""Requests and the sequences they sample. The engine owns their state; components read it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from lmstack.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not holding KV blocks (new, or preempted for recompute)
+    RUNNING = "running"  # holds blocks, scheduled each step
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, stop token id or stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    """One sample of a request: its tokens and how many of them are in the KV cache.
+
+    `token_ids` is prompt + output. `num_computed_tokens` counts tokens whose K/V are in the
+    cache; the scheduler advances it chunk by chunk (prefill) or one by one (decode), and a
+    preemption resets it to 0 (recompute). The allocator keys its block tables by `seq_id`.
+    """
+
+    seq_id: int
+    request: Request
+    token_ids: list[int]
+    index: int = 0  # which of the request's n samples
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_text: str = ""
+    num_preemptions: int = 0
+    # Tokens proposed by a speculator, verified in the next step (empty without one).
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.request.prompt_len :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.request.prompt_len
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than the newest token still has to enter the cache."""
+        return self.num_computed_tokens < len(self.token_ids) - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time
+
+
+@dataclass
+class Request:
+    """A client request: one prompt, `params.n` sequences sampled from it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first under priority scheduling; FCFS ignores it
+    prompt: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return bool(self.seqs) and all(s.is_finished for s in self.seqs)

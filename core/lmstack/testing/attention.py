@@ -1,0 +1,153 @@
+"""Attention conformance: a backend's prefill and decode against a plain dense reference, on
+fresh random inputs each run — odd lengths, several block sizes, GQA, cached context."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lmstack.batch import AttentionMetadata
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One sequence, dense, fp32. q [Lq, Hq, D] at positions context_len.. ; k, v [L, Hkv, D]
+    for positions 0..L-1. Returns [Lq, Hq, D]."""
+    lq, hq, _ = q.shape
+    hkv = k.shape[1]
+    kk = k.float().repeat_interleave(hq // hkv, dim=1)
+    vv = v.float().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    qpos = torch.arange(context_len, context_len + lq)[:, None]
+    kpos = torch.arange(k.shape[0])[None, :]
+    allowed = kpos <= qpos
+    if sliding_window is not None:
+        allowed &= qpos - kpos < sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+class AttentionConformance:
+    """Provide a `backend` fixture. Override the class attributes to match its capabilities
+    (and to keep interpreter-mode runs small)."""
+
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+    head_dims: tuple[int, ...] = (64,)
+    block_sizes: tuple[int, ...] = (1, 4, 16)
+    gqa_ratios: tuple[int, ...] = (1, 3, 8)
+    num_kv_heads: int = 2
+    max_len: int = 200
+    device: str = "cpu"
+    sliding_window: bool = True
+    tolerance = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+    @pytest.fixture
+    def backend(self):
+        pytest.fail("a conformance suite must override the backend fixture")
+
+    # --- building a random paged batch ---------------------------------------------------------
+
+    def _batch(self, rng: random.Random, dtype, head_dim, block_size, ratio, spans):
+        """spans: [(context_len, query_len)] per sequence. Writes every token's K/V into a
+        shuffled paged cache; returns q, k_new, v_new, caches, metadata and the dense K/V."""
+        hkv, hq = self.num_kv_heads, self.num_kv_heads * ratio
+        dev = self.device
+        blocks_per_seq = [-(-(c + q) // block_size) for c, q in spans]
+        num_blocks = sum(blocks_per_seq) + 3
+        perm = list(range(num_blocks))
+        rng.shuffle(perm)
+        k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, device=dev).to(dtype)  # garbage
+        v_cache = torch.randn_like(k_cache)
+        tables, dense, qs, ks, vs = [], [], [], [], []
+        for (c, ql), nb in zip(spans, blocks_per_seq, strict=True):
+            table = [perm.pop() for _ in range(nb)]
+            tables.append(table)
+            k = torch.randn(c + ql, hkv, head_dim, device=dev).to(dtype)
+            v = torch.randn(c + ql, hkv, head_dim, device=dev).to(dtype)
+            for pos in range(c + ql):
+                k_cache[table[pos // block_size], pos % block_size] = k[pos]
+                v_cache[table[pos // block_size], pos % block_size] = v[pos]
+            dense.append((k, v))
+            qs.append(torch.randn(ql, hq, head_dim, device=dev).to(dtype))
+            ks.append(k[c:])
+            vs.append(v[c:])
+        meta = AttentionMetadata.build([q for _, q in spans], [c for c, _ in spans], tables, block_size, device=dev)
+        return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, dense, qs
+
+    def _check(self, out, qs, dense, spans, scale, dtype, window=None):
+        assert out.shape == torch.cat(qs).shape
+        assert torch.isfinite(out.float()).all()
+        starts = [0]
+        for _, ql in spans:
+            starts.append(starts[-1] + ql)
+        for i, ((c, _), (k, v)) in enumerate(zip(spans, dense, strict=True)):
+            ref = reference_attention(qs[i], k, v, c, scale, window)
+            err = rel_error(out[starts[i] : starts[i + 1]].cpu(), ref.cpu())
+            assert err < self.tolerance[dtype], f"seq {i} (context {c}, query {qs[i].shape[0]}): rel error {err:.2e}"
+
+    def _cases(self):
+        for dtype in self.dtypes:
+            for hd in self.head_dims:
+                for bs in self.block_sizes:
+                    for ratio in self.gqa_ratios:
+                        yield dtype, hd, bs, ratio
+
+    # --- the checks --------------------------------------------------------------------------------
+
+    def test_prefill_varlen(self, backend):
+        rng = random.Random()
+        for dtype, hd, bs, ratio in self._cases():
+            spans = [(0, rng.randint(1, self.max_len)) for _ in range(3)] + [(0, 1)]
+            q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+            out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
+            self._check(out, qs, dense, spans, hd**-0.5, dtype)
+
+    def test_prefill_chunk_attends_to_cached_context(self, backend):
+        rng = random.Random()
+        for dtype, hd, bs, ratio in self._cases():
+            spans = [(rng.randint(1, self.max_len), rng.randint(1, self.max_len // 2)) for _ in range(3)]
+            q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+            out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
+            self._check(out, qs, dense, spans, hd**-0.5, dtype)
+
+    def test_decode(self, backend):
+        rng = random.Random()
+        for dtype, hd, bs, ratio in self._cases():
+            spans = [(rng.randint(0, self.max_len), 1) for _ in range(5)] + [(0, 1)]
+            q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+            out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
+            self._check(out, qs, dense, spans, hd**-0.5, dtype)
+
+    def test_sliding_window(self, backend):
+        if not self.sliding_window:
+            pytest.skip("backend declares no sliding-window support")
+        rng = random.Random()
+        dtype, hd, bs, ratio = torch.float32, self.head_dims[0], self.block_sizes[-1], self.gqa_ratios[-1]
+        window = rng.randint(3, 40)
+        spans = [(rng.randint(1, self.max_len), rng.randint(2, 30)), (0, rng.randint(2, 60))]
+        q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+        out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=window)
+        self._check(out, qs, dense, spans, hd**-0.5, dtype, window)
+        spans = [(rng.randint(0, self.max_len), 1) for _ in range(4)]
+        q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+        out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=window)
+        self._check(out, qs, dense, spans, hd**-0.5, dtype, window)
+
+    def test_write_kv_uses_slot_mapping(self, backend):
+        rng = random.Random()
+        hd, bs = self.head_dims[0], self.block_sizes[-1]
+        spans = [(rng.randint(0, 40), rng.randint(1, 20)) for _ in range(3)]
+        q, k, v, kc, vc, meta, dense, qs = self._batch(rng, torch.float32, hd, bs, 1, spans)
+        kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+        backend.write_kv(k, v, kc2, vc2, meta.slot_mapping)
+        flat_k = kc2.view(-1, *kc2.shape[2:])
+        assert torch.equal(flat_k[meta.slot_mapping], k)
+        assert torch.equal(vc2.view(-1, *vc2.shape[2:])[meta.slot_mapping], v)

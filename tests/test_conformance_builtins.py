@@ -1,0 +1,26 @@
+"""The built-in components pass the same conformance kit third-party plugins must pass."""
+
+import pytest
+
+from lmstack.components.continuous import ContinuousOptions, ContinuousScheduler
+from lmstack.components.paged import PagedAllocator
+from lmstack.components.torch_attention import TorchAttention
+from lmstack.testing import AllocatorConformance, AttentionConformance, SchedulerConformance
+
+
+class TestPagedAllocator(AllocatorConformance):
+    @pytest.fixture
+    def make_allocator(self):
+        return PagedAllocator
+
+
+class TestContinuousScheduler(SchedulerConformance):
+    @pytest.fixture
+    def make_scheduler(self):
+        return lambda alloc, limits, **opts: ContinuousScheduler(ContinuousOptions(**opts), alloc, limits)
+
+
+class TestTorchAttention(AttentionConformance):
+    @pytest.fixture
+    def backend(self):
+        return TorchAttention()
