@@ -27,6 +27,8 @@ class AttentionMetadata:
     block_size: int
     # Sequences [0, num_decode_seqs) have query length 1 and come first in the batch.
     num_decode_seqs: int = 0
+    # Per-step memo: tensors a kernel derives from this metadata once and reuses in every layer.
+    scratch: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

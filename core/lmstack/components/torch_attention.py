@@ -55,20 +55,27 @@ class TorchAttention(AttentionBackend):
         return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window):
-        b = q.shape[0]
-        block_size = k_cache.shape[1]
-        n_blocks = (meta.max_seq_len + block_size - 1) // block_size
-        tables = meta.block_tables[:, :n_blocks].long()
+        memo = meta.scratch.get("torch.decode")
+        if memo is None:  # the same for every layer of the step
+            b = q.shape[0]
+            block_size = k_cache.shape[1]
+            n_blocks = (meta.max_seq_len + block_size - 1) // block_size
+            tables = meta.block_tables[:, :n_blocks].long()
+            length = n_blocks * block_size
+            k_pos = torch.arange(length, device=q.device).expand(b, length)
+            q_pos = (meta.seq_lens.long() - 1).view(b, 1)
+            mask = causal_mask(q_pos, k_pos, sliding_window).unsqueeze(1)  # [B, 1, 1, L]
+            if b == 1 and sliding_window is None:
+                # One sequence: cut the gathered slots at its length instead of masking.
+                mask, length = None, meta.seq_lens_cpu[0]
+            memo = meta.scratch["torch.decode"] = (tables, mask, length)
+        tables, mask, length = memo
         # [B, L, Hkv, D] -> [B, Hkv, L, D]
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        length = keys.shape[2]
-        k_pos = torch.arange(length, device=q.device)
-        q_pos = (meta.seq_lens.long() - 1).view(b, 1)
-        mask = causal_mask(q_pos, k_pos.expand(b, length), sliding_window)  # [B, 1, L]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True
-        )
+        keys = k_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2)
+        values = v_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2)
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         return out.squeeze(2)
 
 
