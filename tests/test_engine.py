@@ -94,7 +94,7 @@ def test_stop_strings_are_not_leaked(llm):
 
 
 def test_stop_token_ids_min_tokens_ignore_eos(llm):
-    prompt = chat(llm, "Say yes.")
+    prompt = chat(llm, "What is the capital of France?")
     base = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20))[0]
     assert base.finish_reason == "stop"
     first = base.token_ids[0]
@@ -109,14 +109,15 @@ def test_stop_token_ids_min_tokens_ignore_eos(llm):
 def test_logprobs_and_penalties(llm):
     prompt = chat(llm, "Repeat the word 'apple' ten times.")
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, logprobs=3))[0].outputs[0]
-    assert len(out.logprobs) == 8
+    assert len(out.logprobs) == len(out.token_ids) > 1
     for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert tok in lp and lp[tok] <= 0.0
         assert max(lp.values()) == pytest.approx(lp[tok], abs=1e-5)  # greedy: chosen is the top
         assert len(lp) <= 4
-    plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30))[0].token_ids
-    penal = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30, frequency_penalty=2.0,
-                                                presence_penalty=2.0))[0].token_ids
+    prompt = llm.tokenizer.encode("apple apple apple apple apple")
+    plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0].token_ids
+    penal = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                frequency_penalty=2.0, presence_penalty=2.0))[0].token_ids
     assert penal != plain
     assert max(penal.count(t) for t in set(penal)) <= max(plain.count(t) for t in set(plain))
 
@@ -217,7 +218,7 @@ class ReplayDrafter(Speculator):
         for s in seqs:
             done = s.num_tokens - self.prompt_len
             drafts = list(self.cont[done : done + 4])
-            for i in range(0, len(drafts), 3):
+            for i in range(2, len(drafts), 3):
                 drafts[i] = (drafts[i] + 1) % 1000
             out[s.seq_id] = drafts
             self.proposed += len(drafts)

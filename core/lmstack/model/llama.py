@@ -73,7 +73,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearFactory = default_linear, max_positions: int | None = None):
+    def __init__(
+        self, cfg: ModelConfig, linear: LinearFactory = default_linear, max_positions: int | None = None
+    ):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -121,7 +123,9 @@ class LlamaModel(nn.Module):
         def put(name: str, tensor: torch.Tensor) -> None:
             param = own[name]
             if param.shape != tensor.shape:
-                raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
+                )
             param.copy_(tensor)
 
         put("embed_tokens.weight", weights["model.embed_tokens.weight"])
@@ -135,11 +139,17 @@ class LlamaModel(nn.Module):
             att, mlp = src + "self_attn.", src + "mlp."
             put(dst + "qkv_proj.weight", torch.cat([weights[att + f"{p}_proj.weight"] for p in "qkv"]))
             put(dst + "o_proj.weight", weights[att + "o_proj.weight"])
-            put(dst + "gate_up_proj.weight", torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]))
+            put(
+                dst + "gate_up_proj.weight",
+                torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]),
+            )
             put(dst + "down_proj.weight", weights[mlp + "down_proj.weight"])
             if cfg.attention_bias:
                 put(dst + "qkv_proj.bias", torch.cat([weights[att + f"{p}_proj.bias"] for p in "qkv"]))
                 put(dst + "o_proj.bias", weights[att + "o_proj.bias"])
             if cfg.mlp_bias:
-                put(dst + "gate_up_proj.bias", torch.cat([weights[mlp + "gate_proj.bias"], weights[mlp + "up_proj.bias"]]))
+                put(
+                    dst + "gate_up_proj.bias",
+                    torch.cat([weights[mlp + "gate_proj.bias"], weights[mlp + "up_proj.bias"]]),
+                )
                 put(dst + "down_proj.bias", weights[mlp + "down_proj.bias"])

@@ -1,0 +1,258 @@
+"""The `lmstack` command: check a stack, list plugins, generate text.
+
+A problem the user can fix (any `LmstackError`) is one line on stderr, ``error: <message>``,
+and exit status 2 — never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lmstack.errors import LmstackError
+
+if TYPE_CHECKING:
+    from lmstack.model.config import ModelConfig
+    from lmstack.resolve import ResolvedStack
+
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # `lmstack plugins | head`: the reader left; stop quietly without a second error when
+        # Python flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except (LmstackError, OSError) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmstack", description="An LLM inference server assembled from plugins."
+    )
+    parser.add_argument("--version", action="version", version=f"lmstack {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    check = sub.add_parser(
+        "check",
+        help="resolve and validate a stack file without loading weights",
+        description="Load a stack file, resolve its components against the installed plugins, "
+        "read the model's metadata (no weights) and check that everything fits together.",
+    )
+    check.add_argument("stack", metavar="STACK", help="path to a stack YAML file")
+    check.add_argument("--json", action="store_true", help="print the resolved stack as JSON")
+    check.add_argument(
+        "--skip-model", action="store_true", help="do not open the model (check the components only)"
+    )
+    check.set_defaults(handler=_cmd_check)
+
+    plugins = sub.add_parser(
+        "plugins",
+        help="list every installed component",
+        description="List every installed component: kind, name, distribution, version, options "
+        "and capabilities.",
+    )
+    plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plugins.set_defaults(handler=_cmd_plugins)
+
+    generate = sub.add_parser(
+        "generate",
+        help="generate a completion for one prompt",
+        description="Build the engine from a stack file and answer one prompt.",
+    )
+    generate.add_argument("--stack", required=True, metavar="FILE", help="path to a stack YAML file")
+    generate.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N")
+    generate.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 (the default) samples greedily"
+    )
+    generate.add_argument("prompt", metavar="PROMPT")
+    generate.set_defaults(handler=_cmd_generate)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------------------------
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from lmstack.config import load_stack
+    from lmstack.plugins import default_registry
+    from lmstack.resolve import check_model, resolve
+
+    stack = load_stack(args.stack)
+    resolved = resolve(stack, default_registry())
+    model_config = None
+    if not args.skip_model:
+        from lmstack.model.source import open_model_source
+
+        model_config = open_model_source(resolved.model).config
+        check_model(resolved, model_config)
+
+    if args.json:
+        out = resolved.describe()
+        if model_config is not None:
+            out["model_config"] = _jsonable(model_config)
+        print(json.dumps(out, indent=2))
+    else:
+        _print_check(args.stack, resolved, model_config)
+    return 0
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from lmstack.plugins import default_registry
+
+    components = default_registry().all()
+    rows = [
+        {
+            "kind": c.kind,
+            "name": c.name,
+            "distribution": c.distribution,
+            "version": c.version,
+            "options": c.option_names,
+            "capabilities": _jsonable(dict(c.capabilities)),
+            "requires": _jsonable(dict(c.requires)),
+            "description": c.description,
+        }
+        for c in components
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no components installed")
+        return 0
+    print(
+        _table(
+            ["KIND", "NAME", "DISTRIBUTION", "VERSION", "OPTIONS", "CAPABILITIES"],
+            [
+                [
+                    r["kind"],
+                    r["name"],
+                    r["distribution"],
+                    r["version"],
+                    ", ".join(r["options"]) or "-",
+                    _pairs(r["capabilities"]) or "-",
+                ]
+                for r in rows
+            ],
+        )
+    )
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from lmstack import cli_generate
+
+    return int(cli_generate.run(args) or 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+
+def _print_check(path: str, resolved: ResolvedStack, model_config: ModelConfig | None) -> None:
+    from lmstack.resolve import DTYPE_NAMES, ROLE_LABEL
+
+    print(f"stack     {path}")
+    print(f"model     {resolved.model}")
+    if model_config is not None:
+        mc = model_config
+        window = f", sliding window {mc.sliding_window}" if mc.sliding_window else ""
+        print(
+            f"          {mc.num_layers} layers, hidden {mc.hidden_size}, {mc.num_heads} heads "
+            f"({mc.num_kv_heads} KV), head_dim {mc.head_dim}, context {mc.max_position_embeddings}{window}"
+        )
+    print(f"device    {resolved.device}")
+    print(f"dtype     {DTYPE_NAMES[resolved.dtype]} (KV cache {DTYPE_NAMES.get(resolved.kv_cache_dtype)})")
+    print()
+    rows = []
+    for role, sel in resolved.roles().items():
+        desc = sel.describe()
+        rows.append(
+            [
+                ROLE_LABEL[role],
+                desc["name"],
+                desc["distribution"] or "-",
+                desc["version"] or "-",
+                _pairs(desc["options"]) or "-",
+            ]
+        )
+    print(_table(["ROLE", "COMPONENT", "DISTRIBUTION", "VERSION", "OPTIONS"], rows))
+    print()
+    checked = "fits the model" if model_config is not None else "resolves (model not opened)"
+    print(f"ok: the stack {checked}; no weights were loaded")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned columns; the last one is free-width."""
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header) - 1)]
+    lines = []
+    for row in [header, *rows]:
+        cells = [str(cell).ljust(w) for cell, w in zip(row, widths, strict=False)]
+        lines.append("  ".join([*cells, str(row[-1])]).rstrip())
+    return "\n".join(lines)
+
+
+def _pairs(mapping: Any) -> str:
+    if not isinstance(mapping, dict):
+        return str(mapping)
+    return ", ".join(f"{k}={_short(v)}" for k, v in mapping.items())
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_short(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
+
+
+def _jsonable(value: Any) -> Any:
+    import dataclasses
+
+    import msgspec
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    return msgspec.to_builtins(value, str_keys=True, enc_hook=repr)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _version() -> str:
+    from lmstack.plugins import lmstack_version
+
+    return lmstack_version()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

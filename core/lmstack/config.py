@@ -1,0 +1,433 @@
+"""The stack file: which model, which components, and their options.
+
+Component sections stay raw mappings here (``{name: ..., **options}``): a component's options
+belong to the plugin that provides it, so they are converted to its `options_type` only when the
+stack is resolved against the installed components (`lmstack.resolve`). Every error is a
+`ConfigError` naming the full key path (``scheduler.max_num_seqs``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+import yaml
+
+from lmstack.errors import ConfigError
+
+# Names the stack accepts for dtypes; each is an attribute of `torch` (`torch.bfloat16`, ...).
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = (*MODEL_DTYPES, "float8_e4m3fn", "float8_e5m2")
+
+# `quant.kv_cache`: "auto" follows the weights quantizer (or the model dtype); "none" means no
+# KV-cache quantization, i.e. the model dtype, whatever the quantizer would pick.
+KV_CACHE_AUTO = "auto"
+KV_CACHE_NONE = "none"
+
+DEFAULT_ATTENTION = "torch"
+
+# Sections of the form {name: ..., **options}, with the component used when `name` is absent.
+NAMED_SECTIONS: dict[str, str] = {
+    "scheduler": "continuous",
+    "allocator": "paged",
+    "speculator": "none",
+    "parallel": "single",
+}
+ATTENTION_PHASES = ("prefill", "decode")
+CACHE_KEYS = ("prefix", "tiers")
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+
+
+def _named(name: str) -> Any:
+    return msgspec.field(default_factory=lambda: {"name": name})
+
+
+def _default_attention() -> dict[str, dict[str, Any]]:
+    return {phase: {"name": DEFAULT_ATTENTION} for phase in ATTENTION_PHASES}
+
+
+class StackConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A parsed stack file. Sections are normalised by `load_stack`:
+
+    - `scheduler`, `allocator`, `speculator`, `parallel`: ``{"name": str, **options}``;
+    - `attention`: ``{"prefill": {"name": str, **options}, "decode": {...}}``;
+    - `quant`: ``{"weights": str, "kv_cache": "auto" | "none" | dtype, **weight options}``;
+    - `cache`: ``{}`` or ``{"prefix": ..., "tiers": [...]}``.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"
+    device: str = "cpu"
+    max_model_len: PositiveInt | None = None
+    seed: NonNegativeInt = 0
+    scheduler: dict[str, Any] = _named(NAMED_SECTIONS["scheduler"])
+    allocator: dict[str, Any] = _named(NAMED_SECTIONS["allocator"])
+    attention: dict[str, dict[str, Any]] = msgspec.field(default_factory=_default_attention)
+    quant: dict[str, Any] = msgspec.field(
+        default_factory=lambda: {"weights": "none", "kv_cache": KV_CACHE_AUTO}
+    )
+    speculator: dict[str, Any] = _named(NAMED_SECTIONS["speculator"])
+    parallel: dict[str, Any] = _named(NAMED_SECTIONS["parallel"])
+    cache: dict[str, Any] = msgspec.field(default_factory=dict)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def load_stack(source: str | os.PathLike[str] | Mapping[str, Any]) -> StackConfig:
+    """Parse a stack from a YAML file path or from an already-loaded mapping."""
+    if isinstance(source, Mapping):
+        return stack_from_mapping(source)
+    path = Path(source)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"stack file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"stack file {path} is a directory") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read stack file {path}: {exc}") from None
+    return parse_stack(text, str(path))
+
+
+def parse_stack(text: str, filename: str = "<stack>") -> StackConfig:
+    """Parse a stack from YAML text; `filename` only appears in error messages."""
+    try:
+        data = yaml.load(text, Loader=_StackLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(_yaml_message(exc, filename)) from None
+    if data is None:  # an empty file: every default
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{filename}: a stack file must be a mapping of keys to values, got {_kind(data)}")
+    return stack_from_mapping(data)
+
+
+def stack_from_mapping(data: Mapping[str, Any]) -> StackConfig:
+    raw = dict(data)
+    for key in raw:
+        if not isinstance(key, str):
+            raise ConfigError(f"keys must be strings, got {key!r}")
+    for section, default in NAMED_SECTIONS.items():
+        if section in raw:
+            raw[section] = _named_section(raw[section], section, default)
+    if "attention" in raw:
+        raw["attention"] = _attention_section(raw["attention"])
+    if "quant" in raw:
+        raw["quant"] = _quant_section(raw["quant"])
+    if "cache" in raw:
+        raw["cache"] = _cache_section(raw["cache"])
+    if "dtype" in raw:
+        _check_choice(raw["dtype"], MODEL_DTYPES, "dtype")
+    if raw.get("server") is None:
+        raw.pop("server", None)
+    stack = convert(raw, StackConfig)
+    _check_device(stack.device)
+    return stack
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+
+def _named_section(value: Any, path: str, default: str) -> dict[str, Any]:
+    """`{name: X, **options}`; a bare string is a name; null means the default component."""
+    if value is None:
+        return {"name": default}
+    if isinstance(value, str):
+        return {"name": _check_name(value, f"{path}.name")}
+    section = _mapping(value, path)
+    section["name"] = _check_name(section.get("name", default), f"{path}.name")
+    return section
+
+
+def _attention_section(value: Any) -> dict[str, dict[str, Any]]:
+    """A kernel name for both phases, ``{name: X, **options}`` for both phases, or
+    ``{prefill: X | {name: X, **options}, decode: ...}``."""
+    if value is None:
+        return _default_attention()
+    if isinstance(value, str):
+        name = _check_name(value, "attention")
+        return {phase: {"name": name} for phase in ATTENTION_PHASES}
+    section = _mapping(value, "attention")
+    if "name" in section:
+        for phase in ATTENTION_PHASES:
+            if phase in section:
+                raise ConfigError(
+                    "give either one kernel (name) or one per phase (prefill, decode), not both",
+                    f"attention.{phase}",
+                )
+        section["name"] = _check_name(section["name"], "attention.name")
+        return {phase: dict(section) for phase in ATTENTION_PHASES}
+    for key in section:
+        if key not in ATTENTION_PHASES:
+            raise ConfigError(
+                "unknown key; expected prefill and decode (a kernel each), or name (one kernel for both)",
+                f"attention.{key}",
+            )
+    return {
+        phase: _named_section(section.get(phase), f"attention.{phase}", DEFAULT_ATTENTION)
+        for phase in ATTENTION_PHASES
+    }
+
+
+def _quant_section(value: Any) -> dict[str, Any]:
+    """``{weights: NAME, kv_cache: auto | none | DTYPE, **options of the weights quantizer}``;
+    a bare string names the weights quantizer."""
+    if value is None:
+        value = {}
+    elif isinstance(value, str):
+        value = {"weights": value}
+    section = _mapping(value, "quant")
+    section["weights"] = _check_name(section.get("weights", "none"), "quant.weights")
+    kv = section.get("kv_cache", KV_CACHE_AUTO)
+    if kv is None:  # YAML `kv_cache: null` / `~`
+        kv = KV_CACHE_NONE
+    _check_choice(kv, (KV_CACHE_AUTO, KV_CACHE_NONE, *KV_CACHE_DTYPES), "quant.kv_cache")
+    section["kv_cache"] = kv
+    return section
+
+
+def _cache_section(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    section = _mapping(value, "cache")
+    for key in section:
+        if key not in CACHE_KEYS:
+            raise ConfigError(f"unknown key; expected one of: {', '.join(CACHE_KEYS)}", f"cache.{key}")
+    if section.get("tiers") is not None and not isinstance(section["tiers"], list):
+        raise ConfigError(f"expected a list of tiers, got {_kind(section['tiers'])}", "cache.tiers")
+    # `prefix: null` or `tiers: []` ask for nothing.
+    return {k: v for k, v in section.items() if v not in (None, [], {})}
+
+
+def _mapping(value: Any, path: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"expected a mapping (or a component name), got {_kind(value)}", path)
+    for key in value:
+        if not isinstance(key, str):
+            raise ConfigError(f"keys must be strings, got {key!r}", path)
+    return dict(value)
+
+
+def _check_name(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"expected a component name, got {value!r}", path)
+    return value.strip()
+
+
+def _check_choice(value: Any, choices: tuple[str, ...], path: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"expected one of {', '.join(choices)}; got {value!r}", path)
+
+
+def _check_device(device: str) -> None:
+    import torch  # deferred: parsing a stack file should not pay for importing torch
+
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(
+            f"not a torch device: {device!r} (expected e.g. cpu, cuda, cuda:1)", "device"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# msgspec conversion with our error paths
+# ---------------------------------------------------------------------------------------------
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<key>key` in `)?\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`$")
+_MISSING_FIELD = re.compile(r"^Object missing required field `(?P<field>[^`]*)`$")
+
+
+def convert(data: Mapping[str, Any], struct_type: type[S], path: str = "", owner: str | None = None) -> S:
+    """`msgspec.convert(data, struct_type, strict=True)`, raising `ConfigError` whose path is
+    `path` (the section the data came from) joined with the offending key. `owner` names who
+    takes these options (``scheduler 'continuous'``) in unknown-key messages."""
+    try:
+        return msgspec.convert(data, struct_type, strict=True)
+    except msgspec.ValidationError as exc:
+        raise config_error(exc, struct_type, path, data, owner) from None
+
+
+_MISSING = object()
+
+
+def config_error(
+    exc: msgspec.ValidationError,
+    struct_type: type,
+    path: str = "",
+    data: Any = _MISSING,
+    owner: str | None = None,
+) -> ConfigError:
+    """Rewrite msgspec's ``... - at `$.a[0].b``` into a ConfigError at ``path.a[0].b``; with
+    the converted `data`, a bad value is quoted too (msgspec says only what was expected)."""
+    m = _AT.match(str(exc))
+    msg, rel = (m["msg"], m["path"] or "") if m else (str(exc), "")
+    is_key = bool(m and m["key"])
+    where = _join(path, rel)
+    if unknown := _UNKNOWN_FIELD.match(msg):
+        allowed = _field_names(struct_type, rel)
+        if owner and not rel:
+            hint = f"; {owner} accepts: {', '.join(allowed)}" if allowed else f"; {owner} takes no options"
+        else:
+            hint = f"; expected one of: {', '.join(allowed)}" if allowed else ""
+        return ConfigError(f"unknown key{hint}", _join(where, unknown["field"]))
+    if missing := _MISSING_FIELD.match(msg):
+        return ConfigError("required key is missing", _join(where, missing["field"]))
+    if is_key:
+        return ConfigError(f"keys must be strings ({_humanize(msg)})", where or None)
+    if msg.startswith("Invalid enum value"):
+        choices = _choices(struct_type, rel)
+        if choices:
+            msg = f"{msg}; expected one of {', '.join(choices)}"
+        return ConfigError(_humanize(msg), where or None)
+    if ", got" not in msg and data is not _MISSING:
+        value = _value_at(data, rel)
+        if value is not _MISSING:
+            msg = f"{msg}, got {value!r}"
+    return ConfigError(_humanize(msg), where or None)
+
+
+def _humanize(msg: str) -> str:
+    msg = msg.replace("`object`", "a mapping").replace("`array`", "a list").replace("`", "")
+    msg = re.sub(r"^Invalid enum value", "invalid value", msg)
+    return msg[:1].lower() + msg[1:]
+
+
+def _join(base: str, rel: str) -> str:
+    rel = rel.lstrip(".") if not base else rel
+    if not rel:
+        return base
+    if not base:
+        return rel
+    return f"{base}{rel}" if rel.startswith(("[", ".")) else f"{base}.{rel}"
+
+
+def _value_at(data: Any, rel: str) -> Any:
+    for name, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", rel):
+        try:
+            data = data[name] if name else data[int(index)]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return _MISSING
+    return data
+
+
+def _field_names(struct_type: type, rel: str) -> list[str]:
+    """Field names of the Struct reached by following `rel` (``.a[0].b``) from `struct_type`."""
+    info = _unwrap(_type_at(struct_type, rel))
+    if isinstance(info, msgspec.inspect.StructType):
+        return [f.encode_name for f in info.fields]
+    return []
+
+
+def _choices(struct_type: type, rel: str) -> list[str]:
+    """The allowed values of the Literal / Enum field at `rel`, if it is one."""
+    info = _unwrap(_type_at(struct_type, rel))
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return [repr(v) for v in info.values]
+    if isinstance(info, msgspec.inspect.EnumType):
+        return [repr(m.value) for m in info.cls]
+    return []
+
+
+def _type_at(struct_type: type, rel: str) -> Any:
+    """msgspec type info of the value at `rel` inside `struct_type`; None when unknown."""
+    try:
+        info: Any = msgspec.inspect.type_info(struct_type)
+    except TypeError:
+        return None
+    for name, _ in re.findall(r"\.([^.\[]+)|(\[[^\]]*\])", rel):
+        info = _unwrap(info)
+        if name:
+            if not isinstance(info, msgspec.inspect.StructType):
+                return None
+            fields = {f.encode_name: f.type for f in info.fields}
+            if name not in fields:
+                return None
+            info = fields[name]
+        elif isinstance(info, msgspec.inspect.ListType | msgspec.inspect.VarTupleType):
+            info = info.item_type
+        elif isinstance(info, msgspec.inspect.DictType):
+            info = info.value_type
+        else:
+            return None
+    return info
+
+
+def _unwrap(info: Any) -> Any:
+    """The Struct (or container) inside an Optional / Union, if there is exactly one."""
+    if isinstance(info, msgspec.inspect.UnionType):
+        inner = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
+        if len(inner) == 1:
+            return inner[0]
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML
+# ---------------------------------------------------------------------------------------------
+
+
+class _StackLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys: YAML keeps the last one silently, which turns a
+    pasted-in second `scheduler:` into a setting nobody sees."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key; the stack validation reports it
+            continue
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first given on line {first})", key_node.start_mark
+            )
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StackLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _yaml_message(exc: yaml.YAMLError, filename: str) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    what = f"{problem} ({context})" if context and context not in problem else problem
+    if mark is None:
+        return f"{filename}: invalid YAML: {what}"
+    return f"{filename}:{mark.line + 1}:{mark.column + 1}: invalid YAML: {what}"
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list | tuple):
+        return "a list"
+    if value is None:
+        return "null"
+    return f"{type(value).__name__} {value!r}"

@@ -1,0 +1,561 @@
+"""Turning a stack file into concrete components, and checking that they fit together.
+
+Everything here runs before any weight is read: `resolve` looks up the components and checks
+their capabilities against each other and the stack; `check_model` checks them against the
+model's metadata. Each conflict is one `ResolutionError` naming both sides and the way out.
+
+Capability vocabulary (keys of `Component.capabilities`; an absent key means no restriction):
+
+- every kind: ``devices`` (device types, e.g. ``("cpu", "cuda")``);
+- attention: ``dtypes``, ``kv_cache_dtypes`` (dtype names), ``head_dims``, ``block_sizes``,
+  ``phases`` (subset of ``("prefill", "decode")``), ``sliding_window`` (bool),
+  ``chunked_context`` (bool: prefill queries can attend to earlier cached tokens; needed for
+  chunked prefill and speculative decoding);
+- quantizer: ``kv_cache_dtype`` (a dtype name, or None for the model dtype), ``dtypes``;
+- scheduler: ``chunked_prefill`` (bool; an option of the same name says whether it is on).
+
+`Component.requires` maps ``"<role>.<capability>"`` (roles: scheduler, allocator, attention,
+attention_prefill, attention_decode, quantizer, speculator, parallel) to the value needed, e.g.
+``{"attention.chunked_context": True}``; a bare capability name is looked up in the role that
+declares it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from lmstack.config import KV_CACHE_AUTO, KV_CACHE_NONE, StackConfig, convert, stack_from_mapping
+from lmstack.errors import ConfigError, ResolutionError
+from lmstack.model.config import ModelConfig
+from lmstack.registry import Component, Registry
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+ROLES = (
+    "scheduler",
+    "allocator",
+    "attention_prefill",
+    "attention_decode",
+    "quantizer",
+    "speculator",
+    "parallel",
+)
+ROLE_KIND = {
+    "scheduler": "scheduler",
+    "allocator": "allocator",
+    "attention_prefill": "attention",
+    "attention_decode": "attention",
+    "quantizer": "quantizer",
+    "speculator": "speculator",
+    "parallel": "parallel",
+}
+# Where each role is chosen in the stack file (for "way out" hints).
+ROLE_KEY = {
+    "scheduler": "scheduler.name",
+    "allocator": "allocator.name",
+    "attention_prefill": "attention.prefill",
+    "attention_decode": "attention.decode",
+    "quantizer": "quant.weights",
+    "speculator": "speculator.name",
+    "parallel": "parallel.name",
+}
+ROLE_LABEL = {
+    "scheduler": "scheduler",
+    "allocator": "allocator",
+    "attention_prefill": "prefill kernel",
+    "attention_decode": "decode kernel",
+    "quantizer": "quantizer",
+    "speculator": "speculator",
+    "parallel": "parallel layout",
+}
+
+NO_SPECULATOR = "none"
+SINGLE_DEVICE_LAYOUT = "single"
+LAYOUT_AXES = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
+
+# The role a bare requirement (no "role." prefix) refers to.
+_CAPABILITY_ROLE = {
+    "chunked_context": "attention",
+    "sliding_window": "attention",
+    "head_dims": "attention",
+    "block_sizes": "attention",
+    "kv_cache_dtypes": "attention",
+    "phases": "attention",
+    "chunked_prefill": "scheduler",
+}
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class Selected:
+    """A component chosen for one role, with its converted options."""
+
+    component: Component
+    options: msgspec.Struct
+
+    @property
+    def name(self) -> str:
+        return self.component.name
+
+    @property
+    def capabilities(self) -> Mapping[str, Any]:
+        return self.component.capabilities
+
+    def describe(self) -> dict[str, Any]:
+        c = self.component
+        return {
+            "name": c.name,
+            "kind": c.kind,
+            "distribution": c.distribution,
+            "version": c.version,
+            "options": _jsonable(self.options),
+            "capabilities": _jsonable(dict(c.capabilities)),
+            "requires": _jsonable(dict(c.requires)),
+        }
+
+
+@dataclass(frozen=True)
+class ResolvedStack:
+    """A stack whose components are known, whose options are converted and whose components
+    were checked against each other. Built by `resolve`; nothing mutates it later."""
+
+    config: StackConfig
+    model: str
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    scheduler: Selected
+    allocator: Selected
+    attention_prefill: Selected
+    attention_decode: Selected
+    quantizer: Selected
+    speculator: Selected
+    parallel: Selected
+
+    def roles(self) -> dict[str, Selected]:
+        return {role: getattr(self, role) for role in ROLES}
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether the scheduler cuts prompts into chunks (its option, else its capability)."""
+        return bool(_effective(self, "scheduler", "chunked_prefill", default=False))
+
+    @property
+    def block_size(self) -> int | None:
+        return getattr(self.allocator.options, "block_size", None)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able summary: every role's component, origin, options and capabilities."""
+        return {
+            "model": self.model,
+            "device": str(self.device),
+            "dtype": DTYPE_NAMES[self.dtype],
+            "kv_cache_dtype": DTYPE_NAMES.get(self.kv_cache_dtype, str(self.kv_cache_dtype)),
+            "max_model_len": self.config.max_model_len,
+            "seed": self.config.seed,
+            "components": {role: sel.describe() for role, sel in self.roles().items()},
+            "cache": _jsonable(self.config.cache),
+            "server": _jsonable(self.config.server),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# resolve
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True) -> ResolvedStack:
+    """Look up every component the stack names, convert its options, and check that the
+    components fit together and run on the stack's device and dtype. Reads no weights.
+
+    `check_device=False` skips only the "is this device present on this machine" check (to
+    validate a GPU stack on a CPU-only machine)."""
+    # Re-normalise: a StackConfig built in code (not by load_stack) may use the short forms.
+    stack = stack_from_mapping(msgspec.to_builtins(stack))
+    device = torch.device(stack.device)
+    dtype = DTYPES[stack.dtype]
+    quant = dict(stack.quant)
+    quant_name = quant.pop("weights")
+    quant.pop("kv_cache")
+
+    _check_cache(stack)
+    quantizer = _select(registry, "quantizer", quant_name, quant, "quant", name_key="quant.weights")
+    resolved = ResolvedStack(
+        config=stack,
+        model=stack.model,
+        device=device,
+        dtype=dtype,
+        kv_cache_dtype=_kv_cache_dtype(stack, quantizer, dtype),
+        scheduler=_select_section(registry, "scheduler", stack.scheduler, "scheduler"),
+        allocator=_select_section(registry, "allocator", stack.allocator, "allocator"),
+        attention_prefill=_select_section(
+            registry, "attention", stack.attention["prefill"], "attention.prefill"
+        ),
+        attention_decode=_select_section(
+            registry, "attention", stack.attention["decode"], "attention.decode"
+        ),
+        quantizer=quantizer,
+        speculator=_select_section(registry, "speculator", stack.speculator, "speculator"),
+        parallel=_select_parallel(registry, stack.parallel),
+    )
+    for check in (
+        _check_devices,
+        _check_phases,
+        _check_dtypes,
+        _check_kv_cache_dtype,
+        _check_block_size,
+        _check_chunked_context,
+        _check_requirements,
+    ):
+        check(resolved, registry)
+    if check_device:
+        _check_device_present(device)
+    return resolved
+
+
+def _select_section(registry: Registry, kind: str, section: Mapping[str, Any], path: str) -> Selected:
+    options = {k: v for k, v in section.items() if k != "name"}
+    return _select(registry, kind, section["name"], options, path, name_key=f"{path}.name")
+
+
+def _select(
+    registry: Registry, kind: str, name: str, options: Mapping[str, Any], path: str, *, name_key: str
+) -> Selected:
+    try:
+        component = registry.get(kind, name)
+    except ResolutionError as exc:
+        raise ResolutionError(f"{name_key}: {exc}") from None
+    owner = f"{kind} {name!r} ({component.distribution or 'unknown origin'})"
+    return Selected(component, convert(options, component.options_type, path, owner=owner))
+
+
+def _select_parallel(registry: Registry, section: Mapping[str, Any]) -> Selected:
+    name = section["name"]
+    try:
+        component = registry.get("parallel", name)
+    except ResolutionError as exc:
+        raise ResolutionError(f"parallel.name: {exc}") from None
+    options = {k: v for k, v in section.items() if k != "name"}
+    fields = set(getattr(component.options_type, "__struct_fields__", ()))
+    for axis in LAYOUT_AXES:
+        if axis not in options:
+            continue
+        value = options[axis]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"expected a positive integer, got {value!r}", f"parallel.{axis}")
+        # tp/pp/ep of 1 mean "not sharded": every layout accepts them, even one without options.
+        if axis not in fields:
+            del options[axis]
+            if value > 1:
+                _raise_not_sharding(registry, component, axis, value)
+    selected = _select(registry, "parallel", name, options, "parallel", name_key="parallel.name")
+    if name == SINGLE_DEVICE_LAYOUT:
+        for axis in LAYOUT_AXES:
+            value = getattr(selected.options, axis, 1)
+            if isinstance(value, int) and value > 1:
+                _raise_not_sharding(registry, component, axis, value)
+    return selected
+
+
+def _raise_not_sharding(registry: Registry, component: Component, axis: str, value: int) -> None:
+    others = [n for n in registry.names("parallel") if n != component.name]
+    installed = f"installed layouts: {', '.join(others)}" if others else "none is installed"
+    raise ResolutionError(
+        f"parallel.{axis}: {axis}={value} asks for {LAYOUT_AXES[axis]} parallelism, but parallel "
+        f"layout {component.name!r} ({component.distribution or 'unknown origin'}) runs the model "
+        f"on one device; install a parallel plugin and select it with parallel.name ({installed}), "
+        f"or set {axis}: 1"
+    )
+
+
+def _check_cache(stack: StackConfig) -> None:
+    # No installed component provides prefix caching or tiering yet (they will come as cache
+    # plugins hooking into the allocator); asking for them must not be silently ignored.
+    for key, what in (("prefix", "prefix caching"), ("tiers", "KV-cache tiering")):
+        if stack.cache.get(key):
+            raise ResolutionError(
+                f"cache.{key}: {what} needs a cache plugin that provides it, and none is installed; "
+                "install one or remove the cache section"
+            )
+
+
+def _kv_cache_dtype(stack: StackConfig, quantizer: Selected, dtype: torch.dtype) -> torch.dtype:
+    kv = stack.quant["kv_cache"]
+    if kv == KV_CACHE_NONE:
+        return dtype
+    if kv != KV_CACHE_AUTO:
+        return DTYPES[kv]
+    name = quantizer.capabilities.get("kv_cache_dtype")
+    if name is None:
+        return dtype
+    if name not in DTYPES:
+        raise ResolutionError(
+            f"quantizer {quantizer.name!r} ({quantizer.component.distribution}) declares KV-cache "
+            f"dtype {name!r}, which lmstack does not know (known: {', '.join(DTYPES)}); set "
+            "quant.kv_cache explicitly"
+        )
+    return DTYPES[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Capability checks (each raises on the first conflict it finds)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_devices(r: ResolvedStack, registry: Registry) -> None:
+    for role, sel in r.roles().items():
+        devices = sel.capabilities.get("devices")
+        if devices is not None and r.device.type not in devices:
+            fits = _alternatives(
+                registry, role, lambda c: r.device.type in c.capabilities.get("devices", (r.device.type,))
+            )
+            raise ResolutionError(
+                f"{_who(role, sel)} runs on {_list(devices)} only, but the stack sets device: "
+                f"{r.device}; change device, or pick another {ROLE_LABEL[role]} with "
+                f"{ROLE_KEY[role]}{fits}"
+            )
+
+
+def _check_phases(r: ResolvedStack, registry: Registry) -> None:
+    for role, phase in (("attention_prefill", "prefill"), ("attention_decode", "decode")):
+        sel = getattr(r, role)
+        phases = sel.capabilities.get("phases")
+        if phases is not None and phase not in phases:
+            fits = _alternatives(registry, role, lambda c, p=phase: p in c.capabilities.get("phases", (p,)))
+            raise ResolutionError(
+                f"attention kernel {sel.name!r} ({_dist(sel)}) handles only {_list(phases)}, but the "
+                f"stack uses it for {phase}; set attention.{phase} to another kernel{fits}"
+            )
+
+
+def _check_dtypes(r: ResolvedStack, registry: Registry) -> None:
+    dtype = DTYPE_NAMES[r.dtype]
+    for role in ("attention_prefill", "attention_decode", "quantizer"):
+        sel = getattr(r, role)
+        dtypes = sel.capabilities.get("dtypes")
+        if dtypes is not None and dtype not in dtypes:
+            fits = _alternatives(registry, role, lambda c: dtype in c.capabilities.get("dtypes", (dtype,)))
+            raise ResolutionError(
+                f"{_who(role, sel)} supports model dtypes {_list(dtypes)}, but the stack sets "
+                f"dtype: {dtype}; change dtype, or pick another {ROLE_LABEL[role]} with "
+                f"{ROLE_KEY[role]}{fits}"
+            )
+
+
+def _check_kv_cache_dtype(r: ResolvedStack, registry: Registry) -> None:
+    kv = DTYPE_NAMES[r.kv_cache_dtype]
+    setting = r.config.quant["kv_cache"]
+    if setting not in (KV_CACHE_AUTO, KV_CACHE_NONE):
+        source = f"quant.kv_cache: {setting}"
+    elif setting == KV_CACHE_AUTO and r.quantizer.capabilities.get("kv_cache_dtype") is not None:
+        source = f"{_who('quantizer', r.quantizer)} stores the KV cache in {kv}"
+    else:
+        source = f"the KV cache is in the model dtype ({kv})"
+    for role in ("attention_prefill", "attention_decode"):
+        sel = getattr(r, role)
+        allowed = sel.capabilities.get("kv_cache_dtypes")
+        if allowed is not None and kv not in allowed:
+            fits = _alternatives(registry, role, lambda c: kv in c.capabilities.get("kv_cache_dtypes", (kv,)))
+            raise ResolutionError(
+                f"{_who(role, sel)} reads KV caches in {_list(allowed)} only, but {source}; set "
+                f"quant.kv_cache to one of {_list(allowed)}, or pick another {ROLE_LABEL[role]} "
+                f"with {ROLE_KEY[role]}{fits}"
+            )
+
+
+def _check_block_size(r: ResolvedStack, registry: Registry | None = None) -> None:
+    block_size = r.block_size
+    if block_size is None:
+        return
+    for role in ("attention_prefill", "attention_decode"):
+        sel = getattr(r, role)
+        sizes = sel.capabilities.get("block_sizes")
+        if sizes is not None and block_size not in sizes:
+            raise ResolutionError(
+                f"{_who(role, sel)} supports KV block sizes {_list(sizes)}, but {_who('allocator', r.allocator)} "
+                f"uses block_size {block_size}; set allocator.block_size to one of {_list(sizes)}, or "
+                f"pick another {ROLE_LABEL[role]} with {ROLE_KEY[role]}"
+            )
+
+
+def _check_chunked_context(r: ResolvedStack, registry: Registry) -> None:
+    sel = r.attention_prefill
+    if sel.capabilities.get("chunked_context", True):
+        return
+    fits = _alternatives(registry, "attention_prefill", lambda c: c.capabilities.get("chunked_context", True))
+    if r.chunked_prefill:
+        raise ResolutionError(
+            f"{_who('scheduler', r.scheduler)} does chunked prefill, but {_who('attention_prefill', sel)} "
+            "cannot attend to earlier cached tokens (no chunked_context); set "
+            f"scheduler.chunked_prefill: false, or pick another prefill kernel with attention.prefill{fits}"
+        )
+    # Verifying drafts runs multi-token queries over cached context, through the prefill kernel.
+    if r.speculator.name != NO_SPECULATOR:
+        raise ResolutionError(
+            f"{_who('speculator', r.speculator)} verifies drafts against cached tokens, but "
+            f"{_who('attention_prefill', sel)} cannot attend to earlier cached tokens (no "
+            f"chunked_context); set speculator: none, or pick another prefill kernel with "
+            f"attention.prefill{fits}"
+        )
+
+
+def _check_requirements(r: ResolvedStack, registry: Registry) -> None:
+    for role, sel in r.roles().items():
+        for key, needed in sel.component.requires.items():
+            target_role, capability = _parse_requirement(role, sel, key)
+            for target in _target_roles(target_role, capability):
+                if target == role:
+                    continue
+                actual = _effective(r, target, capability)
+                if _satisfies(actual, needed):
+                    continue
+                tsel = getattr(r, target)
+                fits = _alternatives(
+                    registry,
+                    target,
+                    lambda c, cap=capability, n=needed: _satisfies(c.capabilities.get(cap, _ABSENT), n),
+                )
+                raise ResolutionError(
+                    f"{_who(role, sel)} needs a {ROLE_LABEL[target]} with {capability}={needed!r}, but "
+                    f"{_who(target, tsel)} has {capability}={actual!r}; pick another {ROLE_LABEL[target]} "
+                    f"with {ROLE_KEY[target]}{fits}, or another {ROLE_LABEL[role]}"
+                )
+
+
+def _parse_requirement(role: str, sel: Selected, key: str) -> tuple[str, str]:
+    target, dot, capability = key.partition(".")
+    if not dot:
+        capability, target = key, _CAPABILITY_ROLE.get(key, "")
+    if target not in (*ROLES, "attention") or not capability:
+        raise ResolutionError(
+            f"{_who(role, sel)} declares a requirement {key!r} that lmstack does not understand "
+            "(expected '<role>.<capability>'); the plugin may need a newer lmstack"
+        )
+    return target, capability
+
+
+def _target_roles(target: str, capability: str) -> tuple[str, ...]:
+    if target != "attention":
+        return (target,)
+    # Only the prefill kernel sees multi-token queries over cached context.
+    if capability == "chunked_context":
+        return ("attention_prefill",)
+    return ("attention_prefill", "attention_decode")
+
+
+def _effective(r: ResolvedStack, role: str, capability: str, default: Any = _ABSENT) -> Any:
+    """A capability that is also an option (`chunked_prefill`) counts as set by the option."""
+    sel: Selected = getattr(r, role)
+    if capability in getattr(sel.component.options_type, "__struct_fields__", ()):
+        return getattr(sel.options, capability)
+    return sel.capabilities.get(capability, default)
+
+
+def _satisfies(actual: Any, needed: Any) -> bool:
+    if actual is _ABSENT:  # an undeclared capability restricts nothing
+        return True
+    if isinstance(needed, bool):
+        return bool(actual) == needed
+    if _is_collection(actual):
+        return all(n in actual for n in needed) if _is_collection(needed) else needed in actual
+    return actual == needed
+
+
+# ---------------------------------------------------------------------------------------------
+# check_model
+# ---------------------------------------------------------------------------------------------
+
+
+def check_model(resolved: ResolvedStack, model_config: ModelConfig) -> None:
+    """Check the stack against the model's metadata (call it before loading weights)."""
+    r = resolved
+    for role in ("attention_prefill", "attention_decode"):
+        sel = getattr(r, role)
+        head_dims = sel.capabilities.get("head_dims")
+        if head_dims is not None and model_config.head_dim not in head_dims:
+            raise ResolutionError(
+                f"{_who(role, sel)} supports head sizes {_list(head_dims)}, but model {r.model!r} has "
+                f"head_dim {model_config.head_dim}; pick another {ROLE_LABEL[role]} with {ROLE_KEY[role]}"
+            )
+        if model_config.sliding_window and sel.capabilities.get("sliding_window", True) is False:
+            raise ResolutionError(
+                f"{_who(role, sel)} does not support sliding-window attention, but model {r.model!r} "
+                f"uses a {model_config.sliding_window}-token window; pick another {ROLE_LABEL[role]} "
+                f"with {ROLE_KEY[role]}"
+            )
+    _check_block_size(r)
+    limit = model_config.max_position_embeddings
+    if (
+        r.config.max_model_len is not None
+        and r.config.max_model_len > limit
+        and not model_config.rope_scaling
+    ):
+        raise ConfigError(
+            f"{r.config.max_model_len} exceeds the context length model {r.model!r} was trained for "
+            f"({limit}); lower it or leave it unset",
+            "max_model_len",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _dist(sel: Selected) -> str:
+    c = sel.component
+    return f"{c.distribution} {c.version}".strip() or "unknown origin"
+
+
+def _who(role: str, sel: Selected) -> str:
+    return f"{ROLE_LABEL[role]} {sel.name!r} ({_dist(sel)})"
+
+
+def _alternatives(registry: Registry, role: str, fits: Callable[[Component], bool]) -> str:
+    """`` (installed ones that fit: a, b)`` or `` (no installed one fits)``."""
+    kind = ROLE_KIND[role]
+    names = [n for n in registry.names(kind) if fits(registry.get(kind, n))]
+    return f" (installed ones that fit: {', '.join(names)})" if names else " (no installed one fits)"
+
+
+def _check_device_present(device: torch.device) -> None:
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ResolutionError(
+                f"device: {device} is not available here (torch {torch.__version__} sees no CUDA "
+                "device); use device: cpu, or install a CUDA build of torch on a GPU machine"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ResolutionError(
+                f"device: {device} does not exist; this machine has {torch.cuda.device_count()} CUDA "
+                f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ResolutionError(f"device: {device} is not available here; use device: cpu")
+
+
+def _is_collection(value: Any) -> bool:
+    return isinstance(value, Collection) and not isinstance(value, str | bytes | Mapping)
+
+
+def _list(values: Any) -> str:
+    if _is_collection(values):
+        return ", ".join(str(v) for v in values) or "nothing"
+    return str(values)
+
+
+def _jsonable(value: Any) -> Any:
+    # Capabilities are plugin-defined: anything msgspec cannot encode is shown by its repr.
+    return msgspec.to_builtins(value, str_keys=True, enc_hook=repr)

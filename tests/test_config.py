@@ -1,0 +1,277 @@
+"""The stack file: parsing, normalisation, and errors that name the key path."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmstack.config import (
+    KV_CACHE_AUTO,
+    ServerConfig,
+    StackConfig,
+    convert,
+    load_stack,
+    parse_stack,
+)
+from lmstack.errors import ConfigError
+
+DESIGN_EXAMPLE = """\
+model: smollm2-135m-instruct        # a known name, a .gguf file, or a Hugging Face model folder
+dtype: bfloat16
+device: cpu
+scheduler: {name: continuous, max_num_seqs: 64, max_num_batched_tokens: 2048}
+allocator: {name: paged, block_size: 16, kv_cache_memory: 2GiB}
+cache: {prefix: {name: prefix}, tiers: [{name: host, capacity: 8GiB}]}
+attention: {prefill: torch, decode: torch}
+quant: {weights: none, kv_cache: none}
+speculator: {name: ngram, num_draft_tokens: 5}
+parallel: {tp: 1, pp: 1, ep: 1}
+server: {host: 127.0.0.1, port: 8000}
+"""
+
+
+def error(text: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        parse_stack(text, "stack.yaml")
+    return info.value
+
+
+# ---------------------------------------------------------------------------------------------
+# Defaults and accepted forms
+# ---------------------------------------------------------------------------------------------
+
+
+def test_empty_stack_gives_the_defaults():
+    for stack in (load_stack({}), parse_stack(""), parse_stack("# only a comment\n")):
+        assert stack == StackConfig()
+        assert stack.model == "smollm2-135m-instruct"
+        assert stack.dtype == "bfloat16"
+        assert stack.device == "cpu"
+        assert stack.scheduler == {"name": "continuous"}
+        assert stack.allocator == {"name": "paged"}
+        assert stack.attention == {"prefill": {"name": "torch"}, "decode": {"name": "torch"}}
+        assert stack.quant == {"weights": "none", "kv_cache": KV_CACHE_AUTO}
+        assert stack.speculator == {"name": "none"}
+        assert stack.parallel == {"name": "single"}
+        assert stack.cache == {}
+        assert stack.server == ServerConfig(host="127.0.0.1", port=8000)
+
+
+def test_the_design_example_parses():
+    stack = parse_stack(DESIGN_EXAMPLE)
+    assert stack.scheduler == {"name": "continuous", "max_num_seqs": 64, "max_num_batched_tokens": 2048}
+    assert stack.allocator == {"name": "paged", "block_size": 16, "kv_cache_memory": "2GiB"}
+    assert stack.cache == {"prefix": {"name": "prefix"}, "tiers": [{"name": "host", "capacity": "8GiB"}]}
+    assert stack.quant == {"weights": "none", "kv_cache": "none"}
+    assert stack.speculator == {"name": "ngram", "num_draft_tokens": 5}
+    # A section without `name` gets its default component; layout options stay.
+    assert stack.parallel == {"name": "single", "tp": 1, "pp": 1, "ep": 1}
+
+
+def test_load_stack_reads_a_file(tmp_path):
+    path = tmp_path / "stack.yaml"
+    path.write_text("dtype: float32\nscheduler: {max_num_seqs: 4}\n")
+    stack = load_stack(path)
+    assert stack.dtype == "float32"
+    assert stack.scheduler == {"name": "continuous", "max_num_seqs": 4}
+    assert load_stack(str(path)) == stack
+
+
+def test_the_stack_is_immutable():
+    stack = load_stack({})
+    with pytest.raises(AttributeError):
+        stack.dtype = "float32"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("flash", {"prefill": {"name": "flash"}, "decode": {"name": "flash"}}),
+        (
+            {"name": "flash", "num_warps": 4},
+            {p: {"name": "flash", "num_warps": 4} for p in ("prefill", "decode")},
+        ),
+        (
+            {"prefill": "flash", "decode": "torch"},
+            {"prefill": {"name": "flash"}, "decode": {"name": "torch"}},
+        ),
+        ({"prefill": "flash"}, {"prefill": {"name": "flash"}, "decode": {"name": "torch"}}),
+        (
+            {"prefill": {"name": "flash", "num_warps": 8}, "decode": "paged-decode"},
+            {"prefill": {"name": "flash", "num_warps": 8}, "decode": {"name": "paged-decode"}},
+        ),
+        (None, {"prefill": {"name": "torch"}, "decode": {"name": "torch"}}),
+    ],
+)
+def test_attention_forms(value, expected):
+    assert load_stack({"attention": value}).attention == expected
+
+
+def test_named_section_short_forms():
+    stack = load_stack({"scheduler": "priority", "speculator": None, "allocator": {"block_size": 32}})
+    assert stack.scheduler == {"name": "priority"}
+    assert stack.speculator == {"name": "none"}
+    assert stack.allocator == {"name": "paged", "block_size": 32}
+
+
+def test_quant_forms():
+    assert load_stack({"quant": "fp8"}).quant == {"weights": "fp8", "kv_cache": "auto"}
+    assert load_stack({"quant": {"kv_cache": "float8_e4m3fn"}}).quant == {
+        "weights": "none",
+        "kv_cache": "float8_e4m3fn",
+    }
+    assert load_stack({"quant": {"weights": "awq", "group_size": 128}}).quant == {
+        "weights": "awq",
+        "group_size": 128,
+        "kv_cache": "auto",
+    }
+    # YAML `kv_cache: null` means "no KV-cache quantization".
+    assert parse_stack("quant: {kv_cache: null}").quant["kv_cache"] == "none"
+
+
+def test_empty_cache_parts_ask_for_nothing():
+    assert parse_stack("cache:\n").cache == {}
+    assert parse_stack("cache: {prefix: null, tiers: []}").cache == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors name the key path
+# ---------------------------------------------------------------------------------------------
+
+
+def test_unknown_top_level_key():
+    e = error("model: x\nshceduler: {name: continuous}\n")
+    assert e.path == "shceduler"
+    assert "unknown key" in str(e) and "scheduler" in str(e)  # lists what is accepted
+
+
+def test_unknown_nested_key():
+    e = error("server: {host: 0.0.0.0, prot: 80}\n")
+    assert e.path == "server.prot"
+    assert str(e).startswith("server.prot: unknown key")
+    assert "host, port" in str(e)
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "fragment"),
+    [
+        ("server: {port: eighty}", "server.port", "expected int, got str"),
+        ("model: 7", "model", "expected str"),
+        ("max_model_len: 2k", "max_model_len", "expected int"),
+        ("server: 8000", "server", "expected a mapping"),
+        ("scheduler: [continuous]", "scheduler", "expected a mapping"),
+        ("scheduler: {name: 3}", "scheduler.name", "expected a component name"),
+        ("attention: {prefill: {name: 5}}", "attention.prefill.name", "expected a component name"),
+        ("cache: {tiers: host}", "cache.tiers", "expected a list"),
+    ],
+)
+def test_wrong_type(text, path, fragment):
+    e = error(text)
+    assert e.path == path
+    assert fragment in str(e)
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "fragment"),
+    [
+        ("seed: -1", "seed", "-1"),
+        ("max_model_len: 0", "max_model_len", ">= 1"),
+        ("server: {port: -5}", "server.port", "-5"),
+        ("server: {port: 70000}", "server.port", "<= 65535"),
+        ("dtype: bf16", "dtype", "float32, float16, bfloat16"),
+        ("quant: {kv_cache: int3}", "quant.kv_cache", "float8_e4m3fn"),
+        ("device: gpu0", "device", "not a torch device"),
+        ("attention: {prefil: flash}", "attention.prefil", "prefill and decode"),
+        ("attention: {name: flash, decode: torch}", "attention.decode", "not both"),
+        ("cache: {prefixes: {}}", "cache.prefixes", "prefix, tiers"),
+    ],
+)
+def test_bad_value(text, path, fragment):
+    e = error(text)
+    assert e.path == path
+    assert fragment in str(e)
+    assert "\n" not in str(e)
+
+
+def test_malformed_yaml_names_the_line():
+    e = error("model: smollm2-135m-instruct\nscheduler: {name: continuous,\nallocator: paged\n")
+    assert "stack.yaml:" in str(e) and "invalid YAML" in str(e)
+    line = int(str(e).split("stack.yaml:")[1].split(":")[0])
+    assert line >= 3  # the flow mapping opened on line 2 is unterminated further down
+    e = error("model: x\n  dtype: float32\n")
+    assert "stack.yaml:2:" in str(e)
+
+
+def test_duplicate_keys_are_errors():
+    e = error("scheduler: {name: continuous}\ndtype: float32\nscheduler: {name: priority}\n")
+    assert "duplicate key 'scheduler'" in str(e)
+    assert "stack.yaml:3:" in str(e) and "line 1" in str(e)
+
+
+def test_a_stack_must_be_a_mapping():
+    assert "must be a mapping" in str(error("- model: x\n"))
+    assert "must be a mapping" in str(error("just a string\n"))
+
+
+def test_missing_or_unreadable_file(tmp_path):
+    with pytest.raises(ConfigError, match="stack file not found"):
+        load_stack(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_stack(tmp_path)
+
+
+def test_non_string_keys():
+    with pytest.raises(ConfigError, match="keys must be strings"):
+        load_stack({1: "x"})
+    with pytest.raises(ConfigError) as info:
+        parse_stack("scheduler: {1: 2}")
+    assert info.value.path == "scheduler"
+
+
+@given(st.from_regex(r"[a-z][a-z_]{0,15}", fullmatch=True))
+def test_any_unknown_top_level_key_is_named(key):
+    if key in StackConfig.__struct_fields__:
+        return
+    with pytest.raises(ConfigError) as info:
+        load_stack({key: 1})
+    assert info.value.path == key
+
+
+# ---------------------------------------------------------------------------------------------
+# convert(): msgspec paths rewritten into ours
+# ---------------------------------------------------------------------------------------------
+
+
+class Tier(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    capacity: int = 0
+
+
+class TieredOptions(msgspec.Struct, forbid_unknown_fields=True):
+    tiers: list[Tier] = []
+    mode: str = "lru"
+
+
+def test_convert_rewrites_nested_paths():
+    with pytest.raises(ConfigError) as info:
+        convert({"tiers": [{"name": "host"}, {"name": "disk", "capacity": "big"}]}, TieredOptions, "cache")
+    assert info.value.path == "cache.tiers[1].capacity"
+    assert "expected int, got str" in str(info.value)
+
+    with pytest.raises(ConfigError) as info:
+        convert({"tiers": [{"name": "host", "size": 1}]}, TieredOptions, "cache")
+    assert info.value.path == "cache.tiers[0].size"
+    assert "name, capacity" in str(info.value)
+
+    with pytest.raises(ConfigError) as info:
+        convert({"tiers": [{}]}, TieredOptions, "cache")
+    assert info.value.path == "cache.tiers[0].name"
+    assert "required" in str(info.value)
+
+
+def test_convert_names_the_owner_of_unknown_options():
+    with pytest.raises(ConfigError) as info:
+        convert({"mdoe": "lfu"}, TieredOptions, "cache", owner="cache 'tiered'")
+    assert str(info.value) == "cache.mdoe: unknown key; cache 'tiered' accepts: tiers, mode"

@@ -1,0 +1,399 @@
+"""Resolving a stack against the installed components: lookup, options, capability conflicts."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+import torch
+
+from lmstack.config import StackConfig, load_stack
+from lmstack.errors import ConfigError, ResolutionError
+from lmstack.model.config import ModelConfig
+from lmstack.plugins import build_registry, make_plugin_manager
+from lmstack.registry import Component, Registry
+from lmstack.resolve import ResolvedStack, Selected, check_model, resolve
+
+# ---------------------------------------------------------------------------------------------
+# A fake world of components (no built-ins, nothing installed)
+# ---------------------------------------------------------------------------------------------
+
+
+class SchedOptions(msgspec.Struct, forbid_unknown_fields=True):
+    max_num_seqs: int = 8
+    chunked_prefill: bool = True
+
+
+class AllocOptions(msgspec.Struct, forbid_unknown_fields=True):
+    block_size: int = 16
+
+
+class LayoutOptions(msgspec.Struct, forbid_unknown_fields=True):
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+
+class SpecOptions(msgspec.Struct, forbid_unknown_fields=True):
+    num_draft_tokens: int = 4
+
+
+def comp(name: str, kind: str, dist: str = "lmstack-fake", **kw) -> Component:
+    return Component(name=name, kind=kind, factory=lambda o, c: None, distribution=dist, version="1.0", **kw)
+
+
+BASE = [
+    comp("continuous", "scheduler", options_type=SchedOptions, capabilities={"chunked_prefill": True}),
+    comp("paged", "allocator", options_type=AllocOptions),
+    comp("torch", "attention", capabilities={"devices": ("cpu", "cuda"), "phases": ("prefill", "decode")}),
+    comp("none", "quantizer", capabilities={"kv_cache_dtype": None}),
+    comp("none", "speculator"),
+    comp("single", "parallel"),
+]
+
+
+def registry(*extra: Component) -> Registry:
+    reg = Registry()
+    for c in (*BASE, *extra):
+        reg.add(c)
+    return reg
+
+
+def resolved(stack: dict, *extra: Component) -> ResolvedStack:
+    return resolve(load_stack(stack), registry(*extra))
+
+
+def conflict(stack: dict, *extra: Component) -> str:
+    with pytest.raises(ResolutionError) as info:
+        resolved(stack, *extra)
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def model_config(**kw) -> ModelConfig:
+    base = dict(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    return ModelConfig(**{**base, **kw})
+
+
+# ---------------------------------------------------------------------------------------------
+# Lookup and options
+# ---------------------------------------------------------------------------------------------
+
+
+def test_default_stack_resolves():
+    r = resolved({})
+    assert r.model == "smollm2-135m-instruct"
+    assert r.device == torch.device("cpu")
+    assert r.dtype is torch.bfloat16 and r.kv_cache_dtype is torch.bfloat16
+    assert r.scheduler.component.name == "continuous"
+    assert r.scheduler.options == SchedOptions()
+    assert r.attention_prefill.name == r.attention_decode.name == "torch"
+    assert r.parallel.name == "single"
+    assert r.chunked_prefill is True
+    assert r.block_size == 16
+    assert set(r.roles()) == {
+        "scheduler",
+        "allocator",
+        "attention_prefill",
+        "attention_decode",
+        "quantizer",
+        "speculator",
+        "parallel",
+    }
+    assert all(isinstance(s, Selected) for s in r.roles().values())
+
+
+def test_describe_is_json():
+    r = resolved({"dtype": "float32", "scheduler": {"max_num_seqs": 3}})
+    out = json.loads(json.dumps(r.describe()))
+    assert out["dtype"] == "float32" and out["kv_cache_dtype"] == "float32"
+    sched = out["components"]["scheduler"]
+    assert sched == {
+        "name": "continuous",
+        "kind": "scheduler",
+        "distribution": "lmstack-fake",
+        "version": "1.0",
+        "options": {"max_num_seqs": 3, "chunked_prefill": True},
+        "capabilities": {"chunked_prefill": True},
+        "requires": {},
+    }
+    assert out["components"]["attention_prefill"]["capabilities"]["devices"] == ["cpu", "cuda"]
+
+
+def test_options_are_converted_to_the_component_options_type():
+    r = resolved(
+        {"allocator": {"block_size": 32}, "scheduler": {"name": "continuous", "chunked_prefill": False}}
+    )
+    assert r.allocator.options == AllocOptions(block_size=32)
+    assert r.scheduler.options == SchedOptions(chunked_prefill=False)
+    assert r.chunked_prefill is False
+
+
+def test_unknown_component_lists_the_installed_ones():
+    msg = conflict({"scheduler": {"name": "fair-share"}}, comp("priority", "scheduler"))
+    assert msg.startswith("scheduler.name: unknown scheduler 'fair-share'")
+    assert "continuous, priority" in msg
+    msg = conflict({"attention": {"prefill": "flash"}})
+    assert msg.startswith("attention.prefill.name: unknown attention 'flash'") and "torch" in msg
+    msg = conflict({"quant": "awq"})
+    assert msg.startswith("quant.weights: unknown quantizer 'awq'")
+
+
+@pytest.mark.parametrize(
+    ("stack", "path", "fragment"),
+    [
+        ({"allocator": {"block_size": "big"}}, "allocator.block_size", "expected int, got str"),
+        (
+            {"allocator": {"blocksize": 16}},
+            "allocator.blocksize",
+            "allocator 'paged' (lmstack-fake) accepts: block_size",
+        ),
+        ({"scheduler": {"max_num_seqs": 1.5}}, "scheduler.max_num_seqs", "expected int"),
+        (
+            {"quant": {"group_size": 64}},
+            "quant.group_size",
+            "quantizer 'none' (lmstack-fake) takes no options",
+        ),
+        (
+            {"attention": {"decode": {"name": "torch", "warps": 4}}},
+            "attention.decode.warps",
+            "takes no options",
+        ),
+        ({"parallel": {"tp": 0}}, "parallel.tp", "positive integer"),
+    ],
+)
+def test_bad_options_name_the_path(stack, path, fragment):
+    with pytest.raises(ConfigError) as info:
+        resolved(stack)
+    assert info.value.path == path
+    assert fragment in str(info.value)
+
+
+def test_a_stack_config_built_in_code_may_use_short_forms():
+    r = resolve(StackConfig(attention="torch", scheduler={"max_num_seqs": 2}), registry())  # type: ignore[arg-type]
+    assert r.attention_decode.name == "torch" and r.scheduler.options.max_num_seqs == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# KV-cache dtype
+# ---------------------------------------------------------------------------------------------
+
+FP8 = comp("fp8", "quantizer", dist="lmstack-fp8", capabilities={"kv_cache_dtype": "float8_e4m3fn"})
+
+
+def test_kv_cache_dtype_follows_the_quantizer_unless_overridden():
+    assert resolved({"quant": "fp8"}, FP8).kv_cache_dtype is torch.float8_e4m3fn
+    assert resolved({"quant": {"weights": "fp8", "kv_cache": "float16"}}, FP8).kv_cache_dtype is torch.float16
+    assert resolved({"quant": {"weights": "fp8", "kv_cache": "none"}}, FP8).kv_cache_dtype is torch.bfloat16
+    assert resolved({"dtype": "float16"}).kv_cache_dtype is torch.float16
+
+
+def test_quantizer_kv_dtype_against_kernel_names_both():
+    strict = comp(
+        "bf16-only", "attention", dist="lmstack-bf16", capabilities={"kv_cache_dtypes": ("bfloat16",)}
+    )
+    msg = conflict({"quant": "fp8", "attention": "bf16-only"}, FP8, strict)
+    assert "prefill kernel 'bf16-only' (lmstack-bf16 1.0)" in msg
+    assert "quantizer 'fp8' (lmstack-fp8 1.0)" in msg
+    assert "quant.kv_cache" in msg  # the way out
+    assert "installed ones that fit: torch" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# Capability conflicts: each names both sides and the way out
+# ---------------------------------------------------------------------------------------------
+
+
+def test_device_conflict():
+    gpu = comp("flash", "attention", dist="lmstack-flash-attention", capabilities={"devices": ("cuda",)})
+    msg = conflict({"attention": {"prefill": "flash"}}, gpu)
+    assert "prefill kernel 'flash' (lmstack-flash-attention 1.0) runs on cuda only" in msg
+    assert "device: cpu" in msg and "attention.prefill" in msg and "torch" in msg
+
+
+def test_model_dtype_conflict():
+    fp16 = comp("fp16-kernel", "attention", capabilities={"dtypes": ("float16",)})
+    msg = conflict({"attention": "fp16-kernel"}, fp16)
+    assert "'fp16-kernel'" in msg and "dtype: bfloat16" in msg and "float16" in msg
+    assert (
+        resolved({"attention": "fp16-kernel", "dtype": "float16"}, fp16).attention_prefill.name
+        == "fp16-kernel"
+    )
+
+
+def test_kernel_used_for_a_phase_it_lacks():
+    decode_only = comp("paged-decode", "attention", capabilities={"phases": ("decode",)})
+    assert (
+        resolved({"attention": {"decode": "paged-decode"}}, decode_only).attention_decode.name
+        == "paged-decode"
+    )
+    msg = conflict({"attention": "paged-decode"}, decode_only)
+    assert "'paged-decode'" in msg and "handles only decode" in msg and "attention.prefill" in msg
+
+
+def test_chunked_prefill_needs_a_kernel_with_chunked_context():
+    naive = comp("naive", "attention", dist="lmstack-naive", capabilities={"chunked_context": False})
+    msg = conflict({"attention": {"prefill": "naive"}}, naive)
+    assert "scheduler 'continuous' (lmstack-fake 1.0) does chunked prefill" in msg
+    assert "prefill kernel 'naive' (lmstack-naive 1.0)" in msg
+    assert "scheduler.chunked_prefill: false" in msg
+    # Turning chunked prefill off is the way out.
+    r = resolved({"attention": {"prefill": "naive"}, "scheduler": {"chunked_prefill": False}}, naive)
+    assert r.attention_prefill.name == "naive"
+    # The decode kernel never needs it.
+    assert resolved({"attention": {"decode": "naive"}}, naive).attention_decode.name == "naive"
+
+
+def test_any_speculator_needs_chunked_context():
+    naive = comp("naive", "attention", capabilities={"chunked_context": False})
+    ngram = comp("ngram", "speculator", dist="lmstack-ngram", options_type=SpecOptions)
+    stack = {
+        "attention": {"prefill": "naive"},
+        "scheduler": {"chunked_prefill": False},
+        "speculator": "ngram",
+    }
+    msg = conflict(stack, naive, ngram)
+    assert "speculator 'ngram' (lmstack-ngram 1.0)" in msg and "'naive'" in msg and "speculator: none" in msg
+
+
+def test_explicit_requirement_on_another_role():
+    eagle = comp("eagle", "speculator", dist="lmstack-eagle", requires={"scheduler.chunked_prefill": True})
+    assert resolved({"speculator": "eagle"}, eagle).speculator.name == "eagle"
+    msg = conflict({"speculator": "eagle", "scheduler": {"chunked_prefill": False}}, eagle)
+    assert "speculator 'eagle' (lmstack-eagle 1.0) needs a scheduler with chunked_prefill=True" in msg
+    assert "scheduler 'continuous' (lmstack-fake 1.0) has chunked_prefill=False" in msg
+
+
+def test_bare_requirement_and_attention_requirement():
+    # A bare capability name is looked up in the role that declares it (here: attention, and
+    # for chunked_context only the prefill kernel matters).
+    needy = comp("needy", "allocator", requires={"chunked_context": True})
+    naive = comp("naive", "attention", capabilities={"chunked_context": False, "sliding_window": False})
+    stack = {"allocator": "needy", "attention": {"prefill": "naive"}, "scheduler": {"chunked_prefill": False}}
+    msg = conflict(stack, needy, naive)
+    assert "allocator 'needy'" in msg and "prefill kernel 'naive'" in msg and "chunked_context=True" in msg
+    assert resolved({**stack, "attention": {"decode": "naive"}}, needy, naive).allocator.name == "needy"
+
+    windowed = comp("windowed", "quantizer", requires={"attention.sliding_window": True})
+    msg = conflict({"quant": "windowed", "attention": {"decode": "naive"}}, windowed, naive)
+    assert "quantizer 'windowed'" in msg and "decode kernel 'naive'" in msg
+
+
+def test_malformed_requirement_names_the_component():
+    odd = comp("odd", "allocator", dist="lmstack-odd", requires={"frobnicate": True})
+    msg = conflict({"allocator": "odd"}, odd)
+    assert "allocator 'odd' (lmstack-odd 1.0)" in msg and "'frobnicate'" in msg
+
+
+def test_block_size_must_suit_the_kernels():
+    b16 = comp("b16", "attention", capabilities={"block_sizes": (16,)})
+    assert resolved({"attention": "b16"}, b16).block_size == 16
+    msg = conflict({"attention": "b16", "allocator": {"block_size": 32}}, b16)
+    assert "'b16'" in msg and "allocator 'paged'" in msg and "block_size 32" in msg
+
+
+def test_single_layout_rejects_sharding():
+    msg = conflict({"parallel": {"tp": 2}})
+    assert msg.startswith("parallel.tp: tp=2")
+    assert "'single'" in msg and "install a parallel plugin" in msg
+    # tp/pp/ep of 1 are accepted by a layout without options.
+    assert resolved({"parallel": {"tp": 1, "pp": 1, "ep": 1}}).parallel.name == "single"
+
+
+def test_single_layout_with_layout_options_rejects_sharding_too():
+    reg = Registry()
+    for c in BASE[:-1]:
+        reg.add(c)
+    reg.add(comp("single", "parallel", options_type=LayoutOptions))
+    reg.add(comp("tp", "parallel", dist="lmstack-tp", options_type=LayoutOptions))
+    with pytest.raises(ResolutionError, match=r"parallel.ep: ep=4 .*installed layouts: tp"):
+        resolve(load_stack({"parallel": {"ep": 4}}), reg)
+    r = resolve(load_stack({"parallel": {"name": "tp", "tp": 2}}), reg)
+    assert r.parallel.options == LayoutOptions(tp=2)
+
+
+def test_cache_sections_need_a_cache_plugin():
+    msg = conflict({"cache": {"prefix": {"name": "prefix"}}})
+    assert msg.startswith("cache.prefix:") and "cache plugin" in msg
+    msg = conflict({"cache": {"tiers": [{"name": "host"}]}})
+    assert msg.startswith("cache.tiers:")
+    assert resolved({"cache": {}}).config.cache == {}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_an_absent_device_is_reported_unless_skipped():
+    msg = conflict({"device": "cuda"})
+    assert "device: cuda is not available" in msg
+    assert resolve(load_stack({"device": "cuda"}), registry(), check_device=False).device.type == "cuda"
+
+
+# ---------------------------------------------------------------------------------------------
+# check_model
+# ---------------------------------------------------------------------------------------------
+
+
+def test_check_model_accepts_a_fitting_model():
+    check_model(resolved({}), model_config())
+
+
+def test_check_model_head_dim():
+    small = comp("small-heads", "attention", dist="lmstack-small", capabilities={"head_dims": (64, 128)})
+    r = resolved({"attention": {"decode": "small-heads"}}, small)
+    check_model(r, model_config(head_dim=64))
+    with pytest.raises(ResolutionError) as info:
+        check_model(r, model_config(head_dim=80))
+    msg = str(info.value)
+    assert (
+        "decode kernel 'small-heads' (lmstack-small 1.0)" in msg and "head_dim 80" in msg and "64, 128" in msg
+    )
+
+
+def test_check_model_sliding_window():
+    no_window = comp("no-window", "attention", capabilities={"sliding_window": False})
+    r = resolved({"attention": "no-window"}, no_window)
+    check_model(r, model_config())
+    with pytest.raises(ResolutionError, match=r"'no-window'.*sliding-window.*4096-token"):
+        check_model(r, model_config(sliding_window=4096))
+
+
+def test_check_model_max_model_len():
+    check_model(resolved({"max_model_len": 512}), model_config())
+    with pytest.raises(ConfigError) as info:
+        check_model(resolved({"max_model_len": 4096}), model_config())
+    assert info.value.path == "max_model_len" and "512" in str(info.value)
+    # RoPE scaling extends the context: allowed.
+    check_model(
+        resolved({"max_model_len": 4096}), model_config(rope_scaling={"rope_type": "linear", "factor": 8.0})
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# With the real built-ins
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_builtin_defaults_resolve(monkeypatch):
+    monkeypatch.setenv("LMSTACK_DISABLE_PLUGIN_AUTOLOAD", "1")
+    r = resolve(load_stack({}), build_registry(make_plugin_manager()))
+    assert {role: s.name for role, s in r.roles().items()} == {
+        "scheduler": "continuous",
+        "allocator": "paged",
+        "attention_prefill": "torch",
+        "attention_decode": "torch",
+        "quantizer": "none",
+        "speculator": "none",
+        "parallel": "single",
+    }
+    assert all(s.component.distribution == "lmstack" for s in r.roles().values())
+    json.dumps(r.describe())
