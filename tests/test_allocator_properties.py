@@ -10,8 +10,11 @@ from lmstack.testing.allocator import check_invariants
 from lmstack.testing.fakes import make_seq
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["add", "step", "fork", "truncate", "abort"]), st.integers(0, 10_000),
-              st.integers(1, 40)),
+    st.tuples(
+        st.sampled_from(["add", "step", "fork", "truncate", "abort"]),
+        st.integers(0, 10_000),
+        st.integers(1, 40),
+    ),
     max_size=120,
 )
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from lmstack import SamplingParams
-from lmstack.engine import LLMEngine
 from lmstack.errors import InvalidRequestError
 from lmstack.interfaces import Speculator
 from lmstack.llm import LLM
@@ -33,8 +32,10 @@ def chat(llm, text):
 
 
 def test_chat_answers_sensibly(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=30))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=30),
+    )[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
     assert "<|im_end|>" not in out.text
@@ -52,15 +53,22 @@ def test_seeded_sampling_is_batch_invariant(llm):
     target = chat(llm, "Tell me a short story about a cat.")
     p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24)
     alone = llm.generate(target, p)[0]
-    others = [chat(llm, q) for q in ["Count to ten.", "Write a poem about rain and wind and the autumn sea.",
-                                      "What is 2 + 2?"]]
-    mixed = llm.generate(others[:2] + [target] + others[2:],
-                         [SamplingParams(temperature=1.0, max_tokens=30)] * 2 + [p]
-                         + [SamplingParams(temperature=0.0, max_tokens=5)])
+    others = [
+        chat(llm, q)
+        for q in ["Count to ten.", "Write a poem about rain and wind and the autumn sea.", "What is 2 + 2?"]
+    ]
+    mixed = llm.generate(
+        others[:2] + [target] + others[2:],
+        [SamplingParams(temperature=1.0, max_tokens=30)] * 2
+        + [p]
+        + [SamplingParams(temperature=0.0, max_tokens=5)],
+    )
     assert mixed[2].text == alone.text
     assert mixed[2].token_ids == alone.token_ids
     # and a different seed gives a different sample (the seed is really used)
-    other = llm.generate(target, SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99, max_tokens=24))[0]
+    other = llm.generate(
+        target, SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99, max_tokens=24)
+    )[0]
     assert other.token_ids != alone.token_ids
 
 
@@ -100,7 +108,9 @@ def test_stop_token_ids_min_tokens_ignore_eos(llm):
     first = base.token_ids[0]
     st = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[first]))[0]
     assert st.token_ids == [first] and st.outputs[0].stop_reason == first
-    forced = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=len(base.token_ids) + 3))[0]
+    forced = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=len(base.token_ids) + 3)
+    )[0]
     assert len(forced.token_ids) >= len(base.token_ids) + 3
     ign = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
     assert len(ign.token_ids) == 12 and ign.finish_reason == "length"
@@ -116,8 +126,12 @@ def test_logprobs_and_penalties(llm):
         assert len(lp) <= 4
     prompt = llm.tokenizer.encode("apple apple apple apple apple")
     plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0].token_ids
-    penal = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
-                                                frequency_penalty=2.0, presence_penalty=2.0))[0].token_ids
+    penal = llm.generate(
+        prompt,
+        SamplingParams(
+            temperature=0.0, max_tokens=30, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0
+        ),
+    )[0].token_ids
     assert penal != plain
     assert max(penal.count(t) for t in set(penal)) <= max(plain.count(t) for t in set(plain))
 
@@ -132,11 +146,14 @@ def test_per_sequence_logits_processor_and_allowed_tokens(llm):
         logits[allowed] = float("-inf")
         return logits
 
-    a, b, c = llm.generate([prompt] * 3, [
-        SamplingParams(temperature=0.0, max_tokens=6, allowed_token_ids=allowed),
-        SamplingParams(temperature=0.0, max_tokens=6),
-        SamplingParams(temperature=0.0, max_tokens=6, logits_processors=[ban_common]),
-    ])
+    a, b, c = llm.generate(
+        [prompt] * 3,
+        [
+            SamplingParams(temperature=0.0, max_tokens=6, allowed_token_ids=allowed),
+            SamplingParams(temperature=0.0, max_tokens=6),
+            SamplingParams(temperature=0.0, max_tokens=6, logits_processors=[ban_common]),
+        ],
+    )
     assert set(a.token_ids) <= set(allowed)
     plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6))[0]
     assert b.token_ids == plain.token_ids, "other sequences in the batch are untouched"
@@ -164,11 +181,19 @@ def test_abort_frees_blocks_and_others_continue(llm):
 
 @pytest.mark.parametrize(
     ("kwargs", "param"),
-    [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-     ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"top_k": -5}, "top_k"),
-     ({"min_p": 2.0}, "min_p"), ({"presence_penalty": 5.0}, "presence_penalty"),
-     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"logprobs": 50}, "logprobs"),
-     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")],
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"presence_penalty": 5.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ],
 )
 def test_invalid_sampling_values_name_the_field(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
@@ -289,14 +314,18 @@ def test_async_engine_streams_and_aborts():
             deltas.append(out.outputs[0].text_delta)
             final = out
         assert final.finished and "".join(deltas) == final.outputs[0].text
-        gen = await engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        gen = await engine.add_request(
+            prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        )
         async for _ in gen:
             break  # client goes away
         await gen.aclose()
         for _ in range(100):
             await asyncio.sleep(0.05)
-            if engine.engine.allocator.num_free_blocks() == engine.engine.allocator.num_blocks \
-                    and not engine.engine.requests:
+            if (
+                engine.engine.allocator.num_free_blocks() == engine.engine.allocator.num_blocks
+                and not engine.engine.requests
+            ):
                 break
         assert engine.engine.allocator.num_free_blocks() == engine.engine.allocator.num_blocks
 
@@ -313,9 +342,11 @@ def test_sampler_rows_do_not_interact():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
     s = Sampler(50)
-    rows = [SampleRow(SamplingParams(temperature=0.7, seed=5, repetition_penalty=1.5), [1, 2, 3], 2, 0),
-            SampleRow(SamplingParams(temperature=0.0), [4], 1, 0),
-            SampleRow(SamplingParams(temperature=1.2, seed=6, top_k=5, min_p=0.1), [7, 8], 1, 0)]
+    rows = [
+        SampleRow(SamplingParams(temperature=0.7, seed=5, repetition_penalty=1.5), [1, 2, 3], 2, 0),
+        SampleRow(SamplingParams(temperature=0.0), [4], 1, 0),
+        SampleRow(SamplingParams(temperature=1.2, seed=6, top_k=5, min_p=0.1), [7, 8], 1, 0),
+    ]
     together = [x.token_id for x in s.sample(logits, rows)]
     alone = [s.sample(logits[i : i + 1], [rows[i]])[0].token_id for i in range(3)]
     assert together == alone

@@ -91,3 +91,52 @@ def test_waiting_order_keys():
 
     shortest = PriorityScheduler(PriorityOptions(policy="shortest-first"), allocator=None, limits=limits)  # type: ignore[arg-type]
     assert sorted(seqs, key=shortest.waiting_order_key) == [short, late_high, early_low, unbounded]
+
+
+# --- the plugin against the core's conformance kit and on the real engine ------------------------
+
+from lmstack.testing import SchedulerConformance  # noqa: E402
+
+
+class TestPriorityConformance(SchedulerConformance):
+    @pytest.fixture(params=["priority", "shortest-first"])
+    def make_scheduler(self, request):
+        from lmstack_priority_scheduler import PriorityOptions, PriorityScheduler
+
+        return lambda alloc, limits, **opts: PriorityScheduler(
+            PriorityOptions(policy=request.param, **opts), alloc, limits
+        )
+
+
+def _finish_order(scheduler: dict, jobs: list[tuple[int, int]]) -> list[int]:
+    """Run prompts (priority, max_tokens) one at a time on the real model; return the job
+    indices in the order they finished."""
+    from lmstack import SamplingParams
+    from lmstack.engine import LLMEngine
+
+    engine = LLMEngine(
+        {
+            "model": "smollm2-135m-instruct",
+            "dtype": "bfloat16",
+            "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": 256, **scheduler},
+            "allocator": {"name": "paged", "num_blocks": 64},
+        }
+    )
+    prompt = engine.tokenizer.encode("Once upon a time")
+    ids = {}
+    for i, (prio, max_tokens) in enumerate(jobs):
+        rid = engine.add_request(
+            prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), priority=prio
+        )
+        ids[rid] = i
+    order = []
+    while engine.has_unfinished():
+        order += [ids[o.request_id] for o in engine.step() if o.finished]
+    return order
+
+
+def test_selected_from_yaml_changes_finishing_order(only_priority):
+    jobs = [(5, 6), (1, 4), (3, 2), (0, 3)]  # (priority, max_tokens), submitted in this order
+    assert _finish_order({"name": "continuous"}, jobs) == [0, 1, 2, 3]  # FCFS
+    assert _finish_order({"name": "priority"}, jobs) == [3, 1, 2, 0]  # lowest priority value first
+    assert _finish_order({"name": "priority", "policy": "shortest-first"}, jobs) == [2, 3, 1, 0]

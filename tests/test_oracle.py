@@ -23,7 +23,8 @@ QUESTIONS = [
     "List three prime numbers.",
     "Explain in one sentence why the sky is blue.",
     "Translate 'good morning' into Spanish and German.",
-    "Summarise this text in one sentence: " + " ".join(
+    "Summarise this text in one sentence: "
+    + " ".join(
         f"Paragraph {i}: the committee met again to discuss the budget, the roads and the schools."
         for i in range(8)
     ),
@@ -32,9 +33,12 @@ MAX_NEW = 20
 
 
 def _stack(dtype="float32", **over):
-    stack = {"model": "smollm2-135m-instruct", "dtype": dtype,
-             "scheduler": {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 64},
-             "allocator": {"name": "paged", "block_size": 16, "num_blocks": 256}}
+    stack = {
+        "model": "smollm2-135m-instruct",
+        "dtype": dtype,
+        "scheduler": {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 64},
+        "allocator": {"name": "paged", "block_size": 16, "num_blocks": 256},
+    }
     for k, v in over.items():
         stack[k] = {**stack.get(k, {}), **v}
     return stack
@@ -45,7 +49,9 @@ def prompts(hf_smollm2):
     _, tok = hf_smollm2
     out = [tok.encode(t, add_special_tokens=False) for t in RAW]
     for q in QUESTIONS:
-        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
         out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
     return out
 
@@ -56,9 +62,13 @@ def hf_greedy(hf_smollm2, prompts):
     result = []
     with torch.no_grad():
         for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            result.append(out[0, len(ids):].tolist())
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+            result.append(out[0, len(ids) :].tolist())
     return result
 
 
@@ -118,12 +128,19 @@ def _forward_all(engine: LLMEngine, token_ids: list[int], layers: tuple[int, ...
     seq.token_ids = list(token_ids)
     engine.allocator.allocate(seq, len(token_ids))
     try:
-        meta = AttentionMetadata.build([len(token_ids)], [0], [engine.allocator.block_table(seq)],
-                                       engine.allocator.block_size)
+        meta = AttentionMetadata.build(
+            [len(token_ids)], [0], [engine.allocator.block_table(seq)], engine.allocator.block_size
+        )
         n = len(token_ids)
-        out = engine.executor.execute(ModelInput(
-            input_ids=torch.tensor(token_ids), positions=torch.arange(n), attn=meta,
-            logits_indices=torch.arange(n), hidden_state_layers=layers))
+        out = engine.executor.execute(
+            ModelInput(
+                input_ids=torch.tensor(token_ids),
+                positions=torch.arange(n),
+                attn=meta,
+                logits_indices=torch.arange(n),
+                hidden_state_layers=layers,
+            )
+        )
     finally:
         engine.allocator.free(seq)
     return out
@@ -138,7 +155,9 @@ def test_all_position_logits_and_hidden_states_match_fp32(engine_fp32, hf_smollm
     assert ours.logits.shape == (len(ids), model.config.vocab_size)
     torch.testing.assert_close(ours.logits, ref.logits[0].float(), atol=2e-3, rtol=1e-3)
     for layer in (0, 14):  # HF hidden_states[i + 1] is decoder layer i's output
-        torch.testing.assert_close(ours.hidden_states[layer], ref.hidden_states[layer + 1][0], atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(
+            ours.hidden_states[layer], ref.hidden_states[layer + 1][0], atol=2e-3, rtol=1e-3
+        )
 
 
 # bf16 tolerance against the fp32 reference. bf16 rounding through 30 layers moves logits

@@ -84,16 +84,27 @@ class LLMEngine:
 
         self.quantizer = build(resolved.quantizer)
         self.prefill_backend = build(resolved.attention_prefill)
-        same = (resolved.attention_decode.component is resolved.attention_prefill.component
-                and resolved.attention_decode.options == resolved.attention_prefill.options)
+        same = (
+            resolved.attention_decode.component is resolved.attention_prefill.component
+            and resolved.attention_decode.options == resolved.attention_prefill.options
+        )
         self.decode_backend = self.prefill_backend if same else build(resolved.attention_decode)
         self.parallel = build(resolved.parallel)
         max_pos = min(mc.max_position_embeddings, resolved.config.max_model_len or mc.max_position_embeddings)
-        self.executor = self.parallel.create_executor(ExecutorSpec(
-            model=resolved.model, model_config=mc, dtype=resolved.dtype, device=resolved.device,
-            kv_cache_dtype=resolved.kv_cache_dtype, max_positions=max_pos, quantizer=self.quantizer,
-            prefill=self.prefill_backend, decode=self.decode_backend, stack=resolved,
-        ))
+        self.executor = self.parallel.create_executor(
+            ExecutorSpec(
+                model=resolved.model,
+                model_config=mc,
+                dtype=resolved.dtype,
+                device=resolved.device,
+                kv_cache_dtype=resolved.kv_cache_dtype,
+                max_positions=max_pos,
+                quantizer=self.quantizer,
+                prefill=self.prefill_backend,
+                decode=self.decode_backend,
+                stack=resolved,
+            )
+        )
         self.executor.load_model()
 
         block_size = getattr(resolved.allocator.options, "block_size", 16)
@@ -118,7 +129,9 @@ class LLMEngine:
         self._req_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self._eos = frozenset(mc.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
-        self.stats = EngineStats(0, 0, 0.0, self.allocator.num_blocks, self.allocator.num_blocks, 0, 0, 0, 0, 0)
+        self.stats = EngineStats(
+            0, 0, 0.0, self.allocator.num_blocks, self.allocator.num_blocks, 0, 0, 0, 0, 0
+        )
         self.pm.hook.lmstack_engine_started(engine=self)
 
     # --- requests --------------------------------------------------------------------------
@@ -149,17 +162,22 @@ class LLMEngine:
             vocab = self.model_config.vocab_size
             bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
             if bad is not None:
-                raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})",
-                                          param="prompt")
+                raise InvalidRequestError(
+                    f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt"
+                )
         limit = self.max_model_len
         if len(ids) >= limit:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; this model's context is {limit} tokens, which must also hold "
-                "at least one output token", param="prompt")
+                "at least one output token",
+                param="prompt",
+            )
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             raise InvalidRequestError(
                 f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds the context "
-                f"length {limit}; lower max_tokens to at most {limit - len(ids)}", param="max_tokens")
+                f"length {limit}; lower max_tokens to at most {limit - len(ids)}",
+                param="max_tokens",
+            )
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
@@ -181,8 +199,11 @@ class LLMEngine:
     def _new_seq(self, req: Request, token_ids: list[int], index: int) -> Sequence:
         seq = Sequence(next(self._seq_ids), req, token_ids, index=index)
         req.seqs.append(seq)
-        self._states[seq.seq_id] = _SeqState(IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, skip_special_tokens=req.params.skip_special_tokens))
+        self._states[seq.seq_id] = _SeqState(
+            IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, skip_special_tokens=req.params.skip_special_tokens
+            )
+        )
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -232,7 +253,11 @@ class LLMEngine:
     def _propose_drafts(self) -> None:
         if not self.speculator.num_draft_tokens:
             return
-        decoding = [s for s in getattr(self.scheduler, "running", []) if not s.is_prefill and s.num_uncomputed_tokens == 1]
+        decoding = [
+            s
+            for s in getattr(self.scheduler, "running", [])
+            if not s.is_prefill and s.num_uncomputed_tokens == 1
+        ]
         if not decoding:
             return
         proposals = self.speculator.propose(decoding)
@@ -246,7 +271,9 @@ class LLMEngine:
         mt = seq.request.params.max_tokens
         return mt if mt is not None else self.max_model_len - seq.prompt_len
 
-    def _prepare(self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> tuple[list[_StepRow], ModelInput]:
+    def _prepare(
+        self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]
+    ) -> tuple[list[_StepRow], ModelInput]:
         # Decodes (query length 1) first, so kernels can split the batch.
         order = sorted(scheduled, key=lambda s: s.num_tokens != 1)
         ids: list[int] = []
@@ -319,7 +346,9 @@ class LLMEngine:
         accepted: list[Sampled] = []
         for j in range(len(row.drafts) + 1):
             sample_row = self._row(seq, [s.token_id for s in accepted])
-            lg = self.sampler.process(logits[row.logits_index + j : row.logits_index + j + 1], [sample_row])[0]
+            lg = self.sampler.process(logits[row.logits_index + j : row.logits_index + j + 1], [sample_row])[
+                0
+            ]
             if j == len(row.drafts):
                 accepted.append(self.sampler.sample(lg[None], [sample_row])[0])
                 break
@@ -328,8 +357,13 @@ class LLMEngine:
             if seq.request.params.greedy:
                 ok = bool(p[draft] > 0)
             else:
-                gen = torch.Generator().manual_seed(hash((seq.request.params.seed, seq.index, seq.num_output_tokens + j)) & 0x7FFFFFFF) \
-                    if seq.request.params.seed is not None else self.sampler.generator
+                gen = (
+                    torch.Generator().manual_seed(
+                        hash((seq.request.params.seed, seq.index, seq.num_output_tokens + j)) & 0x7FFFFFFF
+                    )
+                    if seq.request.params.seed is not None
+                    else self.sampler.generator
+                )
                 ok = float(torch.rand((), generator=gen)) < float(p[draft])
             if ok:
                 accepted.append(Sampled(draft, float(torch.log_softmax(lg, -1)[draft])))
@@ -338,8 +372,11 @@ class LLMEngine:
             residual[draft] = 0.0
             if residual.sum() <= 0:
                 residual = p
-            tok = int(torch.multinomial(residual / residual.sum(), 1, generator=self.sampler.generator)) \
-                if not seq.request.params.greedy else int(lg.argmax())
+            tok = (
+                int(torch.multinomial(residual / residual.sum(), 1, generator=self.sampler.generator))
+                if not seq.request.params.greedy
+                else int(lg.argmax())
+            )
             accepted.append(Sampled(tok, float(torch.log_softmax(lg, -1)[tok])))
             break
         # The KV of rejected drafts is dropped: the cache holds the tokens before the first
@@ -429,22 +466,35 @@ class LLMEngine:
             out_ids = seq.output_token_ids
             emitted_text = state.emitted_text if state else 0
             emitted_tok = state.emitted_tokens if state else 0
-            outs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(out_ids),
-                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                stop_reason=seq.stop_reason,
-                logprobs=list(seq.logprobs) if req.params.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob,
-                text_delta=text[emitted_text:], token_ids_delta=list(out_ids[emitted_tok:]),
-            ))
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(out_ids),
+                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.logprobs) if req.params.logprobs is not None else None,
+                    cumulative_logprob=seq.cumulative_logprob,
+                    text_delta=text[emitted_text:],
+                    token_ids_delta=list(out_ids[emitted_tok:]),
+                )
+            )
             if state:
                 state.emitted_text, state.emitted_tokens = len(text), len(out_ids)
         outs.sort(key=lambda o: o.index)
         return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=outs, finished=req.is_finished,
-            metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                   req.finished_time, sum(s.num_preemptions for s in req.seqs)),
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=req.is_finished,
+            metrics=RequestMetrics(
+                req.arrival_time,
+                req.first_scheduled_time,
+                req.first_token_time,
+                req.finished_time,
+                sum(s.num_preemptions for s in req.seqs),
+            ),
         )
 
     # --- metrics ---------------------------------------------------------------------------

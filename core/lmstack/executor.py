@@ -43,8 +43,14 @@ class InProcessExecutor(Executor):
         s = self.spec
         weights = open_model_source(s.model).load_weights(torch.float32)
         self.runner = ModelRunner(
-            s.model_config, weights, dtype=s.dtype, device=s.device, quantizer=s.quantizer,
-            prefill=s.prefill, decode=s.decode, kv_cache_dtype=s.kv_cache_dtype,
+            s.model_config,
+            weights,
+            dtype=s.dtype,
+            device=s.device,
+            quantizer=s.quantizer,
+            prefill=s.prefill,
+            decode=s.decode,
+            kv_cache_dtype=s.kv_cache_dtype,
             max_positions=s.max_positions,
         )
 

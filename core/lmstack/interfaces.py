@@ -199,7 +199,11 @@ class AttentionBackend(ABC):
     """
 
     def write_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
         """k, v: [T, Hkv, D]; slot_mapping: [T] int64."""
@@ -208,8 +212,15 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, meta: AttentionMetadata, *, scale: float,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
         """Varlen causal attention for sequences whose query length may exceed 1; each query
@@ -219,8 +230,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, *, scale: float, sliding_window: int | None,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None,
     ) -> torch.Tensor:
         """One query token per sequence attending to its `seq_lens` cached tokens.
         q: [B, Hq, D]. Returns [B, Hq, D]."""

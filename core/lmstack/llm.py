@@ -30,7 +30,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Prompts as text or token ids; one params for all or one per prompt. Results come back
         in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(prompts)  # type: ignore[arg-type]
         if params is None or isinstance(params, SamplingParams):

@@ -45,7 +45,9 @@ class ForwardContext:
             return self.prefill_backend.prefill(q, k, v, k_cache, v_cache, meta, **kw)
         out = torch.empty_like(q)
         out[:nd] = self.decode_backend.decode(q[:nd], k_cache, v_cache, self.decode_meta, **kw)
-        out[nd:] = self.prefill_backend.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, self.prefill_meta, **kw)
+        out[nd:] = self.prefill_backend.prefill(
+            q[nd:], k[nd:], v[nd:], k_cache, v_cache, self.prefill_meta, **kw
+        )
         return out
 
 
@@ -74,9 +76,11 @@ class ModelRunner:
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         with torch.device(device):
-            model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+            model.rope = RotaryEmbedding(
+                config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+            )
         model.load_hf_weights(weights)
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(dtype)
         quantizer.process_model(model)
@@ -108,7 +112,11 @@ class ModelRunner:
                 k_cache[dst] = k_cache[src]
                 v_cache[dst] = v_cache[src]
         ctx = ForwardContext(
-            inp.attn, self.kv_caches, self.prefill_backend, self.decode_backend, self.scale,
+            inp.attn,
+            self.kv_caches,
+            self.prefill_backend,
+            self.decode_backend,
+            self.scale,
             self.config.sliding_window,
         )
         logits, hidden = self.model(

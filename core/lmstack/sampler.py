@@ -100,9 +100,14 @@ class Sampler:
         logits = logits.float().clone()
         for i, row in enumerate(rows):
             p = row.params
-            if (p.logits_processors or p.allowed_token_ids is not None or p.repetition_penalty != 1.0
-                    or p.presence_penalty or p.frequency_penalty
-                    or (row.num_output < p.min_tokens and row.stop_ids)):
+            if (
+                p.logits_processors
+                or p.allowed_token_ids is not None
+                or p.repetition_penalty != 1.0
+                or p.presence_penalty
+                or p.frequency_penalty
+                or (row.num_output < p.min_tokens and row.stop_ids)
+            ):
                 logits[i] = self._process_row(logits[i], row)
         return logits
 
@@ -122,8 +127,11 @@ class Sampler:
         for i, row in enumerate(rows):
             p = row.params
             tok = greedy[i] if p.greedy else self._draw(self._filter(logits[i], p), row)
-            out.append(self._with_logprobs(tok, logprobs[i] if logprobs is not None and need_lp[i] else None,
-                                           p.logprobs or 0))
+            out.append(
+                self._with_logprobs(
+                    tok, logprobs[i] if logprobs is not None and need_lp[i] else None, p.logprobs or 0
+                )
+            )
         return out
 
     @staticmethod

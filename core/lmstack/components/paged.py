@@ -172,8 +172,11 @@ class PagedAllocator(KVAllocator):
         bs = self.block_size
         while len(hashes) < num_tokens // bs and len(hashes) < len(table):
             i = len(hashes)
-            h = hash_block(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]),
-                           self._extra_keys(seq))
+            h = hash_block(
+                hashes[-1] if hashes else None,
+                tuple(seq.token_ids[i * bs : (i + 1) * bs]),
+                self._extra_keys(seq),
+            )
             hashes.append(h)
             block = table[i]
             if self._hash_of_block.get(block) != h:
@@ -195,8 +198,11 @@ class PagedAllocator(KVAllocator):
         table: list[int] = []
         hashes: list[int] = []
         for i in range(max_blocks):
-            h = hash_block(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]),
-                           self._extra_keys(seq))
+            h = hash_block(
+                hashes[-1] if hashes else None,
+                tuple(seq.token_ids[i * bs : (i + 1) * bs]),
+                self._extra_keys(seq),
+            )
             block = self.block_cache.lookup(h)
             if block is None or self._hash_of_block.get(block) != h:
                 break

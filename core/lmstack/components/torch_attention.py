@@ -20,9 +20,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[block_table[:n_blocks].long()].flatten(0, 1)[:length]
 
 
-def causal_mask(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None
-) -> torch.Tensor:
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
     """[..., Lq, Lk] bool, True = attend. A query sees keys at or before its position, and with a
     window W only the last W of them (itself included)."""
     diff = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
@@ -41,8 +39,9 @@ class TorchAttention(AttentionBackend):
             qi = q[s:e].transpose(0, 1)  # [Hq, ql, D]
             if ctx == 0 and sliding_window is None:
                 ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
-                oi = F.scaled_dot_product_attention(qi, ki.to(q.dtype), vi.to(q.dtype), is_causal=True,
-                                                    scale=scale, enable_gqa=True)
+                oi = F.scaled_dot_product_attention(
+                    qi, ki.to(q.dtype), vi.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True
+                )
             else:
                 total = ctx + ql
                 ki = gather_kv(k_cache, meta.block_tables[i], total).transpose(0, 1).to(q.dtype)
@@ -75,7 +74,9 @@ class TorchAttention(AttentionBackend):
         values = v_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2)
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
         return out.squeeze(2)
 
 

@@ -12,7 +12,11 @@ from lmstack.batch import AttentionMetadata
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_len: int,
+    scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One sequence, dense, fp32. q [Lq, Hq, D] at positions context_len.. ; k, v [L, Hkv, D]
@@ -79,7 +83,9 @@ class AttentionConformance:
             qs.append(torch.randn(ql, hq, head_dim, device=dev).to(dtype))
             ks.append(k[c:])
             vs.append(v[c:])
-        meta = AttentionMetadata.build([q for _, q in spans], [c for c, _ in spans], tables, block_size, device=dev)
+        meta = AttentionMetadata.build(
+            [q for _, q in spans], [c for c, _ in spans], tables, block_size, device=dev
+        )
         return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, dense, qs
 
     def _check(self, out, qs, dense, spans, scale, dtype, window=None):
@@ -91,7 +97,9 @@ class AttentionConformance:
         for i, ((c, _), (k, v)) in enumerate(zip(spans, dense, strict=True)):
             ref = reference_attention(qs[i], k, v, c, scale, window)
             err = rel_error(out[starts[i] : starts[i + 1]].cpu(), ref.cpu())
-            assert err < self.tolerance[dtype], f"seq {i} (context {c}, query {qs[i].shape[0]}): rel error {err:.2e}"
+            assert err < self.tolerance[dtype], (
+                f"seq {i} (context {c}, query {qs[i].shape[0]}): rel error {err:.2e}"
+            )
 
     def _cases(self):
         for dtype in self.dtypes:

@@ -54,9 +54,9 @@ def simulate(
             assert item.num_tokens >= 1
             assert seq.status is SequenceStatus.RUNNING
             assert item.num_tokens <= seq.num_uncomputed_tokens + len(seq.draft_token_ids)
-            assert len(alloc.block_table(seq)) * alloc.block_size >= seq.num_computed_tokens + item.num_tokens, (
-                "scheduled tokens without KV slots"
-            )
+            assert (
+                len(alloc.block_table(seq)) * alloc.block_size >= seq.num_computed_tokens + item.num_tokens
+            ), "scheduled tokens without KV slots"
         for s in out.preempted:
             assert s.num_computed_tokens == 0 and not alloc.block_table(s)
         check_invariants(alloc, [s for s in live if s.status is SequenceStatus.RUNNING])
@@ -100,7 +100,9 @@ class SchedulerConformance:
 
     def test_all_requests_finish_within_limits(self, make_scheduler, make_allocator):
         alloc, limits, sched = self._setup(make_scheduler, make_allocator)
-        seqs = [make_seq(p, m) for p, m in [(5, 3), (40, 5), (1, 9), (17, 2), (33, 4), (8, 8), (2, 1), (60, 3)]]
+        seqs = [
+            make_seq(p, m) for p, m in [(5, 3), (40, 5), (1, 9), (17, 2), (33, 4), (8, 8), (2, 1), (60, 3)]
+        ]
         done = simulate(sched, alloc, seqs, limits=limits)
         assert sorted(s.seq_id for s in done) == sorted(s.seq_id for s in seqs)
         assert all(s.num_output_tokens == s.request.params.max_tokens for s in done)
@@ -123,7 +125,9 @@ class SchedulerConformance:
         assert 0 < by_id.get(long.seq_id, 0) < 50, "the long prompt must be split into chunks"
 
     def test_preemption_when_blocks_run_out(self, make_scheduler, make_allocator):
-        alloc, limits, sched = self._setup(make_scheduler, make_allocator, blocks=12, bs=4, tokens=64, model_len=48)
+        alloc, limits, sched = self._setup(
+            make_scheduler, make_allocator, blocks=12, bs=4, tokens=64, model_len=48
+        )
         seqs = [make_seq(10, 14) for _ in range(4)]  # 4 x 24 tokens = 24 blocks > 12
         done = simulate(sched, alloc, seqs, limits=limits)
         assert len(done) == 4
@@ -133,7 +137,9 @@ class SchedulerConformance:
         alloc, limits, sched = self._setup(make_scheduler, make_allocator)
         first = [make_seq(12, 6) for _ in range(3)]
         late = [make_seq(7, 4) for _ in range(3)]
-        done = simulate(sched, alloc, first, limits=limits, arrivals={2: late}, abort_at={3: [first[1], late[0]]})
+        done = simulate(
+            sched, alloc, first, limits=limits, arrivals={2: late}, abort_at={3: [first[1], late[0]]}
+        )
         reasons = {s.seq_id: s.finish_reason for s in done}
         assert reasons[first[1].seq_id] is FinishReason.ABORT
         assert reasons[late[0].seq_id] is FinishReason.ABORT
