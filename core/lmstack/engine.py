@@ -438,8 +438,10 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.draft_token_ids = []
         self.scheduler.finish(seq)
-        if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
-            seq.output_text = self._states[seq.seq_id].detok.text
+        if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
+            detok = self._states[seq.seq_id].detok
+            detok.flush()  # a character cut off mid-bytes shows as U+FFFD, as in a full decode
+            seq.output_text = detok.text
         key = reason.value
         self.stats.finished_by_reason[key] = self.stats.finished_by_reason.get(key, 0) + 1
 

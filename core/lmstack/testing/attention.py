@@ -134,6 +134,14 @@ class AttentionConformance:
             out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
             self._check(out, qs, dense, spans, hd**-0.5, dtype)
 
+    def test_decode_single_sequence(self, backend):
+        rng = random.Random()
+        for dtype, hd, bs, ratio in self._cases():
+            spans = [(rng.randint(0, self.max_len), 1)]
+            q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+            out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
+            self._check(out, qs, dense, spans, hd**-0.5, dtype)
+
     def test_sliding_window(self, backend):
         if not self.sliding_window:
             pytest.skip("backend declares no sliding-window support")
