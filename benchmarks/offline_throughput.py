@@ -316,7 +316,7 @@ def lmstack_worker(phase: str, w: dict[str, Any]) -> dict[str, Any]:
     res["num_kv_blocks"] = engine.allocator.num_blocks
     try:
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        rids = [engine.add_request(p[:16], warm) for p in w["prompts"][:2]]
+        rids = [engine.add_request(p, warm) for p in _warmup_prompts(w)]
         _lmstack_steps_until_done(engine, rids, max_steps=1000)
         res["rss_after_load_mib"] = _mib(_rss_bytes())
 
@@ -389,6 +389,12 @@ def lmstack_worker(phase: str, w: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def _warmup_prompts(w: dict[str, Any]) -> list[list[int]]:
+    """The shortest and the longest prompt: a short generate that still meets the largest prefill."""
+    by_len = sorted(w["prompts"], key=len)
+    return [by_len[0], by_len[-1]] if len(by_len) > 1 else by_len
+
+
 def _decode_run(times: list[float], start: float) -> dict[str, Any]:
     if len(times) < 2:
         raise RuntimeError(f"decode produced {len(times)} token(s); need at least 2 to time decoding")
@@ -449,7 +455,13 @@ def hf_worker(phase: str, w: dict[str, Any]) -> dict[str, Any]:
             )
         return out[:, enc["input_ids"].shape[1] :]
 
-    generate([p[:16] for p in w["prompts"][:2]], 4)  # warm-up
+    generate(_warmup_prompts(w), 4)
+    lin = model.model.layers[0].self_attn.q_proj
+    res["model_info"] = {  # what the peer really runs (transformers may keep GGUF weights packed)
+        "linear_class": f"{type(lin).__module__}.{type(lin).__qualname__}",
+        "weight_dtype": str(lin.weight.dtype),
+        "attn_implementation": model.config._attn_implementation,
+    }
     res["rss_after_load_mib"] = _mib(_rss_bytes())
 
     if phase == "throughput":
@@ -582,7 +594,9 @@ class BenchError(Exception):
     pass
 
 
-def run_child(system: str, phase: str, workload: Path, tmp: Path, timeout: float) -> dict[str, Any]:
+def run_child(
+    system: str, phase: str, workload: Path, tmp: Path, timeout: float, verbose: bool = False
+) -> dict[str, Any]:
     result = tmp / f"{system}-{phase}.json"
     cmd = [
         sys.executable, str(Path(__file__).resolve()), "--worker", system, "--phase", phase,
@@ -611,8 +625,10 @@ def run_child(system: str, phase: str, workload: Path, tmp: Path, timeout: float
         with contextlib.suppress(json.JSONDecodeError):
             data = json.loads(result.read_text())
     if "error" in data:
-        _log(data.get("traceback", ""))
-        raise BenchError(f"{LABEL[system]} {phase} worker failed: {data['error']}")
+        if verbose:
+            _log(data.get("traceback", ""))
+        hint = "" if verbose else " (--verbose shows the worker's traceback)"
+        raise BenchError(f"{LABEL[system]} {phase} worker failed: {data['error']}{hint}")
     if rc != 0 or not data:
         if rc < 0:
             why = f"signal {-rc}" + (" (killed: out of memory?)" if rc == -signal.SIGKILL else "")
@@ -789,7 +805,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         f"phase peak RSS (MiB): lmstack {mem['lmstack_throughput']['phase_peak_rss_mib']:.0f} / "
         f"HF {mem['hf_throughput']['phase_peak_rss_mib']:.0f} (a), "
         f"{mem['lmstack_decode']['phase_peak_rss_mib']:.0f} / {mem['hf_decode']['phase_peak_rss_mib']:.0f} (b)\n"
-        f"{report['date']}  {m['cpu_model']}  {m['cpus_usable']} CPUs  torch {m['torch']}  "
+        f"{report['date']}  {m['cpu_model']}  {m['cpus_usable']} CPUs  load avg {m['loadavg_before'][0]:.1f}  "
+        f"torch {m['torch']}  "
         f"transformers {m['transformers']}  bf16{'  QUICK SMOKE RUN' if report['quick'] else ''}"
     )
     fig.text(0.5, 0.01, foot, ha="center", va="bottom", fontsize=8)
@@ -814,6 +831,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="batch-1 decode repeats; the median is reported")
     p.add_argument("--throughput-repeats", type=int, default=1, help="repeats of (a); the median is reported")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths and texts")
+    p.add_argument("-v", "--verbose", action="store_true", help="show a failing worker's traceback")
     p.add_argument("--worker-timeout", type=float, default=3600.0, help="seconds each worker may run")
     # Internal: one worker subprocess.
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -891,7 +909,9 @@ def main(argv: list[str] | None = None) -> int:
             wpath.write_text(json.dumps(workload))
             for phase in PHASES:
                 for system in SYSTEMS:
-                    results[system, phase] = run_child(system, phase, wpath, tmp, args.worker_timeout)
+                    results[system, phase] = run_child(
+                        system, phase, wpath, tmp, args.worker_timeout, args.verbose
+                    )
         finished = dt.datetime.now().astimezone()
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -931,6 +951,7 @@ def main(argv: list[str] | None = None) -> int:
                 "do_sample": False,
                 "max_new_tokens": args.output_tokens,
                 "min_new_tokens": args.output_tokens,
+                "model_info": results["hf", "throughput"].get("model_info"),
             },
             "lmstack_sampling": {"temperature": 0.0, "max_tokens": args.output_tokens, "ignore_eos": True},
             "num_prompts": len(prompt_lens),

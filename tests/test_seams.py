@@ -187,3 +187,46 @@ def test_hf_folder_models_match_transformers(tmp_path, hf_smollm2, cfg_kw):
         logits = ref(torch.tensor([prompt])).logits[0, -1]
     assert ours == out[0, len(prompt) :].tolist()
     assert logits.std() > 0.5, "the random model should not be degenerate"
+
+
+class ReplicaLayout:
+    """A test parallel layout: two worker processes over torch.distributed (gloo), each with a
+    full replica — the executor seam a TP / PP / EP plugin builds on."""
+
+    def create_executor(self, spec):
+        from lmstack.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(spec, world_size=2)
+
+
+class ReplicaPlugin:
+    @hookimpl
+    def lmstack_register_parallel(self, register):
+        register(Component(name="replicas", kind="parallel", factory=lambda o, c: ReplicaLayout()))
+
+
+def test_executor_runs_worker_processes_over_torch_distributed():
+    stack = {"model": "smollm2-135m-instruct", "dtype": "float32", "allocator": {"num_blocks": 64}}
+    prompt_msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    p = SamplingParams(temperature=0.0, max_tokens=10)
+    single = LLMEngine(stack)
+    expected_rid = single.add_request(single.tokenizer.encode_chat(prompt_msgs), p)
+    expected = None
+    while single.has_unfinished():
+        for o in single.step():
+            if o.request_id == expected_rid and o.finished:
+                expected = o.token_ids
+    pm = make_plugin_manager(autoload=False, extra_plugins=[ReplicaPlugin()])
+    multi = LLMEngine({**stack, "parallel": {"name": "replicas"}}, plugin_manager=pm)
+    try:
+        assert multi.executor.world_size == 2 and all(p.is_alive() for p in multi.executor._procs)
+        rid = multi.add_request(multi.tokenizer.encode_chat(prompt_msgs), p)
+        got = None
+        while multi.has_unfinished():
+            for o in multi.step():
+                if o.request_id == rid and o.finished:
+                    got = o.token_ids
+        assert got == expected
+    finally:
+        multi.shutdown()
+    assert not multi.executor._procs

@@ -97,9 +97,10 @@ class TorchAttention(AttentionBackend):
                 mask = causal_mask(q_pos, k_pos, sliding_window).view(b, 1, 1, length)
             memo = meta.scratch["torch.decode"] = (tables, mask, length)
         tables, mask, length = memo
-        # [B, L, Hkv, D] -> [B, Hkv, L, D]
-        keys = k_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2).to(q.dtype)
-        values = v_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2).to(q.dtype)
+        # [B, L, Hkv, D] -> [B, Hkv, L, D], made contiguous: CPU batched matmuls over strided
+        # operands measured 2x slower than the extra copy.
+        keys = k_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2).contiguous().to(q.dtype)
+        values = v_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2).contiguous().to(q.dtype)
         out = grouped_attention(q.view(b, hkv, hq // hkv, d), keys, values, mask, scale)
         return out.reshape(b, hq, d)
 
