@@ -8,6 +8,8 @@ in bf16 here, and softmax runs in fp32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lmstack.batch import AttentionMetadata
@@ -82,27 +84,79 @@ class TorchAttention(AttentionBackend):
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window):
         b, hq, d = q.shape
         hkv = k_cache.shape[2]
-        memo = meta.scratch.get("torch.decode")
-        if memo is None:  # the same for every layer of the step
-            block_size = k_cache.shape[1]
-            n_blocks = (meta.max_seq_len + block_size - 1) // block_size
-            tables = meta.block_tables[:, :n_blocks].long()
-            length = n_blocks * block_size
-            if b == 1 and sliding_window is None:
-                # One sequence: cut the gathered slots at its length instead of masking.
-                mask, length = None, meta.seq_lens_cpu[0]
-            else:
-                k_pos = torch.arange(length, device=q.device).expand(b, length)
-                q_pos = (meta.seq_lens.long() - 1).view(b, 1)
-                mask = causal_mask(q_pos, k_pos, sliding_window).view(b, 1, 1, length)
-            memo = meta.scratch["torch.decode"] = (tables, mask, length)
-        tables, mask, length = memo
-        # [B, L, Hkv, D] -> [B, Hkv, L, D], made contiguous: CPU batched matmuls over strided
-        # operands measured 2x slower than the extra copy.
-        keys = k_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2).contiguous().to(q.dtype)
-        values = v_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2).contiguous().to(q.dtype)
-        out = grouped_attention(q.view(b, hkv, hq // hkv, d), keys, values, mask, scale)
+        g = hq // hkv
+        groups = meta.scratch.get("torch.decode")
+        if groups is None:  # the same for every layer of the step
+            groups = meta.scratch["torch.decode"] = _decode_groups(
+                meta, k_cache.shape[1], sliding_window, q.device
+            )
+        # Block-diagonal queries: row (h, g) carries q[h, g] in columns of head h and zeros
+        # elsewhere, so one contiguous matmul against [L, Hkv*D] keys scores every head without
+        # permuting the gathered cache (the permute copy cost more than the 3x extra FLOPs).
+        eye = torch.eye(hkv, dtype=q.dtype, device=q.device).view(1, hkv, 1, hkv, 1)
+        qb = (q.view(b, hkv, g, 1, d) * eye).reshape(b, hkv * g, hkv * d)
+        if len(groups) == 1:
+            return self._decode_group(qb, k_cache, v_cache, groups[0], scale).reshape(b, hq, d)
+        out = torch.empty(b, hkv, g, d, dtype=q.dtype, device=q.device)
+        for group in groups:
+            out[group.rows] = self._decode_group(qb[group.rows], k_cache, v_cache, group, scale)
         return out.reshape(b, hq, d)
+
+    @staticmethod
+    def _decode_group(qb, k_cache, v_cache, group, scale) -> torch.Tensor:
+        """qb [b, Hkv*G, Hkv*D] -> [b, Hkv, G, D] for one group of similar-length sequences."""
+        b, hkv, d = qb.shape[0], k_cache.shape[2], k_cache.shape[3]
+        g = qb.shape[1] // hkv
+        keys = k_cache[group.tables].view(b, -1, hkv * d)[:, : group.length]  # [b, L, Hkv*D]
+        values = v_cache[group.tables].view(b, -1, hkv * d)[:, : group.length]
+        if keys.dtype != qb.dtype:
+            keys, values = keys.to(qb.dtype), values.to(qb.dtype)
+        scores = torch.matmul(qb, keys.transpose(1, 2)).float() * scale  # [b, Hkv*G, L]
+        if group.mask is not None:
+            scores.masked_fill_(~group.mask, float("-inf"))
+        o = torch.matmul(scores.softmax(-1).to(values.dtype), values).view(b, hkv, g, hkv, d)
+        return torch.diagonal(o, dim1=1, dim2=3).permute(0, 3, 1, 2)  # [b, Hkv, G, D]
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor | slice  # which batch rows
+    tables: torch.Tensor  # [b, n_blocks] int64
+    mask: torch.Tensor | None  # [b, 1, L] bool, True = attend
+    length: int  # gathered slots used
+
+
+# Sequences per decode group: gathering pads every sequence to its group's longest, so grouping
+# sequences of similar length cuts the bytes copied (the cost that dominates CPU decode).
+_DECODE_GROUP = 8
+
+
+def _decode_groups(
+    meta: AttentionMetadata, block_size: int, window: int | None, device
+) -> list[_DecodeGroup]:
+    lens = meta.seq_lens_cpu
+    b = len(lens)
+    if b <= _DECODE_GROUP:
+        order = [list(range(b))]
+    else:
+        by_len = sorted(range(b), key=lens.__getitem__)
+        order = [by_len[i : i + _DECODE_GROUP] for i in range(0, b, _DECODE_GROUP)]
+    groups = []
+    for idx in order:
+        longest = max(lens[i] for i in idx)
+        n_blocks = -(-longest // block_size)
+        rows = slice(None) if len(order) == 1 else torch.tensor(idx, device=device)
+        tables = meta.block_tables[rows, :n_blocks].long()
+        if len(idx) == 1 and window is None:
+            # One sequence: cut the gathered slots at its length instead of masking.
+            groups.append(_DecodeGroup(rows, tables, None, longest))
+            continue
+        length = n_blocks * block_size
+        k_pos = torch.arange(length, device=device)
+        q_pos = meta.seq_lens[rows].long().view(-1, 1) - 1
+        mask = causal_mask(q_pos, k_pos.expand(len(idx), length), window)  # [b, 1, L]
+        groups.append(_DecodeGroup(rows, tables, mask, length))
+    return groups
 
 
 def build(options, ctx) -> TorchAttention:

@@ -49,6 +49,7 @@ class AttentionConformance:
     gqa_ratios: tuple[int, ...] = (1, 3, 8)
     num_kv_heads: int = 2
     max_len: int = 200
+    large_decode_batch: int = 40
     device: str = "cpu"
     sliding_window: bool = True
     tolerance = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -130,6 +131,16 @@ class AttentionConformance:
         rng = random.Random()
         for dtype, hd, bs, ratio in self._cases():
             spans = [(rng.randint(0, self.max_len), 1) for _ in range(5)] + [(0, 1)]
+            q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+            out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
+            self._check(out, qs, dense, spans, hd**-0.5, dtype)
+
+    def test_decode_large_batch(self, backend):
+        """Many sequences of mixed lengths in one decode batch (backends may group or split them)."""
+        rng = random.Random()
+        dtype, hd, bs = self.dtypes[0], self.head_dims[0], self.block_sizes[-1]
+        for ratio in self.gqa_ratios:
+            spans = [(rng.randint(0, self.max_len), 1) for _ in range(self.large_decode_batch)]
             q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
             out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
             self._check(out, qs, dense, spans, hd**-0.5, dtype)
