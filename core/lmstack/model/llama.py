@@ -16,7 +16,7 @@ from torch import nn
 
 from lmstack.interfaces import LinearFactory
 from lmstack.model.config import ModelConfig
-from lmstack.model.rope import RotaryEmbedding
+from lmstack.model.rope import RotaryEmbedding, rotate
 
 
 class AttentionFn(Protocol):
@@ -57,15 +57,15 @@ class DecoderLayer(nn.Module):
         self.down_proj = linear(cfg.intermediate_size, h, cfg.mlp_bias, p + "down_proj")
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionFn
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionFn
     ) -> torch.Tensor:
+        """x [T, hidden]; rope: the step's cos / sin tables [T, 1, D/2]."""
         t = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        # Q and K heads sit side by side in the fused projection: rotate them in one go.
+        qk = rotate(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = attn.attend(self.index, q, k, v)
         x = x + self.o_proj(o.reshape(t, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
@@ -101,10 +101,11 @@ class LlamaModel(nn.Module):
         (all rows when None) and the requested layers' outputs at those rows (layer i = output
         of decoder layer i; num_layers = after the final norm)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rope.tables(positions, x.dtype)
         hidden: dict[int, torch.Tensor] = {}
         want = set(hidden_state_layers)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, attn)
+            x = layer(x, rope, attn)
             if layer.index in want:
                 hidden[layer.index] = x if logits_indices is None else x[logits_indices]
         if logits_indices is not None:

@@ -72,16 +72,19 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", freqs.cos() * attn_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * attn_factor, persistent=False)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions: [T, 1, D/2] in `dtype` (once per step, shared by all layers)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, D]; k [T, Hkv, D]."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.tables(positions, q.dtype)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by cos / sin [T, 1, D/2] (rotate-half convention)."""
     x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
