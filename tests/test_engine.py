@@ -351,3 +351,20 @@ def test_sampler_rows_do_not_interact():
     alone = [s.sample(logits[i : i + 1], [rows[i]])[0].token_id for i in range(3)]
     assert together == alone
     assert together[1] == int(logits[1].argmax())
+
+
+def test_failing_logits_processor_ends_only_its_request(llm):
+    def broken(token_ids, logits):
+        raise ValueError("grammar exploded")
+
+    prompt = chat(llm, "Name a planet.")
+    ok, bad = llm.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(temperature=0.0, max_tokens=6),
+            SamplingParams(temperature=0.0, max_tokens=6, logits_processors=[broken]),
+        ],
+    )
+    assert ok.finish_reason in ("stop", "length") and ok.error is None and ok.token_ids
+    assert bad.finish_reason == "abort" and "grammar exploded" in bad.error
+    assert llm.engine.allocator.num_free_blocks() == llm.engine.allocator.num_blocks

@@ -334,9 +334,21 @@ class LLMEngine:
         if not plain:
             return
         idx = torch.tensor([i for _, i in plain], device=logits.device)
-        sampled = self.sampler.sample(logits[idx], [self._row(s) for s, _ in plain])
-        for (seq, _), s in zip(plain, sampled, strict=True):
-            self._append(seq, [s], touched)
+        sample_rows = [self._row(s) for s, _ in plain]
+        sampled = self.sampler.sample(logits[idx], sample_rows)
+        for (seq, _), s, r in zip(plain, sampled, sample_rows, strict=True):
+            if r.error is not None:  # this request's own processor failed: only it ends
+                self._fail(seq, r.error, touched)
+            else:
+                self._append(seq, [s], touched)
+
+    def _fail(self, seq: Sequence, error: str, touched: dict[str, Request]) -> None:
+        req = seq.request
+        req.error = error
+        touched[req.request_id] = req
+        for s in req.seqs:
+            if not s.is_finished:
+                self._finish(s, FinishReason.ABORT)
 
     def _verify(self, row: _StepRow, logits: torch.Tensor, touched: dict[str, Request]) -> None:
         """Lossless verification of a deterministic drafter's tokens (q one-hot): accept draft x
@@ -346,12 +358,14 @@ class LLMEngine:
         accepted: list[Sampled] = []
         for j in range(len(row.drafts) + 1):
             sample_row = self._row(seq, [s.token_id for s in accepted])
-            lg = self.sampler.process(logits[row.logits_index + j : row.logits_index + j + 1], [sample_row])[
-                0
-            ]
-            if j == len(row.drafts):
-                accepted.append(self.sampler.sample(lg[None], [sample_row])[0])
+            raw = logits[row.logits_index + j : row.logits_index + j + 1]
+            if j == len(row.drafts):  # every draft accepted: a bonus token from the target
+                accepted.append(self.sampler.sample(raw, [sample_row])[0])
                 break
+            lg = self.sampler.process(raw, [sample_row])[0]
+            if sample_row.error is not None:
+                self._fail(seq, sample_row.error, touched)
+                return
             draft = row.drafts[j]
             p = self.sampler.probs(lg, seq.request.params)
             if seq.request.params.greedy:
@@ -490,6 +504,7 @@ class LLMEngine:
             prompt_token_ids=req.prompt_token_ids,
             outputs=outs,
             finished=req.is_finished,
+            error=req.error,
             metrics=RequestMetrics(
                 req.arrival_time,
                 req.first_scheduled_time,

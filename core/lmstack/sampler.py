@@ -23,6 +23,7 @@ class SampleRow:
     prompt_len: int
     sample_index: int  # which of the request's n samples (seeds differ per sample)
     stop_ids: frozenset[int] = frozenset()  # masked while fewer than min_tokens were produced
+    error: str | None = None  # set when this row's own processing failed
 
     @property
     def num_output(self) -> int:
@@ -108,7 +109,10 @@ class Sampler:
                 or p.frequency_penalty
                 or (row.num_output < p.min_tokens and row.stop_ids)
             ):
-                logits[i] = self._process_row(logits[i], row)
+                try:
+                    logits[i] = self._process_row(logits[i], row)
+                except Exception as exc:  # a user-supplied processor must not fail the batch
+                    row.error = f"logits processor failed: {type(exc).__name__}: {exc}"
         return logits
 
     def probs(self, logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:

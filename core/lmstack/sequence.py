@@ -98,6 +98,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None  # why the engine aborted it (a failing logits processor, ...)
 
     @property
     def prompt_len(self) -> int:
