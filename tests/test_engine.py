@@ -215,6 +215,9 @@ def test_prompt_and_max_tokens_past_the_context(llm):
     assert e.value.param == "prompt"
     with pytest.raises(InvalidRequestError):
         eng.add_request([10**9], SamplingParams())
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request([1, 2], SamplingParams(n=eng.limits.max_num_seqs + 1))
+    assert e.value.param == "n"
     # the engine is unharmed
     assert llm.generate(chat(llm, "Hi"), SamplingParams(temperature=0.0, max_tokens=3))[0].token_ids
 

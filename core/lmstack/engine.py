@@ -178,6 +178,10 @@ class LLMEngine:
                 f"length {limit}; lower max_tokens to at most {limit - len(ids)}",
                 param="max_tokens",
             )
+        if params.n > self.limits.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} exceeds the scheduler's max_num_seqs ({self.limits.max_num_seqs})", param="n"
+            )
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")

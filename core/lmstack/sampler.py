@@ -45,6 +45,18 @@ def _seed_for(row: SampleRow) -> int:
     return (row.params.seed * 1_000_003 + row.sample_index * 7_919 + row.num_output) % (2**63 - 1)
 
 
+def _needs_processing(row: SampleRow) -> bool:
+    p = row.params
+    return bool(
+        p.logits_processors
+        or p.allowed_token_ids is not None
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+        or (row.num_output < p.min_tokens and row.stop_ids)
+    )
+
+
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0) -> None:
         self.vocab_size = vocab_size
@@ -98,21 +110,16 @@ class Sampler:
 
     def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The logits each row samples from (processors, masks and penalties applied)."""
-        logits = logits.float().clone()
-        for i, row in enumerate(rows):
-            p = row.params
-            if (
-                p.logits_processors
-                or p.allowed_token_ids is not None
-                or p.repetition_penalty != 1.0
-                or p.presence_penalty
-                or p.frequency_penalty
-                or (row.num_output < p.min_tokens and row.stop_ids)
-            ):
-                try:
-                    logits[i] = self._process_row(logits[i], row)
-                except Exception as exc:  # a user-supplied processor must not fail the batch
-                    row.error = f"logits processor failed: {type(exc).__name__}: {exc}"
+        todo = [i for i, row in enumerate(rows) if _needs_processing(row)]
+        if not todo:
+            return logits.float()
+        logits = logits.float().clone()  # the caller's tensor stays untouched
+        for i in todo:
+            row = rows[i]
+            try:
+                logits[i] = self._process_row(logits[i], row)
+            except Exception as exc:  # a user-supplied processor must not fail the batch
+                row.error = f"logits processor failed: {type(exc).__name__}: {exc}"
         return logits
 
     def probs(self, logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
