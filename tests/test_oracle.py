@@ -181,3 +181,26 @@ def test_teacher_forced_bf16_logits_within_tolerance(hf_smollm2, prompts, hf_gre
         assert diff.mean().item() < BF16_MEAN_ABS, diff.mean().item()
         assert diff.max().item() < BF16_MAX_ABS, diff.max().item()
         assert top1 >= BF16_TOP1, top1
+
+
+def test_prompt_logprobs_match_transformers_across_chunks(engine_fp32, hf_smollm2, prompts):
+    """Prompt logprobs come from logits at every prompt position — across prefill chunks (the
+    budget is 64 tokens and this prompt is longer)."""
+    model, _ = hf_smollm2
+    ids = prompts[-1]
+    assert len(ids) > 64
+    rid = engine_fp32.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))
+    out = None
+    while engine_fp32.has_unfinished():
+        for o in engine_fp32.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for p in range(1, len(ids)):
+        entry = out.prompt_logprobs[p]
+        assert entry[ids[p]] == pytest.approx(ref[p - 1, ids[p]].item(), abs=2e-3)
+        assert len(entry) <= 3
+        best = int(ref[p - 1].argmax())
+        assert best in entry

@@ -235,7 +235,7 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         now = time.monotonic()
-        rows, model_input = self._prepare(sched.scheduled, sched.blocks_to_copy)
+        rows, prompt_rows, model_input = self._prepare(sched.scheduled, sched.blocks_to_copy)
         result = self.executor.execute(model_input)
         touched: dict[str, Request] = {}
         for item in sched.scheduled:
@@ -244,6 +244,7 @@ class LLMEngine:
                 item.seq.request.first_scheduled_time = now
             if item.seq.num_computed_tokens <= item.seq.prompt_len:
                 self.stats.prompt_tokens += item.num_tokens
+        self._record_prompt_logprobs(prompt_rows, result.logits)
         self._sample(rows, result.logits, touched)
         self.stats.num_steps += 1
         for req in touched.values():
@@ -283,6 +284,7 @@ class LLMEngine:
         ids: list[int] = []
         pos: list[int] = []
         rows: list[_StepRow] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []  # (request, logits row, position, count)
         logits_idx: list[int] = []
         for item in order:
             seq, n = item.seq, item.num_tokens
@@ -291,6 +293,15 @@ class LLMEngine:
             base = len(ids)
             ids += tokens
             pos += range(start, start + n)
+            req = seq.request
+            if req.params.prompt_logprobs is not None and seq.index == 0:
+                # Rows at prompt positions p predict prompt token p + 1; a recompute after
+                # preemption skips the positions already recorded.
+                first_pos = max(start, len(req.prompt_logprobs or [None]) - 1)
+                last_pos = min(start + n, seq.prompt_len - 1)
+                if first_pos < last_pos:
+                    prompt_rows.append((req, len(logits_idx), first_pos, last_pos - first_pos))
+                    logits_idx += range(base + first_pos - start, base + last_pos - start)
             if start + n >= seq.num_tokens:  # the step reaches the newest token: sample
                 first = base + (seq.num_tokens - 1 - start)
                 drafts = seq.draft_token_ids if start + n == seq.num_tokens + len(seq.draft_token_ids) else []
@@ -306,13 +317,35 @@ class LLMEngine:
             device=self.stack.device,
         )
         dev = self.stack.device
-        return rows, ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            attn=attn,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
-            blocks_to_copy=copies,
+        return (
+            rows,
+            prompt_rows,
+            ModelInput(
+                input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+                positions=torch.tensor(pos, dtype=torch.long, device=dev),
+                attn=attn,
+                logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+                blocks_to_copy=copies,
+            ),
         )
+
+    @staticmethod
+    def _record_prompt_logprobs(
+        prompt_rows: list[tuple[Request, int, int, int]], logits: torch.Tensor
+    ) -> None:
+        for req, row, position, count in prompt_rows:
+            lps = torch.log_softmax(logits[row : row + count].float(), dim=-1)
+            top_n = req.params.prompt_logprobs or 0
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None]  # the first prompt token has no context
+            targets = req.prompt_token_ids[position + 1 : position + 1 + count]
+            chosen = lps.gather(1, torch.tensor(targets, device=lps.device).view(-1, 1)).view(-1).tolist()
+            tops = torch.topk(lps, top_n) if top_n else None
+            for i, (tok, lp) in enumerate(zip(targets, chosen, strict=True)):
+                entry = {tok: lp}
+                if tops is not None:
+                    entry.update(zip(tops.indices[i].tolist(), tops.values[i].tolist(), strict=True))
+                req.prompt_logprobs.append(entry)
 
     def _row(self, seq: Sequence, extra: list[int] = ()) -> SampleRow:  # type: ignore[assignment]
         p = seq.request.params
@@ -509,6 +542,7 @@ class LLMEngine:
             outputs=outs,
             finished=req.is_finished,
             error=req.error,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
             metrics=RequestMetrics(
                 req.arrival_time,
                 req.first_scheduled_time,

@@ -42,6 +42,8 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine had to abort this request
+    # Per prompt token (None for the first): its logprob and the top-n alternatives.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:
