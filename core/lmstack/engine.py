@@ -36,7 +36,6 @@ class _SeqState:
     detok: IncrementalDetokenizer
     emitted_text: int = 0
     emitted_tokens: int = 0
-    finished_reported: bool = False
     stop_checked: int = 0  # text offset up to which stop strings were searched
 
 
@@ -258,11 +257,7 @@ class LLMEngine:
     def _propose_drafts(self) -> None:
         if not self.speculator.num_draft_tokens:
             return
-        decoding = [
-            s
-            for s in getattr(self.scheduler, "running", [])
-            if not s.is_prefill and s.num_uncomputed_tokens == 1
-        ]
+        decoding = [s for s in self.scheduler.running_seqs() if s.num_uncomputed_tokens == 1]
         if not decoding:
             return
         proposals = self.speculator.propose(decoding)

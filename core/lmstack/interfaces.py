@@ -171,6 +171,10 @@ class Scheduler(ABC):
         """Remove a finished or aborted sequence wherever it is and free its blocks."""
 
     @abstractmethod
+    def running_seqs(self) -> list[Sequence]:
+        """Sequences holding KV blocks now (the speculator drafts for those in decode)."""
+
+    @abstractmethod
     def num_waiting(self) -> int: ...
 
     @abstractmethod

@@ -70,6 +70,9 @@ class ContinuousScheduler(Scheduler):
                 queue.remove(seq)
         self.allocator.free(seq)
 
+    def running_seqs(self) -> list[Sequence]:
+        return list(self.running)
+
     def num_waiting(self) -> int:
         return len(self.waiting)
 
