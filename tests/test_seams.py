@@ -230,3 +230,31 @@ def test_executor_runs_worker_processes_over_torch_distributed():
     finally:
         multi.shutdown()
     assert not multi.executor._procs
+
+
+class Fp8KV:
+    @hookimpl
+    def lmstack_register_quantizers(self, register):
+        register(
+            Component(
+                name="kv-fp8",
+                kind="quantizer",
+                factory=lambda o, c: None,
+                capabilities={"kv_cache_dtype": "float8_e4m3fn"},
+            )
+        )
+
+
+def test_incompatible_stack_is_rejected_before_the_model_is_opened(monkeypatch):
+    from lmstack import engine as engine_module
+    from lmstack.errors import ResolutionError
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was opened before the conflict was reported")
+
+    monkeypatch.setattr(engine_module, "open_model_source", no_model)
+    pm = make_plugin_manager(autoload=False, extra_plugins=[Fp8KV()])
+    with pytest.raises(ResolutionError) as e:
+        LLMEngine({"quant": {"weights": "kv-fp8"}}, plugin_manager=pm)
+    msg = str(e.value)
+    assert "kv-fp8" in msg and "'torch'" in msg
