@@ -76,13 +76,6 @@ class RotaryEmbedding(torch.nn.Module):
         """cos, sin for these positions: [T, 1, D/2] in `dtype` (once per step, shared by all layers)."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq, D]; k [T, Hkv, D]."""
-        cos, sin = self.tables(positions, q.dtype)
-        return rotate(q, cos, sin), rotate(k, cos, sin)
-
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by cos / sin [T, 1, D/2] (rotate-half convention)."""
