@@ -107,7 +107,7 @@ class LLMEngine:
         self.executor.load_model()
 
         block_size = getattr(resolved.allocator.options, "block_size", 16)
-        ctx.extra["kv_bytes_per_block"] = self.executor.kv_cache_bytes_per_block(block_size)
+        ctx.kv_bytes_per_block = self.executor.kv_cache_bytes_per_block(block_size)
         self.allocator = build(resolved.allocator)
         self.executor.init_kv_cache(self.allocator.num_blocks, self.allocator.block_size)
 
@@ -185,6 +185,7 @@ class LLMEngine:
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
         req = Request(rid, ids, params, priority=priority, prompt=text)
+        req.stop_ids = (frozenset() if params.ignore_eos else self._eos) | frozenset(params.stop_token_ids)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         return req
@@ -284,7 +285,9 @@ class LLMEngine:
         for item in order:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
-            tokens = (seq.token_ids + seq.draft_token_ids)[start : start + n]
+            tokens = seq.token_ids[start : start + n]
+            if len(tokens) < n:  # the query runs on into this step's drafts
+                tokens += seq.draft_token_ids[: n - len(tokens)]
             base = len(ids)
             ids += tokens
             pos += range(start, start + n)
@@ -343,9 +346,9 @@ class LLMEngine:
                 req.prompt_logprobs.append(entry)
 
     def _row(self, seq: Sequence, extra: list[int] = ()) -> SampleRow:  # type: ignore[assignment]
-        p = seq.request.params
-        stop_ids = (frozenset() if p.ignore_eos else self._eos) | frozenset(p.stop_token_ids)
-        return SampleRow(p, seq.token_ids + list(extra), seq.prompt_len, seq.index, stop_ids)
+        req = seq.request
+        tokens = seq.token_ids + list(extra) if extra else seq.token_ids  # read-only for the sampler
+        return SampleRow(req.params, tokens, seq.prompt_len, seq.index, req.stop_ids)
 
     def _sample(self, rows: list[_StepRow], logits: torch.Tensor, touched: dict[str, Request]) -> None:
         plain: list[tuple[Sequence, int]] = []  # (sequence, logits row)

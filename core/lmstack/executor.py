@@ -55,8 +55,7 @@ class InProcessExecutor(Executor):
         )
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        c = self.spec.model_config
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size * self.spec.kv_cache_dtype.itemsize
+        return block_size * self.spec.model_config.kv_bytes_per_token(self.spec.kv_cache_dtype.itemsize)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         assert self.runner is not None

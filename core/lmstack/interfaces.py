@@ -47,7 +47,10 @@ class BuildContext:
     kv_cache_dtype: torch.dtype
     limits: EngineLimits | None = None
     allocator: KVAllocator | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Bytes of one KV block as the executor will lay it out (set before the allocator is built).
+    kv_bytes_per_block: int | None = None
+    # A cache component (prefix reuse, tiering) the allocator reports full blocks to.
+    block_cache: BlockCache | None = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,10 +88,6 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.scale = config.head_dim**-0.5
 
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size * self.kv_cache_dtype.itemsize
-
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)

@@ -99,6 +99,8 @@ class Request:
     finished_time: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # why the engine aborted it (a failing logits processor, ...)
+    # Tokens that end the request (EOS unless ignore_eos, plus stop_token_ids); set at admission.
+    stop_ids: frozenset[int] = frozenset()
 
     @property
     def prompt_len(self) -> int:

@@ -217,26 +217,22 @@ class PagedAllocator(KVAllocator):
         return len(table) * bs
 
 
-def kv_bytes_per_block(ctx: BuildContext, block_size: int) -> int:
-    cfg = ctx.model_config
-    if cfg is None:
-        raise ValueError("the paged allocator needs the model config to size its blocks")
-    elt = ctx.kv_cache_dtype.itemsize
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * elt
-
-
 def build(options: PagedOptions, ctx: BuildContext) -> PagedAllocator:
     if options.num_blocks is not None:
         num_blocks = options.num_blocks
     else:
-        per_block = ctx.extra.get("kv_bytes_per_block") or kv_bytes_per_block(ctx, options.block_size)
+        per_block = ctx.kv_bytes_per_block
+        if per_block is None:
+            if ctx.model_config is None:
+                raise ValueError("the paged allocator needs the model config to size its blocks")
+            per_block = options.block_size * ctx.model_config.kv_bytes_per_token(ctx.kv_cache_dtype.itemsize)
         num_blocks = parse_bytes(options.kv_cache_memory) // per_block
         if num_blocks < 1:
             raise ConfigError(
                 f"{options.kv_cache_memory} holds no block of {per_block} bytes; raise it",
                 "allocator.kv_cache_memory",
             )
-    return PagedAllocator(num_blocks, options.block_size, ctx.extra.get("block_cache"))
+    return PagedAllocator(num_blocks, options.block_size, ctx.block_cache)
 
 
 COMPONENT = Component(

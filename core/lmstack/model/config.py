@@ -35,3 +35,7 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, kv_dtype_size: int) -> int:
+        """K and V of one token across all layers."""
+        return 2 * self.num_layers * self.kv_size * kv_dtype_size
