@@ -14,12 +14,12 @@ TORCH_INDEX ?=
 CORE := core
 OTHER_PYPROJECTS := $(sort $(wildcard api/pyproject.toml plugins/*/*/pyproject.toml examples/plugins/*/pyproject.toml))
 OTHER_DISTS := $(patsubst %/pyproject.toml,%,$(OTHER_PYPROJECTS))
-TEST_TOOLS := pytest hypothesis ruff transformers accelerate matplotlib psutil
+TEST_TOOLS := pytest hypothesis ruff transformers accelerate matplotlib psutil openai jsonschema httpx
 
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: install test chat lint bench
+.PHONY: install test serve chat lint bench
 
 install: $(STAMP)
 
@@ -35,6 +35,9 @@ $(STAMP): $(CORE)/pyproject.toml $(OTHER_PYPROJECTS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+serve: $(STAMP)
+	$(VENV)/bin/lmstack serve examples/stacks/cpu.yaml
 
 chat: $(STAMP)
 	$(VENV)/bin/lmstack generate --stack examples/stacks/cpu.yaml "$(PROMPT)"

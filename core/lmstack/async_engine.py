@@ -10,6 +10,7 @@ from typing import Any
 from lmstack.engine import LLMEngine, StackSource
 from lmstack.outputs import EngineStats, RequestOutput
 from lmstack.sampling_params import SamplingParams
+from lmstack.sequence import Request
 
 
 class AsyncEngine:
@@ -42,6 +43,11 @@ class AsyncEngine:
         """Validate now (raises InvalidRequestError), then yield outputs as they arrive; the
         last one has `finished=True`. Leaving the iteration early aborts the request."""
         req = self.engine.make_request(prompt, params, request_id=request_id, priority=priority)
+        return self._stream(req)
+
+    def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
+        """Submit a request made (and validated) with `engine.make_request`; same stream as
+        `add_request`."""
         return self._stream(req)
 
     async def _stream(self, req) -> AsyncIterator[RequestOutput]:
@@ -85,6 +91,8 @@ class AsyncEngine:
                     eng.enqueue(payload)
                 elif kind == "abort":
                     eng.abort(payload)
+            if inbox:
+                eng.get_stats()  # aborts free blocks now; keep the metrics snapshot current
             if not eng.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 continue

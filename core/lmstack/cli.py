@@ -81,6 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("prompt", metavar="PROMPT")
     generate.set_defaults(handler=_cmd_generate)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve a stack over an OpenAI-compatible HTTP API",
+        description="Resolve the stack, load the model and serve /v1/chat/completions, "
+        "/v1/completions, /v1/models, /v1/stack, /health and /metrics (needs lmstack-api).",
+    )
+    serve.add_argument("stack", metavar="STACK", help="path to a stack YAML file")
+    serve.add_argument("--host", default=None, help="address to bind (default: the stack's server.host)")
+    serve.add_argument(
+        "--port", type=int, default=None, help="port to bind, 0 for any free one (default: server.port)"
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(handler=_cmd_serve)
     return parser
 
 
@@ -164,6 +178,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from lmstack_api.server import serve
+    except ImportError as exc:
+        raise LmstackError(
+            f"lmstack serve needs the lmstack-api distribution ({exc}); install it with "
+            "`pip install -e api` from a checkout"
+        ) from None
+    return serve(args.stack, host=args.host, port=args.port, log_level=args.log_level)
 
 
 def _print_check(path: str, resolved: ResolvedStack, model_config: ModelConfig | None) -> None:

@@ -45,9 +45,43 @@ NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class RateLimitConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Per API key (per client address when no keys are configured); null means unlimited.
+    Token buckets refill continuously at the per-minute rate and hold at most one minute."""
+
+    requests_per_minute: PositiveInt | None = None
+    input_tokens_per_minute: PositiveInt | None = None
+    output_tokens_per_minute: PositiveInt | None = None
+
+
+class SLOConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Service-level objectives: a finished request meeting both counts toward goodput."""
+
+    ttft_ms: PositiveFloat = 2000.0
+    tpot_ms: PositiveFloat = 200.0
+
+
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host: str = "127.0.0.1"
     port: Port = 8000
+    # The name clients send as `model`; defaults to the stack's `model`.
+    served_model_name: str | None = None
+    # Bearer keys clients must send; empty means no authentication. `LMSTACK_API_KEYS`
+    # (comma-separated) adds keys without writing them into the stack file.
+    api_keys: list[str] = msgspec.field(default_factory=list)
+    # Admission: past either bound a new request gets 503 with Retry-After.
+    max_waiting_requests: PositiveInt = 256
+    max_queued_tokens: PositiveInt = 262_144
+    # The largest max_tokens a request may ask for (null: the context length).
+    max_tokens: PositiveInt | None = None
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    rate_limit: RateLimitConfig = msgspec.field(default_factory=RateLimitConfig)
+    slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
+    # SIGTERM: stop admitting, let in-flight requests finish for up to this long, then exit.
+    drain_timeout_s: PositiveFloat = 30.0
 
 
 def _named(name: str) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from lmstack.batch import AttentionMetadata, ModelInput
 from lmstack.config import StackConfig, load_stack
 from lmstack.errors import InvalidRequestError
 from lmstack.executor import ExecutorSpec
+from lmstack.grammar import GrammarCompiler, GrammarState
 from lmstack.interfaces import BuildContext, EngineLimits, ScheduledSeq
 from lmstack.model.detokenizer import IncrementalDetokenizer
 from lmstack.model.source import open_model_source
@@ -37,6 +39,7 @@ class _SeqState:
     emitted_text: int = 0
     emitted_tokens: int = 0
     stop_checked: int = 0  # text offset up to which stop strings were searched
+    grammar: GrammarState | None = None  # structured output: where this sequence is in its grammar
 
 
 @dataclass
@@ -128,6 +131,8 @@ class LLMEngine:
         self._req_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self._eos = frozenset(mc.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self.stats = EngineStats(
             0, 0, 0.0, self.allocator.num_blocks, self.allocator.num_blocks, 0, 0, 0, 0, 0
         )
@@ -138,6 +143,19 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.limits.max_model_len
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output grammars for this model (created on first use; thread-safe,
+        so request handlers may compile schemas while the engine thread steps). Raises
+        InvalidRequestError if xgrammar is not installed."""
+        if self._grammar_compiler is None:
+            with self._grammar_lock:
+                if self._grammar_compiler is None:
+                    self._grammar_compiler = GrammarCompiler(
+                        self.tokenizer, self.model_config.vocab_size, self._eos
+                    )
+        return self._grammar_compiler
 
     def make_request(
         self,
@@ -177,6 +195,10 @@ class LLMEngine:
                 f"length {limit}; lower max_tokens to at most {limit - len(ids)}",
                 param="max_tokens",
             )
+        if params.grammar is not None and params.grammar.vocab_size != self.model_config.vocab_size:
+            raise InvalidRequestError(
+                "grammar was compiled for another model (use this engine's grammar_compiler)", param="grammar"
+            )
         if params.n > self.limits.max_num_seqs:
             raise InvalidRequestError(
                 f"n={params.n} exceeds the scheduler's max_num_seqs ({self.limits.max_num_seqs})", param="n"
@@ -203,10 +225,13 @@ class LLMEngine:
     def _new_seq(self, req: Request, token_ids: list[int], index: int) -> Sequence:
         seq = Sequence(next(self._seq_ids), req, token_ids, index=index)
         req.seqs.append(seq)
+        grammar = req.params.grammar
         self._states[seq.seq_id] = _SeqState(
             IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, skip_special_tokens=req.params.skip_special_tokens
-            )
+            ),
+            # Every sequence, n > 1 forks included, walks the grammar on its own.
+            grammar=grammar.new_state() if grammar is not None else None,
         )
         return seq
 
@@ -348,7 +373,10 @@ class LLMEngine:
     def _row(self, seq: Sequence, extra: list[int] = ()) -> SampleRow:  # type: ignore[assignment]
         req = seq.request
         tokens = seq.token_ids + list(extra) if extra else seq.token_ids  # read-only for the sampler
-        return SampleRow(req.params, tokens, seq.prompt_len, seq.index, req.stop_ids)
+        # The grammar state syncs itself to `tokens` (accept, roll back or replay), so the draft
+        # tokens `_verify` passes in `extra` need nothing special here.
+        grammar = self._states[seq.seq_id].grammar
+        return SampleRow(req.params, tokens, seq.prompt_len, seq.index, req.stop_ids, grammar=grammar)
 
     def _sample(self, rows: list[_StepRow], logits: torch.Tensor, touched: dict[str, Request]) -> None:
         plain: list[tuple[Sequence, int]] = []  # (sequence, logits row)

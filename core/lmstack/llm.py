@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from lmstack.engine import LLMEngine, StackSource
+from lmstack.grammar import Grammar
 from lmstack.outputs import EngineStats, RequestOutput
 from lmstack.sampling_params import SamplingParams
 
@@ -60,6 +61,11 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
         prompts = [self.engine.tokenizer.encode_chat(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, params)
+
+    def json_schema(self, schema: dict | str, *, strict: bool = True) -> Grammar:
+        """A structured-output grammar for `schema`, for `SamplingParams(grammar=...)`; compiled
+        once per schema. Needs xgrammar (`pip install lmstack[structured]`)."""
+        return self.engine.grammar_compiler.json_schema(schema, strict=strict)
 
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()

@@ -1,19 +1,24 @@
 """Turns logits into tokens, one row per sampling sequence, without rows affecting each other.
 
-Per row: logits processors and allowed-token sets (this sequence only), repetition /
-presence / frequency penalties, min_tokens (end tokens masked), then greedy or
-temperature + top-k + top-p + min-p sampling. A seeded row draws its noise from a generator
-keyed by (seed, sample index, output position), so its tokens do not depend on the batch it
-shares, on preemption, or on how many steps it took to get there.
+Per row: the grammar mask (structured output), logits processors and allowed-token sets (this
+sequence only), repetition / presence / frequency penalties, min_tokens (end tokens masked), then
+greedy or temperature + top-k + top-p + min-p sampling. A seeded row draws its noise from a
+generator keyed by (seed, sample index, output position), so its tokens do not depend on the batch
+it shares, on preemption, or on how many steps it took to get there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from lmstack.grammar import GrammarError
 from lmstack.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from lmstack.grammar import GrammarState
 
 
 @dataclass
@@ -24,6 +29,7 @@ class SampleRow:
     sample_index: int  # which of the request's n samples (seeds differ per sample)
     stop_ids: frozenset[int] = frozenset()  # masked while fewer than min_tokens were produced
     error: str | None = None  # set when this row's own processing failed
+    grammar: GrammarState | None = None  # structured output: this sequence's grammar position
 
     @property
     def num_output(self) -> int:
@@ -48,7 +54,8 @@ def _seed_for(row: SampleRow) -> int:
 def _needs_processing(row: SampleRow) -> bool:
     p = row.params
     return bool(
-        p.logits_processors
+        row.grammar is not None
+        or p.logits_processors
         or p.allowed_token_ids is not None
         or p.repetition_penalty != 1.0
         or p.presence_penalty
@@ -65,6 +72,9 @@ class Sampler:
     def _process_row(self, logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
         """Row-local logit edits, applied in place on a row of a batch copy."""
         p = row.params
+        if row.grammar is not None:
+            # First, so processors and penalties only ever see the tokens the grammar allows.
+            row.grammar.apply(logits, row.token_ids[row.prompt_len :])
         for proc in p.logits_processors:
             logits = proc(row.token_ids, logits)
         if p.allowed_token_ids is not None:
@@ -119,7 +129,8 @@ class Sampler:
             try:
                 logits[i] = self._process_row(logits[i], row)
             except Exception as exc:  # a user-supplied processor must not fail the batch
-                row.error = f"logits processor failed: {type(exc).__name__}: {exc}"
+                what = "structured output" if isinstance(exc, GrammarError) else "logits processor"
+                row.error = f"{what} failed: {type(exc).__name__}: {exc}"
         return logits
 
     def probs(self, logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:

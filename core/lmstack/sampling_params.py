@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from lmstack.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from lmstack.grammar import Grammar
 
 
 @dataclass
@@ -32,6 +36,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Callables (token_ids_so_far, logits[V]) -> logits[V], applied to this sequence only.
     logits_processors: list = field(default_factory=list)
+    # Structured output: a compiled grammar (e.g. `engine.grammar_compiler.json_schema(schema)`);
+    # each sequence of the request is masked to follow it.
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,3 +91,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise bad("allowed_token_ids", "must not be empty")
+        if self.grammar is not None:
+            from lmstack.grammar import Grammar  # no xgrammar import: that module loads it lazily
+
+            if not isinstance(self.grammar, Grammar):
+                raise bad("grammar", f"must be a compiled lmstack Grammar, got {type(self.grammar).__name__}")

@@ -1,0 +1,437 @@
+"""The Litestar application: routes, error handling, and the glue between them and the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from litestar import Litestar, Request, Response, get, post
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+
+from lmstack.errors import LmstackError
+from lmstack.resolve import ResolvedStack
+from lmstack_api import params as P
+from lmstack_api.errors import APIError, from_status
+from lmstack_api.job import EngineFailure, Job
+from lmstack_api.logs import get_logger
+from lmstack_api.render import SSE_DONE, TokenText, chat_logprobs, completion_logprobs, sse, to_json, usage
+from lmstack_api.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    ModelCard,
+    ModelList,
+)
+from lmstack_api.state import ServerState
+
+log = get_logger()
+JSON = "application/json"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state["server"]
+
+
+def _json(payload: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(content=to_json(payload), status_code=status, media_type=JSON, headers=headers)
+
+
+def _client(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(job: Job, request: Request) -> bool:
+    """Run the job to the end; False if the client went away first (the job is then aborted)."""
+
+    async def drain() -> None:
+        async for _ in job.outputs():
+            pass
+
+    work = asyncio.create_task(drain())
+    watch = asyncio.create_task(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        gone = not work.done()
+        if gone:  # the client left (or we were cancelled): abort the engine requests
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if gone:
+        return False
+    work.result()  # re-raise what the engine reported
+    return True
+
+
+def _stream_response(body: AsyncIterator[bytes], request_id: str) -> Stream:
+    return Stream(body, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": request_id})
+
+
+async def _error_frames(job: Job, exc: BaseException) -> bytes:
+    if isinstance(exc, EngineFailure):
+        err = APIError(500, f"the engine ended this request: {exc}", type="server_error")
+        job.status = "engine_error"
+    else:
+        log.exception("stream failed", request_id=job.request_id)
+        err = APIError(500, "internal error while streaming", type="server_error")
+        job.status = "error"
+    return sse(err.body())
+
+
+# --- chat ------------------------------------------------------------------------------------
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    key = state.authenticate(request.headers)
+    state.require_ready()
+    req = P.decode_body(await request.body(), ChatCompletionRequest)
+    state.check_model(req.model)
+    P.check_unsupported_chat(req)
+    engine = state.require_ready()
+    messages = P.chat_messages(req)
+    try:
+        prompt = engine.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+    except LmstackError as exc:
+        raise P.invalid(str(exc), param="messages") from None
+    if req.top_logprobs is not None and not req.logprobs:
+        raise P.invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
+    grammar = await asyncio.to_thread(P.grammar_for, req, state.grammar_compiler)
+    top_n = req.top_logprobs or 0
+    sp = P.sampling_params(
+        req,
+        max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        default_max_tokens=None,
+        max_tokens_cap=state.config.max_tokens,
+        logprobs=top_n if req.logprobs else None,
+        prompt_logprobs=None,
+        vocab_size=engine.engine.model_config.vocab_size,
+        grammar=grammar,
+    )
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    job = Job(state, "chat", rid, key)
+    job.admit([prompt], sp, _client(request))
+    created = int(time.time())
+    tt = TokenText(engine.tokenizer)
+    model = state.model_name
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices, use=None) -> bytes:
+            return sse(ChatCompletionChunk(rid, created, model, choices, usage=use))
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                yield chunk([ChatChunkChoice(i, Delta(role="assistant", content="")) for i in range(sp.n)])
+                async for _, out in job.outputs():
+                    choices = []
+                    for c in out.outputs:
+                        if not (c.text_delta or c.finish_reason or c.token_ids_delta):
+                            continue
+                        end = len(c.token_ids)
+                        lp = (
+                            chat_logprobs(c, end - len(c.token_ids_delta), end, top_n, tt)
+                            if req.logprobs
+                            else None
+                        )
+                        choices.append(
+                            ChatChunkChoice(c.index, Delta(content=c.text_delta), c.finish_reason, lp)
+                        )
+                    if choices:
+                        yield chunk(choices)
+                if include_usage:
+                    yield chunk([], usage(list(job.final.values())))
+            except asyncio.CancelledError:
+                job.status = "disconnected"
+                raise
+            except Exception as exc:
+                yield await _error_frames(job, exc)
+            finally:
+                job.finish()
+            yield SSE_DONE
+
+        return _stream_response(body(), rid)
+
+    try:
+        if not await _collect(job, request):
+            job.status = "disconnected"
+            return Response(content=b"", status_code=499)
+    except EngineFailure as exc:
+        job.status = "engine_error"
+        raise APIError(500, f"the engine ended this request: {exc}", type="server_error") from None
+    finally:
+        job.finish()
+    out = job.final[0]
+    choices = [
+        ChatChoice(
+            c.index,
+            AssistantMessage("assistant", c.text),
+            c.finish_reason,
+            chat_logprobs(c, 0, len(c.token_ids), top_n, tt) if req.logprobs else None,
+        )
+        for c in out.outputs
+    ]
+    return _json(ChatCompletion(rid, created, model, choices, usage([out])), headers={"X-Request-Id": rid})
+
+
+# --- completions -----------------------------------------------------------------------------
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request) -> Response:
+    state = _state(request)
+    key = state.authenticate(request.headers)
+    state.require_ready()
+    req = P.decode_body(await request.body(), CompletionRequest)
+    state.check_model(req.model)
+    if req.suffix:
+        raise P.unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
+    if req.best_of is not None and req.best_of != req.n:
+        raise P.unsupported("best_of", "only best_of equal to n (or absent) is accepted")
+    engine = state.require_ready()
+    prompts = P.completion_prompts(req)
+    grammar = await asyncio.to_thread(P.grammar_for, req, state.grammar_compiler)
+    top_n = req.logprobs or 0
+    sp = P.sampling_params(
+        req,
+        max_tokens=req.max_tokens,
+        default_max_tokens=16,  # OpenAI's default for completions
+        max_tokens_cap=state.config.max_tokens,
+        logprobs=req.logprobs,
+        prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+        vocab_size=engine.engine.model_config.vocab_size,
+        grammar=grammar,
+    )
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    job = Job(state, "completions", rid, key)
+    job.admit(prompts, sp, _client(request))
+    created = int(time.time())
+    tt = TokenText(engine.tokenizer)
+    model, n = state.model_name, sp.n
+
+    def echo_text(i: int) -> str:
+        r = job.reqs[i]
+        return r.prompt if r.prompt is not None else engine.tokenizer.decode(r.prompt_token_ids)
+
+    def logprobs_for(i: int, c, start: int, end: int, echo: bool):
+        if req.logprobs is None:
+            return None
+        ids, entries = list(c.token_ids[start:end]), list(c.logprobs[start:end])
+        offset = 0
+        if echo:
+            out = job.final.get(i)
+            plp = out.prompt_logprobs if out is not None else None
+            r = job.reqs[i]
+            ids = r.prompt_token_ids + ids
+            entries = list(plp or [None] * r.prompt_len) + entries
+        return completion_logprobs(ids, entries, top_n, tt, offset)
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices, use=None) -> bytes:
+            return sse(Completion(rid, created, model, choices, use))
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                echoed: set[int] = set()
+                async for i, out in job.outputs():
+                    choices = []
+                    for c in out.outputs:
+                        idx = i * n + c.index
+                        text = c.text_delta
+                        if req.echo and idx not in echoed:
+                            echoed.add(idx)
+                            text = echo_text(i) + text
+                        if not (text or c.finish_reason or c.token_ids_delta):
+                            continue
+                        end = len(c.token_ids)
+                        lp = logprobs_for(i, c, end - len(c.token_ids_delta), end, False)
+                        choices.append(CompletionChoice(idx, text, c.finish_reason, lp))
+                    if choices:
+                        yield chunk(choices)
+                if include_usage:
+                    yield chunk([], usage(list(job.final.values())))
+            except asyncio.CancelledError:
+                job.status = "disconnected"
+                raise
+            except Exception as exc:
+                yield await _error_frames(job, exc)
+            finally:
+                job.finish()
+            yield SSE_DONE
+
+        return _stream_response(body(), rid)
+
+    try:
+        if not await _collect(job, request):
+            job.status = "disconnected"
+            return Response(content=b"", status_code=499)
+    except EngineFailure as exc:
+        job.status = "engine_error"
+        raise APIError(500, f"the engine ended this request: {exc}", type="server_error") from None
+    finally:
+        job.finish()
+    choices = []
+    for i in range(len(job.reqs)):
+        for c in job.final[i].outputs:
+            text = (echo_text(i) if req.echo else "") + c.text
+            choices.append(
+                CompletionChoice(
+                    i * n + c.index, text, c.finish_reason, logprobs_for(i, c, 0, len(c.token_ids), req.echo)
+                )
+            )
+    outs = [job.final[i] for i in range(len(job.reqs))]
+    return _json(Completion(rid, created, model, choices, usage(outs)), headers={"X-Request-Id": rid})
+
+
+# --- models, stack, health, metrics ----------------------------------------------------------
+
+
+@get("/v1/models")
+async def models(request: Request) -> Response:
+    state = _state(request)
+    state.authenticate(request.headers)
+    max_len = state.engine.engine.max_model_len if state.engine is not None else None
+    return _json(ModelList([ModelCard(state.model_name, state.created, max_model_len=max_len)]))
+
+
+@get("/v1/models/{model_id:str}")
+async def model_card(request: Request, model_id: str) -> Response:
+    state = _state(request)
+    state.authenticate(request.headers)
+    state.check_model(model_id)
+    max_len = state.engine.engine.max_model_len if state.engine is not None else None
+    return _json(ModelCard(state.model_name, state.created, max_model_len=max_len))
+
+
+@get("/v1/stack")
+async def stack_info(request: Request) -> Response:
+    """The resolved stack and the plugins behind each component (read-only, for operators)."""
+    state = _state(request)
+    state.authenticate(request.headers)
+    body = {"model": state.model_name, "stack": state.stack.describe(), "ready": state.engine is not None}
+    if state.engine is not None:
+        eng = state.engine.engine
+        body["engine"] = {
+            "max_model_len": eng.max_model_len,
+            "kv_cache_blocks": eng.allocator.num_blocks,
+            "block_size": eng.allocator.block_size,
+            "max_num_seqs": eng.limits.max_num_seqs,
+            "max_num_batched_tokens": eng.limits.max_num_batched_tokens,
+        }
+    return _json(body)
+
+
+@get("/health")
+async def health(request: Request) -> Response:
+    state = _state(request)
+    if state.draining:
+        return _json({"status": "draining"}, 503, {"Retry-After": "5"})
+    if state.engine is None:
+        status = "failed" if state.load_error else "loading"
+        return _json({"status": status, "error": state.load_error}, 503, {"Retry-After": "5"})
+    return _json({"status": "ok"})
+
+
+@get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(
+        content=_state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+    )
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def _endpoint(request: Request) -> str:
+    path = request.url.path
+    return {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(path, "other")
+
+
+def _error_response(request: Request, err: APIError) -> Response:
+    state = request.app.state.get("server")
+    if state is not None and _endpoint(request) != "other":
+        state.metrics.requests.labels(_endpoint(request), str(err.status)).inc()
+    if err.status >= 500 and err.status != 503:
+        log.error("request failed", path=request.url.path, status=err.status, error=err.message)
+    return Response(
+        content=to_json(err.body()), status_code=err.status, media_type=JSON, headers=err.headers()
+    )
+
+
+def _on_api_error(request: Request, exc: APIError) -> Response:
+    return _error_response(request, exc)
+
+
+def _on_http_exception(request: Request, exc: HTTPException) -> Response:
+    message = exc.detail or "request failed"
+    if exc.status_code == 413:
+        limit = request.app.state["server"].config.max_body_bytes
+        message = f"the request body is larger than this server's limit of {limit} bytes"
+    elif exc.status_code == 404:
+        message = f"no route for {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    return _error_response(request, from_status(exc.status_code, message))
+
+
+def _on_unexpected(request: Request, exc: Exception) -> Response:
+    # The traceback goes to the log, never to the client.
+    log.error("unhandled error", path=request.url.path, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+    return _error_response(request, APIError(500, "internal server error", type="server_error"))
+
+
+# --- the app ---------------------------------------------------------------------------------
+
+
+def create_app(stack: ResolvedStack, state: ServerState | None = None) -> Litestar:
+    """An app serving `stack`. The engine loads in the background after startup (/health says
+    when it is ready); pass a `state` holding an engine to skip that."""
+    state = state or ServerState(stack)
+    load_task: list[asyncio.Task] = []
+
+    async def on_startup(app: Litestar) -> None:
+        load_task.append(asyncio.create_task(state.load()))
+
+    async def on_shutdown(app: Litestar) -> None:
+        for t in load_task:
+            if not t.done():
+                await asyncio.gather(t, return_exceptions=True)
+        await asyncio.to_thread(state.shutdown)
+
+    return Litestar(
+        route_handlers=[chat_completions, completions, models, model_card, stack_info, health, metrics],
+        exception_handlers={
+            APIError: _on_api_error,
+            HTTPException: _on_http_exception,
+            Exception: _on_unexpected,
+        },
+        on_startup=[on_startup],
+        on_shutdown=[on_shutdown],
+        request_max_body_size=state.config.max_body_bytes,
+        state=State({"server": state}),
+        openapi_config=None,
+        logging_config=None,
+    )

@@ -1,0 +1,218 @@
+"""From a decoded request body to what the engine takes: prompt token ids and SamplingParams.
+
+Everything a client can get wrong is reported here as a 400 naming the parameter, before the
+request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+import torch
+
+from lmstack.errors import InvalidRequestError, LmstackError
+from lmstack.sampling_params import SamplingParams
+from lmstack_api.errors import APIError, invalid, unsupported
+from lmstack_api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+T = TypeVar("T")
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def decode_body(body: bytes, type_: type[T]) -> T:
+    """Parse JSON into `type_`; a malformed body or a wrong type is a 400 naming the field."""
+    if not body.strip():
+        raise invalid("the request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH.search(text)
+        param = match.group(1) if match and match.group(1) else None
+        if param is None and text.startswith("Expected `object`"):
+            text = "the request body must be a JSON object"
+        raise invalid(f"invalid request: {text}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+
+
+def check_unsupported_chat(req: ChatCompletionRequest) -> None:
+    if req.tools:
+        raise unsupported("tools", "tool calling is not implemented")
+    if req.tool_choice not in (None, "none"):
+        raise unsupported("tool_choice", "tool calling is not implemented")
+    if req.functions:
+        raise unsupported("functions", "function calling is not implemented")
+    if req.function_call not in (None, "none"):
+        raise unsupported("function_call", "function calling is not implemented")
+    if req.audio is not None:
+        raise unsupported("audio")
+    if req.modalities not in (None, ["text"]):
+        raise unsupported("modalities", "only text output is available")
+    if req.prediction is not None:
+        raise unsupported("prediction")
+    if req.web_search_options is not None:
+        raise unsupported("web_search_options")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: role + text content."""
+    if not req.messages:
+        raise invalid("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            raise invalid(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
+                param=f"messages[{i}].role",
+            )
+        if m.tool_calls:
+            raise unsupported(f"messages[{i}].tool_calls", "tool calling is not implemented")
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise unsupported(
+                        f"messages[{i}].content[{j}]",
+                        f"only text parts are accepted, got type {part.get('type')!r}",
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None:
+            content = ""
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """`prompt` as a list of prompts: texts or token-id lists."""
+    p = req.prompt
+    if p is None:
+        raise invalid("prompt is required", param="prompt")
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise invalid("prompt must not be an empty list", param="prompt")
+    if all(isinstance(x, str) for x in p):
+        return list(p)
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        return [list(p)]
+    if all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in p):
+        return [list(x) for x in p]
+    raise invalid(
+        "prompt must be a string, a list of strings, a list of token ids, or a list of token-id lists",
+        param="prompt",
+    )
+
+
+class _LogitBias:
+    """Adds a per-token bias to the logits of one sequence (OpenAI's `logit_bias`)."""
+
+    def __init__(self, bias: dict[int, float]) -> None:
+        self.ids = list(bias)
+        self.values = torch.tensor(list(bias.values()), dtype=torch.float32)
+
+    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        idx = torch.tensor(self.ids, device=logits.device)
+        logits[idx] += self.values.to(logits.device, logits.dtype)
+        return logits
+
+
+def _logit_bias(raw: dict[str, float], vocab_size: int) -> _LogitBias:
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise invalid(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= tok < vocab_size:
+            raise invalid(
+                f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})", "logit_bias"
+            )
+        if not -100.0 <= value <= 100.0:
+            raise invalid(f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+        bias[tok] = float(value)
+    return _LogitBias(bias)
+
+
+def sampling_params(
+    req: SamplingFields,
+    *,
+    max_tokens: int | None,
+    default_max_tokens: int | None,
+    max_tokens_cap: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    vocab_size: int,
+    grammar: Any = None,
+) -> SamplingParams:
+    """`max_tokens` is what the client asked for (None: `default_max_tokens`, then the cap)."""
+    if max_tokens is not None and max_tokens_cap is not None and max_tokens > max_tokens_cap:
+        raise invalid(
+            f"max_tokens={max_tokens} exceeds this server's limit of {max_tokens_cap}", param="max_tokens"
+        )
+    if max_tokens is None:
+        max_tokens = default_max_tokens if default_max_tokens is not None else max_tokens_cap
+    stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop is not None else [])
+    processors = [_logit_bias(req.logit_bias, vocab_size)] if req.logit_bias else []
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            logits_processors=processors,
+            grammar=grammar,
+        )
+    except InvalidRequestError as exc:
+        raise invalid(str(exc), param=exc.param) from None
+
+
+def grammar_for(req: SamplingFields, compiler_factory) -> Any:
+    """The compiled grammar `response_format` asks for, or None. `compiler_factory()` returns
+    the engine's GrammarCompiler (created on first use)."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    try:
+        if fmt.type == "json_object":
+            return compiler_factory().json_object()
+        if fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema is None:
+                raise invalid(
+                    "response_format.json_schema.schema is required for type json_schema",
+                    param="response_format.json_schema.schema",
+                )
+            return compiler_factory().json_schema(fmt.json_schema.schema)
+    except InvalidRequestError as exc:
+        raise invalid(str(exc), param=exc.param or "response_format") from None
+    except LmstackError as exc:
+        raise invalid(str(exc), param="response_format") from None
+    raise invalid(
+        f"response_format.type must be text, json_object or json_schema, got {fmt.type!r}",
+        param="response_format.type",
+    )
+
+
+def request_error(exc: InvalidRequestError) -> APIError:
+    """The engine's admission errors (context length, token ids) as 400s."""
+    code = "context_length_exceeded" if "context" in str(exc) else None
+    return invalid(str(exc), param=exc.param, code=code)

@@ -1,0 +1,72 @@
+"""`lmstack serve`: one process that owns the engine and serves HTTP with uvicorn.
+
+SIGTERM (or Ctrl-C) starts a drain: new requests get 503, in-flight ones run to completion for
+up to `server.drain_timeout_s`, then the process exits with status 0. A second Ctrl-C exits
+at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from types import FrameType
+
+import uvicorn
+
+from lmstack.config import load_stack
+from lmstack.model.source import open_model_source
+from lmstack.plugins import default_registry
+from lmstack.resolve import check_model, resolve
+from lmstack_api.app import create_app
+from lmstack_api.logs import configure_logging, get_logger
+from lmstack_api.state import ServerState
+
+log = get_logger()
+
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in the main thread, which is the event loop's; not re-raised afterwards, so a
+        # drained shutdown exits 0.
+        if self._drain_task is not None:
+            if sig == signal.SIGINT:
+                self.force_exit = True
+            return
+        loop = asyncio.get_event_loop()
+        self._drain_task = loop.create_task(self._drain(signal.Signals(sig).name))
+
+    async def _drain(self, name: str) -> None:
+        state = self.state
+        log.info("shutdown requested", signal=name, inflight=state.inflight)
+        state.start_draining()
+        if not await state.wait_idle(state.config.drain_timeout_s):
+            log.warning("drain timeout: aborting in-flight requests", inflight=state.inflight)
+        self.should_exit = True
+
+
+def serve(stack_path: str, host: str | None = None, port: int | None = None, log_level: str = "info") -> int:
+    configure_logging(log_level)
+    stack = resolve(load_stack(stack_path), default_registry())
+    # The model's metadata (no weights) against the stack: conflicts stop here, in one line.
+    check_model(stack, open_model_source(stack.model).config)
+    state = ServerState(stack)
+    cfg = stack.config.server
+    app = create_app(stack, state)
+    config = uvicorn.Config(
+        app,
+        host=host or cfg.host,
+        port=port if port is not None else cfg.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = _DrainingServer(config, state)
+    log.info("serving", model=state.model_name, host=config.host, port=config.port, stack=stack_path)
+    server.run()
+    return 0

@@ -1,0 +1,112 @@
+"""A real `lmstack serve` process for tests, load scripts and benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`lmstack serve` on 127.0.0.1 and a free port, started from a stack mapping; `start()`
+    returns once /health says ready. Use as a context manager."""
+
+    def __init__(self, stack: dict[str, Any], *, log_path: str | Path | None = None, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.stack = {**stack, "server": {**stack.get("server", {}), "host": "127.0.0.1", "port": self.port}}
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._dir = tempfile.TemporaryDirectory(prefix="lmstack-serve-")
+        self.stack_path = Path(self._dir.name) / "stack.yaml"
+        self.stack_path.write_text(yaml.safe_dump(self.stack))
+        self.log_path = Path(log_path) if log_path else Path(self._dir.name) / "server.log"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        cmd = [sys.executable, "-c", "import sys; from lmstack.cli import main; sys.exit(main())"]
+        cmd += ["serve", str(self.stack_path)]
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            status, _ = self.get("/health")
+            if status == 200:
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.base_url + path, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return 0, b""
+
+    def post(self, path: str, body: bytes | dict, headers: dict[str, str] | None = None) -> tuple[int, dict, dict]:
+        """(status, JSON body, headers) of a POST."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.base_url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status, json.loads(resp.read()), dict(resp.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null"), dict(e.headers)
+
+    def metric(self, name: str) -> float:
+        """The value of one unlabelled sample in /metrics."""
+        _, text = self.get("/metrics")
+        for line in text.decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except OSError:
+            return ""
+
+    def terminate(self, timeout: float = 120.0) -> int:
+        """SIGTERM, then wait for the exit status."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._dir.cleanup()

@@ -1,0 +1,270 @@
+"""Structured output: JSON-schema (and any-JSON-object) grammars compiled with xgrammar.
+
+`GrammarCompiler` turns a schema into a `Grammar` (compiled once, cached, shared by every request
+that uses the same schema); each sequence gets its own `GrammarState`, which the sampler asks to
+mask that sequence's logits row before anything else touches it. Other rows of the batch are
+never read or written.
+
+xgrammar is optional (`pip install lmstack[structured]`): it is imported inside the functions
+that need it, so the core imports and serves plain requests without it.
+
+Whitespace: schemas are compiled with ``any_whitespace=False``: the JSON is written on one line
+with fixed separators (``", "`` and ``": "``). With free whitespace a small model can put its
+probability mass on spaces and newlines between tokens and loop there until max_tokens; a fixed
+layout removes that failure mode and costs nothing in validity.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+
+from lmstack.errors import InvalidRequestError
+
+_SCHEMA_PARAM = "response_format.json_schema.schema"
+_NEG_INF = float("-inf")
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise InvalidRequestError(
+            "structured output needs the xgrammar package: pip install xgrammar", param="response_format"
+        ) from e
+    return xgrammar
+
+
+def _one_line(exc: BaseException) -> str:
+    """xgrammar's C++ errors carry a '[time] file.cc:line:' prefix and check text: keep the reason."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    msg = lines[0] if lines else type(exc).__name__
+    msg = re.sub(r"^\[[\d:.]+\]\s+\S+:\d+:\s*", "", msg)
+    msg = re.sub(r"^Check failed: .*? is false:\s*", "", msg)
+    return msg
+
+
+class GrammarError(ValueError):
+    """A sequence's tokens left its grammar (raised by `GrammarState.apply`)."""
+
+
+class CacheInfo(NamedTuple):
+    hits: int
+    misses: int  # = number of compilations
+    size: int
+    max_size: int
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer. Thread-safe. Compiled grammars are kept in an LRU
+    cache keyed by the schema's compact JSON (a dict and its JSON text, however spaced, share an
+    entry) and the strict flag."""
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], *, cache_size: int = 128
+    ) -> None:
+        xgr = _xgrammar()
+        pieces = tokenizer.byte_pieces
+        if callable(pieces):
+            pieces = pieces()
+        if pieces is None:
+            raise InvalidRequestError(
+                "structured output needs a byte-level BPE tokenizer; this model's tokenizer is not one",
+                param="response_format",
+            )
+        pieces = list(pieces[:vocab_size])
+        # An empty piece makes xgrammar treat the token as special (never allowed by a grammar):
+        # control tokens such as <|im_start|> must not be written inside the JSON. Ids between
+        # the tokenizer's and the model's vocabulary size (padding) are special too.
+        for i in getattr(tokenizer, "special_token_ids", ()):
+            if i < len(pieces):
+                pieces[i] = b""
+        self.stop_token_ids = tuple(sorted(set(stop_token_ids)))
+        self.vocab_size = vocab_size
+        self._info = xgr.TokenizerInfo(
+            pieces, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(self.stop_token_ids)
+        )
+        # xgrammar's own cache is off: ours bounds the entries and keeps object identity.
+        self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=False)
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._max_size = cache_size
+        self._lock = threading.Lock()
+        self._hits = self._misses = 0
+
+    def json_schema(self, schema: dict | str, *, strict: bool = True) -> Grammar:
+        """A grammar for JSON documents valid under `schema` (a dict, or its JSON text). `strict`
+        forbids properties the schema does not list (xgrammar's strict mode). Raises
+        InvalidRequestError (param ``response_format.json_schema.schema``) for an invalid schema."""
+        if isinstance(schema, str | bytes):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise InvalidRequestError(f"JSON schema is not valid JSON: {e}", param=_SCHEMA_PARAM) from e
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(
+                f"JSON schema must be a JSON object, got {type(schema).__name__}", param=_SCHEMA_PARAM
+            )
+        try:
+            # Compact, key order kept: properties are generated in the order the schema lists them,
+            # so two schemas that differ only in that order are different grammars.
+            text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(
+                f"JSON schema is not serialisable as JSON: {e}", param=_SCHEMA_PARAM
+            ) from e
+        key = f"schema:{int(bool(strict))}:{text}"
+
+        def build():
+            try:
+                return self._compiler.compile_json_schema(
+                    text, any_whitespace=False, strict_mode=bool(strict)
+                )
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise InvalidRequestError(f"invalid JSON schema: {_one_line(e)}", param=_SCHEMA_PARAM) from e
+
+        return self._get(key, build)
+
+    def json_object(self) -> Grammar:
+        """A grammar for any JSON object (OpenAI's ``response_format: {type: json_object}``)."""
+
+        def build():
+            # An object schema without properties; strict mode off so any keys are allowed.
+            return self._compiler.compile_json_schema(
+                '{"type":"object"}', any_whitespace=False, strict_mode=False
+            )
+
+        return self._get("json_object", build)
+
+    def cache_info(self) -> CacheInfo:
+        with self._lock:
+            return CacheInfo(self._hits, self._misses, len(self._cache), self._max_size)
+
+    def _get(self, key: str, build) -> Grammar:
+        with self._lock:
+            g = self._cache.get(key)
+            if g is not None:
+                self._cache.move_to_end(key)
+                self._hits += 1
+                return g
+        # Compile outside the lock: one slow schema does not hold up others. Two threads may
+        # compile the same new schema at once; the first to finish wins and both get its object.
+        compiled = build()
+        with self._lock:
+            g = self._cache.get(key)
+            if g is None:
+                self._misses += 1
+                g = self._cache[key] = Grammar(compiled, self)
+                if len(self._cache) > self._max_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._hits += 1
+            self._cache.move_to_end(key)
+            return g
+
+
+class Grammar:
+    """A compiled grammar: immutable, shared by every request (and thread) that uses it."""
+
+    def __init__(self, compiled: Any, compiler: GrammarCompiler) -> None:
+        self._compiled = compiled
+        self.vocab_size = compiler.vocab_size
+        self.stop_token_ids = frozenset(compiler.stop_token_ids)
+
+    def new_state(self) -> GrammarState:
+        return GrammarState(self)
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    t = _SHIFTS.get(device)
+    if t is None:
+        t = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return t
+
+
+class GrammarState:
+    """One sequence's position in a grammar. Not thread-safe (one sequence, one engine thread)."""
+
+    def __init__(self, grammar: Grammar) -> None:
+        self.grammar = grammar
+        self._matcher = self._new_matcher()
+        self._tokens: list[int] = []  # the output tokens the state has consumed
+        # How many of them the matcher accepted; tokens past that are stop tokens sampled after the
+        # grammar terminated (possible with ignore_eos), which the matcher itself would refuse.
+        self._matched = 0
+        self._bitmask = _xgrammar().allocate_token_bitmask(1, grammar.vocab_size)
+
+    def _new_matcher(self):
+        return _xgrammar().GrammarMatcher(self.grammar._compiled)
+
+    def apply(self, logits: torch.Tensor, output_ids: list[int]) -> None:
+        """Sync to exactly `output_ids` (this sequence's generated tokens so far), then set to -inf,
+        in place, every entry of `logits` [V] the grammar forbids next. Raises GrammarError (a ValueError) if
+        `output_ids` holds a token the grammar rejects (the state is then left at the longest
+        accepted prefix)."""
+        self._sync(output_ids)
+        if self._matcher.is_terminated():  # grammar complete and a stop token taken: stops only
+            keep = torch.tensor(sorted(self.grammar.stop_token_ids), dtype=torch.long, device=logits.device)
+            allowed = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+            allowed[keep[keep < logits.shape[0]]] = True
+        else:
+            # False means "everything allowed"; older xgrammar returns None, so test for False.
+            if self._matcher.fill_next_token_bitmask(self._bitmask) is False:
+                return
+            words = self._bitmask[0].to(logits.device)
+            allowed = ((words.unsqueeze(-1) >> _bit_shifts(logits.device)) & 1).bool().flatten()
+            n = min(logits.shape[0], allowed.shape[0])
+            if n < logits.shape[0]:  # ids past the grammar's vocabulary are never allowed
+                allowed = torch.cat([allowed[:n], allowed.new_zeros(logits.shape[0] - n)])
+            else:
+                allowed = allowed[:n]
+        logits.masked_fill_(~allowed, _NEG_INF)
+
+    def _sync(self, output_ids: list[int]) -> None:
+        have = self._tokens
+        k = len(have)
+        if output_ids[:k] != have:  # diverged (rejected drafts, a rewrite): keep the common prefix
+            k = self._common_prefix(have, output_ids)
+        if k < len(have):
+            self._rollback_to(k)
+        for tok in output_ids[k:]:
+            self._accept(tok)
+
+    @staticmethod
+    def _common_prefix(a: list[int], b: list[int]) -> int:
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            if x != y:
+                return i
+        return min(len(a), len(b))
+
+    def _rollback_to(self, k: int) -> None:
+        if k < self._matched:
+            try:
+                self._matcher.rollback(self._matched - k)
+            except Exception:  # rollback unsupported or out of range: rebuild by replay
+                self._matcher = self._new_matcher()
+                for tok in self._tokens[:k]:
+                    self._matcher.accept_token(tok)
+            self._matched = k
+        del self._tokens[k:]
+
+    def _accept(self, tok: int) -> None:
+        if not self._matcher.is_terminated():
+            if not self._matcher.accept_token(tok):
+                raise GrammarError(
+                    f"token {tok} at output position {len(self._tokens)} is not allowed by the grammar"
+                )
+            self._matched += 1
+        elif tok not in self.grammar.stop_token_ids:
+            raise GrammarError(
+                f"token {tok} at output position {len(self._tokens)} follows the end of the grammar"
+            )
+        self._tokens.append(tok)
