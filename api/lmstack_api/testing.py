@@ -28,7 +28,9 @@ class ServerProcess:
     """`lmstack serve` on 127.0.0.1 and a free port, started from a stack mapping; `start()`
     returns once /health says ready. Use as a context manager."""
 
-    def __init__(self, stack: dict[str, Any], *, log_path: str | Path | None = None, env: dict | None = None) -> None:
+    def __init__(
+        self, stack: dict[str, Any], *, log_path: str | Path | None = None, env: dict | None = None
+    ) -> None:
         self.port = free_port()
         self.stack = {**stack, "server": {**stack.get("server", {}), "host": "127.0.0.1", "port": self.port}}
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -65,7 +67,9 @@ class ServerProcess:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return 0, b""
 
-    def post(self, path: str, body: bytes | dict, headers: dict[str, str] | None = None) -> tuple[int, dict, dict]:
+    def post(
+        self, path: str, body: bytes | dict, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict, dict]:
         """(status, JSON body, headers) of a POST."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         req = urllib.request.Request(
