@@ -4,6 +4,7 @@ that every KV block comes back.
 
     python benchmarks/http_load.py                       # 64 clients, 60 s, 10 disconnecting
     python benchmarks/http_load.py --clients 8 --duration 10 --disconnects 2   # smoke
+    python benchmarks/http_load.py --sigterm --disconnects 0         # SIGTERM after 60 s under load
 
 Writes benchmarks/results/http_load-<date>.json. Pass criteria (all must hold): 0 failed
 streams, 0 lost (each ends with [DONE] and a usage count equal to the tokens received), KV blocks
@@ -20,6 +21,7 @@ import json
 import platform
 import random
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -46,50 +48,83 @@ def stack(args) -> dict:
         "dtype": "bfloat16",
         "scheduler": {"name": "continuous", "max_num_seqs": args.clients, "max_num_batched_tokens": 2048},
         "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "1GiB"},
-        "server": {"max_waiting_requests": 4 * args.clients},
+        "server": {"max_waiting_requests": 4 * args.clients, "drain_timeout_s": 120},
     }
 
 
 async def run(args, srv: ServerProcess) -> dict:
     limits = httpx.Limits(max_connections=args.clients + args.disconnects + 8)
+    results: list = []
+    leavers: list = []
+    rejected: set[int] = set()  # clients answered 503 after SIGTERM
+    kv_samples: list[float] = []
+    at_sigterm: dict = {}
+    stop_at = time.monotonic() + args.duration
+
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
-        stop_at = time.monotonic() + args.duration
-        results = []
 
         async def worker(i: int) -> None:
             rng = random.Random(i)
-            while time.monotonic() < stop_at:
-                n = rng.randint(16, 128)
+            # Without --sigterm: until the duration ends. With it: until the server turns us away.
+            while (time.monotonic() < stop_at) if not args.sigterm else (i not in rejected):
                 body = {
                     "prompt": prompt(rng),
-                    "max_tokens": n,
+                    "max_tokens": rng.randint(16, 128),
                     "temperature": 0.8,
                     "seed": rng.randrange(10**6),
                 }
-                results.append(await stream_completion(client, srv.base_url, body))
+                r = await stream_completion(client, srv.base_url, body)
+                if at_sigterm and r.error is not None and r.error.startswith("HTTP 503"):
+                    rejected.add(i)
+                else:
+                    results.append(r)
 
         async def leaver(i: int) -> None:
             await asyncio.sleep(args.duration * (0.2 + 0.5 * i / max(1, args.disconnects)))
             body = {"prompt": prompt(random.Random(-i)), "max_tokens": 400, "ignore_eos": True}
-            r = await stream_completion(client, srv.base_url, body, stop_after_chunks=5)
-            leavers.append(r)
-
-        leavers: list = []
-        aborted_before = srv.metric("lmstack:request_aborted_total")
-        kv_samples = []
+            leavers.append(await stream_completion(client, srv.base_url, body, stop_after_chunks=5))
 
         async def sample_kv() -> None:
             while time.monotonic() < stop_at:
                 kv_samples.append(srv.metric("lmstack:kv_cache_usage_perc"))
                 await asyncio.sleep(1.0)
 
+        async def terminate() -> None:
+            await asyncio.sleep(args.duration)
+            at_sigterm["running"] = srv.metric("lmstack:num_requests_running")
+            at_sigterm["finished"] = len(results)
+            srv.proc.send_signal(signal.SIGTERM)
+
+        aborted_before = srv.metric("lmstack:request_aborted_total")
         t0 = time.monotonic()
         await asyncio.gather(
             *(worker(i) for i in range(args.clients)),
             *(leaver(i) for i in range(args.disconnects)),
             sample_kv(),
+            *([terminate()] if args.sigterm else []),
         )
         elapsed = time.monotonic() - t0
+
+    common = {
+        "elapsed_s": elapsed,
+        "requests": len(results),
+        "output_tokens": sum(r.tokens_received for r in results),
+        "output_tokens_per_s": sum(r.tokens_received for r in results) / elapsed,
+        "ttft_median_s": statistics.median(
+            [r.first_token - r.start for r in results if r.first_token] or [0.0]
+        ),
+        "kv_usage_peak": max(kv_samples, default=0.0),
+    }
+    if args.sigterm:
+        bad = [r for r in results if not r.ok]
+        return common | {
+            "failed_or_lost": len(bad),
+            "failure_examples": [r.error for r in bad[:5]],
+            "requests_running_at_sigterm": at_sigterm["running"],
+            "completed_after_sigterm": len(results) - at_sigterm["finished"],
+            "clients_rejected_with_503": len(rejected),
+            "exit_code": await asyncio.to_thread(srv.proc.wait, 120),
+        }
 
     # Let the engine notice the last disconnects (one step) before reading the counters.
     deadline = time.monotonic() + 30
@@ -99,22 +134,13 @@ async def run(args, srv: ServerProcess) -> dict:
         await asyncio.sleep(0.2)
     failed = [r for r in results if r.error is not None]
     lost = [r for r in results if r.error is None and not r.ok]
-    out_tokens = sum(r.tokens_received for r in results)
-    return {
-        "elapsed_s": elapsed,
-        "requests": len(results),
+    return common | {
         "failed": len(failed),
         "lost": len(lost),
         "failure_examples": [r.error for r in failed[:5]],
-        "output_tokens": out_tokens,
-        "output_tokens_per_s": out_tokens / elapsed,
-        "ttft_median_s": statistics.median(
-            [r.first_token - r.start for r in results if r.first_token] or [float("nan")]
-        ),
         "disconnected_clients": len(leavers),
-        "disconnected_clients_received_chunks": [r.tokens_received for r in leavers],
+        "disconnected_clients_tokens_received": [r.tokens_received for r in leavers],
         "aborted_counter_delta": srv.metric("lmstack:request_aborted_total") - aborted_before,
-        "kv_usage_peak": max(kv_samples, default=0.0),
         "kv_blocks_used_at_end": srv.metric("lmstack:kv_cache_blocks_used"),
         "running_at_end": srv.metric("lmstack:num_requests_running"),
         "waiting_at_end": srv.metric("lmstack:num_requests_waiting"),
@@ -126,17 +152,30 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--disconnects", type=int, default=10)
+    ap.add_argument(
+        "--sigterm",
+        action="store_true",
+        help="after --duration, SIGTERM the server under load: in-flight streams must complete, "
+        "new requests get 503, the process exits 0",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args()
     with ServerProcess(stack(args)) as srv:
         summary = asyncio.run(run(args, srv))
-    checks = {
-        "no_failed": summary["failed"] == 0,
-        "no_lost": summary["lost"] == 0,
-        "kv_back_to_zero": summary["kv_blocks_used_at_end"] == 0,
-        "nothing_running": summary["running_at_end"] == 0,
-        "disconnects_aborted": summary["aborted_counter_delta"] == args.disconnects,
-    }
+    if args.sigterm:
+        checks = {
+            "in_flight_completed": summary["failed_or_lost"] == 0 and summary["completed_after_sigterm"] > 0,
+            "new_requests_503": summary["clients_rejected_with_503"] == args.clients,
+            "exit_code_0": summary["exit_code"] == 0,
+        }
+    else:
+        checks = {
+            "no_failed": summary["failed"] == 0,
+            "no_lost": summary["lost"] == 0,
+            "kv_back_to_zero": summary["kv_blocks_used_at_end"] == 0,
+            "nothing_running": summary["running_at_end"] == 0,
+            "disconnects_aborted": summary["aborted_counter_delta"] == args.disconnects,
+        }
     record = {
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -151,8 +190,9 @@ def main() -> int:
         "pass": all(checks.values()),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    quick = "" if (args.clients, args.duration, args.disconnects) == (64, 60.0, 10) else "-custom"
-    path = args.out / f"http_load-{dt.date.today().isoformat()}{quick}.json"
+    quick = "" if args.clients == 64 and args.duration >= 60 else "-custom"
+    kind = "http_load_sigterm" if args.sigterm else "http_load"
+    path = args.out / f"{kind}-{dt.date.today().isoformat()}{quick}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     print("checks:", ", ".join(f"{k}={'pass' if v else 'FAIL'}" for k, v in checks.items()))
