@@ -42,6 +42,10 @@ def assert_still_serving(client) -> None:
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
+def test_health_is_503_until_the_model_is_loaded(server):
+    assert server.health_seen[-2:] == [503, 200], server.health_seen
+
+
 def test_models(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -360,6 +364,7 @@ def test_concurrent_streams_all_complete(server):
 
 def test_metrics_and_health(server, client):
     assert server.get("/health")[0] == 200
+    client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=30)
     _, text = server.get("/metrics")
     text = text.decode()
     for name in (

@@ -40,6 +40,7 @@ class ServerProcess:
         self.log_path = Path(log_path) if log_path else Path(self._dir.name) / "server.log"
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
+        self.health_seen: list[int] = []  # distinct /health statuses while starting, in order
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
         cmd = [sys.executable, "-c", "import sys; from lmstack.cli import main; sys.exit(main())"]
@@ -51,6 +52,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             status, _ = self.get("/health")
+            if status and (not self.health_seen or self.health_seen[-1] != status):
+                self.health_seen.append(status)
             if status == 200:
                 return self
             time.sleep(0.25)
