@@ -222,6 +222,49 @@ def test_device_conflict():
     assert "device: cpu" in msg and "attention.prefill" in msg and "torch" in msg
 
 
+class OptInOptions(msgspec.Struct, forbid_unknown_fields=True):
+    emulate: bool = False
+
+
+def _opt_in_kernel(**kw) -> Component:
+    return comp(
+        "emulated",
+        "attention",
+        options_type=OptInOptions,
+        capabilities={"devices": ("cuda",)},
+        capabilities_for=lambda o: {"devices": ("cuda", "cpu")} if o.emulate else {"devices": ("cuda",)},
+        **kw,
+    )
+
+
+def test_capabilities_may_depend_on_options():
+    kernel = _opt_in_kernel()
+    assert "runs on cuda only" in conflict({"attention": "emulated"}, kernel)
+    r = resolved({"attention": {"name": "emulated", "emulate": True}}, kernel)
+    assert r.attention_prefill.capabilities == {"devices": ("cuda", "cpu")}
+    assert r.describe()["components"]["attention_decode"]["capabilities"]["devices"] == ("cuda", "cpu")
+    # The static capabilities (what `lmstack plugins` lists, what "fits" hints use) stay as declared.
+    assert kernel.capabilities == {"devices": ("cuda",)}
+
+
+def test_a_component_check_speaks_first_and_in_its_own_words():
+    def check(options, stack, key):
+        if stack.device.type != "cuda" and not options.emulate:
+            return f"needs CUDA, but the stack sets device: {stack.device}; set {key}: torch"
+        return None
+
+    kernel = _opt_in_kernel(check=check)
+    msg = conflict({"attention": {"decode": "emulated"}}, kernel)
+    assert msg == (
+        "decode kernel 'emulated' (lmstack-fake 1.0) needs CUDA, but the stack sets device: cpu; "
+        "set attention.decode: torch"
+    )
+    assert (
+        resolved({"attention": {"name": "emulated", "emulate": True}}, kernel).attention_decode.name
+        == "emulated"
+    )
+
+
 def test_model_dtype_conflict():
     fp16 = comp("fp16-kernel", "attention", capabilities={"dtypes": ("float16",)})
     msg = conflict({"attention": "fp16-kernel"}, fp16)

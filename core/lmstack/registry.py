@@ -24,8 +24,18 @@ class Component:
     `factory(options, ctx)` builds the instance; `options` is an instance of `options_type`
     (a msgspec Struct with ``forbid_unknown_fields=True``) and `ctx` a `BuildContext`.
 
-    `capabilities` says what the component supports (see `lmstack.capabilities` for the keys
-    the core checks), `requires` what it needs from the rest of the stack.
+    `capabilities` says what the component supports (see `lmstack.resolve` for the keys the
+    core checks), `requires` what it needs from the rest of the stack.
+
+    Two optional hooks cover what a static mapping cannot say:
+
+    - `capabilities_for(options)`: the capabilities under these (converted) options, when an
+      option changes them (an opt-in that widens the devices); `capabilities` stays what
+      `lmstack plugins` lists and what the default options give;
+    - `check(options, stack, key)`: a conflict with the resolved stack in the component's own
+      words, or None. `key` is where the stack names the component (``attention.prefill``); the
+      core prefixes the answer with the component's role, name and distribution, so it reads
+      as one sentence: ``"needs a CUDA device, but the stack sets device: cpu; use ..."``.
     """
 
     name: str
@@ -37,6 +47,8 @@ class Component:
     description: str = ""
     distribution: str = ""
     version: str = ""
+    capabilities_for: Callable[[Any], Mapping[str, Any]] | None = None
+    check: Callable[[Any, Any, str], str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

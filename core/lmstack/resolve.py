@@ -18,6 +18,10 @@ Capability vocabulary (keys of `Component.capabilities`; an absent key means no 
 attention_prefill, attention_decode, quantizer, speculator, parallel) to the value needed, e.g.
 ``{"attention.chunked_context": True}``; a bare capability name is looked up in the role that
 declares it.
+
+A component whose capabilities depend on its options declares `Component.capabilities_for`;
+one with a condition the vocabulary cannot express declares `Component.check`, which runs
+before the checks here so that its own explanation (and way out) is the one reported.
 """
 
 from __future__ import annotations
@@ -111,7 +115,9 @@ class Selected:
 
     @property
     def capabilities(self) -> Mapping[str, Any]:
-        return self.component.capabilities
+        """The component's capabilities under the selected options."""
+        c = self.component
+        return c.capabilities if c.capabilities_for is None else c.capabilities_for(self.options)
 
     def describe(self) -> dict[str, Any]:
         c = self.component
@@ -121,7 +127,7 @@ class Selected:
             "distribution": c.distribution,
             "version": c.version,
             "options": _jsonable(self.options),
-            "capabilities": _jsonable(dict(c.capabilities)),
+            "capabilities": _jsonable(dict(self.capabilities)),
             "requires": _jsonable(dict(c.requires)),
         }
 
@@ -211,6 +217,7 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
         parallel=_select_parallel(registry, stack.parallel),
     )
     for check in (
+        _check_components,
         _check_devices,
         _check_phases,
         _check_dtypes,
@@ -312,6 +319,15 @@ def _kv_cache_dtype(stack: StackConfig, quantizer: Selected, dtype: torch.dtype)
 # ---------------------------------------------------------------------------------------------
 # Capability checks (each raises on the first conflict it finds)
 # ---------------------------------------------------------------------------------------------
+
+
+def _check_components(r: ResolvedStack, registry: Registry) -> None:
+    for role, sel in r.roles().items():
+        if sel.component.check is None:
+            continue
+        problem = sel.component.check(sel.options, r, ROLE_KEY[role])
+        if problem:
+            raise ResolutionError(f"{_who(role, sel)} {problem}")
 
 
 def _check_devices(r: ResolvedStack, registry: Registry) -> None:

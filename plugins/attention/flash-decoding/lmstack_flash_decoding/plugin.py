@@ -1,0 +1,75 @@
+"""Registers attention component `flash-decoding`: what it supports, its options, its check.
+
+Imported whenever lmstack loads plugins, so it does not import Triton; the kernel module is
+imported when a stack actually builds the component.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from lmstack.hookspecs import hookimpl
+from lmstack.registry import Component
+from lmstack_flash_decoding.runtime import INTERPRET_ENV, interpreter_opt_in
+
+NAME = "flash-decoding"
+
+# Kept in step with lmstack_flash_decoding.kernel (not imported here: it imports Triton).
+CAPABILITIES: dict[str, Any] = {
+    "devices": ("cuda",),
+    "dtypes": ("float32", "float16", "bfloat16"),
+    "kv_cache_dtypes": ("float32", "float16", "bfloat16"),
+    "head_dims": (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256),
+    "block_sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256),
+    "phases": ("decode",),
+    "sliding_window": True,
+}
+
+
+class FlashDecodingOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # Run the kernels in the Triton interpreter (NumPy, on the CPU): for tests on machines
+    # without a GPU, never for serving. TRITON_INTERPRET=1 in the environment does the same.
+    interpret: bool = False
+    # KV splits per sequence; unset: chosen per step from the context length and the SM count.
+    num_splits: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
+
+
+def capabilities_for(options: FlashDecodingOptions) -> dict[str, Any]:
+    if interpreter_opt_in(options.interpret):
+        return {**CAPABILITIES, "devices": ("cuda", "cpu")}
+    return CAPABILITIES
+
+
+def check(options: FlashDecodingOptions, stack, key: str) -> str | None:
+    if stack.device.type == "cuda" or interpreter_opt_in(options.interpret):
+        return None
+    return (
+        f"is a Triton kernel and needs a CUDA device, but the stack sets device: {stack.device}; "
+        f"use the reference kernel there ({key}: torch), or, for testing only, opt into the Triton "
+        f"interpreter with {key}: {{name: {NAME}, interpret: true}} or {INTERPRET_ENV}=1"
+    )
+
+
+def build(options: FlashDecodingOptions, ctx):
+    from lmstack_flash_decoding.backend import FlashDecoding
+
+    return FlashDecoding(interpret=interpreter_opt_in(options.interpret), num_splits=options.num_splits)
+
+
+COMPONENT = Component(
+    name=NAME,
+    kind="attention",
+    factory=build,
+    options_type=FlashDecodingOptions,
+    capabilities=CAPABILITIES,
+    capabilities_for=capabilities_for,
+    check=check,
+    description="FlashDecoding in Triton: split-KV paged decode with a log-sum-exp merge, GQA-grouped.",
+)
+
+
+@hookimpl
+def lmstack_register_attention(register) -> None:
+    register(COMPONENT)

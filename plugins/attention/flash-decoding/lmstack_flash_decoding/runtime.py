@@ -1,0 +1,46 @@
+"""Where the kernels run: compiled for a CUDA device, or in the Triton interpreter on the CPU.
+
+The interpreter executes a kernel's Python body with NumPy, one program at a time — slow, and
+meant for tests on machines without a GPU. Triton decides once per process, when it is first
+imported, which mode its `@triton.jit` functions (its own library functions such as `tl.max`
+included) are built in: the interpreter if ``TRITON_INTERPRET=1`` is set then. So the opt-in
+(``interpret: true`` on the component, or that variable) switches the whole process, and
+must come before anything imports Triton; `enable_interpreter` says so plainly when it is too
+late (e.g. `transformers` imports Triton).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+_TRUE = {"1", "true", "yes", "on", "y"}
+
+
+def interpret_env() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for the interpreter (read as Triton reads it)."""
+    return os.environ.get(INTERPRET_ENV, "").lower() in _TRUE
+
+
+def interpreter_opt_in(interpret_option: bool) -> bool:
+    return interpret_option or interpret_env()
+
+
+def enable_interpreter(component: str) -> None:
+    """Put this process's Triton in interpreter mode, or raise if it is already compiled-mode."""
+    if "triton" not in sys.modules:
+        os.environ[INTERPRET_ENV] = "1"
+    import triton.language.standard as tl_standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl_standard.zeros, InterpretedFunction):
+        raise RuntimeError(
+            f"{component}: the Triton interpreter was asked for (interpret: true), but Triton was "
+            f"already imported in compiled mode in this process; start the process with "
+            f"{INTERPRET_ENV}=1 instead"
+        )
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
