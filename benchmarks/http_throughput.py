@@ -79,7 +79,7 @@ async def run_http(base_url: str, prompts, args) -> dict:
             while not queue.empty():
                 p = queue.get_nowait()
                 body = {"prompt": p, "max_tokens": args.output_tokens, "temperature": 0, "ignore_eos": True}
-                results.append(await stream_completion(client, base_url, body))
+                results.append(await stream_completion(client, base_url, body, count_tokens=False))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))

@@ -29,12 +29,21 @@ class StreamResult:
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, base_url: str, body: dict, *, stop_after_chunks: int | None = None
+    client: httpx.AsyncClient,
+    base_url: str,
+    body: dict,
+    *,
+    stop_after_chunks: int | None = None,
+    count_tokens: bool = True,
 ) -> StreamResult:
-    """POST a streamed completion (logprobs=0 so every chunk lists its tokens); read until
-    [DONE], or leave after `stop_after_chunks` chunks (a client that disconnects)."""
+    """POST a streamed completion and read until [DONE], or leave after `stop_after_chunks`
+    chunks (a client that disconnects). `count_tokens` asks for logprobs=0 so every chunk
+    lists its tokens and the usage count can be checked; without it (less server work, for
+    throughput runs) the received count is taken from the usage chunk."""
     res = StreamResult(start=time.perf_counter())
-    payload = {**body, "stream": True, "stream_options": {"include_usage": True}, "logprobs": 0}
+    payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    if count_tokens:
+        payload["logprobs"] = 0
     try:
         async with client.stream("POST", base_url + "/v1/completions", json=payload) as resp:
             if resp.status_code != 200:
@@ -55,7 +64,7 @@ async def stream_completion(
                 for ch in obj.get("choices") or []:
                     res.text += ch.get("text") or ""
                     lp = ch.get("logprobs")
-                    n = len(lp["tokens"]) if lp else 0
+                    n = len(lp["tokens"]) if lp else int(not count_tokens)
                     if n:
                         now = time.perf_counter()
                         if res.first_token is None:
@@ -70,5 +79,7 @@ async def stream_completion(
     except httpx.HTTPError as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     res.end = time.perf_counter()
+    if not count_tokens and res.usage_completion is not None:
+        res.tokens_received = res.usage_completion
     res.ok = res.done and res.error is None and res.usage_matches
     return res
