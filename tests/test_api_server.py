@@ -3,6 +3,7 @@ client (and raw HTTP where the client would hide what we check)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -263,8 +264,16 @@ def test_unknown_model_is_404(server, client):
 
 
 def test_oversized_body_is_413(server, client):
-    status, resp, _ = server.post("/v1/completions", {"prompt": "x" * 2_000_000})
-    _error(status, resp, 413)
+    # Announce a 2 MB body but send only its start: the server must answer from the declared
+    # length, without reading (a client still writing the rest could see the socket close).
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(2_000_000))
+    conn.endheaders(b'{"prompt": "' + b"x" * 1000)
+    resp = conn.getresponse()
+    _error(resp.status, json.loads(resp.read()), 413)
+    conn.close()
     assert_still_serving(client)
 
 

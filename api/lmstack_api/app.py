@@ -86,15 +86,42 @@ def _stream_response(body: AsyncIterator[bytes], request_id: str) -> Stream:
     return Stream(body, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": request_id})
 
 
-async def _error_frames(job: Job, exc: BaseException) -> bytes:
-    if isinstance(exc, EngineFailure):
-        err = APIError(500, f"the engine ended this request: {exc}", type="server_error")
-        job.status = "engine_error"
-    else:
+def _engine_error(job: Job, exc: EngineFailure) -> APIError:
+    job.status = "engine_error"
+    return APIError(500, f"the engine ended this request: {exc}", type="server_error")
+
+
+async def _sse(job: Job, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An SSE body: the job's frames, an error event if it fails midway (the status line is
+    long gone), `[DONE]`, and the job's bookkeeping however the stream ends."""
+    try:
+        async for frame in frames:
+            yield frame
+    except asyncio.CancelledError:  # the client went away: Litestar cancels the stream
+        job.status = "disconnected"
+        raise
+    except EngineFailure as exc:
+        yield sse(_engine_error(job, exc).body())
+    except Exception:
         log.exception("stream failed", request_id=job.request_id)
-        err = APIError(500, "internal error while streaming", type="server_error")
         job.status = "error"
-    return sse(err.body())
+        yield sse(APIError(500, "internal error while streaming", type="server_error").body())
+    finally:
+        job.finish()
+    yield SSE_DONE
+
+
+async def _complete(job: Job, request: Request) -> bool:
+    """Run a non-streamed job to the end; False when the client left first."""
+    try:
+        if not await _collect(job, request):
+            job.status = "disconnected"
+            return False
+        return True
+    except EngineFailure as exc:
+        raise _engine_error(job, exc) from None
+    finally:
+        job.finish()
 
 
 # --- chat ------------------------------------------------------------------------------------
@@ -141,47 +168,29 @@ async def chat_completions(request: Request) -> Response:
         def chunk(choices, use=None) -> bytes:
             return sse(ChatCompletionChunk(rid, created, model, choices, usage=use))
 
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                yield chunk([ChatChunkChoice(i, Delta(role="assistant", content="")) for i in range(sp.n)])
-                async for _, out in job.outputs():
-                    choices = []
-                    for c in out.outputs:
-                        if not (c.text_delta or c.finish_reason or c.token_ids_delta):
-                            continue
-                        end = len(c.token_ids)
-                        lp = (
-                            chat_logprobs(c, end - len(c.token_ids_delta), end, top_n, tt)
-                            if req.logprobs
-                            else None
-                        )
-                        choices.append(
-                            ChatChunkChoice(c.index, Delta(content=c.text_delta), c.finish_reason, lp)
-                        )
-                    if choices:
-                        yield chunk(choices)
-                if include_usage:
-                    yield chunk([], usage(list(job.final.values())))
-            except asyncio.CancelledError:
-                job.status = "disconnected"
-                raise
-            except Exception as exc:
-                yield await _error_frames(job, exc)
-            finally:
-                job.finish()
-            yield SSE_DONE
+        async def frames() -> AsyncIterator[bytes]:
+            yield chunk([ChatChunkChoice(i, Delta(role="assistant", content="")) for i in range(sp.n)])
+            async for _, out in job.outputs():
+                choices = []
+                for c in out.outputs:
+                    if not (c.text_delta or c.finish_reason or c.token_ids_delta):
+                        continue
+                    end = len(c.token_ids)
+                    lp = (
+                        chat_logprobs(c, end - len(c.token_ids_delta), end, top_n, tt)
+                        if req.logprobs
+                        else None
+                    )
+                    choices.append(ChatChunkChoice(c.index, Delta(content=c.text_delta), c.finish_reason, lp))
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                yield chunk([], usage(list(job.final.values())))
 
-        return _stream_response(body(), rid)
+        return _stream_response(_sse(job, frames()), rid)
 
-    try:
-        if not await _collect(job, request):
-            job.status = "disconnected"
-            return Response(content=b"", status_code=499)
-    except EngineFailure as exc:
-        job.status = "engine_error"
-        raise APIError(500, f"the engine ended this request: {exc}", type="server_error") from None
-    finally:
-        job.finish()
+    if not await _complete(job, request):
+        return Response(content=b"", status_code=499)  # nobody is listening any more
     out = job.final[0]
     choices = [
         ChatChoice(
@@ -253,46 +262,30 @@ async def completions(request: Request) -> Response:
         def chunk(choices, use=None) -> bytes:
             return sse(Completion(rid, created, model, choices, use))
 
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                echoed: set[int] = set()
-                async for i, out in job.outputs():
-                    choices = []
-                    for c in out.outputs:
-                        idx = i * n + c.index
-                        text = c.text_delta
-                        if req.echo and idx not in echoed:
-                            echoed.add(idx)
-                            text = echo_text(i) + text
-                        if not (text or c.finish_reason or c.token_ids_delta):
-                            continue
-                        end = len(c.token_ids)
-                        lp = logprobs_for(i, c, end - len(c.token_ids_delta), end, False)
-                        choices.append(CompletionChoice(idx, text, c.finish_reason, lp))
-                    if choices:
-                        yield chunk(choices)
-                if include_usage:
-                    yield chunk([], usage(list(job.final.values())))
-            except asyncio.CancelledError:
-                job.status = "disconnected"
-                raise
-            except Exception as exc:
-                yield await _error_frames(job, exc)
-            finally:
-                job.finish()
-            yield SSE_DONE
+        async def frames() -> AsyncIterator[bytes]:
+            echoed: set[int] = set()
+            async for i, out in job.outputs():
+                choices = []
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    text = c.text_delta
+                    if req.echo and idx not in echoed:
+                        echoed.add(idx)
+                        text = echo_text(i) + text
+                    if not (text or c.finish_reason or c.token_ids_delta):
+                        continue
+                    end = len(c.token_ids)
+                    lp = logprobs_for(i, c, end - len(c.token_ids_delta), end, False)
+                    choices.append(CompletionChoice(idx, text, c.finish_reason, lp))
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                yield chunk([], usage(list(job.final.values())))
 
-        return _stream_response(body(), rid)
+        return _stream_response(_sse(job, frames()), rid)
 
-    try:
-        if not await _collect(job, request):
-            job.status = "disconnected"
-            return Response(content=b"", status_code=499)
-    except EngineFailure as exc:
-        job.status = "engine_error"
-        raise APIError(500, f"the engine ended this request: {exc}", type="server_error") from None
-    finally:
-        job.finish()
+    if not await _complete(job, request):
+        return Response(content=b"", status_code=499)  # nobody is listening any more
     choices = []
     for i in range(len(job.reqs)):
         for c in job.final[i].outputs:

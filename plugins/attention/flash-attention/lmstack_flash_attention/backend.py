@@ -6,7 +6,7 @@ import torch
 
 from lmstack.batch import AttentionMetadata
 from lmstack.interfaces import AttentionBackend
-from lmstack_flash_attention.runtime import enable_interpreter
+from lmstack.triton_support import enable_interpreter
 
 
 class FlashAttention(AttentionBackend):

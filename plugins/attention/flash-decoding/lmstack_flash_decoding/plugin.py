@@ -6,13 +6,14 @@ imported when a stack actually builds the component.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
 
 from lmstack.hookspecs import hookimpl
 from lmstack.registry import Component
-from lmstack_flash_decoding.runtime import INTERPRET_ENV, interpreter_opt_in
+from lmstack.triton_support import capabilities_with_interpreter, cuda_device_conflict, interpreter_opt_in
 
 NAME = "flash-decoding"
 
@@ -36,20 +37,12 @@ class FlashDecodingOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=Tr
     num_splits: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
 
 
-def capabilities_for(options: FlashDecodingOptions) -> dict[str, Any]:
-    if interpreter_opt_in(options.interpret):
-        return {**CAPABILITIES, "devices": ("cuda", "cpu")}
-    return CAPABILITIES
+def capabilities_for(options: FlashDecodingOptions) -> Mapping[str, Any]:
+    return capabilities_with_interpreter(CAPABILITIES, options.interpret)
 
 
 def check(options: FlashDecodingOptions, stack, key: str) -> str | None:
-    if stack.device.type == "cuda" or interpreter_opt_in(options.interpret):
-        return None
-    return (
-        f"is a Triton kernel and needs a CUDA device, but the stack sets device: {stack.device}; "
-        f"use the reference kernel there ({key}: torch), or, for testing only, opt into the Triton "
-        f"interpreter with {key}: {{name: {NAME}, interpret: true}} or {INTERPRET_ENV}=1"
-    )
+    return cuda_device_conflict(NAME, options.interpret, stack, key)
 
 
 def build(options: FlashDecodingOptions, ctx):

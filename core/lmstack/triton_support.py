@@ -1,4 +1,5 @@
-"""Where the kernels run: compiled for a CUDA device, or in the Triton interpreter on the CPU.
+"""Shared by plugins whose kernels are written in Triton: where the kernels run (compiled for a
+CUDA device, or in the Triton interpreter on the CPU) and the resolution-time check that says so.
 
 The interpreter executes a kernel's Python body with NumPy, one program at a time — slow, and
 meant for tests on machines without a GPU. Triton decides once per process, when it is first
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 INTERPRET_ENV = "TRITON_INTERPRET"
 _TRUE = {"1", "true", "yes", "on", "y"}
@@ -44,3 +47,24 @@ def enable_interpreter(component: str) -> None:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def capabilities_with_interpreter(
+    capabilities: Mapping[str, Any], interpret_option: bool
+) -> Mapping[str, Any]:
+    """A CUDA-only component's capabilities, widened to the CPU when the interpreter is opted into."""
+    if interpreter_opt_in(interpret_option):
+        return {**capabilities, "devices": (*capabilities["devices"], "cpu")}
+    return capabilities
+
+
+def cuda_device_conflict(name: str, interpret_option: bool, stack: Any, key: str) -> str | None:
+    """For `Component.check`: why a Triton kernel cannot run on this stack's device, and the way
+    out; None when it can (a CUDA device, or the interpreter opted into)."""
+    if stack.device.type == "cuda" or interpreter_opt_in(interpret_option):
+        return None
+    return (
+        f"is a Triton kernel and needs a CUDA device, but the stack sets device: {stack.device}; "
+        f"use the reference kernel there ({key}: torch), or, for testing only, opt into the Triton "
+        f"interpreter with {key}: {{name: {name}, interpret: true}} or {INTERPRET_ENV}=1"
+    )
