@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 
 from litestar import Litestar, Request, Response, get, post
@@ -82,8 +83,14 @@ async def _collect(job: Job, request: Request) -> bool:
     return True
 
 
-def _stream_response(body: AsyncIterator[bytes], request_id: str) -> Stream:
-    return Stream(body, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": request_id})
+def _stream_response(job: Job, frames: AsyncIterator[bytes]) -> Stream:
+    body = _sse(job, frames)
+    # If the body is never iterated (the client left before the headers went out), its
+    # `finally` never runs: release the job's queue slot and reservation when it is collected.
+    weakref.finalize(body, job.finish, "disconnected")
+    return Stream(
+        body, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": job.request_id}
+    )
 
 
 def _engine_error(job: Job, exc: EngineFailure) -> APIError:
@@ -187,7 +194,7 @@ async def chat_completions(request: Request) -> Response:
             if include_usage:
                 yield chunk([], usage(list(job.final.values())))
 
-        return _stream_response(_sse(job, frames()), rid)
+        return _stream_response(job, frames())
 
     if not await _complete(job, request):
         return Response(content=b"", status_code=499)  # nobody is listening any more
@@ -282,7 +289,7 @@ async def completions(request: Request) -> Response:
             if include_usage:
                 yield chunk([], usage(list(job.final.values())))
 
-        return _stream_response(_sse(job, frames()), rid)
+        return _stream_response(job, frames())
 
     if not await _complete(job, request):
         return Response(content=b"", status_code=499)  # nobody is listening any more
