@@ -124,3 +124,33 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server):
     assert server.proc.wait(60) == 0
     assert sorted(results) == [0, 1, 2]
     assert all(u is not None and u.completion_tokens == 60 for _, u in results.values())
+
+
+def test_port_in_use_is_one_line_before_anything_loads(smollm2_path, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        stack = tmp_path / "stack.yaml"
+        stack.write_text(yaml.safe_dump({"model": MODEL, "server": {"port": port}}))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from lmstack.cli import main; sys.exit(main())",
+                "serve",
+                str(stack),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}")
+    assert "Traceback" not in proc.stderr and "engine ready" not in proc.stderr

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from types import FrameType
 
 import uvicorn
 
 from lmstack.config import load_stack
+from lmstack.errors import LmstackError
 from lmstack.model.source import open_model_source
 from lmstack.plugins import default_registry
 from lmstack.resolve import check_model, resolve
@@ -54,19 +56,35 @@ def serve(stack_path: str, host: str | None = None, port: int | None = None, log
     stack = resolve(load_stack(stack_path), default_registry())
     # The model's metadata (no weights) against the stack: conflicts stop here, in one line.
     check_model(stack, open_model_source(stack.model).config)
-    state = ServerState(stack)
     cfg = stack.config.server
-    app = create_app(stack, state)
+    host = host or cfg.host
+    # Bind before anything loads, so a port in use is one line now, not an error after the
+    # weights are in memory.
+    sock = _listen(host, port if port is not None else cfg.port)
+    state = ServerState(stack)
     config = uvicorn.Config(
-        app,
-        host=host or cfg.host,
-        port=port if port is not None else cfg.port,
+        create_app(stack, state),
+        host=host,
+        port=sock.getsockname()[1],
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    server = _DrainingServer(config, state)
-    log.info("serving", model=state.model_name, host=config.host, port=config.port, stack=stack_path)
-    server.run()
+    log.info("serving", model=state.model_name, host=host, port=config.port, stack=stack_path)
+    _DrainingServer(config, state).run(sockets=[sock])
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise LmstackError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
