@@ -202,6 +202,12 @@ def test_json_schema_output_validates(client):
         jsonschema.validate(data, PERSON)
 
 
+def test_min_tokens_with_a_grammar_is_400(server):
+    body = {"prompt": "JSON:", "min_tokens": 5, "response_format": {"type": "json_object"}}
+    status, resp, _ = server.post("/v1/completions", body)
+    assert _error(status, resp, 400, "min_tokens")["code"] == "unsupported"
+
+
 def test_json_object_output(client):
     r = client.chat.completions.create(
         model=MODEL,

@@ -158,6 +158,11 @@ def sampling_params(
         )
     if max_tokens is None:
         max_tokens = default_max_tokens if default_max_tokens is not None else max_tokens_cap
+    if grammar is not None and req.min_tokens:
+        # Once the JSON is complete the grammar allows only the end token, which min_tokens forbids.
+        raise unsupported(
+            "min_tokens", "it cannot be combined with response_format json_schema / json_object"
+        )
     stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop is not None else [])
     processors = [_logit_bias(req.logit_bias, vocab_size)] if req.logit_bias else []
     try:
