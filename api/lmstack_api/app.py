@@ -138,11 +138,10 @@ async def _complete(job: Job, request: Request) -> bool:
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
     key = state.authenticate(request.headers)
-    state.require_ready()
+    engine = state.require_ready()
     req = P.decode_body(await request.body(), ChatCompletionRequest)
     state.check_model(req.model)
     P.check_unsupported_chat(req)
-    engine = state.require_ready()
     messages = P.chat_messages(req)
     try:
         prompt = engine.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
@@ -218,14 +217,13 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     state = _state(request)
     key = state.authenticate(request.headers)
-    state.require_ready()
+    engine = state.require_ready()
     req = P.decode_body(await request.body(), CompletionRequest)
     state.check_model(req.model)
     if req.suffix:
         raise P.unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
     if req.best_of is not None and req.best_of != req.n:
         raise P.unsupported("best_of", "only best_of equal to n (or absent) is accepted")
-    engine = state.require_ready()
     prompts = P.completion_prompts(req)
     grammar = await asyncio.to_thread(P.grammar_for, req, state.grammar_compiler)
     top_n = req.logprobs or 0
@@ -254,14 +252,13 @@ async def completions(request: Request) -> Response:
         if req.logprobs is None:
             return None
         ids, entries = list(c.token_ids[start:end]), list(c.logprobs[start:end])
-        offset = 0
         if echo:
             out = job.final.get(i)
             plp = out.prompt_logprobs if out is not None else None
             r = job.reqs[i]
             ids = r.prompt_token_ids + ids
             entries = list(plp or [None] * r.prompt_len) + entries
-        return completion_logprobs(ids, entries, top_n, tt, offset)
+        return completion_logprobs(ids, entries, top_n, tt)
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

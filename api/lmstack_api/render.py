@@ -68,12 +68,11 @@ def completion_logprobs(
     entries: list[dict[int, float] | None],
     top_n: int,
     tt: TokenText,
-    offset: int = 0,
 ) -> CompletionLogprobs:
     """The legacy completions format; `entries[i]` is None where no logprob exists (the first
     prompt token)."""
     tokens, lps, tops, offsets = [], [], [], []
-    pos = offset
+    pos = 0
     for tok, entry in zip(token_ids, entries, strict=True):
         text = tt.text(tok)
         tokens.append(text)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
-import threading
 import time
 from typing import Any
 
@@ -37,7 +36,6 @@ class ServerState:
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_queued_tokens)
         self.limiter = RateLimiter(self.config.rate_limit)
         self.metrics = Metrics(lambda: self.engine.engine.stats if self.engine is not None else None)
-        self._grammar_lock = threading.Lock()
 
     # --- lifecycle ----------------------------------------------------------------------------
 
