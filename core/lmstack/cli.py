@@ -95,6 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(handler=_cmd_serve)
+
+    # The benchmark lives in its own distribution (lmstack-bench) and parses its own arguments.
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark a live OpenAI-compatible server (lmstack bench serve --help)",
+        description="Benchmark servers: `lmstack bench serve --help`, `lmstack bench plot --help`.",
+        add_help=False,
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=_cmd_bench)
     return parser
 
 
@@ -189,6 +199,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "`pip install -e api` from a checkout"
         ) from None
     return serve(args.stack, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        from lmstack_bench.cli import main as bench_main
+    except ImportError as exc:
+        raise LmstackError(
+            f"lmstack bench needs the lmstack-bench distribution ({exc}); install it with "
+            "`pip install -e bench` from a checkout"
+        ) from None
+    return bench_main(args.bench_args or ["--help"])
 
 
 def _print_check(path: str, resolved: ResolvedStack, model_config: ModelConfig | None) -> None:

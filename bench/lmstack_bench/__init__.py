@@ -1,0 +1,1 @@
+"""A serving benchmark for any OpenAI-compatible server: `lmstack bench serve`."""
