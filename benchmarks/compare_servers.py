@@ -1,0 +1,354 @@
+"""lmstack vs llama.cpp's `llama-server` vs plain transformers, one load generator, one run.
+
+Each server serves the same GGUF file (SmolLM2-135M-Instruct Q4_1) on loopback, alone on the
+machine, one after another; `lmstack bench serve` drives each through the same closed-loop sweep
+(random ~200-token prompts, exactly 128 output tokens, greedy) and the script writes
+`benchmarks/results/<date>-servers.{md,json,png}` with the table, the targets and every command.
+
+    python benchmarks/compare_servers.py                         # the recorded run (~15 min)
+    python benchmarks/compare_servers.py --quick                 # smoke: concurrency 1,4, few requests
+
+The peers:
+- **llama.cpp**: `llama-server` with `-np <max concurrency>` parallel slots (continuous batching),
+  built from the `vendor/llama.cpp` source inside the `llama-cpp-python` PyPI sdist, server target
+  only, ggml's AMX code disabled (it crashes on these CPUs). The build lives in a cache directory
+  outside the repository (`--build-dir`); `--llama-server PATH` uses an existing binary instead.
+  It runs the Q4_1 weights natively; lmstack dequantizes them to bf16.
+- **transformers**: `benchmarks/peers/hf_static_server.py`, `generate` on static batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lmstack_bench.report import BenchResult, load_result, plot_cdfs, plot_sweep, table  # noqa: E402
+from offline_throughput import git_info, machine_info  # noqa: E402
+
+from lmstack.model.source import resolve_model_path  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+LMSTACK = str(Path(PY).with_name("lmstack"))
+MODEL = "smollm2-135m-instruct"
+LLAMA_CPP_PYTHON = "0.3.36"
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+SERVERS = ("lmstack", "llama.cpp", "transformers")
+
+
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    port: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], log: Path, **kw: Any) -> None:
+    print("$ " + shlex.join(cmd), file=sys.stderr)
+    with log.open("a") as f:
+        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True, **kw)
+
+
+def build_llama_server(build_dir: Path, version: str, jobs: int) -> tuple[Path, list[str]]:
+    """The llama-server binary, built once from the sdist's vendored source; returns it and the
+    commands that built it (empty when it was already there)."""
+    binary = build_dir / "build" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary, []
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log = build_dir / "build.log"
+    cmds = [
+        [PY, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+         f"llama-cpp-python=={version}", "-d", str(build_dir)],
+    ]  # fmt: skip
+    run(cmds[0], log)
+    sdist = build_dir / f"llama_cpp_python-{version}.tar.gz"
+    with tarfile.open(sdist) as tar:
+        tar.extractall(build_dir, filter="data")
+    src = build_dir / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    configure = [
+        "cmake", "-S", str(src), "-B", str(build_dir / "build"), "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+        f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}", "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+        "-DBUILD_SHARED_LIBS=OFF",
+    ]  # fmt: skip
+    if shutil.which("ninja"):
+        configure += ["-G", "Ninja"]
+    build = ["cmake", "--build", str(build_dir / "build"), "--target", "llama-server", "-j", str(jobs)]
+    run(configure, log)
+    run(build, log)
+    return binary, [*cmds, configure, build]
+
+
+def servers(args: argparse.Namespace, gguf: Path, llama_server: Path | None) -> Iterator[Server]:
+    slots = max(args.concurrency)
+    ctx_per_slot = args.input_len + args.output_len + 256  # room for the chat/BOS tokens
+    for name in args.servers:
+        port = free_port()
+        if name == "lmstack":
+            argv = [LMSTACK, "serve", str(REPO / "examples/stacks/cpu.yaml"), "--port", str(port),
+                    "--log-level", "warning"]  # fmt: skip
+        elif name == "llama.cpp":
+            assert llama_server is not None
+            argv = [str(llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                    "-np", str(slots), "-c", str(slots * ctx_per_slot), "--cont-batching",
+                    "-t", str(args.threads), "-tb", str(args.threads), "--alias", MODEL]  # fmt: skip
+        else:
+            argv = [PY, str(REPO / "benchmarks/peers/hf_static_server.py"), "--model", str(gguf),
+                    "--port", str(port), "--batch-size", str(slots)]  # fmt: skip
+        yield Server(name=name, argv=argv, port=port)
+
+
+@contextlib.contextmanager
+def started(server: Server, log: Path, timeout_s: float) -> Iterator[str]:
+    print("$ " + shlex.join(server.argv), file=sys.stderr)
+    f = log.open("w")
+    proc = subprocess.Popen(server.argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{server.name} exited with {proc.returncode}; see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/health", timeout=2.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{server.name} not healthy after {timeout_s:.0f} s; see {log}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        f.close()
+
+
+def bench_commands(args: argparse.Namespace, server: Server, base: str, work: Path) -> list[list[str]]:
+    """One `lmstack bench serve` per concurrency: each gets its own request count (enough rounds
+    for a steady state at that concurrency) and its own warm-up."""
+    cmds = []
+    for c in args.concurrency:
+        n = max(args.min_requests, args.rounds * c)
+        cmds.append(
+            [LMSTACK, "bench", "serve", "--base-url", base, "--model", MODEL, "--tokenizer", MODEL,
+             "--label", server.name, "--concurrency", str(c), "--num-requests", str(n),
+             "--warmup", str(min(c, 4)), "--input-len", str(args.input_len),
+             "--input-len-spread", "0.1", "--output-len", str(args.output_len), "--slo", args.slo,
+             "--out", str(work / f"{server.name}-c{c}.json"), "--no-plot", "--no-progress"]
+        )  # fmt: skip
+    return cmds
+
+
+def merged(paths: list[Path]) -> BenchResult:
+    parts = [load_result(p) for p in paths]
+    first = parts[0]
+    first.runs = [run for part in parts for run in part.runs]
+    return first
+
+
+def by_concurrency(res: BenchResult) -> dict[int, Any]:
+    return {run.load.concurrency: run.summary for run in res.runs}
+
+
+def targets(results: dict[str, BenchResult]) -> list[dict[str, Any]]:
+    if "lmstack" not in results or "llama.cpp" not in results:
+        return []
+    lm, ll = by_concurrency(results["lmstack"]), by_concurrency(results["llama.cpp"])
+    out = []
+    for c in (16, 32):
+        if c in lm and c in ll:
+            ratio = lm[c].output_throughput / ll[c].output_throughput
+            out.append({"what": f"concurrency {c}: output tok/s, lmstack / llama.cpp", "value": ratio,
+                        "target": ">= 3.0", "pass": ratio >= 3.0})  # fmt: skip
+    if 8 in lm and 8 in ll and lm[8].ttft and ll[8].ttft:
+        a, b = lm[8].ttft.p99, ll[8].ttft.p99
+        out.append({"what": "concurrency 8: P99 TTFT ms, lmstack vs llama.cpp", "value": [a, b],
+                    "target": "lmstack lower", "pass": a < b})  # fmt: skip
+    if 1 in lm and 1 in ll and lm[1].tpot and ll[1].tpot:
+        a, b = 1000.0 / lm[1].tpot.median, 1000.0 / ll[1].tpot.median
+        out.append({"what": "concurrency 1: batch-1 decode tok/s (1 / median TPOT), lmstack / llama.cpp",
+                    "value": a / b, "detail": [a, b], "target": "recorded", "pass": None})  # fmt: skip
+    return out
+
+
+def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str) -> str:
+    m = report["machine"]
+    lines = [
+        f"# Serving benchmark: lmstack vs llama.cpp vs transformers ({report['date'][:10]})",
+        "",
+        f"Machine: {m['cpu_model']}, {m['cpus_usable']} CPUs usable, {m['memory_total_gib']} GiB; "
+        f"load average before {report['loadavg_before'][0]:.2f}. Git {report['git']['commit']}"
+        f"{' (dirty)' if report['git']['dirty'] else ''}. Model: `{report['gguf']}` (Q4_1).",
+        "",
+        f"Workload: closed loop, random prompts of {report['input_len']} tokens (±10 %), exactly "
+        f"{report['output_len']} output tokens (min_tokens = max_tokens, ignore_eos), greedy, "
+        "`/v1/completions` streamed. Servers run one at a time. Latencies in ms; goodput = requests/s "
+        f"meeting `{report['slo']}`.",
+        "",
+        "```",
+        table(list(results.values())),
+        "```",
+        "",
+        "Weights: llama.cpp computes on the Q4_1 blocks directly (about 0.6 bytes per weight read per "
+        "decode step); lmstack and transformers dequantize them to bf16 at load (2 bytes per weight).",
+        "",
+        f"![throughput vs P99 latency]({stem}.png)  ![latency CDFs]({stem}-cdf.png)",
+        "",
+        "## Targets",
+        "",
+        "| what | value | target | result |",
+        "|---|---|---|---|",
+    ]
+    for t in report["targets"]:
+        v = t["value"]
+        if isinstance(v, list):
+            shown = f"{v[0]:.0f} vs {v[1]:.0f}"
+        else:
+            shown = f"{v:.2f}×" + (
+                f" ({t['detail'][0]:.1f} vs {t['detail'][1]:.1f} tok/s)" if "detail" in t else ""
+            )
+        result = "recorded" if t["pass"] is None else ("pass" if t["pass"] else "**MISS**")
+        lines.append(f"| {t['what']} | {shown} | {t['target']} | {result} |")
+    lines += ["", "## Commands", "", "```sh", report["command"], "```", ""]
+    if report["build_commands"]:
+        lines += [f"llama-server build ({report['build_seconds']:.0f} s):", "", "```sh",
+                  *report["build_commands"], "```", ""]  # fmt: skip
+    elif report["llama_server"]:
+        lines += [f"llama-server: `{report['llama_server']}` (an existing build).", ""]
+    lines += ["Servers:", "", "```sh", *report["server_commands"], "```", "", "Load generator:", "",
+              "```sh", *report["bench_commands"], "```", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--servers", default=",".join(SERVERS), help="comma-separated subset of " + ", ".join(SERVERS)
+    )
+    ap.add_argument("--concurrency", default="1,8,16,32", help="closed-loop sweep (default 1,8,16,32)")
+    ap.add_argument("--input-len", type=int, default=200)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2, help="requests per concurrency = rounds × concurrency")
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--slo", default="ttft=2s,tpot=100ms")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server threads")
+    ap.add_argument("--llama-server", type=Path, help="an existing llama-server binary (skip the build)")
+    ap.add_argument("--llama-cpp-python", default=LLAMA_CPP_PYTHON, help="sdist version to build from")
+    ap.add_argument("--build-dir", type=Path, default=Path.home() / ".cache" / "lmstack-bench" / "llama.cpp")
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--quick", action="store_true", help="smoke run: concurrency 1,4, 32 output tokens")
+    args = ap.parse_args()
+    if args.quick:
+        args.concurrency, args.output_len, args.input_len, args.min_requests, args.rounds = (
+            "1,4",
+            32,
+            64,
+            4,
+            1,
+        )
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.servers = [s.strip() for s in args.servers.split(",")]
+    unknown = set(args.servers) - set(SERVERS)
+    if unknown:
+        print(f"error: unknown server(s) {', '.join(sorted(unknown))}; choose from {', '.join(SERVERS)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+
+    gguf = resolve_model_path(MODEL)
+    build_cmds: list[list[str]] = []
+    build_s = None
+    llama_server = args.llama_server
+    if "llama.cpp" in args.servers and llama_server is None:
+        t0 = time.monotonic()
+        llama_server, build_cmds = build_llama_server(
+            args.build_dir / args.llama_cpp_python, args.llama_cpp_python, jobs=os.cpu_count() or 2
+        )
+        if build_cmds:
+            build_s = time.monotonic() - t0
+            print(f"built {llama_server} in {build_s:.0f} s", file=sys.stderr)
+
+    date = dt.date.today().isoformat()
+    stem = f"{date}-servers" + ("-quick" if args.quick else "")
+    work = Path(tempfile.mkdtemp(prefix="lmstack-compare-"))
+    loadavg_before = os.getloadavg()
+    git = git_info()  # the tree the run started from
+    results: dict[str, BenchResult] = {}
+    server_cmds, bench_cmds = [], []
+    for server in servers(args, gguf, llama_server):
+        with started(server, work / f"{server.name}.log", args.start_timeout) as base:
+            server_cmds.append(shlex.join(server.argv))
+            paths = []
+            for cmd in bench_commands(args, server, base, work):
+                print("$ " + shlex.join(cmd), file=sys.stderr)
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                bench_cmds.append(shlex.join(cmd))
+                paths.append(Path(cmd[cmd.index("--out") + 1]))
+            results[server.name] = merged(paths)
+        print(table([results[server.name]]), file=sys.stderr)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot_sweep(list(results.values()), args.out / f"{stem}.png")
+    plot_cdfs(list(results.values()), args.out / f"{stem}-cdf.png")
+    report = {
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "command": shlex.join(["python", *sys.argv]),
+        "machine": machine_info(),
+        "git": git,
+        "loadavg_before": loadavg_before,
+        "loadavg_after": os.getloadavg(),
+        "gguf": gguf.name,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "slo": args.slo,
+        "llama_server": str(llama_server) if llama_server else None,
+        "build_commands": [shlex.join(c) for c in build_cmds],
+        "build_seconds": build_s,
+        "server_commands": server_cmds,
+        "bench_commands": bench_cmds,
+        "targets": targets(results),
+        "results": {name: res.to_json() for name, res in results.items()},
+    }
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(report, results, stem))
+    print(table(list(results.values())))
+    for t in report["targets"]:
+        print(f"{t['what']}: {t['value']} (target {t['target']}: {t['pass']})")
+    print(f"wrote {args.out / stem}.{{md,json,png}}")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
