@@ -74,23 +74,14 @@ def run(cmd: list[str], log: Path, **kw: Any) -> None:
         subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True, **kw)
 
 
-def build_llama_server(build_dir: Path, version: str, jobs: int) -> tuple[Path, list[str]]:
-    """The llama-server binary, built once from the sdist's vendored source; returns it and the
-    commands that built it (empty when it was already there)."""
+def build_llama_server(build_dir: Path, version: str, jobs: int) -> tuple[Path, list[list[str]], bool]:
+    """The llama-server binary, built once from the sdist's vendored source. Returns it, the
+    commands that build it (the tar extraction is done in Python between the first two), and
+    whether they ran now (False: an earlier run's build was reused)."""
     binary = build_dir / "build" / "bin" / "llama-server"
-    if binary.is_file():
-        return binary, []
-    build_dir.mkdir(parents=True, exist_ok=True)
-    log = build_dir / "build.log"
-    cmds = [
-        [PY, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-         f"llama-cpp-python=={version}", "-d", str(build_dir)],
-    ]  # fmt: skip
-    run(cmds[0], log)
-    sdist = build_dir / f"llama_cpp_python-{version}.tar.gz"
-    with tarfile.open(sdist) as tar:
-        tar.extractall(build_dir, filter="data")
     src = build_dir / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    download = [PY, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                f"llama-cpp-python=={version}", "-d", str(build_dir)]  # fmt: skip
     configure = [
         "cmake", "-S", str(src), "-B", str(build_dir / "build"), "-DCMAKE_BUILD_TYPE=Release",
         "-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
@@ -101,9 +92,17 @@ def build_llama_server(build_dir: Path, version: str, jobs: int) -> tuple[Path, 
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
     build = ["cmake", "--build", str(build_dir / "build"), "--target", "llama-server", "-j", str(jobs)]
+    cmds = [download, configure, build]
+    if binary.is_file():
+        return binary, cmds, False
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log = build_dir / "build.log"
+    run(download, log)
+    with tarfile.open(build_dir / f"llama_cpp_python-{version}.tar.gz") as tar:
+        tar.extractall(build_dir, filter="data")
     run(configure, log)
     run(build, log)
-    return binary, [*cmds, configure, build]
+    return binary, cmds, True
 
 
 def servers(args: argparse.Namespace, gguf: Path, llama_server: Path | None) -> Iterator[Server]:
@@ -242,10 +241,15 @@ def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str)
         lines.append(f"| {t['what']} | {shown} | {t['target']} | {result} |")
     lines += ["", "## Commands", "", "```sh", report["command"], "```", ""]
     if report["build_commands"]:
-        lines += [f"llama-server build ({report['build_seconds']:.0f} s):", "", "```sh",
-                  *report["build_commands"], "```", ""]  # fmt: skip
+        took = (
+            f"took {report['build_seconds']:.0f} s in this run"
+            if report["build_seconds"]
+            else "reused from an earlier run of these commands"
+        )
+        lines += [f"llama-server build ({took}; the sdist is unpacked between the first two):", "",
+                  "```sh", *report["build_commands"], "```", ""]  # fmt: skip
     elif report["llama_server"]:
-        lines += [f"llama-server: `{report['llama_server']}` (an existing build).", ""]
+        lines += [f"llama-server: `{report['llama_server']}` (given with --llama-server).", ""]
     lines += ["Servers:", "", "```sh", *report["server_commands"], "```", "", "Load generator:", "",
               "```sh", *report["bench_commands"], "```", ""]  # fmt: skip
     return "\n".join(lines)
@@ -292,10 +296,10 @@ def main() -> int:
     llama_server = args.llama_server
     if "llama.cpp" in args.servers and llama_server is None:
         t0 = time.monotonic()
-        llama_server, build_cmds = build_llama_server(
+        llama_server, build_cmds, built = build_llama_server(
             args.build_dir / args.llama_cpp_python, args.llama_cpp_python, jobs=os.cpu_count() or 2
         )
-        if build_cmds:
+        if built:
             build_s = time.monotonic() - t0
             print(f"built {llama_server} in {build_s:.0f} s", file=sys.stderr)
 
