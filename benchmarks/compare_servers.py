@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lmstack_bench.report import BenchResult, load_result, plot_cdfs, plot_sweep, table  # noqa: E402
+from lmstack_bench.report import BenchResult, load_result, plot_cdfs, plot_sweep, result_from_json, table  # noqa: E402
 from offline_throughput import git_info, machine_info  # noqa: E402
 
 from lmstack.model.source import resolve_model_path  # noqa: E402
@@ -273,7 +273,12 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--quick", action="store_true", help="smoke run: concurrency 1,4, 32 output tokens")
+    ap.add_argument(
+        "--replot", type=Path, metavar="REPORT.json", help="only rewrite a recorded run's .md/.png"
+    )
     args = ap.parse_args()
+    if args.replot:
+        return replot(args.replot)
     if args.quick:
         args.concurrency, args.output_len, args.input_len, args.min_requests, args.rounds = (
             "1,4",
@@ -322,9 +327,6 @@ def main() -> int:
             results[server.name] = merged(paths)
         print(table([results[server.name]]), file=sys.stderr)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot_sweep(list(results.values()), args.out / f"{stem}.png")
-    plot_cdfs(list(results.values()), args.out / f"{stem}-cdf.png")
     report = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "command": shlex.join(["python", *sys.argv]),
@@ -344,13 +346,30 @@ def main() -> int:
         "targets": targets(results),
         "results": {name: res.to_json() for name, res in results.items()},
     }
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(report, results, stem))
+    write_outputs(report, results, args.out, stem)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def write_outputs(report: dict[str, Any], results: dict[str, BenchResult], out: Path, stem: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    plot_sweep(list(results.values()), out / f"{stem}.png")
+    plot_cdfs(list(results.values()), out / f"{stem}-cdf.png")
+    (out / f"{stem}.json").write_text(json.dumps(report, separators=(",", ":")) + "\n")
+    (out / f"{stem}.md").write_text(markdown(report, results, stem))
     print(table(list(results.values())))
     for t in report["targets"]:
         print(f"{t['what']}: {t['value']} (target {t['target']}: {t['pass']})")
-    print(f"wrote {args.out / stem}.{{md,json,png}}")
-    shutil.rmtree(work, ignore_errors=True)
+    print(f"wrote {out / stem}.{{md,json,png}}")
+
+
+def replot(path: Path) -> int:
+    """Rewrite a recorded run's Markdown and plots from its JSON (no servers are started)."""
+    report = json.loads(path.read_text())
+    results = {name: result_from_json(data) for name, data in report["results"].items()}
+    report["targets"] = targets(results)
+    report["results"] = {name: res.to_json() for name, res in results.items()}
+    write_outputs(report, results, path.parent, path.stem)
     return 0
 
 

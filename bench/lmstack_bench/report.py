@@ -13,6 +13,10 @@ from lmstack_bench.metrics import SLO, RequestRecord, Stats, Summary, summarize
 from lmstack_bench.runner import LoadSpec
 
 
+def _round_us(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 6)
+
+
 @dataclass
 class RunResult:
     load: LoadSpec
@@ -25,18 +29,19 @@ class RunResult:
 
     def to_json(self) -> dict[str, Any]:
         t0 = min(r.start for r in self.records)
+        us = _round_us
         return {
             "load": dataclasses.asdict(self.load),
             "summary": dataclasses.asdict(self.summary),
             "requests": [
                 {
-                    "start_s": r.start - t0,
-                    "ttft_s": r.ttft,
-                    "tpot_s": r.tpot,
-                    "e2e_s": r.e2e,
+                    "start_s": us(r.start - t0),
+                    "ttft_s": us(r.ttft),
+                    "tpot_s": us(r.tpot),
+                    "e2e_s": us(r.e2e),
                     "prompt_tokens": r.prompt_tokens,
                     "output_tokens": r.output_tokens,
-                    "itls_s": r.itls,
+                    "itls_s": [us(g) for g in r.itls],
                     "error": r.error,
                 }
                 for r in self.records
@@ -65,7 +70,7 @@ class BenchResult:
 
     def write_json(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        path.write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
 
 
 def _ms(stats: Stats | None, which: str) -> str:
@@ -112,17 +117,18 @@ def table(results: Sequence[BenchResult]) -> str:
     )
 
 
-def _cdf(ax: Any, values: list[float], label: str) -> None:
+def _cdf(ax: Any, values: list[float], label: str, **style: Any) -> None:
     if not values:
         return
     xs = sorted(v * 1000.0 for v in values)
     ys = [(i + 1) / len(xs) for i in range(len(xs))]
-    ax.step(xs, ys, where="post", label=label)
+    ax.step(xs, ys, where="post", label=label, **style)
 
 
 def plot_cdfs(results: Sequence[BenchResult], path: Path) -> None:
     """Latency CDFs (TTFT, TPOT, ITL, E2E), one line per server and load point."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -130,14 +136,17 @@ def plot_cdfs(results: Sequence[BenchResult], path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     panels = (("TTFT", lambda r: [r.ttft]), ("TPOT", lambda r: [r.tpot]), ("ITL", lambda r: r.itls),
               ("E2E latency", lambda r: [r.e2e]))  # fmt: skip
+    styles = ("-", "--", "-.", ":")
     for ax, (name, values_of) in zip(axes.flat, panels):
-        for res in results:
-            for run in res.runs:
+        for i, res in enumerate(results):
+            for j, run in enumerate(res.runs):
                 values = [v for r in run.records if r.ok for v in values_of(r) if v is not None]
-                _cdf(ax, values, f"{res.label}, {run.load.label}")
+                style = {"color": f"C{i % 10}", "linestyle": styles[j % len(styles)]}
+                _cdf(ax, values, f"{res.label}, {run.load.label}", **style)
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("fraction of requests" if name != "ITL" else "fraction of gaps")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=7)
     fig.suptitle("Latency CDFs")
@@ -184,7 +193,11 @@ def plot_sweep(results: Sequence[BenchResult], path: Path) -> None:
 
 def load_result(path: Path) -> BenchResult:
     """Read a result written by `write_json` back (records rebuilt from their timings)."""
-    data = json.loads(Path(path).read_text())
+    return result_from_json(json.loads(Path(path).read_text()))
+
+
+def result_from_json(data: dict[str, Any]) -> BenchResult:
+    """The inverse of `BenchResult.to_json`."""
     slo_cfg = data["config"].get("slo")
     slo = SLO(**slo_cfg) if slo_cfg else None
     res = BenchResult(
