@@ -173,8 +173,9 @@ def test_open_loop_and_multi_turn_chat(server, tmp_path):
     (run,) = json.loads(out.read_text())["runs"]
     starts = sorted(r["start_s"] for r in run["requests"])
     assert len(starts) == 4 and run["summary"]["failed"] == 0
-    # Arrivals every 50 ms whatever the server does (open loop).
-    assert starts[-1] == pytest.approx(0.15, abs=0.1)
+    # Arrivals every 50 ms whatever the server does (open loop): the fourth is sent no earlier than
+    # 150 ms after the first (a burst would send all four at once).
+    assert starts[-1] >= 0.1
 
     out = tmp_path / "chat.json"
     proc = run_bench(
