@@ -24,7 +24,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     """One sequence's first `length` cached tokens: [length, Hkv, D]."""
     block_size = cache.shape[1]
     n_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:length]
+    # index_select, not cache[table]: the advanced-indexing kernel was 4x slower for this copy.
+    return cache.index_select(0, block_table[:n_blocks].long()).flatten(0, 1)[:length]
 
 
 def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -108,8 +109,10 @@ class TorchAttention(AttentionBackend):
         """qb [b, Hkv*G, Hkv*D] -> [b, Hkv, G, D] for one group of similar-length sequences."""
         b, hkv, d = qb.shape[0], k_cache.shape[2], k_cache.shape[3]
         g = qb.shape[1] // hkv
-        keys = k_cache[group.tables].view(b, -1, hkv * d)[:, : group.length]  # [b, L, Hkv*D]
-        values = v_cache[group.tables].view(b, -1, hkv * d)[:, : group.length]
+        # index_select over the flattened tables: 4x faster than k_cache[tables] here (bf16,
+        # 32 x 15 blocks: 60 vs 243 us), and this copy was a quarter of a batch-32 decode step.
+        keys = k_cache.index_select(0, group.flat_tables).view(b, -1, hkv * d)[:, : group.length]
+        values = v_cache.index_select(0, group.flat_tables).view(b, -1, hkv * d)[:, : group.length]
         if keys.dtype != qb.dtype:
             keys, values = keys.to(qb.dtype), values.to(qb.dtype)
         scores = torch.matmul(qb, keys.transpose(1, 2)).float() * scale  # [b, Hkv*G, L]
@@ -125,6 +128,10 @@ class _DecodeGroup:
     tables: torch.Tensor  # [b, n_blocks] int64
     mask: torch.Tensor | None  # [b, 1, L] bool, True = attend
     length: int  # gathered slots used
+
+    @property
+    def flat_tables(self) -> torch.Tensor:  # [b * n_blocks], row-major
+        return self.tables.view(-1)
 
 
 # Gathering pads every sequence of a decode group to the group's longest, and each group costs
@@ -163,7 +170,7 @@ def _decode_groups(
         longest = max(lens[i] for i in idx)
         n_blocks = -(-longest // block_size)
         rows = slice(None) if len(order) == 1 else torch.tensor(idx, device=device)
-        tables = meta.block_tables[rows, :n_blocks].long()
+        tables = meta.block_tables[rows, :n_blocks].long().contiguous()
         if len(idx) == 1 and window is None:
             # One sequence: cut the gathered slots at its length instead of masking.
             groups.append(_DecodeGroup(rows, tables, None, longest))
