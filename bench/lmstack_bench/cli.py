@@ -172,7 +172,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.warmup > 0:
         # Different seed: the timed prompts must not be the warm-up's (a prefix cache would hit).
         warm = sessions(dataclasses.replace(spec, seed=spec.seed + 1_000_003), tokenizer)
-        records = runner.run(warm, LoadSpec(concurrency=min(args.warmup, 8), num_requests=args.warmup))
+        warm_load = LoadSpec(concurrency=min(args.warmup, 8), num_requests=args.warmup)
+        records = runner.run(warm, warm_load, desc="warm-up")
         if not any(r.ok for r in records):
             raise UsageError(f"every warm-up request failed; the first: {records[0].error}")
 

@@ -94,16 +94,19 @@ class Runner:
         self.timeout = httpx.Timeout(timeout_s, connect=10.0)
         self.progress = progress
 
-    def run(self, sessions: Iterator[Session], load: LoadSpec) -> list[RequestRecord]:
-        return asyncio.run(self._run(sessions, load))
+    def run(
+        self, sessions: Iterator[Session], load: LoadSpec, desc: str | None = None
+    ) -> list[RequestRecord]:
+        """Run one load point; `desc` names it on the progress bar (default: the load)."""
+        return asyncio.run(self._run(sessions, load, desc or load.label))
 
-    async def _run(self, sessions: Iterator[Session], load: LoadSpec) -> list[RequestRecord]:
+    async def _run(self, sessions: Iterator[Session], load: LoadSpec, desc: str) -> list[RequestRecord]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(timeout=self.timeout, limits=limits, headers=self.headers) as client:
             records: list[RequestRecord] = []
             bar = tqdm(
                 total=load.num_requests,
-                desc=load.label,
+                desc=desc,
                 unit="req",
                 file=sys.stderr,
                 disable=not self.progress,
