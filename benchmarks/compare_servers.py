@@ -5,7 +5,7 @@ machine, one after another; `lmstack bench serve` drives each through the same c
 (random ~200-token prompts, exactly 128 output tokens, greedy) and the script writes
 `benchmarks/results/<date>-servers.{md,json,png}` with the table, the targets and every command.
 
-    python benchmarks/compare_servers.py                         # the recorded run (~15 min)
+    python benchmarks/compare_servers.py                         # the recorded run (~8 min + a ~4 min first build)
     python benchmarks/compare_servers.py --quick                 # smoke: concurrency 1,4, few requests
 
 The peers:
