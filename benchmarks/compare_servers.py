@@ -27,7 +27,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -45,6 +44,7 @@ from lmstack_bench.report import BenchResult, load_result, plot_cdfs, plot_sweep
 from offline_throughput import git_info, machine_info  # noqa: E402
 
 from lmstack.model.source import resolve_model_path  # noqa: E402
+from lmstack_api.testing import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -60,12 +60,6 @@ class Server:
     name: str
     argv: list[str]
     port: int
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], log: Path, **kw: Any) -> None:
