@@ -117,6 +117,17 @@ def table(results: Sequence[BenchResult]) -> str:
     )
 
 
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the file-only backend (imported late: the CLI works without a display
+    and pays for matplotlib only when it plots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _cdf(ax: Any, values: list[float], label: str, **style: Any) -> None:
     if not values:
         return
@@ -127,12 +138,9 @@ def _cdf(ax: Any, values: list[float], label: str, **style: Any) -> None:
 
 def plot_cdfs(results: Sequence[BenchResult], path: Path) -> None:
     """Latency CDFs (TTFT, TPOT, ITL, E2E), one line per server and load point."""
-    import matplotlib
     import matplotlib.ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     panels = (("TTFT", lambda r: [r.ttft]), ("TPOT", lambda r: [r.tpot]), ("ITL", lambda r: r.itls),
               ("E2E latency", lambda r: [r.e2e]))  # fmt: skip
@@ -159,11 +167,7 @@ def plot_cdfs(results: Sequence[BenchResult], path: Path) -> None:
 def plot_sweep(results: Sequence[BenchResult], path: Path) -> None:
     """Output throughput against P99 TTFT and P99 TPOT: one curve per server, points labelled by
     their concurrency or rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, (name, attr) in zip(axes, (("P99 TTFT", "ttft"), ("P99 TPOT", "tpot"))):
         for res in results:

@@ -9,6 +9,7 @@ does, optionally capped at `max_concurrency` in flight. Either stops issuing req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import sys
 import time
@@ -173,12 +174,10 @@ class Runner:
     ) -> None:
         assert load.rate is not None
         rng = random.Random(load.seed)
-        gate = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+        # No cap: a context that admits everyone, so one code path serves both cases.
+        gate = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else contextlib.nullcontext()
 
         async def start(session: Session) -> None:
-            if gate is None:
-                await self._session(client, session, budget, records, bar, first_reserved=True)
-                return
             async with gate:
                 await self._session(client, session, budget, records, bar, first_reserved=True)
 
