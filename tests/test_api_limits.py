@@ -7,7 +7,7 @@ import math
 import pytest
 
 pytest.importorskip("lmstack_api")
-from lmstack.config import RateLimitConfig  # noqa: E402
+from lmstack_api.config import RateLimitConfig  # noqa: E402
 from lmstack_api.errors import APIError  # noqa: E402
 from lmstack_api.limits import Admission, RateLimiter, TokenBucket  # noqa: E402
 

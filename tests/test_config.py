@@ -8,14 +8,28 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmstack.config import (
+    CORE_KEYS,
     KV_CACHE_AUTO,
-    ServerConfig,
     StackConfig,
     convert,
     load_stack,
     parse_stack,
 )
 from lmstack.errors import ConfigError
+from lmstack.plugins import build_registry, make_plugin_manager
+from lmstack.resolve import resolve
+from lmstack_api.config import ServerConfig
+
+# The built-ins and lmstack-api's plugin (which declares `server:`), nothing else installed:
+# errors in plugin-declared sections surface when the stack is resolved.
+REGISTRY = build_registry(make_plugin_manager(autoload=False, extra_plugins=["lmstack_api.plugin"]))
+
+
+def checked(source):
+    """Parse and resolve (no device check, no model): where every key is validated."""
+    stack = source if isinstance(source, StackConfig) else load_stack(source)
+    return resolve(stack, REGISTRY, check_device=False)
+
 
 DESIGN_EXAMPLE = """\
 model: smollm2-135m-instruct        # a known name, a .gguf file, or a Hugging Face model folder
@@ -34,7 +48,7 @@ server: {host: 127.0.0.1, port: 8000}
 
 def error(text: str) -> ConfigError:
     with pytest.raises(ConfigError) as info:
-        parse_stack(text, "stack.yaml")
+        resolve(parse_stack(text, "stack.yaml"), REGISTRY, check_device=False)
     return info.value
 
 
@@ -56,7 +70,8 @@ def test_empty_stack_gives_the_defaults():
         assert stack.speculator == {"name": "none"}
         assert stack.parallel == {"name": "single"}
         assert stack.cache == {}
-        assert stack.server == ServerConfig(host="127.0.0.1", port=8000)
+        assert stack.extra_sections == {}
+        assert checked(stack).sections["server"] == ServerConfig(host="127.0.0.1", port=8000)
 
 
 def test_the_design_example_parses():
@@ -144,7 +159,28 @@ def test_empty_cache_parts_ask_for_nothing():
 def test_unknown_top_level_key():
     e = error("model: x\nshceduler: {name: continuous}\n")
     assert e.path == "shceduler"
-    assert "unknown key" in str(e) and "scheduler" in str(e)  # lists what is accepted
+    assert "unknown key; did you mean 'scheduler'?" in str(e)
+    assert "server" in str(e)  # lists what is accepted, plugin sections included
+
+
+def test_plugin_sections_are_kept_raw_until_resolved():
+    stack = load_stack({"server": {"port": 9000}, "telemetry": {"on": True}})
+    assert stack.extra_sections == {"server": {"port": 9000}, "telemetry": {"on": True}}
+    with pytest.raises(ConfigError) as info:
+        checked(stack)
+    assert info.value.path == "telemetry"  # nobody declares it
+    assert checked({"server": {"port": 9000}}).sections["server"].port == 9000
+    # Without lmstack-api's plugin, `server:` is as unknown as any other key.
+    bare = build_registry(make_plugin_manager(autoload=False))
+    with pytest.raises(ConfigError, match="unknown key") as info:
+        resolve(load_stack({"server": {"port": 9000}}), bare)
+    assert info.value.path == "server"
+
+
+def test_section_view_hides_secrets():
+    described = checked({"server": {"api_keys": ["sk-secret-1", "sk-secret-2"]}}).describe()
+    assert "sk-secret" not in str(described)
+    assert described["server"]["api_keys"] == "<2 configured>"
 
 
 def test_unknown_nested_key():
@@ -232,10 +268,10 @@ def test_non_string_keys():
 
 @given(st.from_regex(r"[a-z][a-z_]{0,15}", fullmatch=True))
 def test_any_unknown_top_level_key_is_named(key):
-    if key in StackConfig.__struct_fields__:
+    if key in CORE_KEYS or key == "server":
         return
     with pytest.raises(ConfigError) as info:
-        load_stack({key: 1})
+        checked({key: 1})
     assert info.value.path == key
 
 

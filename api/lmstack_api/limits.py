@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lmstack.config import RateLimitConfig
+from lmstack_api.config import RateLimitConfig
 from lmstack_api.errors import APIError, invalid, overloaded
 
 Clock = Callable[[], float]

@@ -17,9 +17,10 @@ import uvicorn
 from lmstack.config import load_stack
 from lmstack.errors import LmstackError
 from lmstack.model.source import open_model_source
-from lmstack.plugins import default_registry
+from lmstack.plugins import build_registry, make_plugin_manager
 from lmstack.resolve import check_model, resolve
 from lmstack_api.app import create_app
+from lmstack_api.config import server_config
 from lmstack_api.logs import configure_logging, get_logger
 from lmstack_api.state import ServerState
 
@@ -53,10 +54,12 @@ class _DrainingServer(uvicorn.Server):
 
 def serve(stack_path: str, host: str | None = None, port: int | None = None, log_level: str = "info") -> int:
     configure_logging(log_level)
-    stack = resolve(load_stack(stack_path), default_registry())
+    # This distribution's own plugin (the `server:` section) even when autoload is off.
+    pm = make_plugin_manager(extra_plugins=["lmstack_api.plugin"])
+    stack = resolve(load_stack(stack_path), build_registry(pm))
     # The model's metadata (no weights) against the stack: conflicts stop here, in one line.
     check_model(stack, open_model_source(stack.model).config)
-    cfg = stack.config.server
+    cfg = server_config(stack)
     host = host or cfg.host
     # Bind before anything loads, so a port in use is one line now, not an error after the
     # weights are in memory.

@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 from lmstack.async_engine import AsyncEngine
-from lmstack.config import ServerConfig
 from lmstack.resolve import ResolvedStack
+from lmstack_api.config import ServerConfig, server_config
 from lmstack_api.errors import APIError, overloaded
 from lmstack_api.limits import Admission, RateLimiter
 from lmstack_api.logs import get_logger
@@ -22,7 +22,7 @@ log = get_logger()
 class ServerState:
     def __init__(self, stack: ResolvedStack, engine: AsyncEngine | None = None) -> None:
         self.stack = stack
-        self.config: ServerConfig = stack.config.server
+        self.config: ServerConfig = server_config(stack)
         self.model_name = self.config.served_model_name or stack.config.model
         env_keys = [k.strip() for k in os.environ.get("LMSTACK_API_KEYS", "").split(",") if k.strip()]
         self.api_keys = [k.encode() for k in (*self.config.api_keys, *env_keys)]

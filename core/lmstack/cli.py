@@ -1,4 +1,5 @@
-"""The `lmstack` command: check a stack, list plugins, generate text.
+"""The `lmstack` command: check a stack, list plugins, generate text; plugins add more (serve,
+bench) through the `lmstack_register_commands` hook.
 
 A problem the user can fix (any `LmstackError`) is one line on stderr, ``error: <message>``,
 and exit status 2 — never a traceback.
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from lmstack.errors import LmstackError
 
 if TYPE_CHECKING:
+    import pluggy
+
     from lmstack.model.config import ModelConfig
     from lmstack.resolve import ResolvedStack
 
@@ -24,7 +27,21 @@ EXIT_INTERRUPTED = 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        pm = _plugin_manager()
+    except LmstackError as exc:
+        # A broken plugin must not take `check` / `plugins` down: they report it themselves
+        # when they build the registry; only plugin-provided commands are missing meanwhile.
+        pm, load_error = None, exc
+    else:
+        load_error = None
+    parser = build_parser(pm)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command is not None and command not in _commands(parser):
+        print(f"error: {_unknown_command(command, load_error)}", file=sys.stderr)
+        return EXIT_ERROR
+    args = parser.parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:
@@ -40,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentParser:
+    """The core's commands plus those installed plugins add (`lmstack serve` comes from
+    lmstack-api, `lmstack bench` from lmstack-bench) through `lmstack_register_commands`."""
     parser = argparse.ArgumentParser(
         prog="lmstack", description="An LLM inference server assembled from plugins."
     )
@@ -82,29 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", metavar="PROMPT")
     generate.set_defaults(handler=_cmd_generate)
 
-    serve = sub.add_parser(
-        "serve",
-        help="serve a stack over an OpenAI-compatible HTTP API",
-        description="Resolve the stack, load the model and serve /v1/chat/completions, "
-        "/v1/completions, /v1/models, /v1/stack, /health and /metrics (needs lmstack-api).",
-    )
-    serve.add_argument("stack", metavar="STACK", help="path to a stack YAML file")
-    serve.add_argument("--host", default=None, help="address to bind (default: the stack's server.host)")
-    serve.add_argument(
-        "--port", type=int, default=None, help="port to bind, 0 for any free one (default: server.port)"
-    )
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    serve.set_defaults(handler=_cmd_serve)
+    if pm is not None:
+        from lmstack.plugins import register_commands
 
-    # The benchmark lives in its own distribution (lmstack-bench) and parses its own arguments.
-    bench = sub.add_parser(
-        "bench",
-        help="benchmark a live OpenAI-compatible server (lmstack bench serve --help)",
-        description="Benchmark servers: `lmstack bench serve --help`, `lmstack bench plot --help`.",
-        add_help=False,
-    )
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    bench.set_defaults(handler=_cmd_bench)
+        register_commands(pm, sub)
     return parser
 
 
@@ -179,37 +179,41 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plugin_manager() -> pluggy.PluginManager:
+    from lmstack.plugins import make_plugin_manager
+
+    return make_plugin_manager()
+
+
+def _commands(parser: argparse.ArgumentParser) -> set[str]:
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction):
+            return set(action.choices)
+    return set()
+
+
+# Commands this repository's other distributions add, for a hint when one is not installed.
+_KNOWN_PLUGIN_COMMANDS = {"serve": "lmstack-api", "bench": "lmstack-bench"}
+
+
+def _unknown_command(command: str, load_error: LmstackError | None) -> str:
+    if load_error is not None:
+        return f"unknown command {command!r}: plugins could not be loaded ({_one_line(load_error)})"
+    dist = _KNOWN_PLUGIN_COMMANDS.get(command)
+    if dist is None:
+        return f"unknown command {command!r}; run `lmstack --help` for the commands"
+    from lmstack.plugins import ALLOW_LIST_ENV, AUTOLOAD_ENV
+
+    return (
+        f"unknown command {command!r}: it comes from the {dist} distribution, which is not installed or "
+        f"not loaded (install it, and check {AUTOLOAD_ENV} / {ALLOW_LIST_ENV})"
+    )
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from lmstack import cli_generate
 
     return int(cli_generate.run(args) or 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Output
-# ---------------------------------------------------------------------------------------------
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        from lmstack_api.server import serve
-    except ImportError as exc:
-        raise LmstackError(
-            f"lmstack serve needs the lmstack-api distribution ({exc}); install it with "
-            "`pip install -e api` from a checkout"
-        ) from None
-    return serve(args.stack, host=args.host, port=args.port, log_level=args.log_level)
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    try:
-        from lmstack_bench.cli import main as bench_main
-    except ImportError as exc:
-        raise LmstackError(
-            f"lmstack bench needs the lmstack-bench distribution ({exc}); install it with "
-            "`pip install -e bench` from a checkout"
-        ) from None
-    return bench_main(args.bench_args or ["--help"])
 
 
 def _print_check(path: str, resolved: ResolvedStack, model_config: ModelConfig | None) -> None:

@@ -18,6 +18,7 @@ import msgspec
 import yaml
 
 from lmstack.errors import ConfigError
+from lmstack.roles import NAMED_SECTIONS, ROLE
 
 # Names the stack accepts for dtypes; each is an attribute of `torch` (`torch.bfloat16`, ...).
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
@@ -28,60 +29,12 @@ KV_CACHE_DTYPES = (*MODEL_DTYPES, "float8_e4m3fn", "float8_e5m2")
 KV_CACHE_AUTO = "auto"
 KV_CACHE_NONE = "none"
 
-DEFAULT_ATTENTION = "torch"
-
-# Sections of the form {name: ..., **options}, with the component used when `name` is absent.
-NAMED_SECTIONS: dict[str, str] = {
-    "scheduler": "continuous",
-    "allocator": "paged",
-    "speculator": "none",
-    "parallel": "single",
-}
+DEFAULT_ATTENTION = ROLE["attention_prefill"].default
 ATTENTION_PHASES = ("prefill", "decode")
 CACHE_KEYS = ("prefix", "tiers")
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
-Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-
-
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
-
-
-class RateLimitConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Per API key (per client address when no keys are configured); null means unlimited.
-    Token buckets refill continuously at the per-minute rate and hold at most one minute."""
-
-    requests_per_minute: PositiveInt | None = None
-    input_tokens_per_minute: PositiveInt | None = None
-    output_tokens_per_minute: PositiveInt | None = None
-
-
-class SLOConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Service-level objectives: a finished request meeting both counts toward goodput."""
-
-    ttft_ms: PositiveFloat = 2000.0
-    tpot_ms: PositiveFloat = 200.0
-
-
-class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    host: str = "127.0.0.1"
-    port: Port = 8000
-    # The name clients send as `model`; defaults to the stack's `model`.
-    served_model_name: str | None = None
-    # Bearer keys clients must send; empty means no authentication. `LMSTACK_API_KEYS`
-    # (comma-separated) adds keys without writing them into the stack file.
-    api_keys: list[str] = msgspec.field(default_factory=list)
-    # Admission: past either bound a new request gets 503 with Retry-After.
-    max_waiting_requests: PositiveInt = 256
-    max_queued_tokens: PositiveInt = 262_144
-    # The largest max_tokens a request may ask for (null: the context length).
-    max_tokens: PositiveInt | None = None
-    max_body_bytes: PositiveInt = 4 * 1024 * 1024
-    rate_limit: RateLimitConfig = msgspec.field(default_factory=RateLimitConfig)
-    slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
-    # SIGTERM: stop admitting, let in-flight requests finish for up to this long, then exit.
-    drain_timeout_s: PositiveFloat = 30.0
 
 
 def _named(name: str) -> Any:
@@ -92,30 +45,51 @@ def _default_attention() -> dict[str, dict[str, Any]]:
     return {phase: {"name": DEFAULT_ATTENTION} for phase in ATTENTION_PHASES}
 
 
-class StackConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """A parsed stack file. Sections are normalised by `load_stack`:
+def _default_quant() -> dict[str, Any]:
+    return {"weights": ROLE["quantizer"].default, "kv_cache": KV_CACHE_AUTO}
 
-    - `scheduler`, `allocator`, `speculator`, `parallel`: ``{"name": str, **options}``;
-    - `attention`: ``{"prefill": {"name": str, **options}, "decode": {...}}``;
-    - `quant`: ``{"weights": str, "kv_cache": "auto" | "none" | dtype, **weight options}``;
-    - `cache`: ``{}`` or ``{"prefix": ..., "tiers": [...]}``.
-    """
 
-    model: str = "smollm2-135m-instruct"
-    dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"
-    device: str = "cpu"
-    max_model_len: PositiveInt | None = None
-    seed: NonNegativeInt = 0
-    scheduler: dict[str, Any] = _named(NAMED_SECTIONS["scheduler"])
-    allocator: dict[str, Any] = _named(NAMED_SECTIONS["allocator"])
-    attention: dict[str, dict[str, Any]] = msgspec.field(default_factory=_default_attention)
-    quant: dict[str, Any] = msgspec.field(
-        default_factory=lambda: {"weights": "none", "kv_cache": KV_CACHE_AUTO}
-    )
-    speculator: dict[str, Any] = _named(NAMED_SECTIONS["speculator"])
-    parallel: dict[str, Any] = _named(NAMED_SECTIONS["parallel"])
-    cache: dict[str, Any] = msgspec.field(default_factory=dict)
-    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+# The fields of StackConfig, in file order. Component sections come from the role table
+# (`lmstack.roles`), so a new kind gets its section without an edit here; `attention` (a kernel
+# per phase) and `quant` (weights and KV cache) have shapes of their own.
+_SCALAR_FIELDS: list[tuple[str, Any, Any]] = [
+    ("model", str, "smollm2-135m-instruct"),
+    ("dtype", Literal["float32", "float16", "bfloat16"], "bfloat16"),
+    ("device", str, "cpu"),
+    ("max_model_len", PositiveInt | None, None),
+    ("seed", NonNegativeInt, 0),
+]
+_SECTION_FIELDS: list[tuple[str, Any, Any]] = [
+    (section, dict[str, Any], _named(default)) for section, default in NAMED_SECTIONS.items()
+] + [
+    ("attention", dict[str, dict[str, Any]], msgspec.field(default_factory=_default_attention)),
+    ("quant", dict[str, Any], msgspec.field(default_factory=_default_quant)),
+    # Prefix reuse / tiering: no cache kind exists yet, so asking for them is a resolution error.
+    ("cache", dict[str, Any], msgspec.field(default_factory=dict)),
+]
+# Top-level sections a plugin declares (lmstack-api's `server:`), kept raw until `resolve`
+# converts them with the type the plugin registered; a section nobody declares is an error there.
+EXTRA = "extra_sections"
+
+StackConfig = msgspec.defstruct(
+    "StackConfig",
+    [*_SCALAR_FIELDS, *_SECTION_FIELDS, (EXTRA, dict[str, Any], msgspec.field(default_factory=dict))],
+    forbid_unknown_fields=True,
+    frozen=True,
+    module=__name__,
+)
+StackConfig.__doc__ = """A parsed stack file. Sections are normalised by `load_stack`:
+
+- one section per single-role kind (scheduler, allocator, speculator, parallel, ...):
+  ``{"name": str, **options}``;
+- `attention`: ``{"prefill": {"name": str, **options}, "decode": {...}}``;
+- `quant`: ``{"weights": str, "kv_cache": "auto" | "none" | dtype, **weight options}``;
+- `cache`: ``{}`` or ``{"prefix": ..., "tiers": [...]}``;
+- `extra_sections`: every other top-level key, raw, for the plugins that declare them.
+"""
+
+# Top-level keys the core owns; a plugin may not declare a section by one of these names.
+CORE_KEYS: tuple[str, ...] = tuple(name for name, *_ in (*_SCALAR_FIELDS, *_SECTION_FIELDS))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,8 +142,11 @@ def stack_from_mapping(data: Mapping[str, Any]) -> StackConfig:
         raw["cache"] = _cache_section(raw["cache"])
     if "dtype" in raw:
         _check_choice(raw["dtype"], MODEL_DTYPES, "dtype")
-    if raw.get("server") is None:
-        raw.pop("server", None)
+    extra = dict(raw.pop(EXTRA, None) or {})  # a StackConfig turned back into a mapping
+    for key in [k for k in raw if k not in CORE_KEYS]:
+        extra[key] = raw.pop(key)
+    # `server:` alone (null) asks for the section's defaults, as an absent one does.
+    raw[EXTRA] = {k: v for k, v in extra.items() if v is not None}
     stack = convert(raw, StackConfig)
     _check_device(stack.device)
     return stack
@@ -229,7 +206,7 @@ def _quant_section(value: Any) -> dict[str, Any]:
     elif isinstance(value, str):
         value = {"weights": value}
     section = _mapping(value, "quant")
-    section["weights"] = _check_name(section.get("weights", "none"), "quant.weights")
+    section["weights"] = _check_name(section.get("weights", ROLE["quantizer"].default), "quant.weights")
     kv = section.get("kv_cache", KV_CACHE_AUTO)
     if kv is None:  # YAML `kv_cache: null` / `~`
         kv = KV_CACHE_NONE

@@ -16,13 +16,18 @@ A plugin is any module or object with functions marked `@hookimpl`, named like t
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
+from lmstack.roles import KINDS
+
 if TYPE_CHECKING:
-    from lmstack.registry import Component
+    from lmstack.engine import LLMEngine
+    from lmstack.outputs import EngineStats, RequestOutput
+    from lmstack.registry import Component, StackSection
 
 PROJECT = "lmstack"
 
@@ -76,33 +81,44 @@ def lmstack_register_parallel(register: Register) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Extending the stack file and the command line (how lmstack-api adds `server:` and `serve`).
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def lmstack_register_stack_sections(register: Callable[[StackSection], None]) -> None:
+    """Declare top-level stack-file sections this plugin owns (``register(StackSection(...))``).
+    The core validates them when a stack is resolved; an undeclared section is an error."""
+
+
+@hookspec
+def lmstack_register_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add subcommands to ``lmstack``: ``p = subparsers.add_parser("serve", help=...)``, then
+    ``p.set_defaults(handler=fn)``; ``fn(args)`` returns the exit status. An `LmstackError` it
+    raises is printed as one line."""
+
+
+# ---------------------------------------------------------------------------------------------
 # Lifecycle observers. They run on the engine's thread: keep them cheap, never block.
 # ---------------------------------------------------------------------------------------------
 
 
 @hookspec
-def lmstack_engine_started(engine: Any) -> None:
+def lmstack_engine_started(engine: LLMEngine) -> None:
     """The engine has built its components, loaded the weights and allocated the KV cache."""
 
 
 @hookspec
-def lmstack_step_finished(engine: Any, stats: Any) -> None:
-    """One engine step finished. `stats` is a metrics snapshot (queue depth, running
-    sequences, KV usage, tokens computed in the step, ...); treat it as read-only."""
+def lmstack_step_finished(engine: LLMEngine, stats: EngineStats) -> None:
+    """One engine step finished. `stats` holds the engine's counters (queue depth, running
+    sequences, KV usage, tokens so far, ...); treat it as read-only."""
 
 
 @hookspec
-def lmstack_request_finished(engine: Any, output: Any) -> None:
-    """A request finished (stopped, hit its length limit, or was aborted). `output` is its
-    final output object."""
+def lmstack_request_finished(engine: LLMEngine, output: RequestOutput) -> None:
+    """A request finished (stopped, hit its length limit, failed or was aborted). `output` is
+    its final output: every sequence's text and tokens, the finish reasons, the timings."""
 
 
-REGISTRATION_HOOKS: dict[str, str] = {
-    "scheduler": "lmstack_register_schedulers",
-    "allocator": "lmstack_register_allocators",
-    "attention": "lmstack_register_attention",
-    "quantizer": "lmstack_register_quantizers",
-    "speculator": "lmstack_register_speculators",
-    "parallel": "lmstack_register_parallel",
-}
-"""Component kind -> the hook that registers it."""
+REGISTRATION_HOOKS: dict[str, str] = {k.name: k.hook for k in KINDS}
+"""Component kind -> the hook that registers it (from `lmstack.roles`)."""

@@ -21,7 +21,7 @@ import pluggy
 
 from lmstack import hookspecs
 from lmstack.errors import LmstackError, ResolutionError
-from lmstack.registry import KINDS, Component, Registry
+from lmstack.registry import KINDS, Component, Registry, StackSection
 
 ENTRY_POINT_GROUP = "lmstack"
 DEFAULT_PLUGINS: tuple[str, ...] = ("lmstack.components.builtins",)
@@ -111,13 +111,15 @@ def _load_entry_points(pm: pluggy.PluginManager, allowed: frozenset[str] | None)
         # Import first, on our own, so that a broken plugin is reported by name in one line
         # instead of as a traceback from inside pluggy.
         try:
-            ep.load()
+            module = ep.load()
         except Exception as exc:  # any import-time failure of third-party code
             raise ResolutionError(
                 f"plugin {name!r} (entry point `{ep.value}` of {dist_label}) failed to import: "
                 f"{type(exc).__name__}: {exc}; fix or uninstall {_dist_name(dist)}, or leave it "
                 f"out with {ALLOW_LIST_ENV}"
             ) from exc
+        if pm.is_registered(module):  # already passed in as an extra plugin by its own package
+            continue
         # pluggy registers it and records its distribution for `list_plugin_distinfo()`.
         try:
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
@@ -143,26 +145,58 @@ def _check_hook_names(pm: pluggy.PluginManager) -> None:
 
 
 def build_registry(pm: pluggy.PluginManager) -> Registry:
-    """Call every registration hook, recording each component with the distribution (and its
-    version) that provided it."""
+    """Call every registration hook, recording each component (and stack section) with the
+    distribution (and its version) that provided it."""
     registry = Registry()
     origins = _origins(pm)
     for kind in KINDS:
         hook_name = hookspecs.REGISTRATION_HOOKS[kind]
-        for impl in getattr(pm.hook, hook_name).get_hookimpls():
-            dist, version = origins.get(id(impl.plugin)) or _guess_origin(impl.plugin)
-            plugin = _label(pm, impl.plugin)
-            register = _register_callback(registry, kind, hook_name, plugin, dist, version)
-            kwargs = {"register": register} if "register" in impl.argnames else {}
-            try:
-                impl.function(**kwargs)
-            except LmstackError:
-                raise
-            except Exception as exc:
-                raise ResolutionError(
-                    f"plugin {plugin!r} ({dist}) failed in {hook_name}: {type(exc).__name__}: {exc}"
-                ) from exc
+        _call_registration(
+            pm, hook_name, origins, lambda *who, k=kind, h=hook_name: _register_callback(registry, k, h, *who)
+        )
+    _call_registration(pm, SECTIONS_HOOK, origins, lambda *who: _section_callback(registry, *who))
     return registry
+
+
+SECTIONS_HOOK = "lmstack_register_stack_sections"
+
+
+def _call_registration(
+    pm: pluggy.PluginManager,
+    hook_name: str,
+    origins: dict[int, tuple[str, str]],
+    make_register: Callable[[str, str, str], Callable[[Any], None]],
+) -> None:
+    for impl in getattr(pm.hook, hook_name).get_hookimpls():
+        dist, version = origins.get(id(impl.plugin)) or _guess_origin(impl.plugin)
+        plugin = _label(pm, impl.plugin)
+        register = make_register(plugin, dist, version)
+        kwargs = {"register": register} if "register" in impl.argnames else {}
+        try:
+            impl.function(**kwargs)
+        except LmstackError:
+            raise
+        except Exception as exc:
+            raise ResolutionError(
+                f"plugin {plugin!r} ({dist}) failed in {hook_name}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+def _section_callback(registry: Registry, plugin: str, dist: str, version: str) -> Callable[[Any], None]:
+    def register(section: StackSection) -> None:
+        if not isinstance(section, StackSection):
+            raise ResolutionError(
+                f"plugin {plugin!r} ({dist}) passed a {type(section).__name__} to register() in "
+                f"{SECTIONS_HOOK}; expected an lmstack.registry.StackSection"
+            )
+        registry.add_section(section, distribution=dist, version=version)
+
+    return register
+
+
+def register_commands(pm: pluggy.PluginManager, subparsers: Any) -> None:
+    """Let plugins add `lmstack` subcommands (lmstack-api: serve; lmstack-bench: bench)."""
+    pm.hook.lmstack_register_commands(subparsers=subparsers)
 
 
 def default_registry() -> Registry:

@@ -9,8 +9,9 @@ from typing import Any
 import msgspec
 
 from lmstack.errors import ResolutionError
+from lmstack.roles import KIND_NAMES, check_capabilities
 
-KINDS = ("scheduler", "allocator", "attention", "quantizer", "speculator", "parallel")
+KINDS = KIND_NAMES
 
 
 class NoOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -53,17 +54,57 @@ class Component:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"component {self.name!r}: unknown kind {self.kind!r}, expected one of {KINDS}")
+        # A misspelled capability would otherwise restrict nothing, silently.
+        check_capabilities(self.kind, self.capabilities, f"{self.kind} {self.name!r}")
 
     @property
     def option_names(self) -> list[str]:
         return list(self.options_type.__struct_fields__)
 
 
+@dataclass(frozen=True)
+class StackSection:
+    """A top-level section of the stack file that a plugin declares and owns, e.g. lmstack-api's
+    ``server:``. The core parses it into `type` (a msgspec Struct with
+    ``forbid_unknown_fields=True``) when the stack is resolved; a stack without the section gets
+    `type()`'s defaults.
+
+    `public(value)` is what the section shows to readers of the resolved stack (``lmstack check
+    --json``, the API's ``/v1/stack``): leave secrets out there. Without it, the whole value."""
+
+    name: str
+    type: type[msgspec.Struct]
+    description: str = ""
+    public: Callable[[Any], Any] | None = None
+    distribution: str = ""
+    version: str = ""
+
+
 class Registry:
-    """All components, by kind and name. Filled once by the plugin manager."""
+    """All components, by kind and name, and the stack sections plugins declare. Filled once by
+    the plugin manager."""
 
     def __init__(self) -> None:
         self._by_kind: dict[str, dict[str, Component]] = {k: {} for k in KINDS}
+        self.sections: dict[str, StackSection] = {}
+
+    def add_section(self, section: StackSection, distribution: str = "", version: str = "") -> None:
+        from lmstack.config import CORE_KEYS  # config imports this module's neighbours; keep it lazy
+
+        if distribution and not section.distribution:
+            section = replace(section, distribution=distribution, version=version)
+        if section.name in CORE_KEYS:
+            raise ResolutionError(
+                f"{section.distribution or 'a plugin'} declares stack section {section.name!r}, which "
+                "the core owns; pick another name"
+            )
+        old = self.sections.get(section.name)
+        if old is not None:
+            raise ResolutionError(
+                f"stack section {section.name!r} is declared twice: by {old.distribution or 'unknown'} "
+                f"and by {section.distribution or 'unknown'}; uninstall one of them"
+            )
+        self.sections[section.name] = section
 
     def add(self, component: Component, distribution: str = "", version: str = "") -> None:
         if distribution and not component.distribution:

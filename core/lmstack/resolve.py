@@ -26,17 +26,28 @@ before the checks here so that its own explanation (and way out) is the one repo
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
 
-from lmstack.config import KV_CACHE_AUTO, KV_CACHE_NONE, StackConfig, convert, stack_from_mapping
+from lmstack.config import (
+    CORE_KEYS,
+    EXTRA,
+    KV_CACHE_AUTO,
+    KV_CACHE_NONE,
+    StackConfig,
+    convert,
+    stack_from_mapping,
+)
 from lmstack.errors import ConfigError, ResolutionError
 from lmstack.model.config import ModelConfig
 from lmstack.registry import Component, Registry
+from lmstack.roles import ROLE_NAMES, check_capabilities
+from lmstack.roles import ROLES as ROLE_TABLE
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -47,43 +58,11 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
-ROLES = (
-    "scheduler",
-    "allocator",
-    "attention_prefill",
-    "attention_decode",
-    "quantizer",
-    "speculator",
-    "parallel",
-)
-ROLE_KIND = {
-    "scheduler": "scheduler",
-    "allocator": "allocator",
-    "attention_prefill": "attention",
-    "attention_decode": "attention",
-    "quantizer": "quantizer",
-    "speculator": "speculator",
-    "parallel": "parallel",
-}
-# Where each role is chosen in the stack file (for "way out" hints).
-ROLE_KEY = {
-    "scheduler": "scheduler.name",
-    "allocator": "allocator.name",
-    "attention_prefill": "attention.prefill",
-    "attention_decode": "attention.decode",
-    "quantizer": "quant.weights",
-    "speculator": "speculator.name",
-    "parallel": "parallel.name",
-}
-ROLE_LABEL = {
-    "scheduler": "scheduler",
-    "allocator": "allocator",
-    "attention_prefill": "prefill kernel",
-    "attention_decode": "decode kernel",
-    "quantizer": "quantizer",
-    "speculator": "speculator",
-    "parallel": "parallel layout",
-}
+# Views of the role table (`lmstack.roles`), under the names the checks below use.
+ROLES = ROLE_NAMES
+ROLE_KIND = {r.name: r.kind for r in ROLE_TABLE}
+ROLE_KEY = {r.name: r.key for r in ROLE_TABLE}  # where each role is chosen (for "way out" hints)
+ROLE_LABEL = {r.name: r.label for r in ROLE_TABLE}
 
 NO_SPECULATOR = "none"
 SINGLE_DEVICE_LAYOUT = "single"
@@ -117,7 +96,11 @@ class Selected:
     def capabilities(self) -> Mapping[str, Any]:
         """The component's capabilities under the selected options."""
         c = self.component
-        return c.capabilities if c.capabilities_for is None else c.capabilities_for(self.options)
+        if c.capabilities_for is None:
+            return c.capabilities
+        caps = c.capabilities_for(self.options)
+        check_capabilities(c.kind, caps, f"{c.kind} {c.name!r} ({c.distribution or 'unknown origin'})")
+        return caps
 
     def describe(self) -> dict[str, Any]:
         c = self.component
@@ -135,23 +118,32 @@ class Selected:
 @dataclass(frozen=True)
 class ResolvedStack:
     """A stack whose components are known, whose options are converted and whose components
-    were checked against each other. Built by `resolve`; nothing mutates it later."""
+    were checked against each other. Built by `resolve`; nothing mutates it later.
+
+    Each role of the role table is an attribute (`r.scheduler`, `r.attention_prefill`, ...),
+    looked up in `selected`; `sections` holds the plugin-declared sections (lmstack-api's
+    ``server``), converted."""
 
     config: StackConfig
     model: str
     device: torch.device
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype
-    scheduler: Selected
-    allocator: Selected
-    attention_prefill: Selected
-    attention_decode: Selected
-    quantizer: Selected
-    speculator: Selected
-    parallel: Selected
+    selected: Mapping[str, Selected]
+    sections: Mapping[str, msgspec.Struct]
+    # How each section shows itself to readers (secrets left out); name -> public(value).
+    section_views: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Selected:
+        # Only reached when normal lookup fails: the role attributes.
+        selected = self.__dict__.get("selected")
+        if selected is not None and name in selected:
+            return selected[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def roles(self) -> dict[str, Selected]:
-        return {role: getattr(self, role) for role in ROLES}
+        """Role -> selected component, in build order."""
+        return {role: self.selected[role] for role in ROLES}
 
     @property
     def chunked_prefill(self) -> bool:
@@ -163,7 +155,12 @@ class ResolvedStack:
         return getattr(self.allocator.options, "block_size", None)
 
     def describe(self) -> dict[str, Any]:
-        """JSON-able summary: every role's component, origin, options and capabilities."""
+        """JSON-able summary: every role's component, origin, options and capabilities, and
+        each plugin section as its plugin chooses to show it."""
+        sections = {}
+        for name, value in self.sections.items():
+            view = self.section_views.get(name)
+            sections[name] = _jsonable(view(value) if view is not None else value)
         return {
             "model": self.model,
             "device": str(self.device),
@@ -173,7 +170,7 @@ class ResolvedStack:
             "seed": self.config.seed,
             "components": {role: sel.describe() for role, sel in self.roles().items()},
             "cache": _jsonable(self.config.cache),
-            "server": _jsonable(self.config.server),
+            **sections,
         }
 
 
@@ -198,23 +195,31 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
 
     _check_cache(stack)
     quantizer = _select(registry, "quantizer", quant_name, quant, "quant", name_key="quant.weights")
+    selected = {
+        "quantizer": quantizer,
+        "attention_prefill": _select_section(
+            registry, "attention", stack.attention["prefill"], "attention.prefill"
+        ),
+        "attention_decode": _select_section(
+            registry, "attention", stack.attention["decode"], "attention.decode"
+        ),
+        "parallel": _select_parallel(registry, stack.parallel),
+    }
+    # Every other role is a plain {name: ..., **options} section.
+    for role in ROLE_TABLE:
+        if role.name not in selected:
+            section = getattr(stack, role.section)
+            selected[role.name] = _select_section(registry, role.kind, section, role.section)
+    sections, views = _convert_sections(stack, registry)
     resolved = ResolvedStack(
         config=stack,
         model=stack.model,
         device=device,
         dtype=dtype,
         kv_cache_dtype=_kv_cache_dtype(stack, quantizer, dtype),
-        scheduler=_select_section(registry, "scheduler", stack.scheduler, "scheduler"),
-        allocator=_select_section(registry, "allocator", stack.allocator, "allocator"),
-        attention_prefill=_select_section(
-            registry, "attention", stack.attention["prefill"], "attention.prefill"
-        ),
-        attention_decode=_select_section(
-            registry, "attention", stack.attention["decode"], "attention.decode"
-        ),
-        quantizer=quantizer,
-        speculator=_select_section(registry, "speculator", stack.speculator, "speculator"),
-        parallel=_select_parallel(registry, stack.parallel),
+        selected=selected,
+        sections=sections,
+        section_views=views,
     )
     for check in (
         _check_components,
@@ -230,6 +235,35 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
     if check_device:
         _check_device_present(device)
     return resolved
+
+
+def _convert_sections(
+    stack: StackConfig, registry: Registry
+) -> tuple[dict[str, msgspec.Struct], dict[str, Callable[[Any], Any]]]:
+    """Plugin-declared sections, converted by their declared types (defaults when absent); a
+    top-level key nobody declares is an error naming it and every accepted key."""
+    raw = getattr(stack, EXTRA)
+    for key in raw:
+        if key not in registry.sections:
+            accepted = [*CORE_KEYS, *sorted(registry.sections)]
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"unknown key; {hint}expected one of: {', '.join(accepted)} (a plugin may declare "
+                "more sections: is it installed?)",
+                key,
+            )
+    sections: dict[str, msgspec.Struct] = {}
+    views: dict[str, Callable[[Any], Any]] = {}
+    for name, spec in sorted(registry.sections.items()):
+        value = raw.get(name, {})
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"expected a mapping, got {type(value).__name__} {value!r}", name)
+        owner = f"section {name!r} ({spec.distribution or 'unknown origin'})"
+        sections[name] = convert(value, spec.type, name, owner=owner)
+        if spec.public is not None:
+            views[name] = spec.public
+    return sections, views
 
 
 def _select_section(registry: Registry, kind: str, section: Mapping[str, Any], path: str) -> Selected:

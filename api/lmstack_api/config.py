@@ -1,0 +1,72 @@
+"""The stack file's `server:` section, which this distribution declares and owns.
+
+The core knows nothing of HTTP: lmstack-api registers the section through
+`lmstack_register_stack_sections` (see `lmstack_api.plugin`), and the core converts it into
+`ServerConfig` when the stack is resolved (`resolved.sections["server"]`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from lmstack.resolve import ResolvedStack
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+SECTION = "server"
+
+
+class RateLimitConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Per API key (per client address when no keys are configured); null means unlimited.
+    Token buckets refill continuously at the per-minute rate and hold at most one minute."""
+
+    requests_per_minute: PositiveInt | None = None
+    input_tokens_per_minute: PositiveInt | None = None
+    output_tokens_per_minute: PositiveInt | None = None
+
+
+class SLOConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Service-level objectives: a finished request meeting both counts toward goodput."""
+
+    ttft_ms: PositiveFloat = 2000.0
+    tpot_ms: PositiveFloat = 200.0
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    # The name clients send as `model`; defaults to the stack's `model`.
+    served_model_name: str | None = None
+    # Bearer keys clients must send; empty means no authentication. `LMSTACK_API_KEYS`
+    # (comma-separated) adds keys without writing them into the stack file.
+    api_keys: list[str] = msgspec.field(default_factory=list)
+    # Admission: past either bound a new request gets 503 with Retry-After.
+    max_waiting_requests: PositiveInt = 256
+    max_queued_tokens: PositiveInt = 262_144
+    # The largest max_tokens a request may ask for (null: the context length).
+    max_tokens: PositiveInt | None = None
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    rate_limit: RateLimitConfig = msgspec.field(default_factory=RateLimitConfig)
+    slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
+    # SIGTERM: stop admitting, let in-flight requests finish for up to this long, then exit.
+    drain_timeout_s: PositiveFloat = 30.0
+
+
+SECRET_FIELDS = ("api_keys",)
+
+
+def public_view(cfg: ServerConfig) -> dict[str, Any]:
+    """What readers of the resolved stack see: never the keys, only how many there are."""
+    out = msgspec.to_builtins(cfg)
+    for name in SECRET_FIELDS:
+        out[name] = f"<{len(getattr(cfg, name))} configured>" if getattr(cfg, name) else []
+    return out
+
+
+def server_config(stack: ResolvedStack) -> ServerConfig:
+    """The stack's `server:` section (its defaults when the stack has none)."""
+    return stack.sections[SECTION]

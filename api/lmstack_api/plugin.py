@@ -1,0 +1,45 @@
+"""lmstack-api as a plugin of the core: it declares the `server:` stack section and adds the
+`lmstack serve` command (entry point `api` in group `lmstack`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from lmstack.hookspecs import hookimpl
+from lmstack.registry import StackSection
+from lmstack_api.config import SECTION, ServerConfig, public_view
+
+
+@hookimpl
+def lmstack_register_stack_sections(register):
+    register(
+        StackSection(
+            name=SECTION,
+            type=ServerConfig,
+            description="HTTP server: address, API keys, admission and rate limits, SLOs, drain",
+            public=public_view,
+        )
+    )
+
+
+@hookimpl
+def lmstack_register_commands(subparsers):
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve a stack over an OpenAI-compatible HTTP API",
+        description="Resolve the stack, load the model and serve /v1/chat/completions, "
+        "/v1/completions, /v1/models, /v1/stack, /health and /metrics.",
+    )
+    serve.add_argument("stack", metavar="STACK", help="path to a stack YAML file")
+    serve.add_argument("--host", default=None, help="address to bind (default: the stack's server.host)")
+    serve.add_argument(
+        "--port", type=int, default=None, help="port to bind, 0 for any free one (default: server.port)"
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(handler=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from lmstack_api.server import serve  # uvicorn and litestar load only for this command
+
+    return serve(args.stack, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,26 @@
+"""lmstack-bench as a plugin of the core: it adds `lmstack bench` (entry point `bench` in group
+`lmstack`). The benchmark parses its own arguments (`lmstack bench serve --help`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from lmstack.hookspecs import hookimpl
+
+
+@hookimpl
+def lmstack_register_commands(subparsers):
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmark a live OpenAI-compatible server (lmstack bench serve --help)",
+        description="Benchmark servers: `lmstack bench serve --help`, `lmstack bench plot --help`.",
+        add_help=False,
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from lmstack_bench.cli import main as bench_main
+
+    return bench_main(args.bench_args or ["--help"])
