@@ -12,7 +12,11 @@ import msgspec
 import pytest
 
 from lmstack import cli
-from lmstack.registry import Component, Registry
+from lmstack.errors import ResolutionError
+from lmstack.hookspecs import hookimpl
+from lmstack.plugins import make_plugin_manager
+from lmstack.registry import Component, Registry, StackSection
+from lmstack_api.config import ServerConfig
 
 
 class FakeSchedOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -40,6 +44,7 @@ def fake_registry() -> Registry:
                 **kw,
             )
         )
+    reg.add_section(StackSection("server", ServerConfig), distribution="lmstack-api", version="0.1.0")
     return reg
 
 
@@ -261,3 +266,54 @@ def test_the_command_as_a_process(stack_file):
         "error: allocator.blok_size: unknown key; allocator 'paged' (lmstack) accepts: block_size, "
         "kv_cache_memory, num_blocks"
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands from plugins (lmstack_register_commands)
+# ---------------------------------------------------------------------------------------------
+
+
+class _HelloCommand:
+    @staticmethod
+    def _hello(args):
+        print(f"hello {args.who}")
+        return 3
+
+    @hookimpl
+    def lmstack_register_commands(self, subparsers):
+        p = subparsers.add_parser("hello", help="say hello")
+        p.add_argument("who")
+        p.set_defaults(handler=self._hello)
+
+
+def test_a_plugin_adds_a_command(monkeypatch, capsys):
+    pm = make_plugin_manager(autoload=False, extra_plugins=[_HelloCommand()])
+    monkeypatch.setattr(cli, "_plugin_manager", lambda: pm)
+    code, out, err = run(capsys, "hello", "world")
+    assert (code, out, err) == (3, "hello world\n", "")
+
+
+def test_serve_and_bench_come_from_their_distributions():
+    pm = make_plugin_manager(autoload=False, extra_plugins=["lmstack_api.plugin", "lmstack_bench.plugin"])
+    parser = cli.build_parser(pm)
+    assert {"check", "plugins", "generate", "serve", "bench"} <= cli._commands(parser)
+    assert cli._commands(cli.build_parser(make_plugin_manager(autoload=False))) == {
+        "check",
+        "plugins",
+        "generate",
+    }
+    args = parser.parse_args(["bench", "serve", "--help"])
+    assert args.bench_args == ["serve", "--help"]
+
+
+def test_a_broken_plugin_leaves_the_core_commands_working(monkeypatch, capsys):
+    def broken():
+        raise ResolutionError("plugin 'x' (x-dist 1.0) failed to import: ImportError: nope")
+
+    monkeypatch.setattr(cli, "_plugin_manager", broken)
+    code, out, err = run(capsys, "serve", "stack.yaml")
+    assert code == 2
+    assert err.strip() == (
+        "error: unknown command 'serve': plugins could not be loaded (plugin 'x' (x-dist 1.0) failed "
+        "to import: ImportError: nope)"
+    )

@@ -49,8 +49,6 @@ class BuildContext:
     allocator: KVAllocator | None = None
     # Bytes of one KV block as the executor will lay it out (set before the allocator is built).
     kv_bytes_per_block: int | None = None
-    # A cache component (prefix reuse, tiering) the allocator reports full blocks to.
-    block_cache: BlockCache | None = None
 
 
 # ---------------------------------------------------------------------------------------------

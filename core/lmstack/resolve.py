@@ -4,15 +4,8 @@ Everything here runs before any weight is read: `resolve` looks up the component
 their capabilities against each other and the stack; `check_model` checks them against the
 model's metadata. Each conflict is one `ResolutionError` naming both sides and the way out.
 
-Capability vocabulary (keys of `Component.capabilities`; an absent key means no restriction):
-
-- every kind: ``devices`` (device types, e.g. ``("cpu", "cuda")``);
-- attention: ``dtypes``, ``kv_cache_dtypes`` (dtype names), ``head_dims``, ``block_sizes``,
-  ``phases`` (subset of ``("prefill", "decode")``), ``sliding_window`` (bool),
-  ``chunked_context`` (bool: prefill queries can attend to earlier cached tokens; needed for
-  chunked prefill and speculative decoding);
-- quantizer: ``kv_cache_dtype`` (a dtype name, or None for the model dtype), ``dtypes``;
-- scheduler: ``chunked_prefill`` (bool; an option of the same name says whether it is on).
+The capability vocabulary (the keys each kind may declare in `Component.capabilities`, with
+their types) is in `lmstack.roles`; an absent key means no restriction.
 
 `Component.requires` maps ``"<role>.<capability>"`` (roles: scheduler, allocator, attention,
 attention_prefill, attention_decode, quantizer, speculator, parallel) to the value needed, e.g.

@@ -101,6 +101,9 @@ class Request:
     error: str | None = None  # why the engine aborted it (a failing logits processor, ...)
     # Tokens that end the request (EOS unless ignore_eos, plus stop_token_ids); set at admission.
     stop_ids: frozenset[int] = frozenset()
+    # Mixed into the content hash of every KV block: requests with different salts never share
+    # cached blocks (tenant isolation for prefix caching).
+    cache_salt: str | None = None
 
     @property
     def prompt_len(self) -> int:

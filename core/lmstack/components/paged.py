@@ -185,7 +185,7 @@ class PagedAllocator(KVAllocator):
 
     @staticmethod
     def _extra_keys(seq: Sequence) -> tuple:
-        salt = getattr(seq.request, "cache_salt", None)
+        salt = seq.request.cache_salt
         return (salt,) if salt is not None else ()
 
     def attach_cached_prefix(self, seq: Sequence) -> int:
@@ -232,7 +232,8 @@ def build(options: PagedOptions, ctx: BuildContext) -> PagedAllocator:
                 f"{options.kv_cache_memory} holds no block of {per_block} bytes; raise it",
                 "allocator.kv_cache_memory",
             )
-    return PagedAllocator(num_blocks, options.block_size, ctx.block_cache)
+    # No cache kind exists yet to attach a BlockCache here; a test or plugin sets `block_cache`.
+    return PagedAllocator(num_blocks, options.block_size)
 
 
 COMPONENT = Component(
