@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from lmstack.model.architecture import ModelArchitecture
     from lmstack.registry import Component
 
 PROJECT = "lmstack"
@@ -73,6 +74,13 @@ def lmstack_register_speculators(register: Register) -> None:
 def lmstack_register_parallel(register: Register) -> None:
     """Register parallel layouts (kind ``parallel``): how the model is sharded over ranks
     (tensor, pipeline, expert parallelism) and the collectives it uses."""
+
+
+@hookspec
+def lmstack_register_models(register: Callable[[ModelArchitecture], None]) -> None:
+    """Register model architectures (`lmstack.model.architecture.ModelArchitecture`): the names a
+    checkpoint uses for one, its config parser, model class and checkpoint-name mapping. Not a
+    stack-selected kind: the checkpoint's architecture picks the model."""
 
 
 # ---------------------------------------------------------------------------------------------
