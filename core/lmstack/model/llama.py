@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmstack.interfaces import LinearFactory, LinearSpec
+from lmstack.interfaces import LinearFactory, LinearSpec, ParallelHint
 from lmstack.model.architecture import AttentionFn, ModelArchitecture
 from lmstack.model.checkpoint import CheckpointTensor
 from lmstack.model.config import ModelConfig
@@ -49,8 +49,8 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         p = f"layers.{index}."
 
-        def spec(name: str, i: int, sizes: tuple[int, ...], bias: bool, parallel: str) -> LinearSpec:
-            return LinearSpec(i, sum(sizes), bias, p + name, sizes, parallel, dtype)  # type: ignore[arg-type]
+        def spec(name: str, i: int, sizes: tuple[int, ...], bias: bool, parallel: ParallelHint) -> LinearSpec:
+            return LinearSpec(i, sum(sizes), bias, p + name, sizes, parallel, dtype)
 
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         qkv = (self.q_size, self.kv_size, self.kv_size)
