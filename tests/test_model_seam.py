@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -491,6 +493,18 @@ def test_unregistered_architecture_is_one_line_naming_the_installed(tiny_folder)
     msg = str(info.value)
     assert "\n" not in msg
     assert TINY_LM in msg and "LlamaForCausalLM" in msg and "no installed plugin" in msg
+
+
+def test_unregistered_gguf_architecture_names_the_installed(tmp_path: Path) -> None:
+    path = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match=r"GGUF architecture 'mamba' is not served .*\(installed: llama\)$"):
+        _ = open_model_source(str(path)).config
 
 
 def test_model_registry_rejects_a_second_claim_on_a_name() -> None:
