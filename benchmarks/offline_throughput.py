@@ -15,7 +15,8 @@ Measurements:
       median of --repeats runs.
   (c) KV-cache waste of lmstack during (a), at the step where allocated blocks peak:
       (allocated token slots - tokens whose K/V are cached) / allocated token slots.
-  (d) peak RSS of each worker process, and of each timed phase alone.
+  (d) peak RSS of each worker process, of each timed phase alone, and while the engine is built
+      and its weights load (high-water mark right after the build, and its rise over the RSS before).
 """
 
 from __future__ import annotations
@@ -310,9 +311,11 @@ def lmstack_worker(phase: str, w: dict[str, Any]) -> dict[str, Any]:
     from lmstack.sampling_params import SamplingParams
 
     res: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
+    rss_before = _rss_bytes()
     t0 = time.perf_counter()
     engine = LLMEngine(w["stack"])
     res["load_s"] = time.perf_counter() - t0
+    _record_build_peak(res, rss_before)
     res["num_kv_blocks"] = engine.allocator.num_blocks
     try:
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -422,6 +425,7 @@ def hf_worker(phase: str, w: dict[str, Any]) -> dict[str, Any]:
     hf_logging.disable_progress_bar()
     res: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "transformers": transformers.__version__}
     path = Path(w["model_path"])
+    rss_before = _rss_bytes()
     t0 = time.perf_counter()
     if w["model_format"] == "gguf":
         folder, kw = path.parent, {"gguf_file": path.name}
@@ -430,6 +434,7 @@ def hf_worker(phase: str, w: dict[str, Any]) -> dict[str, Any]:
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **kw).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
     res["load_s"] = time.perf_counter() - t0
+    _record_build_peak(res, rss_before)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -540,6 +545,16 @@ def hf_worker(phase: str, w: dict[str, Any]) -> dict[str, Any]:
         res["decode_tokens_per_s_median"] = _median([r["decode_tokens_per_s"] for r in runs])
     _record_peaks(res, peak)
     return res
+
+
+def _record_build_peak(res: dict[str, Any], rss_before: int) -> None:
+    """Peak RSS while the engine (or the HF model) was built and its weights loaded: the process
+    high-water mark right after the build, before any warm-up, and its rise over the RSS
+    before the build (what loading the weights cost at its worst moment)."""
+    peak = _process_peak_rss_bytes()
+    res["rss_before_build_mib"] = _mib(rss_before)
+    res["build_peak_rss_mib"] = _mib(peak)
+    res["build_peak_rss_delta_mib"] = _mib(peak - rss_before)
 
 
 def _record_peaks(res: dict[str, Any], peak: PeakRSS) -> None:
@@ -737,7 +752,8 @@ def summarize(res: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
     kv = lt["runs"][0]["kv"]
 
     memory = {
-        f"{s}_{p}": {k: res[s, p].get(k) for k in ("load_s", "load_peak_rss_mib", "rss_after_load_mib",
+        f"{s}_{p}": {k: res[s, p].get(k) for k in ("load_s", "rss_before_build_mib", "build_peak_rss_mib",
+                                                  "build_peak_rss_delta_mib", "load_peak_rss_mib", "rss_after_load_mib",
                                                   "phase_peak_rss_mib", "process_peak_rss_mib", "phase_peak_rss_method")}
         for s in SYSTEMS for p in PHASES
     }  # fmt: skip
@@ -1011,6 +1027,9 @@ def main(argv: list[str] | None = None) -> int:
     print("(d) peak RSS MiB (phase / process):  " + "   ".join(
         f"{LABEL[s]} {p} {mem[f'{s}_{p}']['phase_peak_rss_mib']:.0f} / {mem[f'{s}_{p}']['process_peak_rss_mib']:.0f}"
         for p in PHASES for s in SYSTEMS))  # fmt: skip
+    print("(d) peak RSS MiB while loading (peak / rise over before):  " + "   ".join(
+        f"{LABEL[s]} {mem[f'{s}_throughput']['build_peak_rss_mib']:.0f} / +{mem[f'{s}_throughput']['build_peak_rss_delta_mib']:.0f}"
+        for s in SYSTEMS))  # fmt: skip
     print(
         f"greedy agreement (a): {tp_match['identical_sequences']}/{tp_match['num_sequences']} identical, "
         f"mean matching prefix {tp_match['mean_matching_prefix_tokens']:.1f} tokens; "

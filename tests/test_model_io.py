@@ -18,12 +18,19 @@ from hypothesis import strategies as st
 
 from lmstack.errors import ConfigError, InvalidRequestError
 from lmstack.model import source as source_mod
+from lmstack.model.checkpoint import to_dense
 from lmstack.model.gguf_loader import fit_llama3_rope_scaling, llama3_rope_divisors, unpermute_rope_rows
 from lmstack.model.source import ModelSource, open_model_source, resolve_model_path
 from lmstack.model.tokenizer import Tokenizer
 
 # --------------------------------------------------------------------------------------------------
 # fixtures
+
+
+def _dense(source: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors the model loads (a tied head is skipped), decoded to `dtype`."""
+    keep = source.architecture.checkpoint_name
+    return {n: to_dense(t, dtype) for n, t in source.weights() if keep(n, source.config) is not None}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +45,7 @@ def tok(src: ModelSource) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def gguf_weights(src: ModelSource) -> dict[str, torch.Tensor]:
-    return src.load_weights(torch.float32)
+    return _dense(src, torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +95,7 @@ def test_gguf_config_matches_transformers(src: ModelSource, hf_smollm2) -> None:
 
 def test_gguf_bf16_is_fp32_rounded(src: ModelSource, gguf_weights) -> None:
     w32 = gguf_weights
-    w16 = src.load_weights(torch.bfloat16)
+    w16 = _dense(src, torch.bfloat16)
     for name in ("model.embed_tokens.weight", "model.layers.7.self_attn.k_proj.weight", "model.norm.weight"):
         assert w16[name].dtype == torch.bfloat16
         assert torch.equal(w16[name], w32[name].to(torch.bfloat16))
@@ -202,7 +209,7 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, tie: bool) -> None:
     assert c.attention_bias and not c.mlp_bias
     assert c.tie_word_embeddings == tie
     assert (c.bos_token_id, c.eos_token_ids) == (5, (6, 7))
-    ours = source.load_weights(torch.float32)
+    ours = _dense(source, torch.float32)
     theirs = model.state_dict()
     assert set(ours) == set(theirs) - ({"lm_head.weight"} if tie else set())
     for name, value in ours.items():
@@ -267,7 +274,7 @@ def test_gguf_rope_freqs_tensor_becomes_llama3_scaling(tmp_path: Path) -> None:
     torch.testing.assert_close(
         _hf_llama3_inv_freq(fitted, theta, head_dim), default / divisors, rtol=1e-6, atol=0
     )
-    assert "rope_freqs.weight" not in source.load_weights(torch.float32)
+    assert "rope_freqs.weight" not in _dense(source, torch.float32)
     with pytest.raises(ConfigError, match="no tokenizer"):
         _ = source.tokenizer
 
@@ -462,12 +469,12 @@ def test_hf_folder_config_and_weights(hf_folder) -> None:
     assert c.rope_scaling is None and c.sliding_window is None
     assert c.tie_word_embeddings and c.max_position_embeddings == 1024
     assert c.bos_token_id == 1 and c.eos_token_ids == (2, 0)  # generation_config.json wins
-    ours = source.load_weights(torch.float32)
+    ours = _dense(source, torch.float32)
     theirs = model.state_dict()
     assert set(ours) == set(theirs) - {"lm_head.weight"}
     for name, value in ours.items():
         assert torch.equal(value, theirs[name]), name
-    assert source.load_weights(torch.bfloat16)["model.norm.weight"].dtype == torch.bfloat16
+    assert _dense(source, torch.bfloat16)["model.norm.weight"].dtype == torch.bfloat16
 
 
 def test_hf_folder_tokenizer(hf_folder, hf_tok) -> None:
@@ -492,7 +499,7 @@ def test_hf_folder_sharded_untied(tmp_path: Path) -> None:
     assert (tmp_path / "model.safetensors.index.json").is_file()
     source = open_model_source(str(tmp_path))
     assert not source.config.tie_word_embeddings
-    ours = source.load_weights(torch.float32)
+    ours = _dense(source, torch.float32)
     theirs = model.state_dict()
     assert set(ours) == set(theirs)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
@@ -664,7 +671,7 @@ def test_config_missing_required_key(tmp_path: Path) -> None:
 def test_folder_without_weights_or_tokenizer(tmp_path: Path) -> None:
     source = ModelSource(_write_config(tmp_path / "empty"))
     with pytest.raises(ConfigError, match="no safetensors"):
-        source.load_weights(torch.float32)
+        list(source.weights())
     with pytest.raises(ConfigError, match="no tokenizer.json"):
         _ = source.tokenizer
 

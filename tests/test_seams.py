@@ -12,6 +12,7 @@ from lmstack import SamplingParams
 from lmstack.engine import LLMEngine
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import Quantizer
+from lmstack.model.linear import default_linear
 from lmstack.plugins import make_plugin_manager
 from lmstack.registry import Component
 
@@ -38,9 +39,9 @@ class FakeInt8(Quantizer):
         self.built: list[str] = []
 
     def linear_factory(self):
-        def make(i, o, bias, name):
-            self.built.append(name)
-            return nn.Linear(i, o, bias=bias)
+        def make(spec):
+            self.built.append(spec.name)
+            return default_linear(spec)
 
         return make
 

@@ -19,6 +19,7 @@ from lmstack.errors import InvalidRequestError
 from lmstack.executor import ExecutorSpec
 from lmstack.grammar import GrammarCompiler, GrammarState
 from lmstack.interfaces import BuildContext, EngineLimits, ScheduledSeq
+from lmstack.model.architecture import build_model_registry
 from lmstack.model.detokenizer import IncrementalDetokenizer
 from lmstack.model.source import open_model_source
 from lmstack.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
@@ -74,7 +75,8 @@ class LLMEngine:
             cfg = stack if isinstance(stack, StackConfig) else load_stack(stack)
             resolved = resolve(cfg, build_registry(self.pm))
         self.stack = resolved
-        self.source = open_model_source(resolved.model)
+        self.models = build_model_registry(self.pm)  # architectures: the checkpoint picks one
+        self.source = open_model_source(resolved.model, models=self.models)
         self.model_config = mc = self.source.config
         check_model(resolved, mc)  # before any weight loads
         self.tokenizer = self.source.tokenizer
@@ -105,6 +107,7 @@ class LLMEngine:
                 prefill=self.prefill_backend,
                 decode=self.decode_backend,
                 stack=resolved,
+                models=self.models,
             )
         )
         self.executor.load_model()

@@ -8,6 +8,7 @@ import torch
 
 from lmstack.batch import ModelInput, ModelOutput
 from lmstack.interfaces import AttentionBackend, Executor, Quantizer
+from lmstack.model.architecture import ModelRegistry
 from lmstack.model.config import ModelConfig
 from lmstack.model_runner import ModelRunner
 
@@ -28,6 +29,7 @@ class ExecutorSpec:
     prefill: AttentionBackend
     decode: AttentionBackend
     stack: object = None  # lmstack.resolve.ResolvedStack
+    models: ModelRegistry | None = None  # the installed model architectures; None: the built-ins
 
 
 class InProcessExecutor(Executor):
@@ -41,10 +43,11 @@ class InProcessExecutor(Executor):
         from lmstack.model.source import open_model_source
 
         s = self.spec
-        weights = open_model_source(s.model).load_weights(torch.float32)
+        source = open_model_source(s.model, models=s.models)
         self.runner = ModelRunner(
             s.model_config,
-            weights,
+            source.architecture,
+            source.weights(),
             dtype=s.dtype,
             device=s.device,
             quantizer=s.quantizer,

@@ -26,6 +26,7 @@ from lmstack.roles import KINDS
 
 if TYPE_CHECKING:
     from lmstack.engine import LLMEngine
+    from lmstack.model.architecture import ModelArchitecture
     from lmstack.outputs import EngineStats, RequestOutput
     from lmstack.registry import Component, StackSection
 
@@ -78,6 +79,13 @@ def lmstack_register_speculators(register: Register) -> None:
 def lmstack_register_parallel(register: Register) -> None:
     """Register parallel layouts (kind ``parallel``): how the model is sharded over ranks
     (tensor, pipeline, expert parallelism) and the collectives it uses."""
+
+
+@hookspec
+def lmstack_register_models(register: Callable[[ModelArchitecture], None]) -> None:
+    """Register model architectures (`lmstack.model.architecture.ModelArchitecture`): the names a
+    checkpoint uses for one, its config parser, model class and checkpoint-name mapping. Not a
+    stack-selected kind: the checkpoint's architecture picks the model."""
 
 
 # ---------------------------------------------------------------------------------------------

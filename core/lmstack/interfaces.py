@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -252,23 +252,59 @@ class AttentionBackend(ABC):
 # Quantizer
 # ---------------------------------------------------------------------------------------------
 
-LinearFactory = Callable[[int, int, bool, str], nn.Module]
-"""(in_features, out_features, bias, name) -> a module mapping [..., in] -> [..., out]."""
+ParallelHint = Literal["column", "row", "replicated"]
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """What the model asks of one linear layer; the input of a `LinearFactory`.
+
+    `output_sizes` lists the checkpoint tensors a fused projection stacks along its output
+    dimension (Llama's qkv_proj: (q, k, v); gate_up_proj: (gate, up)); the weight loader's
+    `shard_id` indexes it. `parallel` says how a tensor-parallel layout should split the layer:
+    "column" (split outputs; each rank keeps whole shards of every part), "row" (split inputs; the
+    outputs are summed across ranks) or "replicated". `params_dtype` is the serving dtype.
+    """
+
+    in_features: int
+    out_features: int
+    bias: bool
+    name: str  # e.g. "layers.3.qkv_proj"
+    output_sizes: tuple[int, ...] = ()
+    parallel: ParallelHint = "replicated"
+    params_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if not self.output_sizes:
+            object.__setattr__(self, "output_sizes", (self.out_features,))
+        if sum(self.output_sizes) != self.out_features:
+            raise ValueError(
+                f"linear {self.name}: output_sizes {self.output_sizes} do not add up to {self.out_features}"
+            )
+
+
+LinearFactory = Callable[[LinearSpec], nn.Module]
+"""LinearSpec -> a module mapping [..., in] -> [..., out]. Every parameter it loads from the
+checkpoint carries a `weight_loader` (`lmstack.model.weight_loader`); the module's parameter
+names are what the checkpoint's tensor suffixes map to (`qkv_proj.weight`, `qkv_proj.bias`, or a
+quantizer's own, e.g. `qkv_proj.qweight`)."""
 
 
 class Quantizer(ABC):
     """Chooses how linear layers are built and stored, and the KV-cache dtype.
 
-    The model builds every linear through `linear_factory()`; after the weights load,
-    `process_model` may swap modules for quantized ones (as gpt-fast does)."""
+    The model builds every linear through `linear_factory()`. Its parameters' weight loaders
+    receive the checkpoint tensors as stored (`lmstack.model.checkpoint.CheckpointTensor`: a
+    dense tensor in its stored dtype, or packed GGUF data), so a quantizer can keep a packed
+    tensor packed; `BuildContext.model_config.quantization` describes what the checkpoint holds.
+    After the weights load, `process_model` may still swap modules (as gpt-fast does)."""
 
     kv_cache_dtype: torch.dtype | None = None  # None: the model dtype
 
     def linear_factory(self) -> LinearFactory:
-        def make(in_features: int, out_features: int, bias: bool, name: str) -> nn.Module:
-            return nn.Linear(in_features, out_features, bias=bias)
+        from lmstack.model.linear import default_linear
 
-        return make
+        return default_linear
 
     def process_model(self, model: nn.Module) -> None:
         """Called once after the weights are loaded."""

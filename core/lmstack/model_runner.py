@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from lmstack.batch import AttentionMetadata, ModelInput, ModelOutput
 from lmstack.interfaces import AttentionBackend, Quantizer
+from lmstack.model.architecture import ModelArchitecture
+from lmstack.model.checkpoint import CheckpointTensor
 from lmstack.model.config import ModelConfig
-from lmstack.model.llama import LlamaModel
-from lmstack.model.rope import RotaryEmbedding
 
 
 class ForwardContext:
@@ -55,7 +57,8 @@ class ModelRunner:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        architecture: ModelArchitecture,
+        weights: Iterable[tuple[str, CheckpointTensor]],
         *,
         dtype: torch.dtype,
         device: torch.device,
@@ -65,24 +68,17 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype,
         max_positions: int,
     ) -> None:
+        """Builds `architecture`'s model in `dtype` directly on `device` (parameters allocated,
+        never randomly initialised) and streams `weights` into it, one checkpoint tensor at a
+        time, through the parameters' weight loaders."""
         self.config = config
         self.dtype, self.device, self.kv_cache_dtype = dtype, device, kv_cache_dtype
         self.prefill_backend, self.decode_backend = prefill, decode
-        # Build on the meta device (no random init of weights we overwrite anyway), then
-        # materialise; tying and the RoPE tables do not survive `to_empty`, so redo them.
-        with torch.device("meta"):
-            model = LlamaModel(config, quantizer.linear_factory(), max_positions=max_positions)
-        model = model.to_empty(device=device)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
         with torch.device(device):
-            model.rope = RotaryEmbedding(
-                config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+            model = architecture.build(
+                config, quantizer.linear_factory(), dtype=dtype, max_positions=max_positions
             )
-        model.load_hf_weights(weights)
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(dtype)
+        model.load_weights(weights)
         quantizer.process_model(model)
         self.model = model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

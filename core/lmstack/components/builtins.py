@@ -1,9 +1,11 @@
-"""The reference components, registered through the same hooks third-party plugins use."""
+"""The reference components and the Llama architecture, registered through the same hooks
+third-party plugins use."""
 
 from __future__ import annotations
 
 from lmstack.components import continuous, none_quantizer, none_speculator, paged, single, torch_attention
 from lmstack.hookspecs import hookimpl
+from lmstack.model import llama
 
 
 @hookimpl
@@ -34,3 +36,8 @@ def lmstack_register_speculators(register):
 @hookimpl
 def lmstack_register_parallel(register):
     register(single.COMPONENT)
+
+
+@hookimpl
+def lmstack_register_models(register):
+    register(llama.ARCHITECTURE)

@@ -1,4 +1,5 @@
-"""Architecture hyper-parameters of a Llama-family decoder, from GGUF metadata or config.json."""
+"""Architecture hyper-parameters of a decoder, from GGUF metadata or config.json, and what the
+checkpoint's weights are stored as."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # Hugging Face style: {"rope_type": "linear"|"dynamic"|"llama3"|"yarn", "factor": ..., ...}
-    rope_scaling: dict[str, Any] | None = None
+    # Left out of the hash (dicts are unhashable); still compared.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
@@ -27,6 +29,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = ""
+    # What the checkpoint stores, for a quantizer to claim: a Hugging Face config.json
+    # `quantization_config` as is, or for GGUF {"format": "gguf", "tensor_types": {"Q4_1": 210, ...}}.
+    # None: plain floating-point weights.
+    quantization: dict[str, Any] | None = field(default=None, hash=False)
 
     @property
     def q_size(self) -> int:

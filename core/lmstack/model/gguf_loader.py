@@ -1,6 +1,8 @@
-"""Read a Llama-architecture GGUF file: config from its metadata, weights under Hugging Face names.
+"""Read a GGUF file: metadata, tensors still packed (`GGUFTensor`), and the Llama architecture's
+config parser and tensor adapter.
 
-llama.cpp's converter changes two things we undo here:
+For Llama, llama.cpp's converter changes two things we undo here (on the packed data: both are
+whole-row edits, and GGUF quant blocks never cross a row):
 - tensor names (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`);
 - the row order of Q and K (and their biases). llama.cpp's default RoPE rotates adjacent pairs
   (x[2i], x[2i+1]) of each head, while Hugging Face's rotates halves (x[i], x[i + d/2]). The
@@ -11,19 +13,18 @@ llama.cpp's converter changes two things we undo here:
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType, GGUFReader
 
 from lmstack.errors import ConfigError
+from lmstack.model.checkpoint import GGUFTensor
 from lmstack.model.config import ModelConfig
 from lmstack.model.tokenizer import Tokenizer, gguf_eos_token_ids
-
-_ARCHITECTURES = ("llama",)
 
 # Per-layer GGUF tensor name -> Hugging Face name (after `model.layers.{i}.`).
 _LAYER_NAMES = {
@@ -59,17 +60,32 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
-def load_gguf_config(reader: GGUFReader, meta: dict[str, Any], name: str = "") -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ConfigError(
-            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHITECTURES)})"
+def read_tensors(reader: GGUFReader) -> dict[str, GGUFTensor]:
+    """Every tensor by its GGUF name, in file order: views of the file mapping, nothing decoded."""
+    return {
+        t.name: GGUFTensor(
+            data=t.data,
+            ggml_type=GGMLQuantizationType(t.tensor_type),
+            shape=tuple(int(n) for n in reversed(t.shape)),
         )
+        for t in reader.tensors
+    }
+
+
+def quantization_description(tensors: Mapping[str, GGUFTensor]) -> dict[str, Any]:
+    """`ModelConfig.quantization` of a GGUF file: how many tensors each GGML type stores."""
+    return {"format": "gguf", "tensor_types": dict(Counter(t.ggml_type.name for t in tensors.values()))}
+
+
+def load_gguf_config(
+    meta: Mapping[str, Any], tensors: Mapping[str, GGUFTensor], name: str = ""
+) -> ModelConfig:
+    """The Llama architecture's GGUF config parser."""
+    arch = meta.get("general.architecture")
 
     def key(suffix: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{suffix}", default)
 
-    tensors = {t.name: t for t in reader.tensors}
     hidden = _required(key("embedding_length"), f"{arch}.embedding_length")
     heads = _required(key("attention.head_count"), f"{arch}.attention.head_count")
     kv_heads = key("attention.head_count_kv", heads)
@@ -103,24 +119,24 @@ def load_gguf_config(reader: GGUFReader, meta: dict[str, Any], name: str = "") -
     )
 
 
-def load_gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+def load_gguf_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(meta)
 
 
-def load_gguf_weights(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All weights, dequantized to fp32 and cast to `dtype`, under Hugging Face Llama names."""
-    weights: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
-            continue
-        hf_name = hf_tensor_name(tensor.name)
-        value = _dequantized(tensor)
-        if ".self_attn.q_proj." in hf_name:
-            value = unpermute_rope_rows(value, config.num_heads)
-        elif ".self_attn.k_proj." in hf_name:
-            value = unpermute_rope_rows(value, config.num_kv_heads)
-        weights[hf_name] = value.to(dtype)
-    return weights
+def llama_gguf_tensor(
+    gguf_name: str, tensor: GGUFTensor, config: ModelConfig
+) -> tuple[str, GGUFTensor] | None:
+    """The Llama architecture's GGUF tensor adapter: the Hugging Face name, and Q / K (weights and
+    biases) with llama.cpp's row interleave undone, still packed. None for `rope_freqs` (it went
+    into the config)."""
+    if gguf_name == _ROPE_FREQS:
+        return None
+    hf_name = hf_tensor_name(gguf_name)
+    if ".self_attn.q_proj." in hf_name:
+        tensor = tensor.take_rows(unpermute_rope_index(tensor.shape[0], config.num_heads))
+    elif ".self_attn.k_proj." in hf_name:
+        tensor = tensor.take_rows(unpermute_rope_index(tensor.shape[0], config.num_kv_heads))
+    return hf_name, tensor
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -146,15 +162,9 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _dequantized(tensor: ReaderTensor) -> torch.Tensor:
-    """fp32 tensor with the row-major shape [rows, cols] (GGUF lists dimensions innermost first)."""
-    arr = dequantize(tensor.data, tensor.tensor_type)
-    if arr.dtype != np.float32:
-        arr = arr.astype(np.float32)
-    elif not arr.flags.writeable:  # an F32 tensor is a view of the read-only file mapping
-        arr = arr.copy()
-    shape = tuple(int(n) for n in reversed(tensor.shape))
-    return torch.from_numpy(arr).reshape(shape)
+def unpermute_rope_index(rows: int, n_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's Q/K interleave: `w[index] == unpermute_rope_rows(w)`."""
+    return unpermute_rope_rows(torch.arange(rows), n_heads)
 
 
 def _required(value: Any, key: str) -> Any:
@@ -163,11 +173,11 @@ def _required(value: Any, key: str) -> Any:
     return value
 
 
-def _vocab_from(tensors: dict[str, ReaderTensor]) -> int:
+def _vocab_from(tensors: Mapping[str, GGUFTensor]) -> int:
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise ConfigError("GGUF file has neither a vocabulary size nor a token_embd.weight tensor")
-    return int(embd.shape[-1])
+    return int(embd.shape[0])
 
 
 # GGUF rope.scaling.* suffix -> Hugging Face rope_scaling key, with its type.
@@ -181,12 +191,12 @@ _ROPE_KEYS: dict[str, tuple[str, type]] = {
 
 
 def _rope_scaling(
-    meta: dict[str, Any], arch: str, rope_freqs: ReaderTensor | None, theta: float, rope_dim: int
+    meta: Mapping[str, Any], arch: str, rope_freqs: GGUFTensor | None, theta: float, rope_dim: int
 ) -> dict[str, Any] | None:
     """Hugging Face style rope_scaling from `{arch}.rope.scaling.*`, or from a `rope_freqs` tensor
     (llama.cpp's encoding of Llama 3.1 scaling)."""
     if rope_freqs is not None:
-        divisors = _dequantized(rope_freqs).double()
+        divisors = rope_freqs.dequantize(torch.float32).double()
         original = meta.get(f"{arch}.rope.scaling.original_context_length")
         return fit_llama3_rope_scaling(divisors, theta, rope_dim, original)
     kind = meta.get(f"{arch}.rope.scaling.type")

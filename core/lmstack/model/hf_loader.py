@@ -1,13 +1,14 @@
-"""Read a Hugging Face model folder: config.json, *.safetensors (maybe sharded), tokenizer files.
+"""Read a Hugging Face model folder: config.json, *.safetensors (maybe sharded), tokenizer files;
+and the Llama architecture's config.json parser.
 
-Weights keep their Hugging Face names. Any Llama-family checkpoint works as long as config.json has
-the Llama hyper-parameters; tensors beyond the Llama set (e.g. experts) are passed through as is.
+Weights keep their Hugging Face names and their stored dtype: `iter_safetensors` yields them one
+at a time, and only a weight loader converts them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,22 +32,30 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_hf_config(folder: Path, name: str = "") -> ModelConfig:
-    cfg = read_json(folder / "config.json")
-    gen = (
-        read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
-    )
+def generation_overrides(folder: Path) -> dict[str, Any]:
+    """bos / eos token ids from generation_config.json, when it has them: it is what HF
+    generate() stops on, so it wins over config.json. Same for every architecture."""
+    path = folder / "generation_config.json"
+    gen = read_json(path) if path.is_file() else {}
+    out: dict[str, Any] = {}
+    if gen.get("eos_token_id") is not None:
+        out["eos_token_ids"] = _ids(gen["eos_token_id"])
+    if gen.get("bos_token_id") is not None:
+        out["bos_token_id"] = int(gen["bos_token_id"])
+    return out
+
+
+def parse_llama_config(cfg: Mapping[str, Any], name: str = "") -> ModelConfig:
+    """The Llama architecture's config.json parser."""
 
     def need(key: str) -> Any:
         if cfg.get(key) is None:
-            raise ConfigError(f"{folder / 'config.json'} lacks {key!r}")
+            raise ConfigError(f"config.json of model {name!r} lacks {key!r}")
         return cfg[key]
 
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
     rope_theta, rope_scaling = hf_rope(cfg)
-    # generation_config.json is what HF generate() stops on, so it wins over config.json.
-    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
-    bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+    eos, bos = cfg.get("eos_token_id"), cfg.get("bos_token_id")
     return ModelConfig(
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
@@ -69,7 +78,7 @@ def load_hf_config(folder: Path, name: str = "") -> ModelConfig:
     )
 
 
-def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def hf_rope(cfg: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either the old layout (`rope_theta` + `rope_scaling` with
     `type` or `rope_type`) or transformers 5's `rope_parameters` (theta inside)."""
     merged = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
@@ -81,7 +90,7 @@ def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, merged
 
 
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
+def _sliding_window(cfg: Mapping[str, Any]) -> int | None:
     # Qwen2-style configs carry a window but switch it off with use_sliding_window: false.
     if cfg.get("use_sliding_window") is False:
         return None
@@ -118,23 +127,9 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor, floating ones cast to `dtype`. A tied head is dropped (`lm_head.weight` only
-    when untied); an untied one must be present."""
-    weights = dict(_read_tensors(safetensors_files(folder), dtype))
-    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}  # old buffers
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in weights:
-        raise ConfigError(
-            f"model folder {folder}: tie_word_embeddings is false but lm_head.weight is missing"
-        )
-    return weights
-
-
-def _read_tensors(files: Iterable[Path], dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]]:
-    for path in files:
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every shard, one at a time, in its stored dtype (bf16 stays bf16)."""
+    for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                t = f.get_tensor(key)
-                yield key, t.to(dtype) if t.is_floating_point() else t
+                yield key, f.get_tensor(key)

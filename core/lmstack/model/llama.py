@@ -2,36 +2,35 @@
 
 RMSNorm, RoPE (with scaling variants), GQA, SwiGLU, tied or untied head, optional sliding
 window. Q/K/V and gate/up are fused projections (fewer ops per layer: batch-1 decode on a CPU
-is bound by per-op overhead). Every linear is built through a `LinearFactory`, so a quantizer
-can decide what a linear is.
+is bound by per-op overhead). Every decoder linear is built through a `LinearFactory` from a
+`LinearSpec`, so a quantizer decides what a linear is and how its weights load; every parameter
+carries a weight loader, and `load_weights` feeds them checkpoint tensors as stored.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import re
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmstack.interfaces import LinearFactory
+from lmstack.interfaces import LinearFactory, LinearSpec, ParallelHint
+from lmstack.model.architecture import AttentionFn, ModelArchitecture
+from lmstack.model.checkpoint import CheckpointTensor
 from lmstack.model.config import ModelConfig
+from lmstack.model.gguf_loader import llama_gguf_tensor, load_gguf_config
+from lmstack.model.hf_loader import parse_llama_config
+from lmstack.model.linear import default_linear, dense_parameter
 from lmstack.model.rope import RotaryEmbedding, rotate
-
-
-class AttentionFn(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k / v [T, Hkv, D] -> [T, Hq, D]."""
-
-
-def default_linear(in_features: int, out_features: int, bias: bool, name: str) -> nn.Module:
-    return nn.Linear(in_features, out_features, bias=bias)
+from lmstack.model.weight_loader import ShardId, default_weight_loader, load_named_weights, set_weight_loader
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = dense_parameter(dim, dtype=dtype)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,19 +41,24 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, linear: LinearFactory) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, linear: LinearFactory, dtype: torch.dtype) -> None:
         super().__init__()
         self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = cfg.hidden_size
+        h, inter = cfg.hidden_size, cfg.intermediate_size
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         p = f"layers.{index}."
-        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.qkv_proj = linear(h, self.q_size + 2 * self.kv_size, cfg.attention_bias, p + "qkv_proj")
-        self.o_proj = linear(self.q_size, h, cfg.attention_bias, p + "o_proj")
-        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_up_proj = linear(h, 2 * cfg.intermediate_size, cfg.mlp_bias, p + "gate_up_proj")
-        self.down_proj = linear(cfg.intermediate_size, h, cfg.mlp_bias, p + "down_proj")
+
+        def spec(name: str, i: int, sizes: tuple[int, ...], bias: bool, parallel: ParallelHint) -> LinearSpec:
+            return LinearSpec(i, sum(sizes), bias, p + name, sizes, parallel, dtype)
+
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        qkv = (self.q_size, self.kv_size, self.kv_size)
+        self.qkv_proj = linear(spec("qkv_proj", h, qkv, cfg.attention_bias, "column"))
+        self.o_proj = linear(spec("o_proj", self.q_size, (h,), cfg.attention_bias, "row"))
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.gate_up_proj = linear(spec("gate_up_proj", h, (inter, inter), cfg.mlp_bias, "column"))
+        self.down_proj = linear(spec("down_proj", inter, (h,), cfg.mlp_bias, "row"))
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionFn
@@ -74,15 +78,31 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, linear: LinearFactory = default_linear, max_positions: int | None = None
-    ):
+        self,
+        cfg: ModelConfig,
+        linear: LinearFactory = default_linear,
+        *,
+        dtype: torch.dtype = torch.float32,
+        max_positions: int | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, linear) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # The head stays a plain linear: quantizing it costs the most accuracy for the least memory.
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # `_weight` skips the random init: the checkpoint overwrites every value.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+            _freeze=True,
+        )
+        set_weight_loader(self.embed_tokens.weight, default_weight_loader)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, linear, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # The head stays a dense linear: quantizing it costs the most accuracy for the least memory.
+        self.lm_head = default_linear(
+            LinearSpec(
+                cfg.hidden_size, cfg.vocab_size, False, "lm_head", parallel="column", params_dtype=dtype
+            )
+        )
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(
@@ -116,41 +136,55 @@ class LlamaModel(nn.Module):
         return self.lm_head(x).float(), hidden
 
     @torch.no_grad()
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face Llama-named tensors in, fusing q/k/v and gate/up."""
-        cfg = self.config
-        own = dict(self.named_parameters())
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Hugging Face Llama-named checkpoint tensors into the parameters' weight loaders."""
+        load_named_weights(self, weights, lambda name: llama_checkpoint_name(name, self.config))
 
-        def put(name: str, tensor: torch.Tensor) -> None:
-            param = own[name]
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
-                )
-            param.copy_(tensor)
 
-        put("embed_tokens.weight", weights["model.embed_tokens.weight"])
-        put("norm.weight", weights["model.norm.weight"])
-        if not cfg.tie_word_embeddings:
-            put("lm_head.weight", weights["lm_head.weight"])
-        for i in range(cfg.num_layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            put(dst + "input_layernorm.weight", weights[src + "input_layernorm.weight"])
-            put(dst + "post_attention_layernorm.weight", weights[src + "post_attention_layernorm.weight"])
-            att, mlp = src + "self_attn.", src + "mlp."
-            put(dst + "qkv_proj.weight", torch.cat([weights[att + f"{p}_proj.weight"] for p in "qkv"]))
-            put(dst + "o_proj.weight", weights[att + "o_proj.weight"])
-            put(
-                dst + "gate_up_proj.weight",
-                torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]),
-            )
-            put(dst + "down_proj.weight", weights[mlp + "down_proj.weight"])
-            if cfg.attention_bias:
-                put(dst + "qkv_proj.bias", torch.cat([weights[att + f"{p}_proj.bias"] for p in "qkv"]))
-                put(dst + "o_proj.bias", weights[att + "o_proj.bias"])
-            if cfg.mlp_bias:
-                put(
-                    dst + "gate_up_proj.bias",
-                    torch.cat([weights[mlp + "gate_proj.bias"], weights[mlp + "up_proj.bias"]]),
-                )
-                put(dst + "down_proj.bias", weights[mlp + "down_proj.bias"])
+# Checkpoint module -> (our fused module, shard id = index in its LinearSpec.output_sizes).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_LAYER_TENSOR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.(.+)")
+
+
+def llama_checkpoint_name(name: str, config: ModelConfig) -> tuple[str, ShardId | None] | None:
+    """`model.layers.3.self_attn.k_proj.<suffix>` -> (`layers.3.qkv_proj.<suffix>`, 1). The suffix
+    is kept, so a quantizer's own tensors (`qweight`, `weight_scale`, ...) reach the parameters of
+    the same name on its linear. None for tensors the model does not load."""
+    if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
+        return None
+    if name.startswith("lm_head."):
+        return None if config.tie_word_embeddings else (name, None)
+    name = name.removeprefix("model.")
+    if m := _LAYER_TENSOR.fullmatch(name):
+        layer, module, suffix = m.groups()
+        if module in _FUSED:
+            fused, shard = _FUSED[module]
+            return f"layers.{layer}.{fused}.{suffix}", shard
+        return f"layers.{layer}.{module}.{suffix}", None
+    return name, None
+
+
+def build_llama(
+    config: ModelConfig, linear: LinearFactory, *, dtype: torch.dtype, max_positions: int
+) -> LlamaModel:
+    return LlamaModel(config, linear, dtype=dtype, max_positions=max_positions)
+
+
+ARCHITECTURE = ModelArchitecture(
+    name="llama",
+    build=build_llama,
+    checkpoint_name=llama_checkpoint_name,
+    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
+    hf_model_types=("llama", "mistral"),
+    parse_hf_config=parse_llama_config,
+    gguf_architectures=("llama",),
+    parse_gguf_config=load_gguf_config,
+    gguf_tensor=llama_gguf_tensor,
+    description="Llama-family decoder (GQA, SwiGLU, RoPE scaling, optional sliding window)",
+)

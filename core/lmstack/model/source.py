@@ -1,20 +1,23 @@
 """Where a model comes from: a known name, a .gguf file, or a Hugging Face folder.
 
-`open_model_source(name_or_path)` gives a `ModelSource`: its config and tokenizer are cheap (metadata
-only); weights are read and dequantized only by `load_weights`.
+`open_model_source(name_or_path)` gives a `ModelSource`: its architecture (picked from a
+`ModelRegistry` by the checkpoint's own architecture name), config and tokenizer are cheap
+(metadata only); `weights()` yields the checkpoint tensors lazily, one at a time, as stored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 from lmstack.errors import ConfigError
 from lmstack.model import gguf_loader, hf_loader
+from lmstack.model.architecture import ModelArchitecture, ModelRegistry, default_model_registry
+from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor
 from lmstack.model.config import ModelConfig
 from lmstack.model.tokenizer import Tokenizer
 
@@ -80,12 +83,14 @@ def _model_name(name_or_path: str, path: Path) -> str:
 
 
 class ModelSource:
-    """One model's files. `format` is "gguf" or "hf"."""
+    """One model's files. `format` is "gguf" or "hf". `models` is the architecture registry to
+    pick from (the built-ins when None)."""
 
-    def __init__(self, path: Path, name: str = "") -> None:
+    def __init__(self, path: Path, name: str = "", models: ModelRegistry | None = None) -> None:
         self.path = path
         self.format: Literal["gguf", "hf"] = "gguf" if path.is_file() else "hf"
         self.name = name or _model_name(str(path), path)
+        self.models = models if models is not None else default_model_registry()
 
     @cached_property
     def _reader(self) -> Any:  # gguf.GGUFReader, memory-mapped; shared by config, tokenizer, weights
@@ -96,10 +101,35 @@ class ModelSource:
         return gguf_loader.read_metadata(self._reader)
 
     @cached_property
-    def config(self) -> ModelConfig:
+    def _gguf_tensors(self) -> dict[str, GGUFTensor]:
+        return gguf_loader.read_tensors(self._reader)
+
+    @cached_property
+    def _hf_config(self) -> dict[str, Any]:
+        return hf_loader.read_json(self.path / "config.json")
+
+    @cached_property
+    def architecture(self) -> ModelArchitecture:
         if self.format == "gguf":
-            return gguf_loader.load_gguf_config(self._reader, self._metadata, self.name)
-        return hf_loader.load_hf_config(self.path, self.name)
+            return self.models.for_gguf(self._metadata.get("general.architecture"), f"GGUF file {self.path}")
+        return self.models.for_hf(self._hf_config, f"model folder {self.path}")
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        arch = self.architecture
+        if self.format == "gguf":
+            assert arch.parse_gguf_config is not None  # ModelArchitecture checks this
+            parsed = arch.parse_gguf_config(self._metadata, self._gguf_tensors, self.name)
+            return dataclasses.replace(
+                parsed, quantization=gguf_loader.quantization_description(self._gguf_tensors)
+            )
+        assert arch.parse_hf_config is not None
+        parsed = arch.parse_hf_config(self._hf_config, self.name)
+        return dataclasses.replace(
+            parsed,
+            **hf_loader.generation_overrides(self.path),
+            quantization=self._hf_config.get("quantization_config"),
+        )
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -107,17 +137,25 @@ class ModelSource:
             return gguf_loader.load_gguf_tokenizer(self._metadata)
         return hf_loader.load_hf_tokenizer(self.path, self.config)
 
-    def load_weights(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """All weights under Hugging Face Llama names, cast to `dtype` (on the CPU)."""
-        if self.format == "gguf":
-            return gguf_loader.load_gguf_weights(self._reader, self.config, dtype)
-        return hf_loader.load_hf_weights(self.path, self.config, dtype)
+    def weights(self) -> Iterator[tuple[str, CheckpointTensor]]:
+        """Every checkpoint tensor under its Hugging Face name, one at a time and as stored:
+        safetensors tensors in their stored dtype, GGUF tensors packed (with the architecture's
+        llama.cpp conversion edits undone). Nothing is decoded until a weight loader asks."""
+        if self.format == "hf":
+            yield from hf_loader.iter_safetensors(self.path)
+            return
+        adapt, config = self.architecture.gguf_tensor, self.config
+        assert adapt is not None
+        for name, tensor in self._gguf_tensors.items():
+            if (adapted := adapt(name, tensor, config)) is not None:
+                yield adapted
 
     def __repr__(self) -> str:
         return f"ModelSource({self.name!r}, format={self.format!r}, path={str(self.path)!r})"
 
 
-def open_model_source(name_or_path: str | Path) -> ModelSource:
+def open_model_source(name_or_path: str | Path, models: ModelRegistry | None = None) -> ModelSource:
+    """The model a stack names; `models` defaults to the built-in architectures."""
     text = str(name_or_path)
     path = resolve_model_path(text)
-    return ModelSource(path, _model_name(text, path))
+    return ModelSource(path, _model_name(text, path), models)

@@ -1,0 +1,37 @@
+"""The reference linear layer: dense weights in the serving dtype, filled by weight loaders."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmstack.interfaces import LinearSpec
+from lmstack.model.weight_loader import default_weight_loader, fused_weight_loader, set_weight_loader
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` without random initialisation: every value comes from the checkpoint, and
+    skipping init keeps untouched pages out of the resident set until the loader writes them."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+def default_linear(spec: LinearSpec) -> nn.Module:
+    """A dense `Linear` of `spec`'s shape and dtype; a fused projection's weight and bias take
+    their parts (`spec.output_sizes`) one checkpoint tensor at a time."""
+    layer = Linear(spec.in_features, spec.out_features, bias=spec.bias, dtype=spec.params_dtype)
+    layer.weight.requires_grad_(False)
+    fused = len(spec.output_sizes) > 1
+    loader = fused_weight_loader(spec.output_sizes) if fused else default_weight_loader
+    set_weight_loader(layer.weight, loader, num_shards=len(spec.output_sizes))
+    if layer.bias is not None:
+        layer.bias.requires_grad_(False)
+        set_weight_loader(layer.bias, loader, num_shards=len(spec.output_sizes))
+    return layer
+
+
+def dense_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised parameter with the default loader (embeddings, norms)."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    return set_weight_loader(param, default_weight_loader)

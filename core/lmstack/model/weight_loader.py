@@ -1,0 +1,112 @@
+"""Weight loaders: how one checkpoint tensor gets into one model parameter.
+
+Every parameter a model loads from a checkpoint carries a `weight_loader` (as in vLLM)::
+
+    param.weight_loader(param, loaded, shard_id)
+
+`loaded` is a `CheckpointTensor` as stored (see `lmstack.model.checkpoint`); `shard_id` is None
+for a whole parameter, or the index into the fused projection's `output_sizes` (q=0, k=1, v=2;
+gate=0, up=1) when several checkpoint tensors make one parameter. The default loaders decode
+into the parameter's dtype and copy into the right rows; a quantizer's linear may install a
+loader that keeps the packed data instead, and a parallel layout one that keeps only its shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from lmstack.errors import ConfigError
+from lmstack.model.checkpoint import CheckpointTensor, to_dense
+
+ShardId = int
+"""Index of a checkpoint tensor inside a fused parameter's `output_sizes`."""
+
+WeightLoader = Callable[[nn.Parameter, CheckpointTensor, "ShardId | None"], None]
+
+NameMapping = Callable[[str], "tuple[str, ShardId | None] | None"]
+"""Checkpoint tensor name -> (parameter name, shard id), or None for a tensor the model skips."""
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId | None = None
+) -> None:
+    """Decode `loaded` into the parameter's dtype and copy it over the whole parameter."""
+    if shard_id is not None:
+        raise ValueError(f"got shard {shard_id} for a parameter that is not fused")
+    value = to_dense(loaded, param.dtype)
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+    with torch.no_grad():
+        param.data.copy_(value)
+
+
+def fused_weight_loader(output_sizes: Sequence[int]) -> WeightLoader:
+    """A loader for a parameter made of several checkpoint tensors stacked along dim 0 (a fused
+    q/k/v or gate/up weight or bias): shard i goes to rows [sum(sizes[:i]), sum(sizes[:i+1]))."""
+    sizes = tuple(int(s) for s in output_sizes)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def load(param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId | None = None) -> None:
+        if shard_id is None:
+            default_weight_loader(param, loaded)
+            return
+        if not 0 <= shard_id < len(sizes):
+            raise ValueError(f"shard {shard_id} out of range for a fused parameter of {len(sizes)} parts")
+        target = param.data.narrow(0, offsets[shard_id], sizes[shard_id])
+        value = to_dense(loaded, param.dtype)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"shard {shard_id}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(value)
+
+    return load
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader, num_shards: int = 1) -> nn.Parameter:
+    """Attach `loader` to `param`; `num_shards` > 1 says how many checkpoint tensors make it (the
+    completeness check in `load_named_weights` waits for all of them)."""
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.num_shards = num_shards  # type: ignore[attr-defined]
+    return param
+
+
+def load_named_weights(
+    model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]], name_map: NameMapping
+) -> None:
+    """Feed each checkpoint tensor to its parameter's loader, one tensor at a time (so at most one
+    decoded tensor is alive besides the model), then check that every parameter got all of its
+    parts. A checkpoint tensor with no parameter, or a parameter the checkpoint lacks, is a
+    ConfigError naming it."""
+    params = dict(model.named_parameters())
+    received: dict[str, set[ShardId | None]] = {}
+    for ckpt_name, tensor in weights:
+        target = name_map(ckpt_name)
+        if target is None:
+            continue
+        param_name, shard_id = target
+        param = params.get(param_name)
+        if param is None:
+            raise ConfigError(
+                f"checkpoint tensor {ckpt_name!r} maps to {param_name!r}, which the model does not have"
+            )
+        loader: WeightLoader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint tensor {ckpt_name!r} -> {param_name}: {e}") from e
+        received.setdefault(param_name, set()).add(shard_id)
+    missing = []
+    for name, param in params.items():
+        got = received.get(name, set())
+        shards = getattr(param, "num_shards", 1)
+        if None in got or (shards > 1 and len(got) == shards) or (shards == 1 and got):
+            continue
+        missing.append(name if shards == 1 else f"{name} ({len(got)} of {shards} parts)")
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ConfigError(f"the checkpoint lacks weights for {', '.join(missing[:3])}{more}")
