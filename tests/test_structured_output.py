@@ -72,15 +72,15 @@ def test_mask_allows_only_what_the_grammar_allows(llm):
     state = g.new_state()
     first = allowed(state, [], vocab)
     assert first and all(pieces[t].startswith(b"{") for t in first)
-    assert not (first & eng._eos), "the end token waits until the JSON is complete"
+    assert not (first & eng.eos_token_ids), "the end token waits until the JSON is complete"
 
     ids = llm.tokenizer.encode('{"a": 12}')
-    assert allowed(state, ids, vocab) == set(eng._eos), "complete: only the end token remains"
+    assert allowed(state, ids, vocab) == set(eng.eos_token_ids), "complete: only the end token remains"
     fresh = g.new_state()  # a fresh state fed the whole list at once agrees with one fed stepwise
-    assert allowed(fresh, ids, vocab) == set(eng._eos)
+    assert allowed(fresh, ids, vocab) == set(eng.eos_token_ids)
     # after the end token (ignore_eos keeps going): only end tokens, nothing else is accepted
-    eos = min(eng._eos)
-    assert allowed(fresh, [*ids, eos, eos], vocab) == set(eng._eos)
+    eos = min(eng.eos_token_ids)
+    assert allowed(fresh, [*ids, eos, eos], vocab) == set(eng.eos_token_ids)
     with pytest.raises(GrammarError):
         fresh.apply(torch.zeros(vocab), [*ids, eos, ids[0]])
 

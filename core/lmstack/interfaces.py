@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from lmstack.batch import AttentionMetadata, ModelInput, ModelOutput
+    from lmstack.batch import AttentionMetadata, ModelOutput, StepPlan
     from lmstack.model.config import ModelConfig
     from lmstack.sequence import Sequence
 
@@ -298,7 +298,8 @@ class Speculator(ABC):
 
 class Executor(ABC):
     """Drives the model. The built-in runs in-process; a parallel layout may start N worker
-    processes over torch.distributed and broadcast each `ModelInput` to them. Only rank 0's
+    processes over torch.distributed and broadcast each `StepPlan` to them: plain ints and
+    lists, which every rank's model runner turns into tensors on its own device. Only rank 0's
     `ModelOutput` comes back."""
 
     @abstractmethod
@@ -311,7 +312,7 @@ class Executor(ABC):
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
 
     @abstractmethod
-    def execute(self, model_input: ModelInput) -> ModelOutput: ...
+    def execute(self, plan: StepPlan) -> ModelOutput: ...
 
     def shutdown(self) -> None:
         """Stop workers; idempotent."""

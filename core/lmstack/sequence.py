@@ -101,6 +101,8 @@ class Request:
     error: str | None = None  # why the engine aborted it (a failing logits processor, ...)
     # Tokens that end the request (EOS unless ignore_eos, plus stop_token_ids); set at admission.
     stop_ids: frozenset[int] = frozenset()
+    # Prompt tokens whose KV came from a prefix cache when the request was first scheduled.
+    num_cached_tokens: int = 0
 
     @property
     def prompt_len(self) -> int:
