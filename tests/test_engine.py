@@ -325,12 +325,19 @@ def test_async_engine_streams_and_aborts():
         await gen.aclose()
         for _ in range(100):
             await asyncio.sleep(0.05)
+            stats = engine.stats()
             if (
-                engine.engine.allocator.num_free_blocks() == engine.engine.allocator.num_blocks
-                and not engine.engine.requests
+                stats.num_free_kv_blocks == engine.num_kv_blocks
+                and stats.num_running + stats.num_waiting == 0
             ):
                 break
-        assert engine.engine.allocator.num_free_blocks() == engine.engine.allocator.num_blocks
+        stats = engine.stats()
+        assert stats.num_free_kv_blocks == engine.num_kv_blocks
+        assert stats.num_running == stats.num_waiting == 0
+        assert stats.finished_by_reason.get("abort") == 1
+        # A snapshot, not the live object: what the caller does to it stays with the caller.
+        stats.finished_by_reason.clear()
+        assert engine.stats().finished_by_reason.get("abort") == 1
 
     eng = AsyncEngine({**STACK, "dtype": "bfloat16"})
     try:
