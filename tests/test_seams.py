@@ -12,6 +12,7 @@ from lmstack import SamplingParams
 from lmstack.engine import LLMEngine
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import Quantizer
+from lmstack.outputs import RequestOutput
 from lmstack.plugins import make_plugin_manager
 from lmstack.registry import Component
 
@@ -54,6 +55,7 @@ class Plugin:
     def __init__(self):
         self.quantizer = FakeInt8()
         self.events: list[str] = []
+        self.final_outputs: list[RequestOutput] = []
 
     @hookimpl
     def lmstack_register_quantizers(self, register):
@@ -77,6 +79,7 @@ class Plugin:
     @hookimpl
     def lmstack_request_finished(self, engine, output):
         self.events.append(f"finished:{output.request_id}")
+        self.final_outputs.append(output)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +113,10 @@ def test_quantizer_builds_and_swaps_linears(quantized):
             text = o.text
     assert "Paris" in text
     assert plugin.events[0] == "started" and "step" in plugin.events and f"finished:{rid}" in plugin.events
+    # The hook gets the request's final output, the one the caller got.
+    (final,) = [o for o in plugin.final_outputs if o.request_id == rid]
+    assert isinstance(final, RequestOutput) and final.finished and final.text == text
+    assert final.metrics.finished_time is not None and final.num_cached_tokens == 0
 
 
 def _tiny_hf_folder(tmp_path, hf_tok, **cfg_kw):

@@ -1,10 +1,8 @@
 """The engine loop: schedule -> plan -> execute -> sample / verify -> outputs, one step at a time.
 
-The work happens in rooms this module wires together: `InputProcessor` (validation,
-tokenization, requests), `planner.plan_step` (the step plan and the logits rows it yields),
-the executor and its model runner (tensors, the forward pass), `Sampler` and
-`RejectionSampler` (tokens, draft verification), `OutputProcessor` (stops, text, outputs).
-"""
+It wires the rooms that do the work: `InputProcessor` (requests in), `plan_step` (the step plan
+and its logits rows), the executor's model runner (tensors, forward), `StepSampler` with the
+`RejectionSampler` (tokens, draft verification) and `OutputProcessor` (stops, text, outputs)."""
 
 from __future__ import annotations
 
@@ -36,6 +34,7 @@ from lmstack.step_sampler import Choice, StepSampler
 from lmstack.verification import RejectionSampler
 
 StackSource = str | PathLike | Mapping[str, Any] | StackConfig | ResolvedStack
+Prompt = str | list[int]
 
 
 class LLMEngine:
@@ -115,9 +114,8 @@ class LLMEngine:
         self.hidden_state_layers: tuple[int, ...] = tuple(getattr(self.speculator, "hidden_state_layers", ()))
         self._seq_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
-        self.stats = EngineStats(
-            0, 0, 0.0, self.allocator.num_blocks, self.allocator.num_blocks, 0, 0, 0, 0, 0
-        )
+        blocks = self.allocator.num_blocks
+        self.stats = EngineStats(0, 0, 0.0, blocks, blocks, 0, 0, 0, 0, 0)
         self.pm.hook.lmstack_engine_started(engine=self)
 
     # --- requests --------------------------------------------------------------------------
@@ -132,9 +130,7 @@ class LLMEngine:
         InvalidRequestError if xgrammar is not installed."""
         return self.input_processor.grammar_compiler
 
-    def make_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, **kw: Any
-    ) -> Request:
+    def make_request(self, prompt: Prompt, params: SamplingParams | None = None, **kw: Any) -> Request:
         """Validate and tokenize (keywords: request_id, priority, arrival_time); raises
         InvalidRequestError naming the field. Thread-safe."""
         return self.input_processor.make_request(prompt, params, **kw)
@@ -144,7 +140,7 @@ class LLMEngine:
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, **kw: Any) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, **kw: Any) -> str:
         req = self.make_request(prompt, params, **kw)
         self.enqueue(req)
         return req.request_id
@@ -161,9 +157,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return False
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self._finish(seq, FinishReason.ABORT)
+        self._abort_seqs(req)
         req.finished_time = time.monotonic()
         out = self.output_processor.make_output(req)
         self._pending_outputs.append(out)
@@ -210,8 +204,7 @@ class LLMEngine:
             outputs.append(out)
             if req.is_finished:
                 self._retire(req, out)
-        self._refresh_stats()
-        self.pm.hook.lmstack_step_finished(engine=self, stats=self.stats)
+        self.pm.hook.lmstack_step_finished(engine=self, stats=self.get_stats())
         return outputs
 
     def _sample(self, rows: list[SampleRows], logits: torch.Tensor, touched: dict[str, Request]) -> None:
@@ -258,9 +251,12 @@ class LLMEngine:
         req = seq.request
         req.error = error
         touched[req.request_id] = req
-        for s in req.seqs:
-            if not s.is_finished:
-                self._finish(s, FinishReason.ABORT)
+        self._abort_seqs(req)
+
+    def _abort_seqs(self, req: Request) -> None:
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.output_processor.finish(seq, reason)
@@ -279,18 +275,16 @@ class LLMEngine:
 
     # --- metrics ---------------------------------------------------------------------------
 
-    def _refresh_stats(self) -> None:
-        s = self.stats
-        s.num_running = self.scheduler.num_running()
-        s.num_waiting = self.scheduler.num_waiting()
-        s.num_free_kv_blocks = self.allocator.num_free_blocks()
-        s.kv_usage = self.allocator.usage()
-        s.num_preemptions = self.scheduler.num_preemptions
-
     def get_stats(self) -> EngineStats:
         """The live metrics object, refreshed (the engine keeps updating it)."""
-        self._refresh_stats()
-        return self.stats
+        s, sched = self.stats, self.scheduler
+        s.num_running, s.num_waiting, s.num_preemptions = (
+            sched.num_running(),
+            sched.num_waiting(),
+            sched.num_preemptions,
+        )
+        s.num_free_kv_blocks, s.kv_usage = self.allocator.num_free_blocks(), self.allocator.usage()
+        return s
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from lmstack.batch import AttentionMetadata, ModelOutput, StepPlan
     from lmstack.model.config import ModelConfig
     from lmstack.sequence import Sequence
+    from lmstack.verification import Draft
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,8 +288,11 @@ class Speculator(ABC):
     num_draft_tokens: int = 0
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
-        """seq_id -> draft tokens (may be empty) for sequences in decode."""
+    def propose(self, seqs: list[Sequence]) -> dict[int, list[int] | Draft]:
+        """seq_id -> draft tokens (may be empty) for sequences in decode. A drafter that samples
+        its tokens returns `lmstack.verification.Draft(tokens, probs)` with the [k, vocab]
+        distributions it drew them from, so verification can correct for them; plain token
+        lists are verified as deterministic drafts."""
 
 
 # ---------------------------------------------------------------------------------------------
