@@ -245,7 +245,7 @@ class CorruptingDrafter(Speculator):
 
 
 def test_speculative_drafts_are_checked_against_the_grammar(llm):
-    """Drafts go through the grammar mask in `_verify`; rejected ones roll the state back, and
+    """Drafts go through the grammar mask during verification; rejected ones roll the state back, and
     greedy output is the same as without drafts."""
     eng = llm.engine
     prompt = chat(llm, "Describe a person as JSON.")

@@ -223,6 +223,8 @@ class LLMEngine:
             choices.append(Choice(seq, row.logits_index))
         for choice, result in zip(choices, self.step_sampler.choose(choices, logits), strict=True):
             seq = choice.seq
+            if seq.is_finished:  # a sibling's failing processor already ended the request
+                continue
             if result.error is not None:
                 self._fail(seq, result.error, touched)
                 continue
@@ -278,11 +280,8 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         """The live metrics object, refreshed (the engine keeps updating it)."""
         s, sched = self.stats, self.scheduler
-        s.num_running, s.num_waiting, s.num_preemptions = (
-            sched.num_running(),
-            sched.num_waiting(),
-            sched.num_preemptions,
-        )
+        s.num_running, s.num_waiting = sched.num_running(), sched.num_waiting()
+        s.num_preemptions = sched.num_preemptions
         s.num_free_kv_blocks, s.kv_usage = self.allocator.num_free_blocks(), self.allocator.usage()
         return s
 
