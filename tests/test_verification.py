@@ -1,14 +1,19 @@
 """The rejection sampler on a 5-token vocabulary: emitted tokens follow the target distribution
 for deterministic and sampling drafters, greedy verification is argmax-exact, seeded requests
-are reproducible, and a processor error ends only the verification."""
+are reproducible, a processor error ends only the verification; and the draft book that
+trims proposals to what a request may still emit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lmstack.drafts import DraftBook
+from lmstack.interfaces import Speculator
+from lmstack.output_processor import OutputProcessor
 from lmstack.sampler import Sampler, SampleRow
 from lmstack.sampling_params import SamplingParams
+from lmstack.testing.fakes import make_seq
 from lmstack.verification import Draft, RejectionSampler
 
 V = 5
@@ -150,3 +155,43 @@ def test_draft_probs_must_match_the_draft():
         Draft([1, 2], torch.ones(3, V) / V)
     with pytest.raises(ValueError, match="logits rows"):
         RejectionSampler(Sampler(V)).verify(torch.zeros(2, V), Draft([1, 2]), _row_for(SamplingParams()))
+
+
+# --- the draft book: proposals in, trimmed drafts out -----------------------------------------
+
+
+class _Speculator(Speculator):
+    num_draft_tokens = 4
+
+    def __init__(self, proposals):
+        self.proposals = proposals
+
+    def propose(self, seqs):
+        return {s.seq_id: self.proposals(s) for s in seqs}
+
+
+def test_draft_book_trims_to_the_room_left_and_keeps_probs():
+    outputs = OutputProcessor(None, frozenset(), max_model_len=64)
+    seq = make_seq(10, max_tokens=3)
+    seq.token_ids.append(1)  # one output token; decoding: only the newest is not in the cache
+    seq.num_computed_tokens = 10
+    prefilling = make_seq(10)
+    probs = torch.softmax(torch.randn(4, V), -1)
+    book = DraftBook(outputs)
+    book.propose(_Speculator(lambda s: Draft([1, 2, 3, 4], probs)), [seq, prefilling])
+    # max_tokens 3, one emitted: two more, one of which the step itself samples.
+    assert seq.draft_token_ids == [1] and prefilling.draft_token_ids == []
+    taken = book.take(seq, [1])
+    assert taken.token_ids == [1] and torch.equal(taken.probs, probs[:1])
+    assert book.take(seq, [1]).probs is None, "taken once; afterwards a plain deterministic draft"
+
+
+def test_draft_book_accepts_token_lists_and_ignores_stale_proposals():
+    outputs = OutputProcessor(None, frozenset(), max_model_len=64)
+    seq = make_seq(4, max_tokens=20)
+    seq.num_computed_tokens = 3
+    book = DraftBook(outputs)
+    book.propose(_Speculator(lambda s: [7, 8]), [seq])
+    assert seq.draft_token_ids == [7, 8]
+    stale = book.take(seq, [7])  # the scheduled drafts differ from the proposal: no reuse
+    assert stale.token_ids == [7] and stale.probs is None
