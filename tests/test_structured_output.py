@@ -169,7 +169,7 @@ def test_without_xgrammar(llm, monkeypatch):
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     monkeypatch.setitem(sys.modules, "xgrammar", None)
-    monkeypatch.setattr(llm.engine, "_grammar_compiler", None)
+    monkeypatch.setattr(llm.engine.input_processor, "_grammar_compiler", None)
     with pytest.raises(InvalidRequestError, match="pip install xgrammar") as e:
         llm.engine.grammar_compiler  # noqa: B018
     assert e.value.param == "response_format"
