@@ -212,17 +212,33 @@ def fake_generate(monkeypatch):
 
 def test_generate_passes_its_arguments(fake_generate, capsys):
     code, _, _ = run(
-        capsys, "generate", "--stack", "s.yaml", "--max-tokens", "12", "--temperature", "0.7", "Hello there"
+        capsys,
+        "generate",
+        "--stack",
+        "s.yaml",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0.7",
+        "--seed",
+        "7",
+        "Hello there",
     )
     assert code == 0
     (args,) = fake_generate
-    assert (args.stack, args.max_tokens, args.temperature, args.prompt) == ("s.yaml", 12, 0.7, "Hello there")
+    assert (args.stack, args.max_tokens, args.temperature, args.seed, args.prompt) == (
+        "s.yaml",
+        12,
+        0.7,
+        7,
+        "Hello there",
+    )
 
 
 def test_generate_defaults(fake_generate, capsys):
     run(capsys, "generate", "--stack", "s.yaml", "Hi")
     (args,) = fake_generate
-    assert args.temperature == 0.0 and args.max_tokens >= 1
+    assert args.temperature == 0.0 and args.max_tokens >= 1 and args.seed is None
 
 
 def test_ctrl_c_exits_130_quietly(fake_generate, capsys):

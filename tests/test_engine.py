@@ -13,6 +13,7 @@ from lmstack import SamplingParams
 from lmstack.errors import InvalidRequestError
 from lmstack.interfaces import Speculator
 from lmstack.llm import LLM
+from lmstack.verification import Draft
 
 STACK = {
     "model": "smollm2-135m-instruct",
@@ -237,9 +238,10 @@ class ReplayDrafter(Speculator):
 
     num_draft_tokens = 4
 
-    def __init__(self, continuation: list[int], prompt_len: int):
+    def __init__(self, continuation: list[int], prompt_len: int, vocab: int | None = None):
         self.cont, self.prompt_len = continuation, prompt_len
         self.proposed = 0
+        self.vocab = vocab  # set: propose `Draft`s with (uniform) draft probabilities, as a sampler would
 
     def propose(self, seqs):
         out = {}
@@ -248,19 +250,25 @@ class ReplayDrafter(Speculator):
             drafts = list(self.cont[done : done + 4])
             for i in range(2, len(drafts), 3):
                 drafts[i] = (drafts[i] + 1) % 1000
-            out[s.seq_id] = drafts
+            out[s.seq_id] = (
+                drafts
+                if self.vocab is None
+                else Draft(drafts, torch.full((len(drafts), self.vocab), 1 / self.vocab))
+            )
             self.proposed += len(drafts)
         return out
 
 
-def test_multi_token_decode_queries_verify_losslessly(llm):
+@pytest.mark.parametrize("with_probs", [False, True], ids=["deterministic", "draft-probs"])
+def test_multi_token_decode_queries_verify_losslessly(llm, with_probs):
     """The verification seam: decode steps with query length > 1 (positions and slots per
-    token), truncation of rejected drafts' slots, and identical greedy output."""
+    token), truncation of rejected drafts' slots, and identical greedy output — for token-list
+    drafts and for `Draft`s carrying the drafter's probabilities."""
     eng = llm.engine
     prompt = chat(llm, "Write two sentences about rivers.")
     p = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
     plain = llm.generate(prompt, p)[0].token_ids
-    drafter = ReplayDrafter(plain, len(prompt))
+    drafter = ReplayDrafter(plain, len(prompt), eng.model_config.vocab_size if with_probs else None)
     old = eng.speculator
     eng.speculator = drafter
     try:
@@ -302,6 +310,8 @@ def test_block_cache_seam_reuses_full_prompt_blocks(llm):
         computed = eng.stats.prompt_tokens - before
         assert second.token_ids == first.token_ids
         assert computed < len(prompt) - 16 + 1, "cached full blocks are not computed again"
+        assert first.num_cached_tokens == 0
+        assert second.num_cached_tokens == len(prompt) - computed and second.num_cached_tokens % 16 == 0
     finally:
         eng.allocator.block_cache = None
         eng.allocator._hash_of_block.clear()
@@ -325,15 +335,29 @@ def test_async_engine_streams_and_aborts():
         await gen.aclose()
         for _ in range(100):
             await asyncio.sleep(0.05)
+            stats = engine.stats()
             if (
-                engine.engine.allocator.num_free_blocks() == engine.engine.allocator.num_blocks
-                and not engine.engine.requests
+                stats.num_free_kv_blocks == engine.num_kv_blocks
+                and stats.num_running + stats.num_waiting == 0
             ):
                 break
-        assert engine.engine.allocator.num_free_blocks() == engine.engine.allocator.num_blocks
+        stats = engine.stats()
+        assert stats.num_free_kv_blocks == engine.num_kv_blocks
+        assert stats.num_running == stats.num_waiting == 0
+        assert stats.finished_by_reason.get("abort") == 1
+        # A snapshot, not the live object: what the caller does to it stays with the caller.
+        stats.finished_by_reason.clear()
+        assert engine.stats().finished_by_reason.get("abort") == 1
 
     eng = AsyncEngine({**STACK, "dtype": "bfloat16"})
     try:
+        # What the HTTP API reads, without reaching into the engine behind it.
+        assert eng.vocab_size == 49152 and eng.num_kv_blocks == 400 and eng.block_size == 16
+        assert eng.max_model_len == eng.limits.max_model_len and eng.limits.max_num_seqs == 16
+        with pytest.raises(InvalidRequestError) as info:
+            eng.make_request([1] * eng.max_model_len)
+        assert info.value.param == "prompt"
+        assert eng.stats().num_kv_blocks == 400 and eng.stats() is not eng.stats()
         asyncio.run(main(eng))
     finally:
         eng.shutdown()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmstack import SamplingParams
-from lmstack.batch import AttentionMetadata, ModelInput
+from lmstack.batch import SeqPlan, StepPlan
 from lmstack.engine import LLMEngine
 from lmstack.testing import make_seq
 
@@ -128,19 +128,13 @@ def _forward_all(engine: LLMEngine, token_ids: list[int], layers: tuple[int, ...
     seq.token_ids = list(token_ids)
     engine.allocator.allocate(seq, len(token_ids))
     try:
-        meta = AttentionMetadata.build(
-            [len(token_ids)], [0], [engine.allocator.block_table(seq)], engine.allocator.block_size
-        )
         n = len(token_ids)
-        out = engine.executor.execute(
-            ModelInput(
-                input_ids=torch.tensor(token_ids),
-                positions=torch.arange(n),
-                attn=meta,
-                logits_indices=torch.arange(n),
-                hidden_state_layers=layers,
-            )
+        plan = StepPlan(
+            [SeqPlan(list(token_ids), 0, engine.allocator.block_table(seq))],
+            logits_indices=list(range(n)),
+            hidden_state_layers=layers,
         )
+        out = engine.executor.execute(plan)
     finally:
         engine.allocator.free(seq)
     return out

@@ -13,6 +13,7 @@ from lmstack.engine import LLMEngine
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import Quantizer
 from lmstack.model.linear import default_linear
+from lmstack.outputs import RequestOutput
 from lmstack.plugins import make_plugin_manager
 from lmstack.registry import Component
 
@@ -55,6 +56,7 @@ class Plugin:
     def __init__(self):
         self.quantizer = FakeInt8()
         self.events: list[str] = []
+        self.final_outputs: list[RequestOutput] = []
 
     @hookimpl
     def lmstack_register_quantizers(self, register):
@@ -78,6 +80,7 @@ class Plugin:
     @hookimpl
     def lmstack_request_finished(self, engine, output):
         self.events.append(f"finished:{output.request_id}")
+        self.final_outputs.append(output)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +114,10 @@ def test_quantizer_builds_and_swaps_linears(quantized):
             text = o.text
     assert "Paris" in text
     assert plugin.events[0] == "started" and "step" in plugin.events and f"finished:{rid}" in plugin.events
+    # The hook gets the request's final output, the one the caller got.
+    (final,) = [o for o in plugin.final_outputs if o.request_id == rid]
+    assert isinstance(final, RequestOutput) and final.finished and final.text == text
+    assert final.metrics.finished_time is not None and final.num_cached_tokens == 0
 
 
 def _tiny_hf_folder(tmp_path, hf_tok, **cfg_kw):

@@ -72,15 +72,15 @@ def test_mask_allows_only_what_the_grammar_allows(llm):
     state = g.new_state()
     first = allowed(state, [], vocab)
     assert first and all(pieces[t].startswith(b"{") for t in first)
-    assert not (first & eng._eos), "the end token waits until the JSON is complete"
+    assert not (first & eng.eos_token_ids), "the end token waits until the JSON is complete"
 
     ids = llm.tokenizer.encode('{"a": 12}')
-    assert allowed(state, ids, vocab) == set(eng._eos), "complete: only the end token remains"
+    assert allowed(state, ids, vocab) == set(eng.eos_token_ids), "complete: only the end token remains"
     fresh = g.new_state()  # a fresh state fed the whole list at once agrees with one fed stepwise
-    assert allowed(fresh, ids, vocab) == set(eng._eos)
+    assert allowed(fresh, ids, vocab) == set(eng.eos_token_ids)
     # after the end token (ignore_eos keeps going): only end tokens, nothing else is accepted
-    eos = min(eng._eos)
-    assert allowed(fresh, [*ids, eos, eos], vocab) == set(eng._eos)
+    eos = min(eng.eos_token_ids)
+    assert allowed(fresh, [*ids, eos, eos], vocab) == set(eng.eos_token_ids)
     with pytest.raises(GrammarError):
         fresh.apply(torch.zeros(vocab), [*ids, eos, ids[0]])
 
@@ -169,7 +169,7 @@ def test_without_xgrammar(llm, monkeypatch):
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     monkeypatch.setitem(sys.modules, "xgrammar", None)
-    monkeypatch.setattr(llm.engine, "_grammar_compiler", None)
+    monkeypatch.setattr(llm.engine.input_processor, "_grammar_compiler", None)
     with pytest.raises(InvalidRequestError, match="pip install xgrammar") as e:
         llm.engine.grammar_compiler  # noqa: B018
     assert e.value.param == "response_format"
@@ -245,7 +245,7 @@ class CorruptingDrafter(Speculator):
 
 
 def test_speculative_drafts_are_checked_against_the_grammar(llm):
-    """Drafts go through the grammar mask in `_verify`; rejected ones roll the state back, and
+    """Drafts go through the grammar mask during verification; rejected ones roll the state back, and
     greedy output is the same as without drafts."""
     eng = llm.engine
     prompt = chat(llm, "Describe a person as JSON.")

@@ -158,7 +158,7 @@ async def chat_completions(request: Request) -> Response:
         max_tokens_cap=state.config.max_tokens,
         logprobs=top_n if req.logprobs else None,
         prompt_logprobs=None,
-        vocab_size=engine.engine.model_config.vocab_size,
+        vocab_size=engine.vocab_size,
         grammar=grammar,
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -234,7 +234,7 @@ async def completions(request: Request) -> Response:
         max_tokens_cap=state.config.max_tokens,
         logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
-        vocab_size=engine.engine.model_config.vocab_size,
+        vocab_size=engine.vocab_size,
         grammar=grammar,
     )
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -310,7 +310,7 @@ async def completions(request: Request) -> Response:
 async def models(request: Request) -> Response:
     state = _state(request)
     state.authenticate(request.headers)
-    max_len = state.engine.engine.max_model_len if state.engine is not None else None
+    max_len = state.engine.max_model_len if state.engine is not None else None
     return _json(ModelList([ModelCard(state.model_name, state.created, max_model_len=max_len)]))
 
 
@@ -319,7 +319,7 @@ async def model_card(request: Request, model_id: str) -> Response:
     state = _state(request)
     state.authenticate(request.headers)
     state.check_model(model_id)
-    max_len = state.engine.engine.max_model_len if state.engine is not None else None
+    max_len = state.engine.max_model_len if state.engine is not None else None
     return _json(ModelCard(state.model_name, state.created, max_model_len=max_len))
 
 
@@ -330,11 +330,11 @@ async def stack_info(request: Request) -> Response:
     state.authenticate(request.headers)
     body = {"model": state.model_name, "stack": state.stack.describe(), "ready": state.engine is not None}
     if state.engine is not None:
-        eng = state.engine.engine
+        eng = state.engine
         body["engine"] = {
             "max_model_len": eng.max_model_len,
-            "kv_cache_blocks": eng.allocator.num_blocks,
-            "block_size": eng.allocator.block_size,
+            "kv_cache_blocks": eng.num_kv_blocks,
+            "block_size": eng.block_size,
             "max_num_seqs": eng.limits.max_num_seqs,
             "max_num_batched_tokens": eng.limits.max_num_batched_tokens,
         }

@@ -45,7 +45,7 @@ class Job:
         """Tokenize and validate every prompt, then take the queue slot and rate-limit budget;
         raises APIError (400 / 429 / 503) and holds nothing when it does."""
         state = self.state
-        engine = state.require_ready().engine
+        engine = state.require_ready()
         try:
             for i, prompt in enumerate(prompts):
                 rid = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"

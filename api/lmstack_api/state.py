@@ -35,7 +35,7 @@ class ServerState:
         self._idle.set()
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_queued_tokens)
         self.limiter = RateLimiter(self.config.rate_limit)
-        self.metrics = Metrics(lambda: self.engine.engine.stats if self.engine is not None else None)
+        self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -58,8 +58,8 @@ class ServerState:
             "engine ready",
             model=self.model_name,
             load_s=round(time.monotonic() - started, 2),
-            max_model_len=self.engine.engine.max_model_len,
-            kv_blocks=self.engine.engine.allocator.num_blocks,
+            max_model_len=self.engine.max_model_len,
+            kv_blocks=self.engine.num_kv_blocks,
         )
 
     def shutdown(self) -> None:
@@ -126,4 +126,4 @@ class ServerState:
             )
 
     def grammar_compiler(self):
-        return self.require_ready().engine.grammar_compiler
+        return self.require_ready().grammar_compiler

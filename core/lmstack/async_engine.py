@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 from lmstack.engine import LLMEngine, StackSource
+from lmstack.grammar import GrammarCompiler
+from lmstack.interfaces import EngineLimits
 from lmstack.outputs import EngineStats, RequestOutput
 from lmstack.sampling_params import SamplingParams
 from lmstack.sequence import Request
@@ -33,6 +36,9 @@ class AsyncEngine:
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self.engine: LLMEngine = stack if isinstance(stack, LLMEngine) else None  # type: ignore[assignment]
+        # The latest metrics snapshot, published by the engine thread (readers never see the
+        # live object the engine keeps mutating).
+        self._stats: EngineStats | None = None
         build = None if isinstance(stack, LLMEngine) else (stack, kw)
         self._thread = threading.Thread(target=self._main, args=(build,), name="lmstack-engine", daemon=True)
         self._thread.start()
@@ -48,12 +54,61 @@ class AsyncEngine:
                 self._build_error = exc
                 self._built.set()
                 return
+        self._publish_stats()
         self._built.set()
         self._run()
 
+    # --- what request handlers may use from any thread ------------------------------------------
+
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Thread-safe; raises InvalidRequestError if xgrammar is not installed."""
+        return self.engine.grammar_compiler
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.engine.limits
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.allocator.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.allocator.block_size
+
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and tokenize (raises InvalidRequestError naming the field); submit the
+        result with `stream`. Thread-safe."""
+        return self.engine.make_request(prompt, params, request_id=request_id, priority=priority)
+
+    def stats(self) -> EngineStats:
+        """A copy of the latest metrics snapshot (taken after the last step or admission)."""
+        snap = self._stats
+        assert snap is not None, "the engine thread publishes a snapshot before the constructor returns"
+        return copy.deepcopy(snap)
+
+    def get_stats(self) -> EngineStats:
+        return self.stats()
 
     async def add_request(
         self,
@@ -65,11 +120,11 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Validate now (raises InvalidRequestError), then yield outputs as they arrive; the
         last one has `finished=True`. Leaving the iteration early aborts the request."""
-        req = self.engine.make_request(prompt, params, request_id=request_id, priority=priority)
+        req = self.make_request(prompt, params, request_id=request_id, priority=priority)
         return self._stream(req)
 
     def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
-        """Submit a request made (and validated) with `engine.make_request`; same stream as
+        """Submit a request made (and validated) with `make_request`; same stream as
         `add_request`."""
         return self._stream(req)
 
@@ -95,8 +150,9 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post("abort", request_id)
 
-    def get_stats(self) -> EngineStats:
-        return self.engine.stats
+    def _publish_stats(self) -> None:
+        # A private copy: the engine mutates its own stats object on the next step.
+        self._stats = copy.deepcopy(self.engine.get_stats())
 
     def _post(self, kind: str, payload: Any) -> None:
         with self._lock:
@@ -115,7 +171,7 @@ class AsyncEngine:
                 elif kind == "abort":
                     eng.abort(payload)
             if inbox:
-                eng.get_stats()  # aborts free blocks now; keep the metrics snapshot current
+                self._publish_stats()  # aborts free blocks now; keep the metrics snapshot current
             if not eng.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 continue
@@ -126,7 +182,9 @@ class AsyncEngine:
                 for rid in list(eng.requests):
                     eng.abort(rid)
                     self._deliver(rid, RuntimeError(f"engine step failed: {exc}"))
+                self._publish_stats()
                 continue
+            self._publish_stats()
             for out in outputs:
                 self._deliver(out.request_id, out)
 

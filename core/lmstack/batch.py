@@ -112,12 +112,43 @@ class AttentionMetadata:
 
 
 @dataclass
-class ModelInput:
-    """One step's work: every scheduled token of every sequence, flattened.
+class SeqPlan:
+    """One sequence's share of a step, as plain values (cheap to pickle to worker processes)."""
 
-    Decode sequences (query length 1) come first so kernels can split the batch.
-    `logits_indices` picks the batch rows whose logits come back: usually each sampling
-    sequence's last token, but any rows (speculative verification, prompt logprobs).
+    token_ids: list[int]  # this step's query: a prompt chunk, the newest token, or it + drafts
+    context_len: int  # tokens already in the KV cache; the query's positions start here
+    block_table: list[int]  # physical KV blocks, in logical order, covering context + query
+
+
+@dataclass
+class StepPlan:
+    """What the engine hands the executor each step; the model runner turns it into tensors on
+    its own device (`ModelRunner.prepare`).
+
+    Sequences with a query of one token (decodes) come first, so kernels can split the batch.
+    `logits_indices` are rows of the flattened batch (the concatenated queries) whose logits
+    come back, in the order the engine reads them: each sampling sequence's last token, its
+    draft positions, and prompt positions whose logprobs were asked for.
+    """
+
+    seqs: list[SeqPlan]
+    logits_indices: list[int]
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the step
+    # Return these layers' outputs at `logits_indices` too (layer i = decoder layer i's output,
+    # num_layers = after the final norm): what a drafter conditioned on target states reads.
+    hidden_state_layers: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class ModelInput:
+    """A `StepPlan` as device tensors: every scheduled token of every sequence, flattened.
+
+    Built by the model runner on its own device. `logits_indices` picks the batch rows whose
+    logits come back.
     """
 
     input_ids: torch.Tensor  # [T] int64

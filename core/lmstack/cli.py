@@ -98,6 +98,9 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
     generate.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="0 (the default) samples greedily"
     )
+    generate.add_argument(
+        "--seed", type=int, default=None, metavar="N", help="seed for sampling (reproducible output)"
+    )
     generate.add_argument("prompt", metavar="PROMPT")
     generate.set_defaults(handler=_cmd_generate)
 

@@ -12,13 +12,9 @@ def run(args: argparse.Namespace) -> int:
     from lmstack.engine import LLMEngine
 
     engine = LLMEngine(args.stack)
-    params = SamplingParams(
-        temperature=getattr(args, "temperature", 0.0) or 0.0,
-        max_tokens=getattr(args, "max_tokens", None) or 256,
-        seed=getattr(args, "seed", None),
-    )
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     messages = [{"role": "user", "content": args.prompt}]
-    req = engine.make_request(engine.tokenizer.encode_chat(messages), params)
+    req = engine.make_request(engine.input_processor.render_chat(messages), params)
     engine.enqueue(req)
     while engine.has_unfinished():
         for out in engine.step():

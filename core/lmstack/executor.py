@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmstack.batch import ModelInput, ModelOutput
+from lmstack.batch import ModelOutput, StepPlan
 from lmstack.interfaces import AttentionBackend, Executor, Quantizer
 from lmstack.model.architecture import ModelRegistry
 from lmstack.model.config import ModelConfig
@@ -64,6 +64,6 @@ class InProcessExecutor(Executor):
         assert self.runner is not None
         self.runner.init_kv_cache(num_blocks, block_size)
 
-    def execute(self, model_input: ModelInput) -> ModelOutput:
+    def execute(self, plan: StepPlan) -> ModelOutput:
         assert self.runner is not None, "load_model() first"
-        return self.runner.execute(model_input)
+        return self.runner.execute(plan)

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from lmstack.batch import AttentionMetadata, ModelInput, ModelOutput
+    from lmstack.batch import AttentionMetadata, ModelOutput, StepPlan
     from lmstack.model.config import ModelConfig
     from lmstack.sequence import Sequence
+    from lmstack.verification import Draft
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,9 +38,10 @@ class EngineLimits:
 
 @dataclass
 class BuildContext:
-    """Passed to every component factory. Fields are filled in the order components are built:
-    quantizer, attention, parallel, allocator (needs the KV geometry), scheduler (needs the
-    allocator), speculator."""
+    """Passed to every component factory. Fields are filled in the role table's build order
+    (`lmstack.roles.ROLES`): quantizer, attention, parallel, allocator (needs the KV geometry),
+    scheduler (needs the allocator and the limits), speculator. `components` holds every
+    instance built so far, by role."""
 
     model_config: ModelConfig | None
     device: torch.device
@@ -49,6 +51,7 @@ class BuildContext:
     allocator: KVAllocator | None = None
     # Bytes of one KV block as the executor will lay it out (set before the allocator is built).
     kv_bytes_per_block: int | None = None
+    components: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,8 +324,11 @@ class Speculator(ABC):
     num_draft_tokens: int = 0
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
-        """seq_id -> draft tokens (may be empty) for sequences in decode."""
+    def propose(self, seqs: list[Sequence]) -> dict[int, list[int] | Draft]:
+        """seq_id -> draft tokens (may be empty) for sequences in decode. A drafter that samples
+        its tokens returns `lmstack.verification.Draft(tokens, probs)` with the [k, vocab]
+        distributions it drew them from, so verification can correct for them; plain token
+        lists are verified as deterministic drafts."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +338,8 @@ class Speculator(ABC):
 
 class Executor(ABC):
     """Drives the model. The built-in runs in-process; a parallel layout may start N worker
-    processes over torch.distributed and broadcast each `ModelInput` to them. Only rank 0's
+    processes over torch.distributed and broadcast each `StepPlan` to them: plain ints and
+    lists, which every rank's model runner turns into tensors on its own device. Only rank 0's
     `ModelOutput` comes back."""
 
     @abstractmethod
@@ -345,7 +352,7 @@ class Executor(ABC):
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
 
     @abstractmethod
-    def execute(self, model_input: ModelInput) -> ModelOutput: ...
+    def execute(self, plan: StepPlan) -> ModelOutput: ...
 
     def shutdown(self) -> None:
         """Stop workers; idempotent."""

@@ -59,7 +59,7 @@ class LLM:
         """One conversation (a list of {role, content}) or several; the model's chat template
         renders each, with the assistant turn opened."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
-        prompts = [self.engine.tokenizer.encode_chat(c) for c in convs]  # type: ignore[arg-type]
+        prompts = [self.engine.input_processor.render_chat(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, params)
 
     def json_schema(self, schema: dict | str, *, strict: bool = True) -> Grammar:

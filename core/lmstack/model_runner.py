@@ -1,4 +1,5 @@
-"""Runs the model on one flattened batch: KV-cache tensors, block copies, the attention split."""
+"""Runs the model on one flattened batch: turns the engine's step plan into device tensors,
+owns the KV-cache tensors, applies block copies and splits attention into decode and prefill."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from lmstack.batch import AttentionMetadata, ModelInput, ModelOutput
+from lmstack.batch import AttentionMetadata, ModelInput, ModelOutput, StepPlan
 from lmstack.interfaces import AttentionBackend, Quantizer
 from lmstack.model.architecture import ModelArchitecture
 from lmstack.model.checkpoint import CheckpointTensor
@@ -82,10 +83,12 @@ class ModelRunner:
         quantizer.process_model(model)
         self.model = model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
         self.scale = config.head_dim**-0.5
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
+        self.block_size = block_size
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [
             (
@@ -95,8 +98,39 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
 
+    def prepare(self, plan: StepPlan) -> ModelInput:
+        """The plan's host lists as tensors on this runner's device: token ids and positions
+        flattened in plan order, slot mapping and padded block tables from the block tables."""
+        if not self.block_size:
+            raise RuntimeError("init_kv_cache() must run before the first step")
+        ids: list[int] = []
+        positions: list[int] = []
+        for s in plan.seqs:
+            ids += s.token_ids
+            positions += range(s.context_len, s.context_len + len(s.token_ids))
+        attn = AttentionMetadata.build(
+            [len(s.token_ids) for s in plan.seqs],
+            [s.context_len for s in plan.seqs],
+            [s.block_table for s in plan.seqs],
+            self.block_size,
+            device=self.device,
+        )
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=self.device)
+
+        return ModelInput(
+            input_ids=t(ids),
+            positions=t(positions),
+            attn=attn,
+            logits_indices=t(plan.logits_indices),
+            hidden_state_layers=tuple(plan.hidden_state_layers),
+            blocks_to_copy=list(plan.blocks_to_copy),
+        )
+
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> ModelOutput:
+    def execute(self, plan: StepPlan) -> ModelOutput:
+        inp = self.prepare(plan)
         if inp.blocks_to_copy:
             src = torch.tensor([s for s, _ in inp.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in inp.blocks_to_copy], device=self.device)

@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lmstack.batch import ModelInput, ModelOutput
+from lmstack.batch import ModelOutput, StepPlan
 from lmstack.executor import ExecutorSpec, InProcessExecutor
 from lmstack.interfaces import Executor
 
@@ -84,8 +84,8 @@ class MultiprocExecutor(Executor):
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._call("init_kv_cache", num_blocks, block_size)
 
-    def execute(self, model_input: ModelInput) -> ModelOutput:
-        return self._call("execute", model_input)
+    def execute(self, plan: StepPlan) -> ModelOutput:
+        return self._call("execute", plan)
 
     def shutdown(self) -> None:
         if not self._procs:

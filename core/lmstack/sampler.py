@@ -150,14 +150,16 @@ class Sampler:
             p = row.params
             tok = greedy[i] if p.greedy else self._draw(self._filter(logits[i], p), row)
             out.append(
-                self._with_logprobs(
+                self.with_logprobs(
                     tok, logprobs[i] if logprobs is not None and need_lp[i] else None, p.logprobs or 0
                 )
             )
         return out
 
     @staticmethod
-    def _with_logprobs(tok: int, logprobs: torch.Tensor | None, top_n: int) -> Sampled:
+    def with_logprobs(tok: int, logprobs: torch.Tensor | None, top_n: int) -> Sampled:
+        """`tok` with its logprob and the `top_n` best alternatives from a processed row's
+        log-softmax (`logprobs`: [V]; None when the request wants no logprobs)."""
         if logprobs is None:
             return Sampled(tok, 0.0)
         top: dict[int, float] = {}

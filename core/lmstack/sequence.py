@@ -104,6 +104,8 @@ class Request:
     # Mixed into the content hash of every KV block: requests with different salts never share
     # cached blocks (tenant isolation for prefix caching).
     cache_salt: str | None = None
+    # Prompt tokens whose KV came from a prefix cache when the request was first scheduled.
+    num_cached_tokens: int = 0
 
     @property
     def prompt_len(self) -> int:
