@@ -12,7 +12,6 @@ import torch
 from lmstack import SamplingParams
 from lmstack.errors import InvalidRequestError
 from lmstack.interfaces import Speculator
-from lmstack.llm import LLM
 
 STACK = {
     "model": "smollm2-135m-instruct",
@@ -22,9 +21,9 @@ STACK = {
 }
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(STACK)
+@pytest.fixture
+def llm(shared_llm):
+    return shared_llm(STACK)
 
 
 def chat(llm, text):
@@ -263,12 +262,13 @@ def test_multi_token_decode_queries_verify_losslessly(llm):
     drafter = ReplayDrafter(plain, len(prompt))
     old = eng.speculator
     eng.speculator = drafter
+    accepted_before = eng.stats.num_accepted_tokens  # the engine is shared: count this run's
     try:
         spec = llm.generate(prompt, p)[0].token_ids
     finally:
         eng.speculator = old
     assert spec == plain
-    assert drafter.proposed > 0 and eng.stats.num_accepted_tokens > 0
+    assert drafter.proposed > 0 and eng.stats.num_accepted_tokens > accepted_before
     assert eng.allocator.num_free_blocks() == eng.allocator.num_blocks
 
 

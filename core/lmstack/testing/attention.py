@@ -126,9 +126,10 @@ class AttentionConformance:
             tables.append(table)
             k = torch.randn(c + ql, hkv, head_dim, device=dev).to(dtype)
             v = torch.randn(c + ql, hkv, head_dim, device=dev).to(dtype)
-            for pos in range(c + ql):
-                k_cache[table[pos // block_size], pos % block_size] = k[pos]
-                v_cache[table[pos // block_size], pos % block_size] = v[pos]
+            pos = torch.arange(c + ql, device=dev)  # every position into its (block, offset)
+            blocks = torch.tensor(table, dtype=torch.long, device=dev)[pos // block_size]
+            k_cache[blocks, pos % block_size] = k
+            v_cache[blocks, pos % block_size] = v
             dense.append((k, v))
             qs.append(torch.randn(ql, hq, head_dim, device=dev).to(dtype))
             ks.append(k[c:])
