@@ -27,8 +27,8 @@ def reference_attention(
     kk = k.float().repeat_interleave(hq // hkv, dim=1)
     vv = v.float().repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
-    qpos = torch.arange(context_len, context_len + lq)[:, None]
-    kpos = torch.arange(k.shape[0])[None, :]
+    qpos = torch.arange(context_len, context_len + lq, device=q.device)[:, None]
+    kpos = torch.arange(k.shape[0], device=q.device)[None, :]
     allowed = kpos <= qpos
     if sliding_window is not None:
         allowed &= qpos - kpos < sliding_window
@@ -65,7 +65,7 @@ def plain_attention(
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-12))
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
 
 
 class AttentionConformance:
