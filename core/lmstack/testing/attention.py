@@ -87,7 +87,7 @@ class AttentionConformance:
     # and device, plus `slack[dtype]`. Measured (AVX2 CPU, random inputs as below): the torch
     # backend's bf16/fp16 error equals the plain computation's (ratio 1.00), the flash kernels'
     # is 0.77-1.14x it (they round at different points); 2x leaves room for that while a
-    # kernel that rounds more than once per step (or drops fp32 accumulation) exceeds it.
+    # kernel that keeps its running sums in the low dtype (no fp32 accumulation) exceeds it.
     # The slack covers sequences where the plain error is ~0 by chance (one or two keys):
     # a quarter of the dtype's epsilon. fp32 keeps an absolute 2e-5 (~170 ulp): every fp32
     # path accumulates in fp32, and reordering sums on any ISA moves results by a few ulp,
