@@ -215,10 +215,13 @@ class Bench:
             if cfg["flush_bytes"]
             else None
         )
+        from lmstack.testing.attention import plain_attention, reference_attention, rel_error
         from lmstack_flash_attention.kernel import flash_prefill
         from lmstack_flash_decoding.kernel import choose_splits, flash_decode
 
         self.flash_prefill, self.flash_decode, self.choose_splits = flash_prefill, flash_decode, choose_splits
+        self.reference_attention, self.plain_attention = reference_attention, plain_attention
+        self.rel_error = rel_error
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -442,12 +445,22 @@ class Bench:
             theirs, how = self.sdpa(q4, k, v)
             ref = theirs()[0].transpose(0, 1).float()
             err = float((ours().float() - ref).norm() / ref.norm())
+            # Both against fp32 on the last query rows (a full fp32 score matrix would not fit at
+            # 16k tokens): what this dtype costs torch on this device is the yardstick for ours.
+            tail = min(n, 64)
+            exact = self.reference_attention(
+                q[-tail:], k[0].transpose(0, 1), v[0].transpose(0, 1), n - tail, scale
+            )
+            err_fp32 = self.rel_error(ours()[-tail:], exact)
+            torch_err_fp32 = self.rel_error(ref[-tail:], exact)
             flops = 4 * d * hq * n * n / 2  # causal: half the score matrix
             t_ours, t_torch = self.time(ours), self.time(theirs)
             rows.append(
                 {
                     "tokens": n,
                     "rel_error_vs_torch": err,
+                    "rel_error_vs_fp32": err_fp32,
+                    "torch_rel_error_vs_fp32": torch_err_fp32,
                     "ours": {**t_ours, "tflops": flops / t_ours["median_s"] / 1e12},
                     "torch_sdpa": {**t_torch, "tflops": flops / t_torch["median_s"] / 1e12, "how": how},
                     "ratio": t_torch["median_s"] / t_ours["median_s"],
@@ -501,6 +514,10 @@ class Bench:
                 "hk,khd->hd", torch.einsum("hd,khd->hk", q[0].float(), kk).mul(scale).softmax(-1), vv
             )
             err = float((run()[0].float() - ref).norm() / ref.norm())
+            # The plain computation in this dtype (matmuls in it, fp32 softmax) on this device:
+            # the yardstick for ours, as in the conformance kit.
+            kd, vd = self.dense(k_cache, tables[0], c), self.dense(v_cache, tables[0], c)
+            plain_err = self.rel_error(self.plain_attention(q[:1], kd, vd, c - 1, scale)[0], ref)
             split, single = self.time(run), self.time(lambda: run(1))
             nbytes = 2 * b * c * hkv * d * k_cache.element_size()
             plan = self.choose_splits(b, hkv, c, self.device, self.smoke)
@@ -511,6 +528,7 @@ class Bench:
                     "kv_bytes": nbytes,
                     "num_splits": plan.num_splits,
                     "rel_error_vs_torch": err,
+                    "plain_rel_error_vs_fp32": plain_err,
                     "split": {**split, "gbps": nbytes / split["median_s"] / 1e9},
                     "single_pass": {**single, "gbps": nbytes / single["median_s"] / 1e9},
                     "speedup": single["median_s"] / split["median_s"],

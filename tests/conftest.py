@@ -1,8 +1,12 @@
-"""Shared fixtures: the real SmolLM2-135M-Instruct GGUF and its Hugging Face oracle."""
+"""Shared fixtures: the real SmolLM2-135M-Instruct GGUF, its Hugging Face oracle, and engines
+shared across test modules (loading the model is the largest fixed cost of the suite)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,3 +39,66 @@ def hf_smollm2(smollm2_path: Path):
     model = LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_bf16(hf_smollm2):
+    """transformers' own bf16 SmolLM2 (a bf16 copy of the fp32 oracle): what bf16 arithmetic
+    costs on this machine, the yardstick for our bf16 logits (bf16 matmuls round differently
+    on CPUs with and without native bf16, so no absolute bound holds on both)."""
+    import copy
+
+    import torch
+
+    model, _ = hf_smollm2
+    return copy.deepcopy(model).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def shared_llm(smollm2_path) -> Callable[[Mapping[str, Any]], Any]:
+    """`shared_llm(stack)` -> an `LLM` built once per distinct stack for the whole session.
+
+    For tests that leave the engine as they found it: their requests run to completion or are
+    aborted, components they swap are restored, and counters are read as differences. Each
+    hand-out checks that no request is left over from an earlier test, so a leak fails at the
+    test after the one that caused it instead of skewing later results silently.
+    """
+    from lmstack.llm import LLM
+
+    built: dict[str, LLM] = {}
+
+    def get(stack: Mapping[str, Any]) -> LLM:
+        key = json.dumps(stack, sort_keys=True)
+        if key not in built:
+            built[key] = LLM(dict(stack))
+        llm = built[key]
+        assert not llm.engine.has_unfinished(), "an earlier test left requests in the shared engine"
+        return llm
+
+    yield get
+    for llm in built.values():
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_server(smollm2_path) -> Callable[[Mapping[str, Any]], Any]:
+    """`shared_server(stack)` -> a running `lmstack serve` process (`ServerProcess`), started
+    once per distinct stack for the whole session: each start loads the model in a new process.
+
+    Not for tests that stop the server or need it fresh; counters are read as differences.
+    """
+    from lmstack_api.testing import ServerProcess
+
+    started: dict[str, ServerProcess] = {}
+
+    def get(stack: Mapping[str, Any]) -> ServerProcess:
+        key = json.dumps(stack, sort_keys=True)
+        if key not in started:
+            started[key] = ServerProcess(dict(stack)).start()
+        server = started[key]
+        assert server.proc.poll() is None, f"the shared server exited:\n{server.log()[-2000:]}"
+        return server
+
+    yield get
+    for server in started.values():
+        server.__exit__(None, None, None)

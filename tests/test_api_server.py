@@ -13,7 +13,6 @@ import jsonschema
 import pytest
 
 openai = pytest.importorskip("openai")
-from lmstack_api.testing import ServerProcess  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 STACK = {
@@ -28,9 +27,8 @@ FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in 
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    with ServerProcess(STACK) as srv:
-        yield srv
+def server(shared_server):
+    return shared_server(STACK)  # test_bench_serve.py drives the same server
 
 
 @pytest.fixture(scope="module")

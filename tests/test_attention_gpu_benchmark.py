@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "attention_gpu.py"
 
@@ -34,7 +35,14 @@ def test_smoke_mode_runs_every_section(tmp_path):
     checks = result["correctness"]["checks"]
     assert result["correctness"]["failed"] == 0
     assert sum(c["status"] == "pass" for c in checks) == 10  # flash-decoding skips the 2 prefill checks
-    assert all(r["rel_error_vs_torch"] < 2e-2 for r in result["prefill"]["rows"] + result["decode"]["rows"])
+    # The timed calls computed the right thing, judged against what the dtype costs torch on this
+    # machine (bf16 rounds differently with and without native bf16), as in the conformance kit:
+    # at most 2x torch's own error against fp32, plus a quarter of the dtype's epsilon.
+    slack = torch.finfo(getattr(torch, result["config"]["dtype"])).eps / 4
+    for r in result["prefill"]["rows"]:
+        assert r["rel_error_vs_fp32"] <= 2 * r["torch_rel_error_vs_fp32"] + slack, r
+    for r in result["decode"]["rows"]:  # decode's reference is fp32 already
+        assert r["rel_error_vs_torch"] <= 2 * r["plain_rel_error_vs_fp32"] + slack, r
     assert set(result["targets"]) == {
         "prefill_vs_torch_flash",
         "decode_vs_copy_bandwidth",

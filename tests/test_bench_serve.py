@@ -12,15 +12,17 @@ import pytest
 from lmstack_bench.cli import main as bench_main
 from lmstack_bench.workloads import LengthRange, WorkloadSpec, load_sharegpt, sessions
 
-from lmstack_api.testing import ServerProcess, free_port
+from lmstack_api.testing import free_port
 
 MODEL = "smollm2-135m-instruct"
+# test_api_server.py's stack: the session starts one server for both modules.
 STACK = {
     "model": MODEL,
     "dtype": "bfloat16",
     "max_model_len": 1024,
-    "scheduler": {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 512},
-    "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "64MiB"},
+    "scheduler": {"name": "continuous", "max_num_seqs": 32, "max_num_batched_tokens": 1024},
+    "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "128MiB"},
+    "server": {"max_body_bytes": 1_000_000},
 }
 
 
@@ -32,9 +34,8 @@ def tokenizer(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    with ServerProcess(STACK) as srv:
-        yield srv
+def server(shared_server):
+    return shared_server(STACK)
 
 
 def take(it, n):

@@ -2,7 +2,8 @@
 
 fp32: greedy tokens must be identical, for 8 prompts of different lengths run together under
 continuous batching — with chunked prefill, with a KV budget small enough to force preemption,
-and with requests arriving while others run. bf16: teacher-forced logits within a tolerance.
+and with requests arriving while others run. bf16: teacher-forced logits no worse than
+transformers' own bf16 model's, measured in the same test.
 """
 
 from __future__ import annotations
@@ -72,9 +73,15 @@ def hf_greedy(hf_smollm2, prompts):
     return result
 
 
-@pytest.fixture(scope="module")
-def engine_fp32():
-    return LLMEngine(_stack())
+@pytest.fixture
+def engine_fp32(shared_llm):
+    return shared_llm(_stack()).engine
+
+
+@pytest.fixture
+def engine_tight(shared_llm):
+    """14 blocks of 16 tokens: the 8 prompts (~40-150 tokens + 20 new) cannot all fit at once."""
+    return shared_llm(_stack(allocator={"num_blocks": 14}, scheduler={"max_num_batched_tokens": 256})).engine
 
 
 def _run(engine: LLMEngine, prompts, arrivals: dict[int, list[int]] | None = None):
@@ -112,12 +119,11 @@ def test_greedy_equals_transformers_with_arrivals_during_decode(engine_fp32, pro
     assert _run(engine_fp32, prompts, arrivals) == hf_greedy
 
 
-def test_greedy_equals_transformers_under_preemption(prompts, hf_greedy):
-    # 14 blocks of 16 tokens: the 8 prompts (~40-150 tokens + 20 new) cannot all fit at once.
-    engine = LLMEngine(_stack(allocator={"num_blocks": 14}, scheduler={"max_num_batched_tokens": 256}))
-    assert _run(engine, prompts) == hf_greedy
-    stats = engine.get_stats()
-    assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
+def test_greedy_equals_transformers_under_preemption(engine_tight, prompts, hf_greedy):
+    before = engine_tight.get_stats().num_preemptions  # the engine is shared: count this run's
+    assert _run(engine_tight, prompts) == hf_greedy
+    stats = engine_tight.get_stats()
+    assert stats.num_preemptions > before, "the KV budget was meant to force preemption"
     assert stats.kv_usage == 0.0
 
 
@@ -154,27 +160,50 @@ def test_all_position_logits_and_hidden_states_match_fp32(engine_fp32, hf_smollm
         )
 
 
-# bf16 tolerance against the fp32 reference. bf16 rounding through 30 layers moves logits
-# (which span about 40) noticeably: transformers' own bf16 model, on these prompts, is off
-# by mean |diff| 0.17-0.21, max 1.56, with top-1 agreement 0.945-0.983; ours measured
-# mean 0.18-0.22, max 1.20, top-1 0.966-0.982. Stated tolerance: mean < 0.3, max < 2.0,
-# top-1 agreement >= 0.93 — i.e. no worse than the reference implementation's own bf16.
-BF16_MEAN_ABS, BF16_MAX_ABS, BF16_TOP1 = 0.3, 2.0, 0.93
+# bf16 is judged against transformers' own bf16 model, on the same prompts on the same machine,
+# both compared with transformers in fp32. bf16 matmuls round differently on CPUs with native
+# bf16 (AVX-512 BF16, AMX) and without (AVX2, emulated): an absolute bound learned on one CPU
+# failed on another (our max |diff| 1.20 on an AVX-512 machine, 2.28 on an AVX2 one, where
+# transformers' own bf16 reached 1.34). Over all positions of the 4 prompts together (~160):
+# - mean |diff|: ours <= 1.5 x theirs + 0.02. Measured ours / theirs 0.80-1.21 per prompt and
+#   0.92 overall on AVX2, ~1.05 on AVX-512: two bf16 implementations round at different points.
+#   A systematic error (an fp32 accumulation or norm done in bf16, a mis-rounded RoPE) shifts
+#   every position and exceeds 1.5x.
+# - max |diff|: ours <= 3 x theirs + 0.25. The max is one logit at the most sensitive position
+#   (a near-tie); there ours / theirs measured 0.9-2.4. One broken position (a mask or RoPE
+#   error at a block edge) is off by 10 or more (logits span ~40).
+# - top-1 agreement with fp32: ours >= theirs - 0.03 (about 5 of 160 positions).
+BF16_MEAN_FACTOR, BF16_MEAN_SLACK = 1.5, 0.02
+BF16_MAX_FACTOR, BF16_MAX_SLACK = 3.0, 0.25
+BF16_TOP1_SLACK = 0.03
 
 
-def test_teacher_forced_bf16_logits_within_tolerance(hf_smollm2, prompts, hf_greedy):
+def test_teacher_forced_bf16_logits_no_worse_than_transformers_bf16(
+    hf_smollm2, hf_smollm2_bf16, prompts, hf_greedy
+):
     model, _ = hf_smollm2
     engine = LLMEngine(_stack("bfloat16"))
+    ours_diff, theirs_diff, ours_top1, theirs_top1 = [], [], [], []
     for ids, cont in zip(prompts[:4], hf_greedy[:4], strict=True):
         full = ids + cont
-        ours = _forward_all(engine, full).logits
+        ours = _forward_all(engine, full).logits.float()
         with torch.no_grad():
             ref = model(torch.tensor([full])).logits[0].float()
-        diff = (ours - ref).abs()
-        top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        assert diff.mean().item() < BF16_MEAN_ABS, diff.mean().item()
-        assert diff.max().item() < BF16_MAX_ABS, diff.max().item()
-        assert top1 >= BF16_TOP1, top1
+            theirs = hf_smollm2_bf16(torch.tensor([full])).logits[0].float()
+        ours_diff.append((ours - ref).abs())
+        theirs_diff.append((theirs - ref).abs())
+        ours_top1.append(ours.argmax(-1) == ref.argmax(-1))
+        theirs_top1.append(theirs.argmax(-1) == ref.argmax(-1))
+    ours_diff, theirs_diff = torch.cat(ours_diff), torch.cat(theirs_diff)
+    ours_top1 = torch.cat(ours_top1).float().mean().item()
+    theirs_top1 = torch.cat(theirs_top1).float().mean().item()
+    measured = (
+        f"ours mean {ours_diff.mean():.3f} max {ours_diff.max():.3f} top-1 {ours_top1:.3f}; "
+        f"transformers bf16 mean {theirs_diff.mean():.3f} max {theirs_diff.max():.3f} top-1 {theirs_top1:.3f}"
+    )
+    assert ours_diff.mean() <= BF16_MEAN_FACTOR * theirs_diff.mean() + BF16_MEAN_SLACK, measured
+    assert ours_diff.max() <= BF16_MAX_FACTOR * theirs_diff.max() + BF16_MAX_SLACK, measured
+    assert ours_top1 >= theirs_top1 - BF16_TOP1_SLACK, measured
 
 
 def test_prompt_logprobs_match_transformers_across_chunks(engine_fp32, hf_smollm2, prompts):
@@ -200,13 +229,13 @@ def test_prompt_logprobs_match_transformers_across_chunks(engine_fp32, hf_smollm
         assert best in entry
 
 
-def test_seeded_sampling_survives_preemption(engine_fp32, prompts):
+def test_seeded_sampling_survives_preemption(engine_fp32, engine_tight, prompts):
     """A preempted sequence recomputes its KV and then samples exactly what it would have."""
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=MAX_NEW) for i in range(8)]
     roomy = [o.token_ids for o in run_all(engine_fp32, prompts, params)]
-    tight = LLMEngine(_stack(allocator={"num_blocks": 14}, scheduler={"max_num_batched_tokens": 256}))
-    squeezed = [o.token_ids for o in run_all(tight, prompts, params)]
-    assert tight.get_stats().num_preemptions > 0
+    before = engine_tight.get_stats().num_preemptions
+    squeezed = [o.token_ids for o in run_all(engine_tight, prompts, params)]
+    assert engine_tight.get_stats().num_preemptions > before
     assert squeezed == roomy
 
 

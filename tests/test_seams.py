@@ -213,11 +213,20 @@ class ReplicaPlugin:
         register(Component(name="replicas", kind="parallel", factory=lambda o, c: ReplicaLayout()))
 
 
-def test_executor_runs_worker_processes_over_torch_distributed():
-    stack = {"model": "smollm2-135m-instruct", "dtype": "float32", "allocator": {"num_blocks": 64}}
+# The stack of test_engine.py: the in-process engine is the session's shared one.
+FP32_STACK = {
+    "model": "smollm2-135m-instruct",
+    "dtype": "float32",
+    "scheduler": {"name": "continuous", "max_num_seqs": 16, "max_num_batched_tokens": 128},
+    "allocator": {"name": "paged", "block_size": 16, "num_blocks": 400},
+}
+
+
+def test_executor_runs_worker_processes_over_torch_distributed(shared_llm):
+    stack = FP32_STACK
     prompt_msgs = [{"role": "user", "content": "What is the capital of France?"}]
     p = SamplingParams(temperature=0.0, max_tokens=10)
-    single = LLMEngine(stack)
+    single = shared_llm(stack).engine
     expected_rid = single.add_request(single.tokenizer.encode_chat(prompt_msgs), p)
     expected = None
     while single.has_unfinished():

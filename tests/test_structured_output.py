@@ -15,7 +15,6 @@ from lmstack import SamplingParams
 from lmstack.errors import InvalidRequestError
 from lmstack.grammar import GrammarCompiler, GrammarError
 from lmstack.interfaces import Speculator
-from lmstack.llm import LLM
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -47,9 +46,9 @@ PERSON = {
 }
 
 
-@pytest.fixture(scope="module")
-def llm(smollm2_path):
-    return LLM(STACK)
+@pytest.fixture
+def llm(shared_llm):
+    return shared_llm(STACK)
 
 
 def chat(llm, text):

@@ -12,7 +12,7 @@ Subclass the suite in your own test module and provide the factory fixture::
 """
 
 from lmstack.testing.allocator import AllocatorConformance
-from lmstack.testing.attention import AttentionConformance, reference_attention
+from lmstack.testing.attention import AttentionConformance, plain_attention, reference_attention
 from lmstack.testing.fakes import make_seq
 from lmstack.testing.scheduler import SchedulerConformance, simulate
 
@@ -21,6 +21,7 @@ __all__ = [
     "AttentionConformance",
     "SchedulerConformance",
     "make_seq",
+    "plain_attention",
     "reference_attention",
     "simulate",
 ]

@@ -27,8 +27,8 @@ def reference_attention(
     kk = k.float().repeat_interleave(hq // hkv, dim=1)
     vv = v.float().repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
-    qpos = torch.arange(context_len, context_len + lq)[:, None]
-    kpos = torch.arange(k.shape[0])[None, :]
+    qpos = torch.arange(context_len, context_len + lq, device=q.device)[:, None]
+    kpos = torch.arange(k.shape[0], device=q.device)[None, :]
     allowed = kpos <= qpos
     if sliding_window is not None:
         allowed &= qpos - kpos < sliding_window
@@ -36,8 +36,36 @@ def reference_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
 
 
+def plain_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The same dense attention as `reference_attention`, computed the plain way in q's dtype on
+    q's device: score and output matmuls in that dtype, softmax in fp32, probabilities rounded
+    to that dtype (as the torch backend and the flash kernels do). Its error against
+    `reference_attention` is what arithmetic in that dtype costs on this machine: low-precision
+    matmuls round differently on different CPUs (native bf16 dot products or emulation) and
+    GPUs, so a backend's fp16/bf16 error is judged against this, measured on the same inputs."""
+    lq, hq, _ = q.shape
+    hkv = k.shape[1]
+    kk = k.repeat_interleave(hq // hkv, dim=1)
+    vv = v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk).float() * scale
+    qpos = torch.arange(context_len, context_len + lq, device=q.device)[:, None]
+    kpos = torch.arange(k.shape[0], device=q.device)[None, :]
+    allowed = kpos <= qpos
+    if sliding_window is not None:
+        allowed &= qpos - kpos < sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1).to(q.dtype), vv)
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-12))
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
 
 
 class AttentionConformance:
@@ -54,7 +82,22 @@ class AttentionConformance:
     device: str = "cpu"
     phases: tuple[str, ...] = ("prefill", "decode")  # the checks of a phase not listed are skipped
     sliding_window: bool = True
-    tolerance = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+    # A sequence passes when its relative error against the fp32 reference is at most
+    # `reference_factor` x the error of `plain_attention` in the same dtype on the same inputs
+    # and device, plus `slack[dtype]`. Measured (AVX2 CPU, random inputs as below): the torch
+    # backend's bf16/fp16 error equals the plain computation's (ratio 1.00), the flash kernels'
+    # is 0.77-1.14x it (they round at different points); 2x leaves room for that while a
+    # kernel that keeps its running sums in the low dtype (no fp32 accumulation) exceeds it.
+    # The slack covers sequences where the plain error is ~0 by chance (one or two keys):
+    # a quarter of the dtype's epsilon. fp32 keeps an absolute 2e-5 (~170 ulp): every fp32
+    # path accumulates in fp32, and reordering sums on any ISA moves results by a few ulp,
+    # 1e-7 to 1e-6 measured.
+    reference_factor: float = 2.0
+    slack = {
+        torch.float32: 2e-5,
+        torch.float16: torch.finfo(torch.float16).eps / 4,
+        torch.bfloat16: torch.finfo(torch.bfloat16).eps / 4,
+    }
     # None: each check runs every combination of dtypes x head_dims x block_sizes x gqa_ratios.
     # A number: that many random combinations per check, fresh each run, in which every value
     # of every axis still appears (for slow backends, e.g. Triton kernels in the interpreter).
@@ -83,9 +126,10 @@ class AttentionConformance:
             tables.append(table)
             k = torch.randn(c + ql, hkv, head_dim, device=dev).to(dtype)
             v = torch.randn(c + ql, hkv, head_dim, device=dev).to(dtype)
-            for pos in range(c + ql):
-                k_cache[table[pos // block_size], pos % block_size] = k[pos]
-                v_cache[table[pos // block_size], pos % block_size] = v[pos]
+            pos = torch.arange(c + ql, device=dev)  # every position into its (block, offset)
+            blocks = torch.tensor(table, dtype=torch.long, device=dev)[pos // block_size]
+            k_cache[blocks, pos % block_size] = k
+            v_cache[blocks, pos % block_size] = v
             dense.append((k, v))
             qs.append(torch.randn(ql, hq, head_dim, device=dev).to(dtype))
             ks.append(k[c:])
@@ -104,9 +148,14 @@ class AttentionConformance:
         for i, ((c, _), (k, v)) in enumerate(zip(spans, dense, strict=True)):
             ref = reference_attention(qs[i], k, v, c, scale, window)
             err = rel_error(out[starts[i] : starts[i + 1]].cpu(), ref.cpu())
+            plain = 0.0
+            if dtype != torch.float32:
+                plain = rel_error(plain_attention(qs[i], k, v, c, scale, window).cpu(), ref.cpu())
+            bound = self.reference_factor * plain + self.slack[dtype]
             where = "" if case is None else "{} head_dim {} block_size {} gqa {}: ".format(*case)
-            assert err < self.tolerance[dtype], (
-                f"{where}seq {i} (context {c}, query {qs[i].shape[0]}): rel error {err:.2e}"
+            assert err <= bound, (
+                f"{where}seq {i} (context {c}, query {qs[i].shape[0]}): rel error {err:.2e} > "
+                f"{self.reference_factor} x plain {dtype} attention's {plain:.2e} + {self.slack[dtype]:.1e}"
             )
 
     def _cases(self):

@@ -51,9 +51,10 @@ def _paged(seqs, hkv, head_dim, block_size, dtype=torch.float32):
         table = [free.pop() for _ in range(-(-(c + q) // block_size))]
         k = torch.randn(c + q, hkv, head_dim).to(dtype)
         v = torch.randn(c + q, hkv, head_dim).to(dtype)
-        for pos in range(c + q):
-            k_cache[table[pos // block_size], pos % block_size] = k[pos]
-            v_cache[table[pos // block_size], pos % block_size] = v[pos]
+        pos = torch.arange(c + q)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
+        k_cache[blocks, pos % block_size] = k
+        v_cache[blocks, pos % block_size] = v
         tables.append(table)
         dense.append((k, v))
     meta = AttentionMetadata.build([q for _, q in seqs], [c for c, _ in seqs], tables, block_size)

@@ -50,9 +50,10 @@ def _decode_batch(context_lens, hkv, group, head_dim, block_size, dtype=torch.fl
     for n in context_lens:
         table = [free.pop() for _ in range(-(-n // block_size))]
         k, v = torch.randn(n, hkv, head_dim).to(dtype), torch.randn(n, hkv, head_dim).to(dtype)
-        for pos in range(n):
-            k_cache[table[pos // block_size], pos % block_size] = k[pos]
-            v_cache[table[pos // block_size], pos % block_size] = v[pos]
+        pos = torch.arange(n)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
+        k_cache[blocks, pos % block_size] = k
+        v_cache[blocks, pos % block_size] = v
         tables.append(table)
         dense.append((k, v))
     # Decode metadata: each sequence's last cached token is its query.
