@@ -533,7 +533,7 @@ def create_app(stack: ResolvedStack, state: ServerState | None = None) -> Litest
         load_task.append(asyncio.create_task(state.load()))
 
     async def on_shutdown(app: Litestar) -> None:
-        state.grammar_guard.close()
+        await state.grammar_guard.aclose()
         for t in load_task:
             if not t.done():
                 await asyncio.gather(t, return_exceptions=True)

@@ -58,6 +58,7 @@ class CompileGuard:
         self._baseline = 0  # the child's RSS once ready: compile growth is measured from it
         self._lock = asyncio.Lock()
         self._closed = False
+        self._reaping: set[asyncio.Task] = set()
 
     @property
     def pid(self) -> int | None:
@@ -87,6 +88,11 @@ class CompileGuard:
         """Kill the child (drain / shutdown): a compile in progress ends with 503 at once."""
         self._closed = True
         self._kill()
+
+    async def aclose(self) -> None:
+        """`close`, then reap every killed child while the event loop still runs."""
+        self.close()
+        await asyncio.gather(*self._reaping, return_exceptions=True)
 
     # --- the child ------------------------------------------------------------------------------
 
@@ -177,7 +183,10 @@ class CompileGuard:
     def _kill(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None and proc.returncode is None:
-            proc.kill()  # asyncio's child watcher reaps it
+            proc.kill()
+            reap = asyncio.get_running_loop().create_task(proc.wait())
+            self._reaping.add(reap)
+            reap.add_done_callback(self._reaping.discard)
 
 
 async def in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
