@@ -401,18 +401,22 @@ def test_sigterm_during_a_compile_exits_within_the_drain_timeout(server):
     assert "request finished" in log and KEY not in log and ENV_KEY not in log
 
 
-# --- 2, in one process: the memory bound ---------------------------------------------------------
+# --- 2, in one process: the memory bound and the cache's byte bound -------------------------------
 
 
-def test_compile_guard_memory_bound(smollm2_path):
-    import asyncio
-
+@pytest.fixture(scope="module")
+def compiler(smollm2_path):
     from lmstack.grammar import GrammarCompiler
     from lmstack.model.source import open_model_source
+
+    return GrammarCompiler(open_model_source(smollm2_path).tokenizer, 49152, [2])
+
+
+def test_compile_guard_memory_bound(compiler):
+    import asyncio
+
     from lmstack_api.errors import APIError
     from lmstack_api.grammar_guard import CompileGuard
-
-    compiler = GrammarCompiler(open_model_source(smollm2_path).tokenizer, 49152, [2])
 
     async def run() -> tuple[int, APIError]:
         guard = CompileGuard(timeout_s=60, memory_bytes=8 << 20)
@@ -427,6 +431,21 @@ def test_compile_guard_memory_bound(smollm2_path):
     nbytes, err = asyncio.run(run())
     assert nbytes > 0
     assert err.status == 400 and "grammar_compile_memory_mib" in err.message
+
+
+def test_grammar_cache_is_bounded_in_bytes(compiler):
+    a = compiler.json_schema(enum_schema(20, required=True))
+    b = compiler.json_schema(enum_schema(21, required=True))
+    assert a.nbytes > 0 and b.nbytes > 0
+    assert compiler.cache_info().bytes >= a.nbytes + b.nbytes
+    compiler.limit_cache(b.nbytes + a.nbytes // 2)  # room for the newer one only
+    info = compiler.cache_info()
+    assert info.bytes <= b.nbytes + a.nbytes // 2 and info.max_bytes == b.nbytes + a.nbytes // 2
+    assert compiler.lookup(compiler.prepare(enum_schema(21, required=True))) is b
+    assert compiler.lookup(compiler.prepare(enum_schema(20, required=True))) is None
+    compiler.limit_cache(1)  # smaller than any grammar: nothing stays, compiling still works
+    c = compiler.json_schema(enum_schema(3, required=True))
+    assert c.nbytes > 0 and compiler.cache_info().size == 0
 
 
 # --- 5. an engine that cannot be built ---------------------------------------------------------
