@@ -422,7 +422,7 @@ async def model_card(request: Request, model_id: str) -> Response:
 
 # Option names that hold credentials or point at them (api_keys, hf_token, ssl_keyfile,
 # password, ...). Only string values are withheld, so counts such as max_tokens still show.
-_SECRET_NAME = re.compile(r"(key|token|secret|passw|credential|auth)", re.IGNORECASE)
+_SECRET_NAME = re.compile(r"(key|token(?!izer)|secret|passw|credential|auth)", re.IGNORECASE)
 REDACTED = "[redacted]"
 
 
