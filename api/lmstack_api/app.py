@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 import weakref
@@ -16,9 +17,11 @@ from litestar.response import Stream
 from lmstack.errors import LmstackError
 from lmstack.resolve import ResolvedStack
 from lmstack_api import params as P
-from lmstack_api.errors import APIError, from_status
+from lmstack_api.errors import APIError, clip, from_status
+from lmstack_api.grammar_guard import bounded_schema_grammar
 from lmstack_api.job import EngineFailure, Job
 from lmstack_api.logs import get_logger
+from lmstack_api.prompts import check_text_fits, context_error, encode_texts
 from lmstack_api.render import SSE_DONE, TokenText, chat_logprobs, completion_logprobs, sse, to_json, usage
 from lmstack_api.schemas import (
     AssistantMessage,
@@ -51,6 +54,89 @@ def _json(payload: object, status: int = 200, headers: dict[str, str] | None = N
 
 def _client(request: Request) -> str:
     return request.client.host if request.client else "unknown"
+
+
+async def _read_body(request: Request) -> bytes:
+    """The JSON body: 415 for another media type (no Content-Type is read as JSON, as curl
+    and many clients send it that way), 408 when it does not arrive in time (slow clients)."""
+    ctype = request.headers.get("content-type")
+    if ctype is not None:
+        media = ctype.split(";", 1)[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise APIError(
+                415,
+                f"Content-Type must be application/json, got {clip(media)!r}",
+                code="unsupported_media_type",
+            )
+    timeout = _state(request).config.body_timeout_s
+    try:
+        return await asyncio.wait_for(request.body(), timeout)
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout:g} s (server.body_timeout_s)",
+            code="request_timeout",
+            close=True,
+        ) from None
+
+
+async def _until_done_or_gone(request: Request, work: asyncio.Future) -> None:
+    """Wait for `work`; if the client disconnects first, cancel it and answer 499."""
+    watch = asyncio.create_task(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise APIError(499, "the client closed the connection")
+
+
+async def _grammar(request: Request, req) -> object | None:
+    """The compiled grammar `response_format` asks for (None: free text). A new schema compiles
+    within the server's bounds and is cancelled if the client leaves."""
+    spec = P.schema_request(req)
+    if spec is None:
+        return None
+    state = _state(request)
+    cfg = state.config
+
+    async def build() -> object:
+        try:
+            compiler = await asyncio.to_thread(state.grammar_compiler)
+            if not state.grammar_cache_limited:
+                compiler.limit_cache(cfg.grammar_cache_mib << 20)
+                state.grammar_cache_limited = True
+            if spec[0] == "json_object":
+                return await asyncio.to_thread(compiler.json_object)
+            return await bounded_schema_grammar(
+                compiler,
+                state.grammar_guard,
+                spec[1],
+                max_bytes=cfg.grammar_max_schema_bytes,
+                max_properties=cfg.grammar_max_schema_properties,
+            )
+        except LmstackError as exc:
+            raise P.as_request_error(exc) from None
+
+    work = asyncio.ensure_future(build())
+    await _until_done_or_gone(request, work)
+    return work.result()
+
+
+async def _tokenize(state: ServerState, engine, texts: list[str], param: str) -> list[list[int]]:
+    """Token ids of prompt texts, off the event loop; a prompt that cannot fit the context is
+    refused before tokenizing when its length alone proves it."""
+    limit = engine.max_model_len
+    for text in texts:
+        check_text_fits(text, limit, state.max_piece_bytes, param)
+    ids = await encode_texts(engine.tokenizer, texts)
+    for one in ids:
+        if len(one) >= limit:
+            raise context_error(len(one), limit, param)
+    return ids
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -139,17 +225,21 @@ async def chat_completions(request: Request) -> Response:
     state = _state(request)
     key = state.authenticate(request.headers)
     engine = state.require_ready()
-    req = P.decode_body(await request.body(), ChatCompletionRequest)
+    req = P.decode_body(await _read_body(request), ChatCompletionRequest)
     state.check_model(req.model)
     P.check_unsupported_chat(req)
     messages = P.chat_messages(req)
-    try:
-        prompt = engine.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
-    except LmstackError as exc:
-        raise P.invalid(str(exc), param="messages") from None
     if req.top_logprobs is not None and not req.logprobs:
         raise P.invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
-    grammar = await asyncio.to_thread(P.grammar_for, req, state.grammar_compiler)
+    try:
+        # Rendering grows with the input: off the event loop, like the tokenizing after it.
+        text = await asyncio.to_thread(
+            engine.tokenizer.apply_chat_template, messages, req.add_generation_prompt
+        )
+    except LmstackError as exc:
+        raise P.invalid(str(exc), param="messages") from None
+    (prompt,) = await _tokenize(state, engine, [text], "messages")
+    grammar = await _grammar(request, req)
     top_n = req.top_logprobs or 0
     sp = P.sampling_params(
         req,
@@ -160,6 +250,8 @@ async def chat_completions(request: Request) -> Response:
         prompt_logprobs=None,
         vocab_size=engine.vocab_size,
         grammar=grammar,
+        max_logit_bias_entries=state.config.max_logit_bias_entries,
+        max_temperature=state.config.max_temperature,
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     job = Job(state, "chat", rid, key)
@@ -218,14 +310,17 @@ async def completions(request: Request) -> Response:
     state = _state(request)
     key = state.authenticate(request.headers)
     engine = state.require_ready()
-    req = P.decode_body(await request.body(), CompletionRequest)
+    req = P.decode_body(await _read_body(request), CompletionRequest)
     state.check_model(req.model)
     if req.suffix:
         raise P.unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
     if req.best_of is not None and req.best_of != req.n:
         raise P.unsupported("best_of", "only best_of equal to n (or absent) is accepted")
-    prompts = P.completion_prompts(req)
-    grammar = await asyncio.to_thread(P.grammar_for, req, state.grammar_compiler)
+    prompts = P.completion_prompts(req, engine.max_model_len)
+    texts = {i: p for i, p in enumerate(prompts) if isinstance(p, str)}
+    for i, ids in zip(texts, await _tokenize(state, engine, list(texts.values()), "prompt"), strict=True):
+        prompts[i] = ids
+    grammar = await _grammar(request, req)
     top_n = req.logprobs or 0
     sp = P.sampling_params(
         req,
@@ -236,6 +331,8 @@ async def completions(request: Request) -> Response:
         prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
         vocab_size=engine.vocab_size,
         grammar=grammar,
+        max_logit_bias_entries=state.config.max_logit_bias_entries,
+        max_temperature=state.config.max_temperature,
     )
     rid = f"cmpl-{uuid.uuid4().hex}"
     job = Job(state, "completions", rid, key)
@@ -245,8 +342,8 @@ async def completions(request: Request) -> Response:
     model, n = state.model_name, sp.n
 
     def echo_text(i: int) -> str:
-        r = job.reqs[i]
-        return r.prompt if r.prompt is not None else engine.tokenizer.decode(r.prompt_token_ids)
+        # Prompts were tokenized here, so the engine holds ids only: echo the client's text.
+        return texts[i] if i in texts else engine.tokenizer.decode(job.reqs[i].prompt_token_ids)
 
     def logprobs_for(i: int, c, start: int, end: int, echo: bool):
         if req.logprobs is None:
@@ -323,12 +420,34 @@ async def model_card(request: Request, model_id: str) -> Response:
     return _json(ModelCard(state.model_name, state.created, max_model_len=max_len))
 
 
+# Option names that hold credentials or point at them (api_keys, hf_token, ssl_keyfile,
+# password, ...). Only string values are withheld, so counts such as max_tokens still show.
+_SECRET_NAME = re.compile(r"(key|token(?!izer)|secret|passw|credential|auth)", re.IGNORECASE)
+REDACTED = "[redacted]"
+
+
+def redact(value: object, name: str = "") -> object:
+    """`value` with every string under a credential-like name replaced by REDACTED."""
+    if isinstance(value, dict):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact(v, name) for v in value]
+    if isinstance(value, str) and _SECRET_NAME.search(name):
+        return REDACTED
+    return value
+
+
 @get("/v1/stack")
 async def stack_info(request: Request) -> Response:
-    """The resolved stack and the plugins behind each component (read-only, for operators)."""
+    """The resolved stack and the plugins behind each component (read-only, for operators).
+    Never the API keys: any client holding one key may call this."""
     state = _state(request)
     state.authenticate(request.headers)
-    body = {"model": state.model_name, "stack": state.stack.describe(), "ready": state.engine is not None}
+    stack = redact(state.stack.describe())
+    server = stack.get("server") if isinstance(stack, dict) else None
+    if isinstance(server, dict):
+        server["api_keys"] = f"{len(state.api_keys)} configured"
+    body = {"model": state.model_name, "stack": stack, "ready": state.engine is not None}
     if state.engine is not None:
         eng = state.engine
         body["engine"] = {
@@ -347,8 +466,9 @@ async def health(request: Request) -> Response:
     if state.draining:
         return _json({"status": "draining"}, 503, {"Retry-After": "5"})
     if state.engine is None:
+        # Unauthenticated: the reason a load failed (plugin names, module errors) is in the log only.
         status = "failed" if state.load_error else "loading"
-        return _json({"status": status, "error": state.load_error}, 503, {"Retry-After": "5"})
+        return _json({"status": status}, 503, {"Retry-After": "5"})
     return _json({"status": "ok"})
 
 
@@ -388,9 +508,9 @@ def _on_http_exception(request: Request, exc: HTTPException) -> Response:
         limit = request.app.state["server"].config.max_body_bytes
         message = f"the request body is larger than this server's limit of {limit} bytes"
     elif exc.status_code == 404:
-        message = f"no route for {request.method} {request.url.path}"
+        message = f"no route for {clip(request.method)} {clip(request.url.path)}"
     elif exc.status_code == 405:
-        message = f"method {request.method} is not allowed on {request.url.path}"
+        message = f"method {clip(request.method)} is not allowed on {clip(request.url.path)}"
     return _error_response(request, from_status(exc.status_code, message))
 
 
@@ -413,6 +533,7 @@ def create_app(stack: ResolvedStack, state: ServerState | None = None) -> Litest
         load_task.append(asyncio.create_task(state.load()))
 
     async def on_shutdown(app: Litestar) -> None:
+        await state.grammar_guard.aclose()
         for t in load_task:
             if not t.done():
                 await asyncio.gather(t, return_exceptions=True)

@@ -14,6 +14,7 @@ import msgspec
 from lmstack.resolve import ResolvedStack
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
@@ -54,6 +55,25 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
     # SIGTERM: stop admitting, let in-flight requests finish for up to this long, then exit.
     drain_timeout_s: PositiveFloat = 30.0
+    # --- hostile-input bounds -----------------
+    # Structured output: a json_schema past any of these is a 400 naming the bound. Size is
+    # checked before compiling; time and memory bound the compile itself, which runs first in
+    # a separate process that is killed at the bound (or when its request or the server ends).
+    grammar_max_schema_bytes: PositiveInt = 65_536
+    grammar_max_schema_properties: PositiveInt = 1_000  # summed over every `properties` map
+    grammar_compile_timeout_s: PositiveFloat = 10.0
+    grammar_compile_memory_mib: PositiveInt = 1024  # growth of the compiling process's RSS
+    # Compiled grammars are cached (LRU) up to this many MiB of xgrammar's own size estimate.
+    grammar_cache_mib: PositiveInt = 256
+    # Slow clients: the request line and headers must arrive within header_timeout_s of the
+    # connection opening (or of the previous response); the body within body_timeout_s of
+    # the handler asking for it. Past either the client gets 408 and the connection closes.
+    header_timeout_s: PositiveFloat = 10.0
+    body_timeout_s: PositiveFloat = 30.0
+    # Sampling bounds. OpenAI allows at most 300 logit_bias entries and temperature in [0, 2];
+    # raise max_temperature (the engine accepts up to 100) for clients written against vLLM.
+    max_logit_bias_entries: NonNegativeInt = 300
+    max_temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 2.0
 
 
 SECRET_FIELDS = ("api_keys",)

@@ -28,8 +28,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
+        self.close = close  # end the connection after the response (the request was not read whole)
         self.status = status
         self.message = message
         self.type = type
@@ -41,9 +43,15 @@ class APIError(Exception):
         return ErrorBody(ErrorDetail(self.message, self.type, self.param, self.code))
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after is None:
-            return {}
-        return {"Retry-After": str(max(1, int(self.retry_after + 0.999)))}
+        out = {"Connection": "close"} if self.close else {}
+        if self.retry_after is not None:
+            out["Retry-After"] = str(max(1, int(self.retry_after + 0.999)))
+        return out
+
+
+def clip(text: str, limit: int = 64) -> str:
+    """`text` as far as an error message repeats it: a client's 1 MB string is not echoed back."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -65,6 +73,7 @@ _STATUS_TYPES = {
     401: ("authentication_error", "invalid_api_key"),
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
     415: ("invalid_request_error", "unsupported_media_type"),
     429: ("rate_limit_error", "rate_limit_exceeded"),

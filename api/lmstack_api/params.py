@@ -38,6 +38,10 @@ def decode_body(body: bytes, type_: type[T]) -> T:
         raise invalid(f"invalid request: {text}", param=param) from None
     except msgspec.DecodeError as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # msgspec guards its recursion with the interpreter's limit (~1,000 levels): a deeper
+        # body is refused while decoding, before anything walks it.
+        raise invalid("the request body is nested too deeply") from None
 
 
 def check_unsupported_chat(req: ChatCompletionRequest) -> None:
@@ -89,8 +93,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
-    """`prompt` as a list of prompts: texts or token-id lists."""
+def completion_prompts(req: CompletionRequest, max_len: int | None = None) -> list[str | list[int]]:
+    """`prompt` as a list of prompts: texts or token-id lists. A token-id list of `max_len` or
+    more ids cannot fit the context and is refused before its ids are checked one by one."""
     p = req.prompt
     if p is None:
         raise invalid("prompt is required", param="prompt")
@@ -98,6 +103,17 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
         return [p]
     if not p:
         raise invalid("prompt must not be an empty list", param="prompt")
+    if max_len is not None:
+        too_long = len(p) >= max_len and isinstance(p[0], int)
+        longest = max((len(x) for x in p if isinstance(x, list)), default=0)
+        if too_long or longest >= max_len:
+            n = len(p) if too_long else longest
+            raise invalid(
+                f"prompt has {n} tokens; this model's context is {max_len} tokens, which must also "
+                "hold at least one output token",
+                param="prompt",
+                code="context_length_exceeded",
+            )
     if all(isinstance(x, str) for x in p):
         return list(p)
     if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
@@ -123,7 +139,13 @@ class _LogitBias:
         return logits
 
 
-def _logit_bias(raw: dict[str, float], vocab_size: int) -> _LogitBias:
+def _logit_bias(raw: dict[str, float], vocab_size: int, max_entries: int) -> _LogitBias:
+    if len(raw) > max_entries:
+        # Each entry is work on every decode step of every sequence batched with this one.
+        raise invalid(
+            f"logit_bias has {len(raw)} entries, more than this server's limit of {max_entries}",
+            param="logit_bias",
+        )
     bias: dict[int, float] = {}
     for key, value in raw.items():
         try:
@@ -150,8 +172,15 @@ def sampling_params(
     prompt_logprobs: int | None,
     vocab_size: int,
     grammar: Any = None,
+    max_logit_bias_entries: int = 300,
+    max_temperature: float = 2.0,
 ) -> SamplingParams:
     """`max_tokens` is what the client asked for (None: `default_max_tokens`, then the cap)."""
+    if req.temperature is not None and not 0.0 <= req.temperature <= max_temperature:
+        raise invalid(
+            f"temperature must be between 0 and {max_temperature:g}, got {req.temperature:g}",
+            param="temperature",
+        )
     if max_tokens is not None and max_tokens_cap is not None and max_tokens > max_tokens_cap:
         raise invalid(
             f"max_tokens={max_tokens} exceeds this server's limit of {max_tokens_cap}", param="max_tokens"
@@ -164,7 +193,7 @@ def sampling_params(
             "min_tokens", "it cannot be combined with response_format json_schema / json_object"
         )
     stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop is not None else [])
-    processors = [_logit_bias(req.logit_bias, vocab_size)] if req.logit_bias else []
+    processors = [_logit_bias(req.logit_bias, vocab_size, max_logit_bias_entries)] if req.logit_bias else []
     try:
         return SamplingParams(
             n=req.n,
@@ -191,30 +220,32 @@ def sampling_params(
         raise invalid(str(exc), param=exc.param) from None
 
 
-def grammar_for(req: SamplingFields, compiler_factory) -> Any:
-    """The compiled grammar `response_format` asks for, or None. `compiler_factory()` returns
-    the engine's GrammarCompiler (created on first use)."""
+def schema_request(req: SamplingFields) -> tuple[str, Any] | None:
+    """What `response_format` asks for: None (free text), ("json_object", None) or
+    ("json_schema", schema)."""
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
-    try:
-        if fmt.type == "json_object":
-            return compiler_factory().json_object()
-        if fmt.type == "json_schema":
-            if fmt.json_schema is None or fmt.json_schema.schema is None:
-                raise invalid(
-                    "response_format.json_schema.schema is required for type json_schema",
-                    param="response_format.json_schema.schema",
-                )
-            return compiler_factory().json_schema(fmt.json_schema.schema)
-    except InvalidRequestError as exc:
-        raise invalid(str(exc), param=exc.param or "response_format") from None
-    except LmstackError as exc:
-        raise invalid(str(exc), param="response_format") from None
+    if fmt.type == "json_object":
+        return "json_object", None
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise invalid(
+                "response_format.json_schema.schema is required for type json_schema",
+                param="response_format.json_schema.schema",
+            )
+        return "json_schema", fmt.json_schema.schema
     raise invalid(
         f"response_format.type must be text, json_object or json_schema, got {fmt.type!r}",
         param="response_format.type",
     )
+
+
+def as_request_error(exc: LmstackError) -> APIError:
+    """A structured-output failure (xgrammar missing, a tokenizer it cannot use) as a 400."""
+    if isinstance(exc, InvalidRequestError):
+        return invalid(str(exc), param=exc.param or "response_format")
+    return invalid(str(exc), param="response_format")
 
 
 def request_error(exc: InvalidRequestError) -> APIError:

@@ -12,7 +12,9 @@ import signal
 import socket
 from types import FrameType
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from lmstack.config import load_stack
 from lmstack.errors import LmstackError
@@ -25,6 +27,62 @@ from lmstack_api.logs import configure_logging, get_logger
 from lmstack_api.state import ServerState
 
 log = get_logger()
+
+
+_TIMEOUT_BODY = b'{"error": {"message": "the request headers did not arrive in time", "type": "invalid_request_error", "param": null, "code": "request_timeout"}}'
+_TIMEOUT_RESPONSE = (
+    b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Content-Length: " + str(len(_TIMEOUT_BODY)).encode() + b"\r\n\r\n" + _TIMEOUT_BODY
+)
+
+
+def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline on the request head: a connection that has not
+    sent a complete request line and headers within `timeout_s` of opening (or of its previous
+    response) gets 408 and is closed. uvicorn itself only times out idle keep-alive
+    connections, so a client trickling a byte a second would hold its socket forever."""
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(timeout_s, self._head_timeout)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.write(_TIMEOUT_RESPONSE)
+                self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            # IDLE: h11 is still reading a request head (or awaits the next one).
+            if self.conn.their_state is h11.IDLE:
+                self._arm()
+            else:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # The next request's head starts when its first byte arrives (data_received);
+            # until then uvicorn's keep-alive timeout applies.
+            self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol
 
 
 class _DrainingServer(uvicorn.Server):
@@ -47,6 +105,7 @@ class _DrainingServer(uvicorn.Server):
         state = self.state
         log.info("shutdown requested", signal=name, inflight=state.inflight)
         state.start_draining()
+        state.grammar_guard.close()  # a compile in progress ends now; its request gets 503
         if not await state.wait_idle(state.config.drain_timeout_s):
             log.warning("drain timeout: aborting in-flight requests", inflight=state.inflight)
         self.should_exit = True
@@ -73,10 +132,19 @@ def serve(stack_path: str, host: str | None = None, port: int | None = None, log
         access_log=False,
         timeout_graceful_shutdown=5,
         lifespan="on",
+        http=header_timeout_protocol(cfg.header_timeout_s),
     )
     log.info("serving", model=state.model_name, host=host, port=config.port, stack=stack_path)
-    _DrainingServer(config, state).run(sockets=[sock])
-    return 0
+    server = _DrainingServer(config, state)
+
+    def failed() -> None:
+        server.should_exit = True
+
+    state.on_load_failure = failed
+    server.run(sockets=[sock])
+    # A server that cannot serve exits non-zero (its reason was logged once), so a supervisor
+    # restarts it or reports it rather than probing a process stuck at 503 forever.
+    return 1 if state.load_error else 0
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -6,15 +6,18 @@ import asyncio
 import hmac
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from lmstack.async_engine import AsyncEngine
 from lmstack.resolve import ResolvedStack
 from lmstack_api.config import ServerConfig, server_config
-from lmstack_api.errors import APIError, overloaded
+from lmstack_api.errors import APIError, clip, overloaded
+from lmstack_api.grammar_guard import CompileGuard
 from lmstack_api.limits import Admission, RateLimiter
 from lmstack_api.logs import get_logger
 from lmstack_api.metrics import Metrics
+from lmstack_api.prompts import max_piece_bytes
 
 log = get_logger()
 
@@ -36,6 +39,13 @@ class ServerState:
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_queued_tokens)
         self.limiter = RateLimiter(self.config.rate_limit)
         self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
+        cfg = self.config
+        self.grammar_guard = CompileGuard(cfg.grammar_compile_timeout_s, cfg.grammar_compile_memory_mib << 20)
+        self.grammar_cache_limited = False
+        self.max_piece_bytes: int | None = None  # the tokenizer's longest token (prompts.py)
+        # Called once if the engine cannot be built: the server exits non-zero (server.py), so
+        # a supervisor restarts it instead of probing a process that will never serve.
+        self.on_load_failure: Callable[[], None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -49,11 +59,15 @@ class ServerState:
             return
         started = time.monotonic()
         try:
-            self.engine = await asyncio.to_thread(AsyncEngine, self.stack)
-        except Exception as exc:  # reported by /health and the log; the process keeps serving 503
+            engine = await asyncio.to_thread(AsyncEngine, self.stack)
+            self.max_piece_bytes = await asyncio.to_thread(max_piece_bytes, engine.tokenizer)
+        except Exception as exc:  # logged once, here; then the process exits non-zero
             self.load_error = f"{type(exc).__name__}: {exc}"
-            log.error("engine failed to load", error=self.load_error)
+            log.error("engine failed to load; exiting", error=self.load_error)
+            if self.on_load_failure is not None:
+                self.on_load_failure()
             return
+        self.engine = engine
         log.info(
             "engine ready",
             model=self.model_name,
@@ -93,8 +107,8 @@ class ServerState:
         if self.draining:
             raise overloaded("the server is shutting down and admits no new requests", retry_after=5.0)
         if self.engine is None:
-            if self.load_error:
-                raise APIError(503, f"the model failed to load: {self.load_error}", type="server_error")
+            if self.load_error:  # the reason is in the log, not for clients
+                raise APIError(503, "the model failed to load", type="server_error")
             raise overloaded("the model is still loading", retry_after=5.0)
         return self.engine
 
@@ -120,7 +134,7 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise APIError(
                 404,
-                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                f"model {clip(model)!r} does not exist; this server serves {self.model_name!r}",
                 param="model",
                 code="model_not_found",
             )

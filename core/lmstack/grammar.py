@@ -59,12 +59,39 @@ class CacheInfo(NamedTuple):
     misses: int  # = number of compilations
     size: int
     max_size: int
+    bytes: int = 0  # xgrammar's size estimate of the cached grammars
+    max_bytes: int | None = None
+
+
+class PreparedSchema(NamedTuple):
+    """A schema checked and canonicalised for compiling: `key` names its cache entry, `text`
+    is what xgrammar compiles."""
+
+    key: str
+    text: str
+    strict: bool
+
+
+def count_properties(schema: Any) -> int:
+    """Entries of every `properties` map in `schema`, nested ones included (iterative, so a
+    deeply nested schema cannot exhaust the stack here)."""
+    total, todo = 0, [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                total += len(props)
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return total
 
 
 class GrammarCompiler:
     """Compiles grammars for one tokenizer. Thread-safe. Compiled grammars are kept in an LRU
     cache keyed by the schema's compact JSON (a dict and its JSON text, however spaced, share an
-    entry) and the strict flag."""
+    entry) and the strict flag, bounded by entry count and (`limit_cache`) by bytes."""
 
     def __init__(
         self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], *, cache_size: int = 128
@@ -94,17 +121,44 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=False)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._max_size = cache_size
+        self._max_bytes: int | None = None
+        self._bytes = 0
         self._lock = threading.Lock()
         self._hits = self._misses = 0
+
+    def limit_cache(self, max_bytes: int | None) -> None:
+        """Bound the cache by xgrammar's size estimate of its grammars (None: entries only)."""
+        with self._lock:
+            self._max_bytes = max_bytes
+            self._evict()
+
+    def tokenizer_info_json(self) -> str:
+        """The xgrammar tokenizer description, for compiling in another process."""
+        return self._info.serialize_json()
 
     def json_schema(self, schema: dict | str, *, strict: bool = True) -> Grammar:
         """A grammar for JSON documents valid under `schema` (a dict, or its JSON text). `strict`
         forbids properties the schema does not list (xgrammar's strict mode). Raises
         InvalidRequestError (param ``response_format.json_schema.schema``) for an invalid schema."""
+        prepared = self.prepare(schema, strict=strict)
+        return self.lookup(prepared) or self.compile(prepared)
+
+    def prepare(
+        self,
+        schema: dict | str,
+        *,
+        strict: bool = True,
+        max_bytes: int | None = None,
+        max_properties: int | None = None,
+    ) -> PreparedSchema:
+        """Check and canonicalise `schema` without compiling it; InvalidRequestError when it is
+        not a JSON object or is larger than `max_bytes` (compact JSON) / `max_properties`."""
         if isinstance(schema, str | bytes):
+            if max_bytes is not None and len(schema) > 4 * max_bytes:  # spacing aside, too big
+                raise _too_big(len(schema), max_bytes)
             try:
                 schema = json.loads(schema)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise InvalidRequestError(f"JSON schema is not valid JSON: {e}", param=_SCHEMA_PARAM) from e
         if not isinstance(schema, dict):
             raise InvalidRequestError(
@@ -114,21 +168,41 @@ class GrammarCompiler:
             # Compact, key order kept: properties are generated in the order the schema lists them,
             # so two schemas that differ only in that order are different grammars.
             text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise InvalidRequestError(
                 f"JSON schema is not serialisable as JSON: {e}", param=_SCHEMA_PARAM
             ) from e
-        key = f"schema:{int(bool(strict))}:{text}"
+        if max_bytes is not None and len(text) > max_bytes:
+            raise _too_big(len(text), max_bytes)
+        if max_properties is not None and (n := count_properties(schema)) > max_properties:
+            raise InvalidRequestError(
+                f"JSON schema has {n} properties, more than this server's limit of {max_properties} "
+                "(server.grammar_max_schema_properties)",
+                param=_SCHEMA_PARAM,
+            )
+        return PreparedSchema(f"schema:{int(bool(strict))}:{text}", text, bool(strict))
+
+    def lookup(self, prepared: PreparedSchema) -> Grammar | None:
+        """The cached grammar for `prepared`, or None (counted as a hit when found)."""
+        with self._lock:
+            g = self._cache.get(prepared.key)
+            if g is not None:
+                self._cache.move_to_end(prepared.key)
+                self._hits += 1
+            return g
+
+    def compile(self, prepared: PreparedSchema) -> Grammar:
+        """Compile `prepared` here (blocking; no bound) and cache it."""
 
         def build():
             try:
                 return self._compiler.compile_json_schema(
-                    text, any_whitespace=False, strict_mode=bool(strict)
+                    prepared.text, any_whitespace=False, strict_mode=prepared.strict
                 )
             except (RuntimeError, ValueError, TypeError) as e:
                 raise InvalidRequestError(f"invalid JSON schema: {_one_line(e)}", param=_SCHEMA_PARAM) from e
 
-        return self._get(key, build)
+        return self._get(prepared.key, build)
 
     def json_object(self) -> Grammar:
         """A grammar for any JSON object (OpenAI's ``response_format: {type: json_object}``)."""
@@ -143,7 +217,9 @@ class GrammarCompiler:
 
     def cache_info(self) -> CacheInfo:
         with self._lock:
-            return CacheInfo(self._hits, self._misses, len(self._cache), self._max_size)
+            return CacheInfo(
+                self._hits, self._misses, len(self._cache), self._max_size, self._bytes, self._max_bytes
+            )
 
     def _get(self, key: str, build) -> Grammar:
         with self._lock:
@@ -160,12 +236,30 @@ class GrammarCompiler:
             if g is None:
                 self._misses += 1
                 g = self._cache[key] = Grammar(compiled, self)
-                if len(self._cache) > self._max_size:
-                    self._cache.popitem(last=False)
+                self._bytes += g.nbytes
             else:
                 self._hits += 1
             self._cache.move_to_end(key)
+            self._evict()
             return g
+
+    def _evict(self) -> None:
+        # Oldest first; a grammar larger than the whole budget is evicted too (its requests
+        # keep their reference, so it lives exactly as long as they do).
+        while self._cache and (
+            len(self._cache) > self._max_size
+            or (self._max_bytes is not None and self._bytes > self._max_bytes)
+        ):
+            _, old = self._cache.popitem(last=False)
+            self._bytes -= old.nbytes
+
+
+def _too_big(size: int, limit: int) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"JSON schema is {size} bytes, more than this server's limit of {limit} bytes "
+        "(server.grammar_max_schema_bytes)",
+        param=_SCHEMA_PARAM,
+    )
 
 
 class Grammar:
@@ -173,6 +267,8 @@ class Grammar:
 
     def __init__(self, compiled: Any, compiler: GrammarCompiler) -> None:
         self._compiled = compiled
+        # xgrammar's estimate of the compiled grammar's memory (0 where it has none).
+        self.nbytes = int(getattr(compiled, "memory_size_bytes", 0) or 0)
         self.vocab_size = compiler.vocab_size
         self.stop_token_ids = frozenset(compiler.stop_token_ids)
 
