@@ -83,7 +83,7 @@ def public_view(cfg: ServerConfig) -> dict[str, Any]:
     """What readers of the resolved stack see: never the keys, only how many there are."""
     out = msgspec.to_builtins(cfg)
     for name in SECRET_FIELDS:
-        out[name] = f"<{len(getattr(cfg, name))} configured>" if getattr(cfg, name) else []
+        out[name] = f"{len(getattr(cfg, name))} configured"
     return out
 
 
