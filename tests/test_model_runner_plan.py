@@ -14,7 +14,7 @@ from lmstack.batch import SeqPlan, StepPlan
 from lmstack.components.none_quantizer import NoQuantizer
 from lmstack.components.torch_attention import TorchAttention
 from lmstack.interfaces import ScheduledSeq
-from lmstack.model.hf_loader import load_hf_config
+from lmstack.model.source import open_model_source
 from lmstack.model_runner import ModelRunner
 from lmstack.planner import plan_step
 from lmstack.sampling_params import SamplingParams
@@ -42,11 +42,12 @@ def tiny(tmp_path_factory):
     hf = LlamaForCausalLM(cfg).eval()
     folder = tmp_path_factory.mktemp("tiny-llama")
     hf.save_pretrained(folder)
-    config = load_hf_config(folder, "tiny")
+    source = open_model_source(folder)
     attn = TorchAttention()
     runner = ModelRunner(
-        config,
-        {k: v.float() for k, v in hf.state_dict().items()},
+        source.config,
+        source.architecture,
+        source.weights(),
         dtype=torch.float32,
         device=torch.device("cpu"),
         quantizer=NoQuantizer(),
