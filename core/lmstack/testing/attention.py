@@ -12,6 +12,18 @@ import torch
 from lmstack.batch import AttentionMetadata
 
 
+def _allowed(
+    lq: int, lk: int, context_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[Lq, Lk] bool: causal (queries sit at positions context_len..), within the window."""
+    qpos = torch.arange(context_len, context_len + lq, device=device)[:, None]
+    kpos = torch.arange(lk, device=device)[None, :]
+    allowed = kpos <= qpos
+    if sliding_window is not None:
+        allowed &= qpos - kpos < sliding_window
+    return allowed
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -27,12 +39,9 @@ def reference_attention(
     kk = k.float().repeat_interleave(hq // hkv, dim=1)
     vv = v.float().repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
-    qpos = torch.arange(context_len, context_len + lq, device=q.device)[:, None]
-    kpos = torch.arange(k.shape[0], device=q.device)[None, :]
-    allowed = kpos <= qpos
-    if sliding_window is not None:
-        allowed &= qpos - kpos < sliding_window
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill(
+        ~_allowed(lq, k.shape[0], context_len, sliding_window, q.device), float("-inf")
+    )
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
 
 
@@ -55,12 +64,9 @@ def plain_attention(
     kk = k.repeat_interleave(hq // hkv, dim=1)
     vv = v.repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, kk).float() * scale
-    qpos = torch.arange(context_len, context_len + lq, device=q.device)[:, None]
-    kpos = torch.arange(k.shape[0], device=q.device)[None, :]
-    allowed = kpos <= qpos
-    if sliding_window is not None:
-        allowed &= qpos - kpos < sliding_window
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill(
+        ~_allowed(lq, k.shape[0], context_len, sliding_window, q.device), float("-inf")
+    )
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1).to(q.dtype), vv)
 
 
