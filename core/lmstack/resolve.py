@@ -89,11 +89,7 @@ class Selected:
     def capabilities(self) -> Mapping[str, Any]:
         """The component's capabilities under the selected options."""
         c = self.component
-        if c.capabilities_for is None:
-            return c.capabilities
-        caps = c.capabilities_for(self.options)
-        check_capabilities(c.kind, caps, f"{c.kind} {c.name!r} ({c.distribution or 'unknown origin'})")
-        return caps
+        return c.capabilities if c.capabilities_for is None else c.capabilities_for(self.options)
 
     def describe(self) -> dict[str, Any]:
         c = self.component
@@ -272,7 +268,10 @@ def _select(
     except ResolutionError as exc:
         raise ResolutionError(f"{name_key}: {exc}") from None
     owner = f"{kind} {name!r} ({component.distribution or 'unknown origin'})"
-    return Selected(component, convert(options, component.options_type, path, owner=owner))
+    selected = Selected(component, convert(options, component.options_type, path, owner=owner))
+    if component.capabilities_for is not None:  # what these options give is checked once, here
+        check_capabilities(kind, selected.capabilities, owner)
+    return selected
 
 
 def _select_parallel(registry: Registry, section: Mapping[str, Any]) -> Selected:
