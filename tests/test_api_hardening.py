@@ -251,13 +251,18 @@ def test_health_stays_fast_while_huge_prompts_are_rejected(server):
 
 
 def _closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """Whether the server closed the connection within `seconds`, and what it sent first. A
+    reset counts as closed: a client still trickling bytes when the server closes gets RST
+    instead of FIN (the kernel's answer to data arriving on a closed socket)."""
     sock.settimeout(seconds)
     got = b""
     try:
         while chunk := sock.recv(4096):
             got += chunk
-    except (TimeoutError, ConnectionResetError):
+    except TimeoutError:
         return False, got
+    except ConnectionResetError:
+        return True, got
     return True, got
 
 

@@ -628,7 +628,7 @@ def test_known_name_resolves_without_importing_package(smollm2_path: Path) -> No
 def test_source_opens_lazily(smollm2_path: Path) -> None:
     source = open_model_source(str(smollm2_path))
     assert source.name == "SmolLM2-135M-Instruct.Q4_1" and source.format == "gguf"
-    assert not {"config", "tokenizer", "_reader"} & set(vars(source))  # nothing read until asked
+    assert not {"config", "tokenizer", "_gguf"} & set(vars(source))  # nothing read until asked
 
 
 def test_unknown_model_name() -> None:

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
 
 from lmstack.errors import ConfigError
 from lmstack.model.checkpoint import GGUFTensor
 from lmstack.model.config import ModelConfig
+from lmstack.model.gguf_file import GGUFFile, read_gguf
 from lmstack.model.tokenizer import Tokenizer, gguf_eos_token_ids
 
 # Per-layer GGUF tensor name -> Hugging Face name (after `model.layers.{i}.`).
@@ -47,29 +47,13 @@ _GLOBAL_NAMES = {
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """A memory-mapped reader; a file that is not GGUF gives a ConfigError."""
+def open_gguf(path: Path) -> GGUFFile:
+    """The file's metadata and tensor index (tensors stay in the memory mapping); a file that is
+    not GGUF gives a ConfigError."""
     try:
-        return GGUFReader(path)
-    except (ValueError, OSError, IndexError) as e:
+        return read_gguf(path)
+    except (ValueError, OSError) as e:
         raise ConfigError(f"cannot read GGUF file {path}: {e}") from e
-
-
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Every key/value of the file as plain Python values (strings, numbers, lists)."""
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-
-
-def read_tensors(reader: GGUFReader) -> dict[str, GGUFTensor]:
-    """Every tensor by its GGUF name, in file order: views of the file mapping, nothing decoded."""
-    return {
-        t.name: GGUFTensor(
-            data=t.data,
-            ggml_type=GGMLQuantizationType(t.tensor_type),
-            shape=tuple(int(n) for n in reversed(t.shape)),
-        )
-        for t in reader.tensors
-    }
 
 
 def quantization_description(tensors: Mapping[str, GGUFTensor]) -> dict[str, Any]:

