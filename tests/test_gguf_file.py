@@ -64,7 +64,11 @@ def _write(path: Path, rng: random.Random, alignment: int | None = None) -> None
     w.add_tensor("f32", np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32))
     w.add_tensor("f16_1d", np.arange(7, dtype=np.float16))
     w.add_tensor("i32", np.arange(12, dtype=np.int32).reshape(3, 4))
-    for qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.BF16):
+    for qtype in (
+        gguf.GGMLQuantizationType.Q8_0,
+        gguf.GGMLQuantizationType.Q4_0,
+        gguf.GGMLQuantizationType.BF16,
+    ):
         dense = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
         packed = gguf.quants.quantize(dense, qtype)
         w.add_tensor(f"q_{qtype.name}", packed, raw_shape=packed.shape, raw_dtype=qtype)
