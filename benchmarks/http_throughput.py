@@ -17,7 +17,6 @@ import asyncio
 import datetime as dt
 import gc
 import json
-import platform
 import random
 import shlex
 import statistics
@@ -28,6 +27,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offline_throughput import machine_info  # noqa: E402
 from sse_client import stream_completion  # noqa: E402
 
 from lmstack import LLM, SamplingParams  # noqa: E402
@@ -150,11 +150,7 @@ def main() -> int:
     record = {
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "python": platform.python_version(),
-        },
+        "machine": machine_info(),  # CPU model and AVX2 / AVX-512 / AMX flags: bf16 speed depends on them
         "config": vars(args) | {"out": str(args.out), "stack": stack(args)},
         "runs": runs,
         "median_tokens_per_s": med,
