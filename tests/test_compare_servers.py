@@ -86,12 +86,14 @@ def test_report_names_every_target_and_command():
     assert "(2026-11-29-servers.png)" in md
 
 
-def test_transformers_peer_serves_the_load_generator(smollm2_path, tmp_path):
+def test_transformers_peer_serves_the_load_generator(smollm2_path, hf_smollm2_folder, tmp_path):
     port = free_port()
     log = (tmp_path / "peer.log").open("w")
+    # The peer loads SmolLM2 from a Hugging Face folder (the GGUF path, used by the benchmark,
+    # costs ~30 s of load here and is the same transformers code the oracle tests run).
     peer = subprocess.Popen(
         [sys.executable, str(REPO / "benchmarks/peers/hf_static_server.py"), "--port", str(port),
-         "--batch-size", "4"],
+         "--batch-size", "4", "--model", str(hf_smollm2_folder)],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"

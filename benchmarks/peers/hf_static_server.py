@@ -180,12 +180,17 @@ class Engine(threading.Thread):
 
     def run(self) -> None:
         # Built here: torch CPU ops get slower once more than one thread has run torch work.
-        folder, name = os.path.split(self.model_path)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        # A GGUF file, or a Hugging Face model folder (config.json, safetensors, tokenizer).
+        if os.path.isdir(self.model_path):
+            folder, extra = self.model_path, {}
+        else:
+            folder, name = os.path.split(self.model_path)
+            extra = {"gguf_file": name}
+        tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
         tokenizer.padding_side = "left"
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=self.dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype, **extra).eval()
         # EOS is handled per row by RowsDone; generate's own EOS stop would end ignore_eos rows too.
         model.generation_config.eos_token_id = None
         self.model, self.tokenizer = model, tokenizer
@@ -369,7 +374,11 @@ async def models(request: Request) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF file or a Hugging Face model folder (default: SmolLM2-135M-Instruct Q4_1 GGUF)",
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--batch-size", type=int, default=32)
