@@ -28,15 +28,26 @@ def smollm2_path() -> Path:
 def hf_smollm2(smollm2_path: Path):
     """(LlamaForCausalLM in fp32, eval mode; its tokenizer), both loaded by transformers from the GGUF.
 
-    Takes ~15 s, so it is loaded once per session.
+    Takes ~20 s, so it is loaded once per session.
     """
+    import functools
+
+    import gguf
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     folder, name = smollm2_path.parent, smollm2_path.name
-    model = LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    # transformers rebuilds gguf's tensor-name map once per module while loading (~400 times,
+    # ~8 s here); the map depends only on (architecture, blocks), so one is shared meanwhile.
+    # The oracle's weights and their names are the same either way.
+    build_map = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build_map)
+    try:
+        model = LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    finally:
+        gguf.get_tensor_name_map = build_map
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
 
