@@ -16,6 +16,10 @@ import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offline_throughput import lmstack_stack  # noqa: E402
 
 
 def decode_once(engine, prompt: list[int], new_tokens: int) -> float:
@@ -46,14 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from lmstack.engine import LLMEngine
 
-    stack = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "device": "cpu",
-        "scheduler": {"name": "continuous", "max_num_seqs": 16, "max_num_batched_tokens": 2048},
-        "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "1GiB"},
-    }
-    engine = LLMEngine(stack)
+    engine = LLMEngine(lmstack_stack(args.model, args.dtype, max_num_seqs=16))
     prompt = list(range(100, 100 + args.prompt_len))
     try:
         decode_once(engine, prompt, args.new_tokens)  # warm-up

@@ -181,6 +181,17 @@ def _rss_bytes() -> int:
 # --- the workload (built once, in the parent) ------------------------------------------------
 
 
+def lmstack_stack(model: str, dtype: str, max_num_seqs: int) -> dict[str, Any]:
+    """The stack lmstack runs in this benchmark (and in decode_profile.py)."""
+    return {
+        "model": model,
+        "dtype": dtype,
+        "device": "cpu",
+        "scheduler": {"name": "continuous", "max_num_seqs": max_num_seqs, "max_num_batched_tokens": 2048},
+        "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "1GiB"},
+    }
+
+
 def build_workload(args: argparse.Namespace) -> dict[str, Any]:
     from lmstack.model.source import open_model_source
 
@@ -203,17 +214,7 @@ def build_workload(args: argparse.Namespace) -> dict[str, Any]:
 
     prompts = [text_ids(n_tok) for n_tok in lens]
     decode_prompt = text_ids(32)
-    stack = {
-        "model": args.model,
-        "dtype": "bfloat16",
-        "device": "cpu",
-        "scheduler": {
-            "name": "continuous",
-            "max_num_seqs": args.batch_size,
-            "max_num_batched_tokens": 2048,
-        },
-        "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "1GiB"},
-    }
+    stack = lmstack_stack(args.model, "bfloat16", args.batch_size)
     return {
         "model": args.model,
         "model_path": str(source.path),

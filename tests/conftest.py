@@ -42,12 +42,9 @@ def hf_smollm2(smollm2_path: Path):
     # transformers rebuilds gguf's tensor-name map once per module while loading (~400 times,
     # ~8 s here); the map depends only on (architecture, blocks), so one is shared meanwhile.
     # The oracle's weights and their names are the same either way.
-    build_map = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build_map)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
         model = LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    finally:
-        gguf.get_tensor_name_map = build_map
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
 
