@@ -32,7 +32,7 @@ def fake_registry() -> Registry:
         ("none", "quantizer", {}),
         ("none", "speculator", {}),
         ("single", "parallel", {}),
-        ("gpu-only", "attention", {"capabilities": {"devices": ("cuda",)}}),
+        ("gpu-only", "attention", {"capabilities": {"devices": ("cuda",)}, "api": ">=1.0,<2"}),
     ]:
         reg.add(
             Component(
@@ -154,11 +154,12 @@ def test_plugins_table(fakes, capsys):
     code, out, _ = run(capsys, "plugins")
     assert code == 0
     header, *rows = out.splitlines()
-    assert header.split() == ["KIND", "NAME", "DISTRIBUTION", "VERSION", "OPTIONS", "CAPABILITIES"]
+    assert header.split() == ["KIND", "NAME", "DISTRIBUTION", "VERSION", "API", "OPTIONS", "CAPABILITIES"]
     gpu = next(r for r in rows if "gpu-only" in r)
-    assert gpu.split()[:4] == ["attention", "gpu-only", "lmstack-fake", "2.0"]
+    assert gpu.split()[:5] == ["attention", "gpu-only", "lmstack-fake", "2.0", ">=1.0,<2"]
     assert "devices=[cuda]" in gpu
     sched = next(r for r in rows if r.startswith("scheduler"))
+    assert sched.split()[4] == "-"  # no API range declared
     assert "max_num_seqs" in sched
 
 
@@ -170,6 +171,7 @@ def test_plugins_json(fakes, capsys):
     gpu = next(r for r in rows if r["name"] == "gpu-only")
     assert gpu["distribution"] == "lmstack-fake" and gpu["version"] == "2.0"
     assert gpu["capabilities"] == {"devices": ["cuda"]}
+    assert gpu["api"] == ">=1.0,<2"
 
 
 def test_plugins_with_the_builtins(capsys, monkeypatch):

@@ -143,7 +143,10 @@ def serve(stack_path: str, host: str | None = None, port: int | None = None, log
     state.on_load_failure = failed
     server.run(sockets=[sock])
     # A server that cannot serve exits non-zero (its reason was logged once), so a supervisor
-    # restarts it or reports it rather than probing a process stuck at 503 forever.
+    # restarts it or reports it rather than probing a process stuck at 503 forever. A problem
+    # the user can fix (a component that failed to build) is also the CLI's one error line.
+    if isinstance(state.load_exception, LmstackError):
+        raise state.load_exception
     return 1 if state.load_error else 0
 
 

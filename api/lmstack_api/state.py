@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lmstack.async_engine import AsyncEngine
+from lmstack.errors import LmstackError
 from lmstack.resolve import ResolvedStack
 from lmstack_api.config import ServerConfig, server_config
 from lmstack_api.errors import APIError, clip, overloaded
@@ -31,6 +32,9 @@ class ServerState:
         self.api_keys = [k.encode() for k in (*self.config.api_keys, *env_keys)]
         self.engine = engine
         self.load_error: str | None = None
+        # The exception itself: `lmstack serve` reports an LmstackError (a factory's BuildError)
+        # as the CLI's one line when it exits.
+        self.load_exception: BaseException | None = None
         self.created = int(time.time())
         self.draining = False
         self.inflight = 0
@@ -62,8 +66,10 @@ class ServerState:
             engine = await asyncio.to_thread(AsyncEngine, self.stack)
             self.max_piece_bytes = await asyncio.to_thread(max_piece_bytes, engine.tokenizer)
         except Exception as exc:  # logged once, here; then the process exits non-zero
-            self.load_error = f"{type(exc).__name__}: {exc}"
+            self.load_exception = exc
+            self.load_error = str(exc) if isinstance(exc, LmstackError) else f"{type(exc).__name__}: {exc}"
             log.error("engine failed to load; exiting", error=self.load_error)
+            log.debug("engine load traceback", exc_info=exc)
             if self.on_load_failure is not None:
                 self.on_load_failure()
             return

@@ -1,8 +1,9 @@
 """lmstack: an LLM inference server built as a minimal core plus plugins."""
 
+from lmstack.plugin_api import PLUGIN_API_VERSION
 from lmstack.sampling_params import SamplingParams
 
-__all__ = ["LLM", "AsyncEngine", "LLMEngine", "SamplingParams", "hookimpl"]
+__all__ = ["LLM", "PLUGIN_API_VERSION", "AsyncEngine", "LLMEngine", "SamplingParams", "hookimpl"]
 
 
 def __getattr__(name: str):

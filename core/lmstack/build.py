@@ -5,19 +5,28 @@ Each role's factory gets its options and the `BuildContext`, which fills up as r
 sit between roles — the executor and the weights after the parallel layout, the KV cache after
 the allocator, the limits before the scheduler — are the only role-specific code; a new kind
 in `lmstack.roles` is built here with no edit.
+
+Whatever a factory (or the model load after the parallel layout) raises comes out as a
+`BuildError` naming the role, the component and its distribution, in one line; the original
+traceback goes to the log at debug level. `check_build` runs the factories without the
+executor, the weights or the KV cache, for `lmstack check --build`.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+from lmstack.errors import BuildError
 from lmstack.executor import ExecutorSpec
 from lmstack.interfaces import BuildContext, EngineLimits, Executor
 from lmstack.model.architecture import ModelRegistry
 from lmstack.model.config import ModelConfig
 from lmstack.resolve import ResolvedStack, Selected
-from lmstack.roles import ROLES
+from lmstack.roles import ROLE, ROLES
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,8 +38,12 @@ class BuiltStack:
 
 
 class _Builder:
-    def __init__(self, stack: ResolvedStack, model_config: ModelConfig, models: ModelRegistry) -> None:
+    def __init__(
+        self, stack: ResolvedStack, model_config: ModelConfig, models: ModelRegistry, *, load: bool = True
+    ) -> None:
         self.stack, self.mc, self.models = stack, model_config, models
+        # load=False: factories only; no executor, no weights, no KV cache (`check_build`).
+        self.load = load
         self.ctx = BuildContext(model_config, stack.device, stack.dtype, stack.kv_cache_dtype)
         mc = model_config
         self.max_positions = min(
@@ -39,17 +52,18 @@ class _Builder:
         self.executor: Executor | None = None
         self.limits: EngineLimits | None = None
 
-    def run(self) -> BuiltStack:
+    def run(self) -> dict[str, Any]:
         built = self.ctx.components
         for role in ROLES:
             sel = self.stack.selected[role.name]
-            getattr(self, f"_before_{role.name}", lambda: None)()
-            built[role.name] = self._reused(role.name, sel, built) or sel.component.factory(
-                sel.options, self.ctx
-            )
-            getattr(self, f"_after_{role.name}", lambda: None)()
-        assert self.executor is not None and self.limits is not None  # set by the stages below
-        return BuiltStack(dict(built), self.executor, self.limits, self.ctx)
+            # The steps around a role's factory use what it built: their failures are its.
+            with _blame(role.name, sel):
+                getattr(self, f"_before_{role.name}", lambda: None)()
+                built[role.name] = self._reused(role.name, sel, built) or sel.component.factory(
+                    sel.options, self.ctx
+                )
+                getattr(self, f"_after_{role.name}", lambda: None)()
+        return dict(built)
 
     def _reused(self, role: str, sel: Selected, built: dict[str, Any]) -> Any:
         # One instance fills two roles when the stack picks the same component with the same
@@ -63,6 +77,8 @@ class _Builder:
     # --- the engine's steps between roles ------------------------------------------------------
 
     def _after_parallel(self) -> None:
+        if not self.load:
+            return
         c = self.ctx.components
         self.executor = c["parallel"].create_executor(
             ExecutorSpec(
@@ -79,17 +95,22 @@ class _Builder:
                 models=self.models,
             )
         )
-        self.executor.load_model()
+        with _blame("parallel", self.stack.parallel, what=f"failed to load the model {self.stack.model!r}"):
+            self.executor.load_model()
 
     def _before_allocator(self) -> None:
-        assert self.executor is not None
         block_size = getattr(self.stack.allocator.options, "block_size", 16)
-        self.ctx.kv_bytes_per_block = self.executor.kv_cache_bytes_per_block(block_size)
+        if self.executor is not None:
+            self.ctx.kv_bytes_per_block = self.executor.kv_cache_bytes_per_block(block_size)
+        else:  # no executor (check_build): the single-device layout's geometry, from the config
+            self.ctx.kv_bytes_per_block = block_size * self.mc.kv_bytes_per_token(
+                self.stack.kv_cache_dtype.itemsize
+            )
 
     def _after_allocator(self) -> None:
-        assert self.executor is not None
         allocator = self.ctx.components["allocator"]
-        self.executor.init_kv_cache(allocator.num_blocks, allocator.block_size)
+        if self.executor is not None:
+            self.executor.init_kv_cache(allocator.num_blocks, allocator.block_size)
         self.ctx.allocator = allocator
 
     def _before_scheduler(self) -> None:
@@ -103,5 +124,35 @@ class _Builder:
 
 
 def build_stack(stack: ResolvedStack, model_config: ModelConfig, models: ModelRegistry) -> BuiltStack:
-    """Build every role's component, the executor (weights loaded) and the KV cache."""
-    return _Builder(stack, model_config, models).run()
+    """Build every role's component, the executor (weights loaded) and the KV cache. Raises
+    `BuildError` when a factory or the model load fails."""
+    builder = _Builder(stack, model_config, models)
+    components = builder.run()
+    assert builder.executor is not None and builder.limits is not None  # set by the stages above
+    return BuiltStack(components, builder.executor, builder.limits, builder.ctx)
+
+
+def check_build(stack: ResolvedStack, model_config: ModelConfig, models: ModelRegistry) -> dict[str, Any]:
+    """Run every role's factory as `build_stack` would, without creating the executor, loading
+    weights or allocating the KV cache: the allocator gets the KV block size computed from the
+    model config (as the single-device layout lays it out), the scheduler and speculator the
+    limits that follow. Returns role -> instance; raises `BuildError` like `build_stack`."""
+    return _Builder(stack, model_config, models, load=False).run()
+
+
+class _blame:
+    """Turn any exception inside into a `BuildError` naming the role's component."""
+
+    def __init__(self, role: str, sel: Selected, what: str = "failed to build") -> None:
+        self.role, self.sel, self.what = role, sel, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, BuildError) or not isinstance(exc, Exception):
+            return False  # KeyboardInterrupt and friends pass; a BuildError already says who
+        c = self.sel.component
+        error = BuildError(ROLE[self.role].label, c.name, c.distribution, c.version, exc, what=self.what)
+        log.debug("%s", error, exc_info=exc)
+        raise error from exc

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ EXIT_INTERRUPTED = 130
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # `plugins --check` lists the problems itself: the warnings would say everything twice.
+    _configure_logging(quiet_plugins="plugins" in argv[:1] and "--check" in argv)
     try:
         pm = _plugin_manager()
     except LmstackError as exc:
@@ -53,8 +56,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 1
     except (LmstackError, OSError) as exc:
+        # The traceback (a factory's, say) is for the log; the user gets the one line.
+        logging.getLogger("lmstack.cli").debug("%s", exc, exc_info=exc)
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+LOG_LEVEL_ENV = "LMSTACK_LOG_LEVEL"
+
+
+class _StderrHandler(logging.Handler):
+    """``warning: <message>`` on whatever `sys.stderr` is now (tests swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _configure_logging(quiet_plugins: bool = False) -> None:
+    """lmstack's own log records (a skipped plugin's warning; at ``LMSTACK_LOG_LEVEL=debug``
+    the tracebacks behind one-line errors) as ``level: message`` lines on stderr."""
+    logging.getLogger("lmstack.plugins").setLevel(logging.ERROR if quiet_plugins else logging.NOTSET)
+    logger = logging.getLogger("lmstack")
+    level = os.environ.get(LOG_LEVEL_ENV, "warning").strip().upper() or "WARNING"
+    logger.setLevel(level if level in logging.getLevelNamesMapping() else "WARNING")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(_LevelFormatter())
+        logger.addHandler(handler)
+
+
+class _LevelFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"{record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info and logging.getLogger("lmstack").isEnabledFor(logging.DEBUG):
+            text += "\n" + self.formatException(record.exc_info)
+        return text
 
 
 def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentParser:
@@ -77,6 +116,15 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
     check.add_argument(
         "--skip-model", action="store_true", help="do not open the model (check the components only)"
     )
+    check.add_argument(
+        "--build",
+        action="store_true",
+        help="also run every component's factory (quantizer, kernels, parallel layout, allocator, "
+        "scheduler, speculator) with the model's metadata, in build order, so a factory that "
+        "raises (a missing draft model, a bad option value) is reported now, in one line. It does "
+        "not create the executor, load the weights, allocate the KV cache or run a step: failures "
+        "there still show only at `generate` / `serve`. Needs the model (not --skip-model)",
+    )
     check.set_defaults(handler=_cmd_check)
 
     plugins = sub.add_parser(
@@ -86,6 +134,12 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
         "and capabilities.",
     )
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plugins.add_argument(
+        "--check",
+        action="store_true",
+        help="list every plugin problem (failed import, invalid component, unsupported API, "
+        "registers nothing), one a line; exit status 1 when there is any",
+    )
     plugins.set_defaults(handler=_cmd_plugins)
 
     generate = sub.add_parser(
@@ -121,14 +175,21 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from lmstack.plugins import default_registry
     from lmstack.resolve import check_model, resolve
 
+    if args.build and args.skip_model:
+        raise LmstackError("--build needs the model's metadata; leave out --skip-model")
     stack = load_stack(args.stack)
     resolved = resolve(stack, default_registry())
     model_config = None
     if not args.skip_model:
         from lmstack.model.source import open_model_source
 
-        model_config = open_model_source(resolved.model).config
+        models = _model_registry() if args.build else None
+        model_config = open_model_source(resolved.model, models=models).config
         check_model(resolved, model_config)
+        if args.build:
+            from lmstack.build import check_build
+
+            check_build(resolved, model_config, models)
 
     if args.json:
         out = resolved.describe()
@@ -136,20 +197,35 @@ def _cmd_check(args: argparse.Namespace) -> int:
             out["model_config"] = _jsonable(model_config)
         print(json.dumps(out, indent=2))
     else:
-        _print_check(args.stack, resolved, model_config)
+        _print_check(args.stack, resolved, model_config, built=args.build)
     return 0
+
+
+def _model_registry():
+    from lmstack.model.architecture import build_model_registry
+
+    return build_model_registry(_plugin_manager())
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
     from lmstack.plugins import default_registry
 
-    components = default_registry().all()
+    registry = default_registry()
+    if args.check:
+        problems = [str(p) for p in registry.problems]
+        if args.json:
+            print(json.dumps(problems, indent=2))
+        else:
+            print("\n".join(problems) if problems else "no problems")
+        return 1 if problems else 0
+    components = registry.all()
     rows = [
         {
             "kind": c.kind,
             "name": c.name,
             "distribution": c.distribution,
             "version": c.version,
+            "api": c.api,
             "options": c.option_names,
             "capabilities": _jsonable(dict(c.capabilities)),
             "requires": _jsonable(dict(c.requires)),
@@ -165,13 +241,14 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         return 0
     print(
         _table(
-            ["KIND", "NAME", "DISTRIBUTION", "VERSION", "OPTIONS", "CAPABILITIES"],
+            ["KIND", "NAME", "DISTRIBUTION", "VERSION", "API", "OPTIONS", "CAPABILITIES"],
             [
                 [
                     r["kind"],
                     r["name"],
                     r["distribution"],
                     r["version"],
+                    r["api"] or "-",  # not declared: accepted by every lmstack
                     ", ".join(r["options"]) or "-",
                     _pairs(r["capabilities"]) or "-",
                 ]
@@ -219,7 +296,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return int(cli_generate.run(args) or 0)
 
 
-def _print_check(path: str, resolved: ResolvedStack, model_config: ModelConfig | None) -> None:
+def _print_check(
+    path: str, resolved: ResolvedStack, model_config: ModelConfig | None, built: bool = False
+) -> None:
     from lmstack.resolve import DTYPE_NAMES, ROLE_LABEL
 
     print(f"stack     {path}")
@@ -249,6 +328,8 @@ def _print_check(path: str, resolved: ResolvedStack, model_config: ModelConfig |
     print(_table(["ROLE", "COMPONENT", "DISTRIBUTION", "VERSION", "OPTIONS"], rows))
     print()
     checked = "fits the model" if model_config is not None else "resolves (model not opened)"
+    if built:
+        checked += " and every component builds"
     print(f"ok: the stack {checked}; no weights were loaded")
 
 

@@ -28,3 +28,33 @@ class InvalidRequestError(LmstackError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         self.param = param
         super().__init__(message)
+
+
+class BuildError(LmstackError):
+    """A component's factory (or the model load it drives) raised while the stack was built.
+
+    The message names the role, the component and its distribution, then the cause:
+    ``prefill kernel 'flash' (lmstack-flash 1.2) failed to build: OSError: no such file``. The
+    original exception is the `__cause__` (its traceback goes to the log, not to the user)."""
+
+    def __init__(
+        self,
+        role: str,
+        component: str,
+        distribution: str,
+        version: str,
+        cause: BaseException,
+        *,
+        what: str = "failed to build",
+    ) -> None:
+        self.role, self.component, self.distribution, self.version = role, component, distribution, version
+        self.cause = cause
+        origin = " ".join(p for p in (distribution, version) if p) or "unknown distribution"
+        text = " ".join(str(cause).split())
+        # An LmstackError's text is already written for the user; anything else is a bug or an
+        # environment problem, where the exception type says a lot.
+        if isinstance(cause, LmstackError) and text:
+            reason = text
+        else:
+            reason = f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+        super().__init__(f"{role} {component!r} ({origin}) {what}: {reason}")

@@ -6,22 +6,46 @@ switches keep runs reproducible (tests must not depend on what happens to be ins
 
 - ``LMSTACK_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry-point plugins at all;
 - ``LMSTACK_PLUGINS=a,b`` loads only the entry points named ``a`` and ``b``.
+
+One broken plugin must not take every command down. An autoloaded entry-point plugin that
+fails to import, implements a hook wrongly (a misspelled name, a misnamed argument), raises in
+its registration hook or registers something invalid is *skipped*: one warning line (logger
+``lmstack.plugins``) names it and its distribution, and the problem is kept in
+`Registry.problems` (`lmstack plugins --check` lists them; an unknown component name mentions
+them). Plugins the user asked for by name — built-ins, `extra_plugins`, entry points in the
+``LMSTACK_PLUGINS`` allow-list — fail loudly instead, with the same message.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as metadata
+import inspect
+import logging
 import os
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pluggy
 
 from lmstack import hookspecs
 from lmstack.errors import LmstackError, ResolutionError
-from lmstack.registry import KINDS, Component, Registry, StackSection
+from lmstack.registry import KINDS, Component, InvalidComponent, PluginProblem, Registry, StackSection
+
+__all__ = [
+    "ALLOW_LIST_ENV",
+    "AUTOLOAD_ENV",
+    "DEFAULT_PLUGINS",
+    "ENTRY_POINT_GROUP",
+    "PluginManager",
+    "PluginProblem",
+    "build_registry",
+    "default_registry",
+    "make_plugin_manager",
+]
 
 ENTRY_POINT_GROUP = "lmstack"
 DEFAULT_PLUGINS: tuple[str, ...] = ("lmstack.components.builtins",)
@@ -32,7 +56,14 @@ ALLOW_LIST_ENV = "LMSTACK_PLUGINS"
 UNKNOWN_DISTRIBUTION = "<unknown>"
 UNKNOWN_VERSION = "0+unknown"
 
+SECTIONS_HOOK = "lmstack_register_stack_sections"
+# Hooks whose whole job is to call `register`: a plugin implementing only these that never
+# calls it offers nothing.
+_REGISTERING_HOOKS = frozenset({*hookspecs.REGISTRATION_HOOKS.values(), SECTIONS_HOOK})
+
 _TRUE = {"1", "true", "yes", "on"}
+
+log = logging.getLogger(__name__)
 
 
 def autoload_enabled() -> bool:
@@ -46,20 +77,31 @@ def allow_list_from_env() -> frozenset[str] | None:
     return names or None
 
 
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager, plus what lmstack learns while loading: the problems found so far and
+    which plugins are tolerated when broken (autoloaded entry points) rather than fatal."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT)
+        self.problems: list[PluginProblem] = []
+        self.tolerant: set[int] = set()  # id(plugin): skip it with a warning when broken
+        self.entry_points: set[int] = set()  # id(plugin): checked for "registers nothing"
+
+
 def make_plugin_manager(
     *,
     autoload: bool | None = None,
     extra_plugins: Iterable[object | str] = (),
     allow: Iterable[str] | None = None,
     default_plugins: Iterable[str] | None = None,
-) -> pluggy.PluginManager:
+) -> PluginManager:
     """A plugin manager with the built-ins, `extra_plugins`, then entry-point plugins.
 
     `autoload` / `allow` default to the environment switches. `extra_plugins` are plugin
     objects or importable module names (tests use them for fake plugins). `default_plugins`
     replaces `DEFAULT_PLUGINS` (tests that want only their fakes pass ``()``).
     """
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm = PluginManager()
     pm.add_hookspecs(hookspecs)
 
     for module_name in DEFAULT_PLUGINS if default_plugins is None else tuple(default_plugins):
@@ -80,13 +122,19 @@ def make_plugin_manager(
 
 
 def _register(pm: pluggy.PluginManager, plugin: object, name: str | None) -> None:
+    """Register a plugin the user named (built-in, extra): any problem is an error."""
+    label = name or _label(pm, plugin)
+    wrong = _hookimpl_problems(pm, plugin)
+    if wrong:
+        dist, version = _guess_origin(plugin)
+        raise ResolutionError(str(PluginProblem(label, dist, version, wrong[0])))
     try:
         pm.register(plugin, name=name)
     except (pluggy.PluginValidationError, ValueError) as exc:
-        raise ResolutionError(f"plugin {name or _module_of(plugin)!r} cannot be registered: {exc}") from exc
+        raise ResolutionError(f"plugin {label!r} cannot be registered: {_one_line(exc)}") from exc
 
 
-def _load_entry_points(pm: pluggy.PluginManager, allowed: frozenset[str] | None) -> None:
+def _load_entry_points(pm: PluginManager, allowed: frozenset[str] | None) -> None:
     found: dict[str, tuple[metadata.EntryPoint, metadata.Distribution]] = {}
     for dist in metadata.distributions():
         for ep in dist.entry_points:
@@ -102,41 +150,137 @@ def _load_entry_points(pm: pluggy.PluginManager, allowed: frozenset[str] | None)
                 f"`{ENTRY_POINT_GROUP}` entry point by that name (installed: {installed})"
             )
 
+    # Only an autoloaded plugin is skipped when broken: one the allow-list names was asked for.
+    tolerant = allowed is None
     names = sorted(found) if allowed is None else sorted(allowed)
     for name in names:
         ep, dist = found[name]
         if pm.get_plugin(name) is not None or pm.is_blocked(name):
             continue
-        dist_label = f"{_dist_name(dist)} {dist.version}"
+        dist_name = _dist_name(dist)
+
+        def problem(message: str, dist_name: str = dist_name, dist: Any = dist, name: str = name) -> None:
+            _problem(pm, PluginProblem(name, dist_name, dist.version, message), fatal=not tolerant)
+
         # Import first, on our own, so that a broken plugin is reported by name in one line
         # instead of as a traceback from inside pluggy.
         try:
             module = ep.load()
         except Exception as exc:  # any import-time failure of third-party code
-            raise ResolutionError(
-                f"plugin {name!r} (entry point `{ep.value}` of {dist_label}) failed to import: "
-                f"{type(exc).__name__}: {exc}; fix or uninstall {_dist_name(dist)}, or leave it "
-                f"out with {ALLOW_LIST_ENV}"
-            ) from exc
+            log.debug("plugin %r failed to import", name, exc_info=True)
+            problem(
+                f"failed to import (entry point `{ep.value}`): {type(exc).__name__}: {_one_line(exc)}; "
+                f"fix or uninstall {dist_name}, or leave it out with {ALLOW_LIST_ENV}"
+            )
+            continue
         if pm.is_registered(module):  # already passed in as an extra plugin by its own package
+            continue
+        wrong = _hookimpl_problems(pm, module)
+        if wrong:
+            for message in wrong:  # all of them are listed (an allow-listed plugin: the first raises)
+                problem(message)
             continue
         # pluggy registers it and records its distribution for `list_plugin_distinfo()`.
         try:
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
         except (pluggy.PluginValidationError, ValueError) as exc:
-            raise ResolutionError(f"plugin {name!r} ({dist_label}) cannot be registered: {exc}") from exc
+            if pm.is_registered(module):  # pluggy may have added some of its hooks already
+                pm.unregister(module)
+            problem(f"cannot be registered: {_one_line(exc)}")
+            continue
+        pm.entry_points.add(id(module))
+        if tolerant:
+            pm.tolerant.add(id(module))
+
+
+def _hookimpl_problems(pm: pluggy.PluginManager, plugin: object) -> list[str]:
+    """What pluggy would reject or silently ignore about a plugin's `@hookimpl` functions,
+    each as a sentence naming the fix: a hook name lmstack does not define (with the closest
+    one), an argument the hook does not pass."""
+    specs = {name: caller for name, caller in vars(pm.hook).items() if getattr(caller, "has_spec", None)}
+    specs = {name: caller for name, caller in specs.items() if caller.has_spec()}
+    problems = []
+    for attr in sorted(dir(plugin)):
+        try:
+            opts = pm.parse_hookimpl_opts(plugin, attr)
+        except Exception:  # an attribute that cannot even be read is no hook
+            continue
+        if opts is None:
+            continue
+        hook = opts.get("specname") or attr
+        caller = specs.get(hook)
+        if caller is None:
+            if opts.get("optionalhook"):
+                continue
+            close = difflib.get_close_matches(hook, list(specs), n=1)
+            hint = (
+                f"did you mean {close[0]}?"
+                if close
+                else "check its spelling, or the plugin needs a newer lmstack"
+            )
+            problems.append(f"implements {hook}, which lmstack does not define; {hint}")
+            continue
+        spec_args = tuple(caller.spec.argnames)
+        extra = [a for a in _required_args(getattr(plugin, attr)) if a not in spec_args]
+        if extra:
+            names = ", ".join(f"`{a}`" for a in extra)
+            if len(spec_args) == 1:
+                fix = f"name it `{spec_args[0]}`"
+            else:
+                fix = "its arguments are " + ", ".join(f"`{a}`" for a in spec_args)
+            problems.append(f"declares argument {names} in {hook}, which lmstack does not pass; {fix}")
+    return problems
+
+
+def _required_args(function: Any) -> list[str]:
+    """The positional parameters without a default (those pluggy must fill from the hook call),
+    without an unbound `self` / `cls`."""
+    try:
+        params = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in params if p.kind in positional and p.default is inspect.Parameter.empty]
+    if names and names[0] in ("self", "cls") and not inspect.ismethod(function):
+        names = names[1:]
+    return names
 
 
 def _check_hook_names(pm: pluggy.PluginManager) -> None:
-    """A misspelled `@hookimpl` would otherwise be silently ignored."""
+    """A misspelled `@hookimpl` would otherwise be silently ignored (`_hookimpl_problems`
+    catches it before registration; this is the net for plugins registered some other way)."""
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         origin = _origins(pm).get(id(exc.plugin), (UNKNOWN_DISTRIBUTION, ""))
         raise ResolutionError(
             f"plugin {_label(pm, exc.plugin)!r} ({origin[0]}) implements a hook lmstack does not "
-            f"define ({exc}); check its spelling, or the plugin needs a newer lmstack"
+            f"define ({_one_line(exc)}); check its spelling, or the plugin needs a newer lmstack"
         ) from exc
+
+
+def _problem(pm: pluggy.PluginManager, problem: PluginProblem, *, fatal: bool) -> None:
+    """Raise it (the user asked for this plugin) or record it and warn once."""
+    if fatal:
+        raise ResolutionError(str(problem))
+    problems = getattr(pm, "problems", None)
+    if problems is not None:
+        problems.append(problem)
+    warn(problem)
+
+
+_WARNED: set[str] = set()
+
+
+def warn(problem: PluginProblem) -> None:
+    """Log a problem as one warning line, once per process (the CLI builds the plugin
+    manager more than once per command)."""
+    line = str(problem)
+    if problem.skipped:
+        line += " (skipped; `lmstack plugins --check` lists every problem)"
+    if line not in _WARNED:
+        _WARNED.add(line)
+        log.warning(line)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,54 +288,171 @@ def _check_hook_names(pm: pluggy.PluginManager) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Offer:
+    """What one plugin's registration hooks handed to `register`, before it enters the registry."""
+
+    plugin: str
+    distribution: str
+    version: str
+    items: list[Component | StackSection] = field(default_factory=list)
+    offered: list[tuple[str, str]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    registering_hooks: int = 0  # component / section registration hooks it implements
+
+    obj: object = None  # the plugin itself
+
+    def problem(self, message: str, skipped: bool = True) -> PluginProblem:
+        return PluginProblem(
+            self.plugin, self.distribution, self.version, message, skipped, tuple(self.offered)
+        )
+
+
 def build_registry(pm: pluggy.PluginManager) -> Registry:
     """Call every registration hook, recording each component (and stack section) with the
-    distribution (and its version) that provided it."""
+    distribution (and its version) that provided it.
+
+    A plugin whose hooks raise or register something invalid is an error, unless it is an
+    autoloaded entry point: then it is skipped, with a warning and an entry in
+    `registry.problems`, and none of its components are registered."""
     registry = Registry()
+    registry.problems.extend(getattr(pm, "problems", ()))
+    tolerant: set[int] = getattr(pm, "tolerant", set())
+    entry_points: set[int] = getattr(pm, "entry_points", set())
     origins = _origins(pm)
+    offers: dict[int, _Offer] = {}  # id(plugin) -> its offer, in the order plugins were registered
+
+    def offer_of(plugin: object) -> _Offer:
+        if id(plugin) not in offers:
+            dist, version = origins.get(id(plugin)) or _guess_origin(plugin)
+            offers[id(plugin)] = _Offer(_label(pm, plugin), dist, version, obj=plugin)
+        return offers[id(plugin)]
+
+    def report(problem: PluginProblem) -> None:
+        warn(problem)
+        registry.problems.append(problem)
+
+    # Hook implementations run in registration order: built-ins first, so a plugin reusing a
+    # built-in name is the one reported as the clash.
+    for plugin in pm.get_plugins():
+        offer_of(plugin)
     for kind in KINDS:
-        hook_name = hookspecs.REGISTRATION_HOOKS[kind]
-        _call_registration(
-            pm, hook_name, origins, lambda *who, k=kind, h=hook_name: _register_callback(registry, k, h, *who)
-        )
-    _call_registration(pm, SECTIONS_HOOK, origins, lambda *who: _section_callback(registry, *who))
+        _call_registration(pm, hookspecs.REGISTRATION_HOOKS[kind], kind, offer_of, tolerant)
+    _call_registration(pm, SECTIONS_HOOK, None, offer_of, tolerant)
+
+    for plugin_id, offer in offers.items():
+        if offer.problems:
+            # Only a tolerated plugin gets here with problems (any other raised already).
+            for message in offer.problems:
+                report(offer.problem(message))
+            continue
+        try:
+            _add_offer(registry, offer)
+        except ResolutionError as exc:
+            if plugin_id not in tolerant:
+                raise
+            report(offer.problem(f"clashes with another plugin: {_one_line(exc)}"))
+            continue
+        other_hooks = [c for c in pm.get_hookcallers(offer.obj) or () if c.name not in _REGISTERING_HOOKS]
+        if plugin_id in entry_points and not offer.items and not other_hooks:
+            report(_registers_nothing(offer))
     return registry
-
-
-SECTIONS_HOOK = "lmstack_register_stack_sections"
 
 
 def _call_registration(
     pm: pluggy.PluginManager,
     hook_name: str,
-    origins: dict[int, tuple[str, str]],
-    make_register: Callable[[str, str, str], Callable[[Any], None]],
+    kind: str | None,
+    offer_of: Any,
+    tolerant: set[int],
 ) -> None:
+    """Call one registration hook of every plugin, collecting what each registers (and what
+    is wrong with it) in its offer."""
     for impl in getattr(pm.hook, hook_name).get_hookimpls():
-        dist, version = origins.get(id(impl.plugin)) or _guess_origin(impl.plugin)
-        plugin = _label(pm, impl.plugin)
-        register = make_register(plugin, dist, version)
+        offer: _Offer = offer_of(impl.plugin)
+        offer.registering_hooks += 1
+        register = _collector(offer, hook_name, kind)
         kwargs = {"register": register} if "register" in impl.argnames else {}
+        before = len(offer.problems)
         try:
             impl.function(**kwargs)
-        except LmstackError:
-            raise
+        except InvalidComponent as exc:  # raised by Component() inside the hook
+            offer.problems.append(f"offers an invalid component: {exc}")
+        except LmstackError as exc:
+            offer.problems.append(f"failed in {hook_name}: {_one_line(exc)}")
         except Exception as exc:
-            raise ResolutionError(
-                f"plugin {plugin!r} ({dist}) failed in {hook_name}: {type(exc).__name__}: {exc}"
-            ) from exc
+            log.debug("plugin %r failed in %s", offer.plugin, hook_name, exc_info=True)
+            offer.problems.append(f"failed in {hook_name}: {type(exc).__name__}: {_one_line(exc)}")
+        if len(offer.problems) > before and id(impl.plugin) not in tolerant:
+            raise ResolutionError(str(offer.problem(offer.problems[before])))
 
 
-def _section_callback(registry: Registry, plugin: str, dist: str, version: str) -> Callable[[Any], None]:
-    def register(section: StackSection) -> None:
-        if not isinstance(section, StackSection):
-            raise ResolutionError(
-                f"plugin {plugin!r} ({dist}) passed a {type(section).__name__} to register() in "
-                f"{SECTIONS_HOOK}; expected an lmstack.registry.StackSection"
+def _collector(offer: _Offer, hook_name: str, kind: str | None) -> Any:
+    """The `register` callback one plugin's hook receives. A wrong argument is recorded as a
+    problem of the plugin (never raised into the plugin's own code, which might swallow it)."""
+
+    def register(item: Any) -> None:
+        expected = Component if kind is not None else StackSection
+        if not isinstance(item, expected):
+            offer.problems.append(
+                f"passed a {type(item).__name__} to register() in {hook_name}; expected an "
+                f"{expected.__module__}.{expected.__name__}"
             )
-        registry.add_section(section, distribution=dist, version=version)
+            return
+        if isinstance(item, StackSection):
+            offer.items.append(item)
+            return
+        offer.offered.append((item.kind, item.name))
+        if item.kind != kind:
+            offer.problems.append(
+                f"registered {item.kind} {item.name!r} through {hook_name}, which takes {kind} "
+                f"components; register it through {hookspecs.REGISTRATION_HOOKS[item.kind]}"
+            )
+            return
+        if offer.distribution and not item.distribution:
+            item = replace(item, distribution=offer.distribution, version=offer.version)
+        mismatch = item.api_mismatch()
+        if mismatch is not None:
+            offer.problems.append(f"is refused: {mismatch}")
+            return
+        offer.items.append(item)
 
     return register
+
+
+def _add_offer(registry: Registry, offer: _Offer) -> None:
+    """Put one plugin's components and sections into the registry: all of them, or (on a name
+    clash, raised) none."""
+    added: list[Component | StackSection] = []
+    try:
+        for item in offer.items:
+            if isinstance(item, StackSection):
+                registry.add_section(item, distribution=offer.distribution, version=offer.version)
+            else:
+                registry.add(item, distribution=offer.distribution, version=offer.version)
+            added.append(item)
+    except ResolutionError:
+        for item in added:
+            if isinstance(item, StackSection):
+                registry.sections.pop(item.name, None)
+            else:
+                registry.discard(item.kind, item.name)
+        raise
+
+
+def _registers_nothing(offer: _Offer) -> PluginProblem:
+    if offer.registering_hooks:
+        message = (
+            "registers nothing: its registration hooks never call register(); call "
+            "register(Component(...)) once per component"
+        )
+    else:
+        message = (
+            "registers nothing: its module has no @hookimpl functions; mark each hook with "
+            "@hookimpl (from lmstack.hookspecs import hookimpl), e.g. "
+            "`@hookimpl def lmstack_register_schedulers(register): ...`"
+        )
+    return PluginProblem(offer.plugin, offer.distribution, offer.version, message, skipped=False)
 
 
 def register_commands(pm: pluggy.PluginManager, subparsers: Any) -> None:
@@ -204,29 +465,14 @@ def default_registry() -> Registry:
     return build_registry(make_plugin_manager())
 
 
-def _register_callback(
-    registry: Registry, kind: str, hook_name: str, plugin: str, dist: str, version: str
-) -> Callable[[Component], None]:
-    def register(component: Component) -> None:
-        if not isinstance(component, Component):
-            raise ResolutionError(
-                f"plugin {plugin!r} ({dist}) passed a {type(component).__name__} to register() "
-                f"in {hook_name}; expected an lmstack.registry.Component"
-            )
-        if component.kind != kind:
-            raise ResolutionError(
-                f"plugin {plugin!r} ({dist}) registered {component.kind} {component.name!r} "
-                f"through {hook_name}, which takes {kind} components; register it through "
-                f"{hookspecs.REGISTRATION_HOOKS[component.kind]}"
-            )
-        registry.add(component, distribution=dist, version=version)
-
-    return register
-
-
 # ---------------------------------------------------------------------------------------------
 # Where a plugin comes from
 # ---------------------------------------------------------------------------------------------
+
+
+def origin_of(pm: pluggy.PluginManager, plugin: object) -> tuple[str, str]:
+    """(distribution, version) of a registered plugin, as far as it can be told."""
+    return _origins(pm).get(id(plugin)) or _guess_origin(plugin)
 
 
 def _origins(pm: pluggy.PluginManager) -> dict[int, tuple[str, str]]:
@@ -287,3 +533,7 @@ def _label(pm: pluggy.PluginManager, plugin: object) -> str:
         return plugin.__name__
     cls = plugin if isinstance(plugin, type) else type(plugin)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join((str(exc) or type(exc).__name__).split())

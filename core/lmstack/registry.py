@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, is_dataclass, replace
 from typing import Any
 
 import msgspec
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from lmstack.errors import ResolutionError
+from lmstack.plugin_api import PLUGIN_API_VERSION
 from lmstack.roles import KIND_NAMES, check_capabilities
 
 KINDS = KIND_NAMES
+
+
+class InvalidComponent(ValueError):
+    """A `Component` that cannot work as declared (options type, capabilities, API range); the
+    message names the component and the fix."""
 
 
 class NoOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -50,16 +57,86 @@ class Component:
     version: str = ""
     capabilities_for: Callable[[Any], Mapping[str, Any]] | None = None
     check: Callable[[Any, Any, str], str | None] | None = None
+    # The lmstack plugin APIs this component works with, a PEP 440 specifier set such as
+    # ">=1.0,<2" (see lmstack.plugin_api); empty: not declared (accepted).
+    api: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"component {self.name!r}: unknown kind {self.kind!r}, expected one of {KINDS}")
-        # A misspelled capability would otherwise restrict nothing, silently.
-        check_capabilities(self.kind, self.capabilities, f"{self.kind} {self.name!r}")
+            raise InvalidComponent(
+                f"component {self.name!r}: unknown kind {self.kind!r}, expected one of {KINDS}"
+            )
+        who = f"{self.kind} {self.name!r}"
+        try:
+            # A misspelled capability would otherwise restrict nothing, silently.
+            check_capabilities(self.kind, self.capabilities, who)
+        except ValueError as exc:
+            raise InvalidComponent(str(exc)) from None
+        _check_options_type(self.options_type, who)
+        if self.api:
+            try:
+                SpecifierSet(self.api)
+            except InvalidSpecifier:
+                raise InvalidComponent(
+                    f"{who}: api={self.api!r} is not a version range; write a PEP 440 specifier set "
+                    f"such as '>={PLUGIN_API_VERSION},<{int(PLUGIN_API_VERSION.split('.')[0]) + 1}'"
+                ) from None
 
     @property
     def option_names(self) -> list[str]:
-        return list(self.options_type.__struct_fields__)
+        return list(getattr(self.options_type, "__struct_fields__", ()))
+
+    def api_mismatch(self) -> str | None:
+        """Why this lmstack cannot load the component (its `api` range excludes
+        `PLUGIN_API_VERSION`), or None when it can."""
+        if not self.api or SpecifierSet(self.api).contains(PLUGIN_API_VERSION, prereleases=True):
+            return None
+        origin = " ".join(p for p in (self.distribution, self.version) if p) or "unknown distribution"
+        dist = self.distribution or "plugin"
+        return (
+            f"{self.kind} {self.name!r} ({origin}) supports lmstack plugin API {self.api}, this lmstack "
+            f"provides {PLUGIN_API_VERSION}; upgrade lmstack or install a {dist} release for API "
+            f"{PLUGIN_API_VERSION}"
+        )
+
+
+def _check_options_type(options_type: Any, who: str) -> None:
+    # The core converts a stack's options with msgspec and lists them from the struct's fields;
+    # without forbid_unknown_fields a misspelled option would be dropped silently, so that is
+    # an error too, not a warning.
+    name = getattr(options_type, "__name__", repr(options_type))
+    fix = f"class {name}(msgspec.Struct, forbid_unknown_fields=True)"
+    if not (isinstance(options_type, type) and issubclass(options_type, msgspec.Struct)):
+        if isinstance(options_type, type) and is_dataclass(options_type):
+            got = f"dataclass {name}"
+        elif isinstance(options_type, type):
+            got = f"class {name}"
+        else:
+            got = f"{type(options_type).__name__} {options_type!r}"
+        raise InvalidComponent(f"{who}: options_type must be a msgspec.Struct ({fix}); got {got}")
+    if not options_type.__struct_config__.forbid_unknown_fields:
+        raise InvalidComponent(
+            f"{who}: options_type {name} must forbid unknown fields, or a misspelled option in a "
+            f"stack file is silently ignored; declare it as {fix}"
+        )
+
+
+@dataclass(frozen=True)
+class PluginProblem:
+    """A plugin that could not be loaded, or loaded but is suspect. `message` continues
+    ``plugin 'name' (distribution version) ...``; `skipped` says whether its components were
+    left out; `offered` lists the (kind, name) components it tried to register."""
+
+    plugin: str
+    distribution: str
+    version: str
+    message: str
+    skipped: bool = True
+    offered: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        origin = " ".join(p for p in (self.distribution, self.version) if p) or "unknown distribution"
+        return f"plugin {self.plugin!r} ({origin}) {self.message}"
 
 
 @dataclass(frozen=True)
@@ -87,6 +164,9 @@ class Registry:
     def __init__(self) -> None:
         self._by_kind: dict[str, dict[str, Component]] = {k: {} for k in KINDS}
         self.sections: dict[str, StackSection] = {}
+        # Plugins skipped (or suspect) while the registry was filled: `lmstack plugins --check`
+        # lists them, and an unknown component name mentions them (one may have provided it).
+        self.problems: list[PluginProblem] = []
 
     def add_section(self, section: StackSection, distribution: str = "", version: str = "") -> None:
         from lmstack.config import CORE_KEYS  # config imports this module's neighbours; keep it lazy
@@ -122,12 +202,24 @@ class Registry:
     def get(self, kind: str, name: str) -> Component:
         table = self._by_kind[kind]
         if name not in table:
+            for problem in self.problems:
+                if (kind, name) in problem.offered:
+                    raise ResolutionError(f"{kind} {name!r} is not available: {problem}")
             known = ", ".join(sorted(table)) or "none"
+            broken = ""
+            if self.problems:
+                broken = "; plugins that were not loaded and may provide it: " + "; ".join(
+                    str(p) for p in self.problems
+                )
             raise ResolutionError(
                 f"unknown {kind} {name!r}; installed {kind} components: {known} "
-                "(run `lmstack plugins` to list them with their packages)"
+                f"(run `lmstack plugins` to list them with their packages){broken}"
             )
         return table[name]
+
+    def discard(self, kind: str, name: str) -> None:
+        """Take a component out again (a plugin found broken after it registered some)."""
+        self._by_kind[kind].pop(name, None)
 
     def names(self, kind: str) -> list[str]:
         return sorted(self._by_kind[kind])

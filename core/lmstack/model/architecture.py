@@ -165,17 +165,27 @@ class ModelRegistry:
 def build_model_registry(pm: pluggy.PluginManager) -> ModelRegistry:
     """Call every `lmstack_register_models` hook; a plugin's failure is one line naming it."""
     registry = ModelRegistry()
+    tolerant = getattr(pm, "tolerant", set())  # autoloaded entry points: skipped when broken
     for impl in pm.hook.lmstack_register_models.get_hookimpls():
         try:
             impl.function(register=registry.add)
-        except (ConfigError, ResolutionError):
-            raise
+        except (ConfigError, ResolutionError) as exc:
+            if id(impl.plugin) not in tolerant:
+                raise
+            _skip(pm, impl.plugin, str(exc))
         except Exception as exc:
-            raise ResolutionError(
-                f"plugin {pm.get_name(impl.plugin)!r} failed in lmstack_register_models: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+            message = f"failed in lmstack_register_models: {type(exc).__name__}: {exc}"
+            if id(impl.plugin) not in tolerant:
+                raise ResolutionError(f"plugin {pm.get_name(impl.plugin)!r} {message}") from exc
+            _skip(pm, impl.plugin, message)
     return registry
+
+
+def _skip(pm: pluggy.PluginManager, plugin: object, message: str) -> None:
+    from lmstack.plugins import PluginProblem, origin_of, warn
+
+    dist, version = origin_of(pm, plugin)
+    warn(PluginProblem(pm.get_name(plugin) or "?", dist, version, " ".join(message.split())))
 
 
 @functools.cache

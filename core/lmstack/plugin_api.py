@@ -1,0 +1,77 @@
+"""The plugin API: what a plugin may import from lmstack, and the version of that surface.
+
+`PLUGIN_API_VERSION` is ``"major.minor"``. The minor number goes up when something is added
+to the surface below (a new interface method with a default, a new capability, a new module);
+the major number goes up when something a plugin may rely on changes or goes away (a renamed
+argument, a removed name, a new abstract method). A plugin declares the versions it works
+with on each component, ``Component(..., api=">=1.0,<2")`` (a PEP 440 specifier set); lmstack
+refuses a component whose range excludes `PLUGIN_API_VERSION`, naming both versions.
+
+`PUBLIC_API` maps each public module to the names in it a plugin may import:
+
+- ``lmstack.interfaces``: the abstract base per kind, `BuildContext`, `EngineLimits`;
+- ``lmstack.registry``: `Component`, `NoOptions`, `StackSection`; ``lmstack.hookspecs``:
+  `hookimpl`; ``lmstack.roles``: the capability structs;
+- the values passed through the interfaces: ``lmstack.batch``, ``lmstack.sequence``,
+  ``lmstack.sampling_params``, ``lmstack.drafts``, ``lmstack.verification``,
+  ``lmstack.outputs``, ``lmstack.model.config`` (`ModelConfig`), ``lmstack.executor``
+  (what a parallel layout creates executors from);
+- ``lmstack.errors``: the errors a component raises for bad input;
+- ``lmstack.testing``: the conformance kits;
+- the reference components a plugin may extend or delegate to
+  (``lmstack.components.continuous``, ``paged``, ``torch_attention``, ``single``,
+  ``none_quantizer``, ``none_speculator``).
+
+Everything else in lmstack is internal and may change in any release.
+"""
+
+from __future__ import annotations
+
+PLUGIN_API_VERSION = "1.0"
+"""The plugin API this lmstack provides; see the module docstring for when it changes."""
+
+PUBLIC_API: dict[str, tuple[str, ...]] = {
+    "lmstack.interfaces": (
+        "BuildContext",
+        "EngineLimits",
+        "BlockCache",
+        "KVAllocator",
+        "ScheduledSeq",
+        "SchedulerOutput",
+        "Scheduler",
+        "AttentionBackend",
+        "LinearSpec",
+        "Quantizer",
+        "Speculator",
+        "Executor",
+        "ParallelLayout",
+    ),
+    "lmstack.registry": ("Component", "NoOptions", "StackSection"),
+    "lmstack.hookspecs": ("hookimpl",),
+    "lmstack.roles": (
+        "Capabilities",
+        "SchedulerCapabilities",
+        "AllocatorCapabilities",
+        "AttentionCapabilities",
+        "QuantizerCapabilities",
+        "SpeculatorCapabilities",
+        "ParallelCapabilities",
+    ),
+    "lmstack.batch": ("AttentionMetadata", "SeqPlan", "StepPlan", "ModelInput", "ModelOutput"),
+    "lmstack.sequence": ("Sequence", "SequenceStatus", "FinishReason", "Request"),
+    "lmstack.sampling_params": ("SamplingParams",),
+    "lmstack.drafts": ("DraftBook",),
+    "lmstack.verification": ("Draft", "Verification"),
+    "lmstack.outputs": ("CompletionOutput", "RequestMetrics", "RequestOutput", "EngineStats"),
+    "lmstack.model.config": ("ModelConfig",),
+    "lmstack.executor": ("ExecutorSpec", "InProcessExecutor"),
+    "lmstack.errors": ("LmstackError", "ConfigError", "ResolutionError", "InvalidRequestError", "BuildError"),
+    "lmstack.testing": ("AllocatorConformance", "AttentionConformance", "SchedulerConformance", "make_seq"),
+    "lmstack.components.continuous": ("ContinuousOptions", "ContinuousScheduler", "COMPONENT"),
+    "lmstack.components.paged": ("PagedOptions", "PagedAllocator", "COMPONENT"),
+    "lmstack.components.torch_attention": ("TorchAttention", "COMPONENT"),
+    "lmstack.components.single": ("SingleOptions", "SingleLayout", "COMPONENT"),
+    "lmstack.components.none_quantizer": ("NoQuantizer", "COMPONENT"),
+    "lmstack.components.none_speculator": ("NoSpeculator", "COMPONENT"),
+}
+"""Module -> the names in it that plugins may import (everything else is internal)."""
