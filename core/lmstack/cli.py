@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmstack.errors import LmstackError
+from lmstack.errors import BuildError, LmstackError
 
 if TYPE_CHECKING:
     import pluggy
@@ -56,8 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 1
     except (LmstackError, OSError) as exc:
-        # The traceback (a factory's, say) is for the log; the user gets the one line.
-        logging.getLogger("lmstack.cli").debug("%s", exc, exc_info=exc)
+        # The traceback is for the log (LMSTACK_LOG_LEVEL=debug); the user gets the one line.
+        # A BuildError's was logged where the factory raised.
+        if not isinstance(exc, BuildError):
+            logging.getLogger("lmstack.cli").debug("%s", exc, exc_info=exc)
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
 

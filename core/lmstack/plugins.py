@@ -169,7 +169,7 @@ def _load_entry_points(pm: PluginManager, allowed: frozenset[str] | None) -> Non
         except Exception as exc:  # any import-time failure of third-party code
             log.debug("plugin %r failed to import", name, exc_info=True)
             problem(
-                f"failed to import (entry point `{ep.value}`): {type(exc).__name__}: {_one_line(exc)}; "
+                f"failed to import {ep.value}: {type(exc).__name__}: {_one_line(exc)}; "
                 f"fix or uninstall {dist_name}, or leave it out with {ALLOW_LIST_ENV}"
             )
             continue
@@ -278,7 +278,7 @@ def warn(problem: PluginProblem) -> None:
     line = str(problem)
     if problem.skipped:
         line += " (skipped; `lmstack plugins --check` lists every problem)"
-    if line not in _WARNED:
+    if line not in _WARNED and log.isEnabledFor(logging.WARNING):
         _WARNED.add(line)
         log.warning(line)
 
