@@ -453,7 +453,7 @@ def test_a_plugin_that_fails_to_import_is_skipped_with_one_warning(autoloaded, c
     msg = str(info.value)
     assert msg.startswith("unknown speculator 'fancy'; installed speculator components: fake-ngram, none")
     assert re.search(
-        r"; plugins that were not loaded and may provide it: plugin 'broken' \(lmstack-broken 9.9\) "
+        r"; plugins with problems, which may provide it: plugin 'broken' \(lmstack-broken 9.9\) "
         r"failed to import \w+: ModuleNotFoundError",
         msg,
     )
@@ -585,7 +585,8 @@ def test_a_plugin_that_registers_nothing_is_a_warning(autoloaded, caplog):
 
 def test_plugins_check_lists_every_problem(autoloaded, capsys):
     autoloaded.add("lmstack-broken", "broken", BROKEN_PLUGIN, version="9.9")
-    autoloaded.add("lmstack-bad", "bad", BAD_PLUGINS["raising-hook"][0], version="1.2")
+    # An options type that once crashed `lmstack plugins` (AttributeError: __struct_fields__).
+    autoloaded.add("lmstack-bad", "bad", BAD_PLUGINS["dataclass-options"][0], version="1.2")
     code = cli.main(["plugins", "--check"])
     out, err = capsys.readouterr()
     assert code == 1

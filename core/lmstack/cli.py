@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmstack.errors import BuildError, LmstackError
@@ -30,7 +30,14 @@ EXIT_INTERRUPTED = 130
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `plugins --check` lists the problems itself: the warnings would say everything twice.
-    _configure_logging(quiet_plugins="plugins" in argv[:1] and "--check" in argv)
+    restore = _configure_logging(quiet_plugins="plugins" in argv[:1] and "--check" in argv)
+    try:
+        return _main(argv)
+    finally:
+        restore()
+
+
+def _main(argv: list[str]) -> int:
     try:
         pm = _plugin_manager()
     except LmstackError as exc:
@@ -77,17 +84,26 @@ class _StderrHandler(logging.Handler):
             self.handleError(record)
 
 
-def _configure_logging(quiet_plugins: bool = False) -> None:
+def _configure_logging(quiet_plugins: bool = False) -> Callable[[], None]:
     """lmstack's own log records (a skipped plugin's warning; at ``LMSTACK_LOG_LEVEL=debug``
-    the tracebacks behind one-line errors) as ``level: message`` lines on stderr."""
-    logging.getLogger("lmstack.plugins").setLevel(logging.ERROR if quiet_plugins else logging.NOTSET)
-    logger = logging.getLogger("lmstack")
-    level = os.environ.get(LOG_LEVEL_ENV, "warning").strip().upper() or "WARNING"
-    logger.setLevel(level if level in logging.getLevelNamesMapping() else "WARNING")
-    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-        handler = _StderrHandler()
-        handler.setFormatter(_LevelFormatter())
-        logger.addHandler(handler)
+    the tracebacks behind one-line errors) as ``level: message`` lines on stderr, for one
+    command; returns what undoes it (`main` runs in-process in tests and embedders)."""
+    logger, plugins_logger = logging.getLogger("lmstack"), logging.getLogger("lmstack.plugins")
+    saved = logger.level, plugins_logger.level
+    level = os.environ.get(LOG_LEVEL_ENV, "warning").strip().upper()
+    logger.setLevel(level if level in logging.getLevelNamesMapping() else logging.WARNING)
+    if quiet_plugins:
+        plugins_logger.setLevel(logging.ERROR)
+    handler = _StderrHandler()
+    handler.setFormatter(_LevelFormatter())
+    logger.addHandler(handler)
+
+    def restore() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        plugins_logger.setLevel(saved[1])
+
+    return restore
 
 
 class _LevelFormatter(logging.Formatter):

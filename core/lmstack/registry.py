@@ -208,7 +208,7 @@ class Registry:
             known = ", ".join(sorted(table)) or "none"
             broken = ""
             if self.problems:
-                broken = "; plugins that were not loaded and may provide it: " + "; ".join(
+                broken = "; plugins with problems, which may provide it: " + "; ".join(
                     str(p) for p in self.problems
                 )
             raise ResolutionError(
