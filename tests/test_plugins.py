@@ -243,7 +243,8 @@ def test_an_invalid_component_in_a_named_plugin_is_an_error():
             register(component("dc", "allocator", options_type=DataclassOptions))
 
     with pytest.raises(
-        ResolutionError, match=r"Sloppy.*offers an invalid component: allocator 'dc': options_type"
+        ResolutionError,
+        match=r"Sloppy.*offers an invalid component in lmstack_register_allocators: allocator 'dc': options_type",
     ):
         fakes_only(Sloppy())
 
@@ -498,7 +499,7 @@ BAD_PLUGINS = {
         def lmstack_register_speculators(register):
             register(Component(name="fake-bad", kind="speculator", factory=lambda o, c: None, options_type=Opts))
         """,
-        "offers an invalid component: speculator 'fake-bad': options_type must be a msgspec.Struct "
+        "offers an invalid component in lmstack_register_speculators: speculator 'fake-bad': options_type must be a msgspec.Struct "
         "(class Opts(msgspec.Struct, forbid_unknown_fields=True)); got dataclass Opts",
     ),
     "raising-hook": (

@@ -73,7 +73,7 @@ def test_registration_reports_the_plugin_and_the_key():
     with pytest.raises(ResolutionError) as info:
         build_registry(pm)
     msg = str(info.value)
-    assert "failed in lmstack_register_attention" in msg
+    assert "offers an invalid component in lmstack_register_attention: attention 'k'" in msg
     assert "did you mean 'chunked_context'?" in msg
 
 

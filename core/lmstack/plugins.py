@@ -377,7 +377,7 @@ def _call_registration(
         try:
             impl.function(**kwargs)
         except InvalidComponent as exc:  # raised by Component() inside the hook
-            offer.problems.append(f"offers an invalid component: {exc}")
+            offer.problems.append(f"offers an invalid component in {hook_name}: {exc}")
         except LmstackError as exc:
             offer.problems.append(f"failed in {hook_name}: {_one_line(exc)}")
         except Exception as exc:
