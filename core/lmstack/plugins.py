@@ -19,6 +19,7 @@ them). Plugins the user asked for by name — built-ins, `extra_plugins`, entry 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.metadata as metadata
 import inspect
@@ -158,10 +159,9 @@ def _load_entry_points(pm: PluginManager, allowed: frozenset[str] | None) -> Non
         if pm.get_plugin(name) is not None or pm.is_blocked(name):
             continue
         dist_name = _dist_name(dist)
-
-        def problem(message: str, dist_name: str = dist_name, dist: Any = dist, name: str = name) -> None:
-            _problem(pm, PluginProblem(name, dist_name, dist.version, message), fatal=not tolerant)
-
+        problem = functools.partial(
+            _entry_point_problem, pm, name, dist_name, dist.version, fatal=not tolerant
+        )
         # Import first, on our own, so that a broken plugin is reported by name in one line
         # instead of as a traceback from inside pluggy.
         try:
@@ -193,12 +193,17 @@ def _load_entry_points(pm: PluginManager, allowed: frozenset[str] | None) -> Non
             pm.tolerant.add(id(module))
 
 
+def _entry_point_problem(
+    pm: pluggy.PluginManager, name: str, dist: str, version: str, message: str, *, fatal: bool
+) -> None:
+    _problem(pm, PluginProblem(name, dist, version, message), fatal=fatal)
+
+
 def _hookimpl_problems(pm: pluggy.PluginManager, plugin: object) -> list[str]:
     """What pluggy would reject or silently ignore about a plugin's `@hookimpl` functions,
     each as a sentence naming the fix: a hook name lmstack does not define (with the closest
     one), an argument the hook does not pass."""
-    specs = {name: caller for name, caller in vars(pm.hook).items() if getattr(caller, "has_spec", None)}
-    specs = {name: caller for name, caller in specs.items() if caller.has_spec()}
+    specs = {name: caller for name, caller in vars(pm.hook).items() if caller.has_spec()}
     problems = []
     for attr in sorted(dir(plugin)):
         try:
@@ -299,7 +304,6 @@ class _Offer:
     offered: list[tuple[str, str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     registering_hooks: int = 0  # component / section registration hooks it implements
-
     obj: object = None  # the plugin itself
 
     def problem(self, message: str, skipped: bool = True) -> PluginProblem:
