@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import json
 import logging
 import os
 import re
@@ -597,6 +598,15 @@ def test_plugins_check_lists_every_problem(autoloaded, capsys):
         "plugin 'bad' (lmstack-bad 1.2",
     ]
     assert err == ""  # listed once, on stdout
+    assert cli.main(["plugins", "--check", "--json"]) == 1
+    (broken, bad) = json.loads(capsys.readouterr().out)
+    assert (broken["plugin"], broken["distribution"], broken["version"], broken["skipped"]) == (
+        "broken",
+        "lmstack-broken",
+        "9.9",
+        True,
+    )
+    assert bad["text"] == lines[1] and bad["message"].startswith("offers an invalid component")
 
     # `lmstack plugins` still lists the rest, with one warning line per problem.
     code = cli.main(["plugins"])
@@ -672,6 +682,9 @@ def test_check_build_runs_the_factories(boom, stack_file, capsys):
     # Without --build the factories do not run: the broken one passes.
     assert cli.main(["check", stack_file("speculator: {name: boom}\n")]) == 0
     capsys.readouterr()
+    # The factories need the model's metadata.
+    assert cli.main(["check", "--build", "--skip-model", stack_file("")]) == 2
+    assert capsys.readouterr().err == "error: --build needs the model's metadata; leave out --skip-model\n"
 
 
 def test_llm_raises_build_error(boom, stack_file):

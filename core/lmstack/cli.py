@@ -230,11 +230,11 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
     registry = default_registry()
     if args.check:
-        problems = [str(p) for p in registry.problems]
+        problems = registry.problems
         if args.json:
-            print(json.dumps(problems, indent=2))
+            print(json.dumps([_jsonable(p) | {"text": str(p)} for p in problems], indent=2))
         else:
-            print("\n".join(problems) if problems else "no problems")
+            print("\n".join(str(p) for p in problems) if problems else "no problems")
         return 1 if problems else 0
     components = registry.all()
     rows = [
