@@ -60,6 +60,7 @@ COMPONENT = Component(
     options_type=PriorityOptions,
     capabilities={"chunked_prefill": True},
     description="Continuous batching that admits by request priority or shortest predicted job first.",
+    api=">=1.0,<2",  # the lmstack plugin APIs it is written against (lmstack.plugin_api)
 )
 
 

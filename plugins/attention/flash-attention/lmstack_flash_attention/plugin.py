@@ -58,6 +58,7 @@ COMPONENT = Component(
     capabilities=CAPABILITIES,
     capabilities_for=capabilities_for,
     check=check,
+    api=">=1.0,<2",  # the lmstack plugin APIs it is written against (lmstack.plugin_api)
     description="FlashAttention in Triton: tiled online-softmax varlen causal prefill over the paged KV cache, GQA-packed.",
 )
 

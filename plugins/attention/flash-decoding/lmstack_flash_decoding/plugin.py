@@ -59,6 +59,7 @@ COMPONENT = Component(
     capabilities=CAPABILITIES,
     capabilities_for=capabilities_for,
     check=check,
+    api=">=1.0,<2",  # the lmstack plugin APIs it is written against (lmstack.plugin_api)
     description="FlashDecoding in Triton: split-KV paged decode with a log-sum-exp merge, GQA-grouped.",
 )
 
