@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -701,6 +702,7 @@ def test_llm_raises_build_error(boom, stack_file):
     )
     assert str(err) == f"quantizer 'boom' (lmstack-boom 0.3) {BOOM}"
     assert isinstance(err.__cause__, FileNotFoundError)
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)  # crosses process boundaries intact
 
 
 def _run_cli(boom, *argv: str, plugins: str = "boom") -> subprocess.CompletedProcess:

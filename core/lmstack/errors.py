@@ -57,4 +57,13 @@ class BuildError(LmstackError):
             reason = text
         else:
             reason = f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+        self.what = what
         super().__init__(f"{role} {component!r} ({origin}) {what}: {reason}")
+
+    def __reduce__(self):  # picklable across worker processes despite the keyword-rich __init__
+        args = (self.role, self.component, self.distribution, self.version, self.cause)
+        return (_rebuild_build_error, (args, self.what))
+
+
+def _rebuild_build_error(args: tuple, what: str) -> BuildError:
+    return BuildError(*args, what=what)
