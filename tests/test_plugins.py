@@ -726,3 +726,20 @@ def test_serve_reports_a_factory_error_in_one_line(boom, stack_file):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert f"error: quantizer 'boom' (lmstack-boom 0.3) {BOOM}" in proc.stderr.splitlines()
+
+
+def test_a_stack_that_does_not_select_the_broken_plugin_resolves(autoloaded, capsys, tmp_path):
+    autoloaded.add("lmstack-broken", "broken", BROKEN_PLUGIN, version="9.9")
+    stack = tmp_path / "stack.yaml"
+    stack.write_text("speculator: {name: fake-ngram}\n")
+    assert cli.main(["check", str(stack), "--skip-model"]) == 0
+    out, err = capsys.readouterr()
+    assert "fake-ngram" in out
+    (warning,) = err.splitlines()
+    assert warning.startswith("warning: plugin 'broken' (lmstack-broken 9.9) failed to import")
+
+    stack.write_text("speculator: {name: fancy}\n")
+    assert cli.main(["check", str(stack), "--skip-model"]) == 2
+    (error,) = capsys.readouterr().err.splitlines()  # warned once per process: only the error
+    assert error.startswith("error: speculator.name: unknown speculator 'fancy'")
+    assert "plugin 'broken' (lmstack-broken 9.9) failed to import" in error
