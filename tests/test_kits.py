@@ -28,6 +28,8 @@ from lmstack.testing import (
     build_component,
 )
 
+pytest_plugins = ["pytester"]
+
 
 def kit(base: type, component: Component | str, **attrs):
     """An instance of a kit subclass testing `component`, as a plugin's test module writes it."""
@@ -347,3 +349,20 @@ def test_model_level_check_catches_a_format_worse_than_declared(tiny_model_path)
         kit(QuantizerConformance, coarse, quantization_error=0.02).test_model_scores_like_unquantized(
             tiny_model_path
         )
+
+
+# --- a plugin's own test module ---------------------------------------------------------------------
+
+
+def test_a_plugin_test_module_needs_only_the_subclass(pytester):
+    """No conftest: the kits' fixtures (tiny_model_path) come from lmstack's pytest11 entry point."""
+    pytester.makepyfile(
+        test_mine="""
+        from lmstack.testing import ParallelConformance
+
+        class TestSingle(ParallelConformance):
+            component = "single"
+        """
+    )
+    result = pytester.runpytest("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4)

@@ -15,10 +15,11 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lmstack.hookspecs import REGISTRATION_HOOKS
+from lmstack.hookspecs import REGISTRATION_HOOKS, hookimpl
 from lmstack.registry import Component
 from lmstack.roles import ROLES
 from lmstack.testing.components import (
@@ -109,8 +110,6 @@ class _OneComponent:
         def register_it(register) -> None:
             register(self.component)
 
-        from lmstack.hookspecs import hookimpl
-
         setattr(self, hook, hookimpl(register_it))
 
 
@@ -128,8 +127,6 @@ def plugin_manager_for(component: Component):
         if installed.factory is component.factory and installed.options_type is component.options_type:
             return pm, component.name
     name = component.name if component.name not in names else f"{component.name}-under-test"
-    from dataclasses import replace
-
     return make_plugin_manager(extra_plugins=[_OneComponent(replace(component, name=name))]), name
 
 
