@@ -191,6 +191,12 @@ class DropsBias(Quantizer):
         return make
 
 
+def test_quantizer_kit_checks_the_declared_kv_cache_dtype():
+    liar = replace(none_quantizer.COMPONENT, capabilities={"kv_cache_dtype": "float16"})
+    with pytest.raises(AssertionError, match="declares kv_cache_dtype 'float16', its instance has None"):
+        kit(QuantizerConformance, liar).test_kv_cache_dtype_as_declared()
+
+
 def test_quantizer_kit_catches_a_layer_computing_wrongly():
     broken = replace(none_quantizer.COMPONENT, name="drops-bias", factory=lambda o, c: DropsBias())
     with pytest.raises(

@@ -32,7 +32,12 @@ class ParallelConformance(ComponentKit):
         before = {p.pid for p in multiprocessing.active_children()}
         llm = kit_llm(self, tiny_model_path)
         try:
-            assert isinstance(llm.engine.executor, Executor)
+            executor = llm.engine.executor
+            assert isinstance(executor, Executor)
+            world = getattr(executor, "world_size", 1)
+            assert world == llm.engine.parallel.world_size, (
+                f"the layout's world_size is {llm.engine.parallel.world_size}, its executor runs {world} ranks"
+            )
             ours = greedy(llm, list(KIT_PROMPTS), self.max_tokens)
         finally:
             llm.engine.shutdown()

@@ -67,6 +67,18 @@ class QuantizerConformance(ComponentKit):
         declared_dtypes = None if declared is None else tuple(_DTYPES[n] for n in declared if n in _DTYPES)
         return self.narrowed("dtypes", declared_dtypes, _DTYPES.values())
 
+    def test_kv_cache_dtype_as_declared(self) -> None:
+        """The instance's `kv_cache_dtype` is the declared `kv_cache_dtype` capability (the
+        resolver agrees the KV-cache dtype from the declaration, the runner from the instance)."""
+        caps = self.capabilities()
+        if "kv_cache_dtype" not in caps:
+            return
+        declared, actual = caps["kv_cache_dtype"], self.quantizer().kv_cache_dtype
+        actual_name = None if actual is None else str(actual).removeprefix("torch.")
+        assert actual_name == declared, (
+            f"the quantizer declares kv_cache_dtype {declared!r}, its instance has {actual_name!r}"
+        )
+
     # --- one linear layer ------------------------------------------------------------------------
 
     def _load(self, layer: nn.Module, parts: list[torch.Tensor], name: str, fused: bool) -> None:
