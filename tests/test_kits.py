@@ -372,3 +372,25 @@ def test_a_plugin_test_module_needs_only_the_subclass(pytester):
     )
     result = pytester.runpytest("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=4)
+
+
+def test_the_build_context_holds_what_the_engine_built_before():
+    seen = {}
+
+    def factory(options, ctx):
+        seen.update(components=dict(ctx.components), limits=ctx.limits, allocator=ctx.allocator)
+        return Greedy(k=1, declared=1)
+
+    build_component(Component(name="peek", kind="speculator", factory=factory), "speculator")
+    built = seen["components"]
+    assert list(built) == [
+        "quantizer",
+        "attention_prefill",
+        "attention_decode",
+        "parallel",
+        "allocator",
+        "scheduler",
+    ]
+    assert built["attention_prefill"] is built["attention_decode"]
+    assert built["allocator"] is seen["allocator"] is built["scheduler"].allocator
+    assert seen["limits"] is not None

@@ -18,7 +18,7 @@ from lmstack import interfaces
 from lmstack.interfaces import BuildContext, EngineLimits
 from lmstack.model.config import ModelConfig
 from lmstack.registry import Component
-from lmstack.roles import KIND, check_capabilities
+from lmstack.roles import KIND, ROLES, check_capabilities
 
 # The model config factories see when no model is loaded: the geometry of the tiny test model
 # (`lmstack.testing.tiny_model`), so a component sized from it is small.
@@ -122,6 +122,28 @@ def _default_kv_bytes(options: Any, ctx: BuildContext) -> None:
         ctx.kv_bytes_per_block = block_size * ctx.model_config.kv_bytes_per_token(ctx.kv_cache_dtype.itemsize)
 
 
+def _earlier_components(kind: str, ctx: BuildContext) -> None:
+    """`ctx.components`: for every role the engine builds before this kind's, the built-in
+    default (the allocator already in the context stands for the allocator role)."""
+    from lmstack.plugins import build_registry, make_plugin_manager
+
+    roles = [r.kind for r in ROLES]
+    if kind not in roles:
+        return
+    builtins = build_registry(make_plugin_manager(autoload=False))
+    made: dict[str, Any] = {}
+    for role in ROLES[: roles.index(kind)]:
+        if role.name in ctx.components:
+            continue
+        if role.kind == "allocator" and ctx.allocator is not None:
+            ctx.components[role.name] = ctx.allocator
+            continue
+        comp = builtins.get(role.kind, role.default)
+        if comp.name not in made or role.kind != "attention":  # one kernel fills both phases
+            made[comp.name] = comp.factory(convert_options(comp), ctx)
+        ctx.components[role.name] = made[comp.name]
+
+
 @dataclass(frozen=True)
 class KitKind:
     """What building a component of a kind needs besides its options: the steps that fill the
@@ -152,15 +174,19 @@ def make_context(
     kv_cache_dtype: torch.dtype | None = None,
     **parts: Any,
 ) -> BuildContext:
-    """A `BuildContext` as the engine fills it before building a `kind` component; `parts`
-    (limits, allocator, kv_bytes_per_block, components) replace the defaults."""
+    """A `BuildContext` as the engine fills it before building a `kind` component: the tiny
+    model's config, and for a scheduler or speculator an allocator and `EngineLimits`, for an
+    allocator `kv_bytes_per_block`; `components` holds the built-in default of every role built
+    before it. `parts` (limits, allocator, kv_bytes_per_block, components) replace defaults."""
     ctx = BuildContext(model_config, torch.device(device), dtype, kv_cache_dtype or dtype)
     for name, value in parts.items():
         if not hasattr(ctx, name):
             raise TypeError(f"BuildContext has no field {name!r}")
         setattr(ctx, name, value)
-    for step in KIT_KINDS[kind].prepare:
+    # A kind without a row gets a context with the model, device and dtypes only.
+    for step in KIT_KINDS.get(kind, KitKind()).prepare:
         step(options, ctx)
+    _earlier_components(kind, ctx)
     return ctx
 
 
