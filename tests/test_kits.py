@@ -139,6 +139,25 @@ def test_attention_class_attributes_must_stay_within_the_declared_capabilities()
         kit(AttentionConformance, no_window, sliding_window=True).test_sliding_window()
 
 
+class ComputesInCacheDtype(torch_attention.TorchAttention):
+    """Rounds the queries to the cache's dtype: fine when they match, lossy under an fp16 cache."""
+
+    def decode(self, q, k_cache, v_cache, meta, *, scale, sliding_window):
+        rounded = q.to(k_cache.dtype).to(q.dtype)
+        return super().decode(rounded, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window)
+
+
+def test_attention_kit_reads_caches_in_each_declared_kv_dtype():
+    lossy = replace(WRONG_ATTENTION, factory=lambda o, c: ComputesInCacheDtype())
+    small = {"head_dims": (64,), "block_sizes": (4,), "gqa_ratios": (2,), "max_len": 40}
+    with pytest.raises(AssertionError, match=r"torch.float32 over a torch.float16 cache head_dim 64"):
+        kit(AttentionConformance, lossy, **small).test_kv_cache_in_declared_dtypes()
+    kit(AttentionConformance, WRONG_ATTENTION, **small).test_kv_cache_in_declared_dtypes()
+    fp32_only = replace(lossy, capabilities={**lossy.capabilities, "kv_cache_dtypes": ("float32",)})
+    with pytest.raises(pytest.skip.Exception, match="no KV-cache dtype other than torch.float32"):
+        kit(AttentionConformance, fp32_only, **small).test_kv_cache_in_declared_dtypes()
+
+
 def test_attention_phases_come_from_the_declaration():
     decode_only = kit(AttentionConformance, WRONG_ATTENTION)
     with pytest.raises(pytest.skip.Exception, match="no prefill phase"):

@@ -107,6 +107,7 @@ class AttentionConformance(ComponentKit):
     phases: tuple[str, ...] | None = None  # the checks of a phase not listed are skipped
     sliding_window: bool | None = None  # False: skip the sliding-window check
     chunked_context: bool | None = None  # False: skip the cached-context prefill check
+    kv_cache_dtypes: tuple[torch.dtype, ...] | None = None
     gqa_ratios: tuple[int, ...] = (1, 3, 8)
     num_kv_heads: int = 2
     max_len: int = 200
@@ -174,27 +175,30 @@ class AttentionConformance(ComponentKit):
 
     # --- building a random paged batch ---------------------------------------------------------
 
-    def _batch(self, rng: random.Random, dtype, head_dim, block_size, ratio, spans):
+    def _batch(self, rng: random.Random, dtype, head_dim, block_size, ratio, spans, kv_dtype=None):
         """spans: [(context_len, query_len)] per sequence. Writes every token's K/V into a
-        shuffled paged cache; returns q, k_new, v_new, caches, metadata and the dense K/V."""
+        shuffled paged cache (in `kv_dtype`, default `dtype`); returns q, k_new, v_new, caches,
+        metadata and the dense K/V (as stored, in `dtype`)."""
+        kv_dtype = kv_dtype or dtype
         hkv, hq = self.num_kv_heads, self.num_kv_heads * ratio
         dev = self.device
         blocks_per_seq = [-(-(c + q) // block_size) for c, q in spans]
         num_blocks = sum(blocks_per_seq) + 3
         perm = list(range(num_blocks))
         rng.shuffle(perm)
-        k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, device=dev).to(dtype)  # garbage
+        k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, device=dev).to(kv_dtype)  # garbage
         v_cache = torch.randn_like(k_cache)
         tables, dense, qs, ks, vs = [], [], [], [], []
         for (c, ql), nb in zip(spans, blocks_per_seq, strict=True):
             table = [perm.pop() for _ in range(nb)]
             tables.append(table)
-            k = torch.randn(c + ql, hkv, head_dim, device=dev).to(dtype)
-            v = torch.randn(c + ql, hkv, head_dim, device=dev).to(dtype)
+            k = torch.randn(c + ql, hkv, head_dim, device=dev).to(kv_dtype)
+            v = torch.randn(c + ql, hkv, head_dim, device=dev).to(kv_dtype)
             pos = torch.arange(c + ql, device=dev)  # every position into its (block, offset)
             blocks = torch.tensor(table, dtype=torch.long, device=dev)[pos // block_size]
             k_cache[blocks, pos % block_size] = k
             v_cache[blocks, pos % block_size] = v
+            k, v = k.to(dtype), v.to(dtype)  # the stored values, as the model's dtype sees them
             dense.append((k, v))
             qs.append(torch.randn(ql, hq, head_dim, device=dev).to(dtype))
             ks.append(k[c:])
@@ -314,6 +318,33 @@ class AttentionConformance(ComponentKit):
             q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
             out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=window)
             self._check(out, qs, dense, spans, hd**-0.5, dtype, window)
+
+    def test_kv_cache_in_declared_dtypes(self):
+        """Caches stored in each declared `kv_cache_dtypes` entry other than the query's dtype
+        (a quantizer may keep an fp16 KV cache under an fp32 model). The reference sees the
+        same stored values, so only the query dtype's arithmetic error is allowed."""
+        m = self.matrix()
+        declared = self.capabilities().get("kv_cache_dtypes")
+        declared_dtypes = None if declared is None else tuple(_DTYPES[n] for n in declared if n in _DTYPES)
+        dtype = torch.float32 if torch.float32 in m.dtypes else m.dtypes[0]
+        others = [d for d in self.narrowed("kv_cache_dtypes", declared_dtypes, ()) if d != dtype]
+        if not others:
+            pytest.skip(f"the backend declares no KV-cache dtype other than {dtype}")
+        backend, rng = self.backend(), random.Random()
+        hd, bs, ratio = m.head_dims[0], m.block_sizes[-1], self.gqa_ratios[-1]
+        for kv_dtype in others:
+            case = (f"{dtype} over a {kv_dtype} cache", hd, bs, ratio)
+            if "prefill" in m.phases:
+                context = (lambda: rng.randint(1, self.max_len // 2)) if m.chunked_context else (lambda: 0)
+                spans = [(context(), rng.randint(1, 20)) for _ in range(2)]
+                q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans, kv_dtype)
+                out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
+                self._check(out, qs, dense, spans, hd**-0.5, dtype, case=case)
+            if "decode" in m.phases:
+                spans = [(rng.randint(0, self.max_len), 1) for _ in range(3)]
+                q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans, kv_dtype)
+                out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
+                self._check(out, qs, dense, spans, hd**-0.5, dtype, case=case)
 
     def test_write_kv_uses_slot_mapping(self):
         m, backend = self.matrix(), self.backend()
