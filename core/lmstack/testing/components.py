@@ -7,6 +7,7 @@ factory or options type fails the kit), not a class the author wired up by hand.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -125,12 +126,10 @@ def _default_kv_bytes(options: Any, ctx: BuildContext) -> None:
 def _earlier_components(kind: str, ctx: BuildContext) -> None:
     """`ctx.components`: for every role the engine builds before this kind's, the built-in
     default (the allocator already in the context stands for the allocator role)."""
-    from lmstack.plugins import build_registry, make_plugin_manager
-
     roles = [r.kind for r in ROLES]
     if kind not in roles:
         return
-    builtins = build_registry(make_plugin_manager(autoload=False))
+    builtins = _builtin_registry()
     made: dict[str, Any] = {}
     for role in ROLES[: roles.index(kind)]:
         if role.name in ctx.components:
@@ -142,6 +141,13 @@ def _earlier_components(kind: str, ctx: BuildContext) -> None:
         if comp.name not in made or role.kind != "attention":  # one kernel fills both phases
             made[comp.name] = comp.factory(convert_options(comp), ctx)
         ctx.components[role.name] = made[comp.name]
+
+
+@functools.cache
+def _builtin_registry():
+    from lmstack.plugins import build_registry, make_plugin_manager
+
+    return build_registry(make_plugin_manager(autoload=False))
 
 
 @dataclass(frozen=True)
