@@ -17,7 +17,16 @@ from typing import Any, ClassVar
 import torch
 
 from lmstack.interfaces import Speculator
-from lmstack.testing.kit import KIT_PROMPTS, ComponentKit, greedy, kit_llm, reference_llm, tiny_stack
+from lmstack.sampling_params import SamplingParams
+from lmstack.testing.kit import (
+    KIT_PROMPTS,
+    ComponentKit,
+    generate,
+    greedy,
+    kit_llm,
+    reference_llm,
+    tiny_stack,
+)
 
 # The synthetic case: target p and draft q over 6 tokens, far apart (TV(p, q) = 0.35).
 TARGET = (0.30, 0.25, 0.20, 0.10, 0.10, 0.05)
@@ -38,7 +47,6 @@ def verified_first_tokens(
     the sampler (a sampling drafter), or, with q None, always `draft_token` (a deterministic
     drafter)."""
     from lmstack.sampler import Sampler, SampleRow
-    from lmstack.sampling_params import SamplingParams
     from lmstack.verification import Draft, RejectionSampler
 
     vocab = p.shape[0]
@@ -77,6 +85,8 @@ class SpeculatorConformance(ComponentKit):
             assert tv <= TV_BOUND, f"{case}: emitted tokens are {tv:.3f} from the target in TV > {TV_BOUND}"
 
     def test_greedy_tokens_identical_to_plain_decoding(self, tiny_model_path) -> None:
+        """Greedy tokens equal plain decoding's; proposals are sane; seeded sampled requests
+        complete."""
         llm = kit_llm(self, tiny_model_path)
         spec = llm.engine.speculator
         assert isinstance(spec, Speculator)
@@ -110,6 +120,13 @@ class SpeculatorConformance(ComponentKit):
                 assert all(isinstance(t, int) and 0 <= t < vocab for t in tokens), (
                     f"seq {seq_id}: draft tokens {tokens} are not token ids in [0, {vocab})"
                 )
+        # Sampled requests verify by rejection sampling (with the drafter's probabilities, if it
+        # gives them): they must run to their length without an error.
+        sampled = generate(
+            llm, list(self.prompts), SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
+        )
+        for prompt, out in zip(self.prompts, sampled, strict=True):
+            assert out.error is None and len(out.token_ids) == 8, f"prompt {prompt!r}: sampled run gave {out}"
         self.stats = llm.get_stats()
         assert 0 <= self.stats.num_accepted_tokens <= self.stats.num_draft_tokens
         if not spec.num_draft_tokens:
