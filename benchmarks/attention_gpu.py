@@ -320,19 +320,22 @@ class Bench:
         import pytest
 
         from lmstack.testing.attention import AttentionConformance
-        from lmstack_flash_attention.backend import FlashAttention
-        from lmstack_flash_decoding.backend import FlashDecoding
+        from lmstack_flash_attention.plugin import COMPONENT as FLASH_ATTENTION
+        from lmstack_flash_decoding.plugin import COMPONENT as FLASH_DECODING
 
         combos = [(torch.bfloat16, 128, 16, 8), (torch.float16, 64, 4, 3), (torch.float32, 128, 1, 1)]
         cfg, device = self.cfg, self.device.type
 
         class Kit(AttentionConformance):
+            # The registered components, built through their factories; the phases each runs
+            # come from its declared capabilities.
+            options = {"interpret": self.smoke}
             dtypes = (torch.bfloat16, torch.float16, torch.float32)
             head_dims = (128, 64)
             block_sizes = (1, 4, 16)
             gqa_ratios = (1, 3, 8)
 
-            def _cases(self):
+            def _cases(self, matrix):
                 return iter(combos)
 
         Kit.device, Kit.max_len, Kit.large_decode_batch = device, cfg["kit_max_len"], cfg["kit_large_batch"]
@@ -345,17 +348,12 @@ class Bench:
             "test_sliding_window",
         ]
         rows = []
-        backends = [
-            ("flash-attention", FlashAttention(interpret=self.smoke), ("prefill", "decode")),
-            ("flash-decoding", FlashDecoding(interpret=self.smoke), ("decode",)),
-        ]
-        for name, backend, phases in backends:
-            kit = Kit()
-            kit.phases = phases
+        for name, component in (("flash-attention", FLASH_ATTENTION), ("flash-decoding", FLASH_DECODING)):
+            kit = type(f"{Kit.__name__}_{name}", (Kit,), {"component": component})()
             for check in checks:
                 t0 = time.perf_counter()
                 try:
-                    getattr(kit, check)(backend)
+                    getattr(kit, check)()
                     status = "pass"
                 except pytest.skip.Exception:
                     status = "skip"

@@ -39,7 +39,7 @@ def test_discovered_and_attributed(only_priority):
     comp = registry.get("scheduler", "priority")
     assert comp.distribution == DIST
     assert comp.version == importlib.metadata.version(DIST)
-    assert comp.capabilities == {"chunked_prefill": True}
+    assert comp.capabilities == {"chunked_prefill": True, "preemption": "recompute"}
     assert "policy" in comp.option_names and "max_num_seqs" in comp.option_names
 
 
@@ -99,13 +99,13 @@ from lmstack.testing import SchedulerConformance  # noqa: E402
 
 
 class TestPriorityConformance(SchedulerConformance):
-    @pytest.fixture(params=["priority", "shortest-first"])
-    def make_scheduler(self, request):
-        from lmstack_priority_scheduler import PriorityOptions, PriorityScheduler
+    component = "priority"  # the installed entry point's component, as a plugin's own tests name it
+    options = {"policy": "priority"}
 
-        return lambda alloc, limits, **opts: PriorityScheduler(
-            PriorityOptions(policy=request.param, **opts), alloc, limits
-        )
+
+class TestShortestFirstConformance(SchedulerConformance):
+    component = "priority"
+    options = {"policy": "shortest-first"}
 
 
 def _finish_order(scheduler: dict, jobs: list[tuple[int, int]]) -> list[int]:

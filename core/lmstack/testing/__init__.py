@@ -1,27 +1,47 @@
-"""Conformance kit: reusable pytest checks every scheduler, allocator and attention backend must
-pass, built-in or third-party.
+"""Conformance kits: reusable pytest checks every component must pass, built-in or
+third-party — one kit per kind. A kit tests the *registered* component: it builds it through
+its factory with options converted through its options type, reads its declared capabilities
+and tests exactly those.
 
-Subclass the suite in your own test module and provide the factory fixture::
+Subclass the kit in your plugin's test module and name the component::
 
     from lmstack.testing import SchedulerConformance
 
     class TestMyScheduler(SchedulerConformance):
-        @pytest.fixture
-        def make_scheduler(self):
-            return lambda allocator, limits, **opts: MyScheduler(MyOptions(**opts), allocator, limits)
+        component = "mine"                 # a registered name, or the Component object
+        options = {"max_num_seqs": 8}      # optional
+
+Kits: `SchedulerConformance`, `AllocatorConformance`, `AttentionConformance`,
+`QuantizerConformance`, `SpeculatorConformance`, `ParallelConformance`. The end-to-end checks
+run the real engine on a tiny random-weight Llama written without downloads: the fixture
+`tiny_model_path` (`lmstack.testing.fixtures`, loaded automatically by pytest where lmstack is
+installed), or `lmstack.testing.tiny_model.write_tiny_model(path)` directly. To build a
+component as the engine would outside a kit: `lmstack.testing.components.build_component`.
 """
 
 from lmstack.testing.allocator import AllocatorConformance
 from lmstack.testing.attention import AttentionConformance, plain_attention, reference_attention
+from lmstack.testing.components import build_component
 from lmstack.testing.fakes import make_seq
+from lmstack.testing.kit import ComponentKit
+from lmstack.testing.parallel import ParallelConformance
+from lmstack.testing.quantizer import QuantizerConformance
 from lmstack.testing.scheduler import SchedulerConformance, simulate
+from lmstack.testing.speculator import SpeculatorConformance
+from lmstack.testing.tiny_model import write_tiny_model
 
 __all__ = [
     "AllocatorConformance",
     "AttentionConformance",
+    "ComponentKit",
+    "ParallelConformance",
+    "QuantizerConformance",
     "SchedulerConformance",
+    "SpeculatorConformance",
+    "build_component",
     "make_seq",
     "plain_attention",
     "reference_attention",
     "simulate",
+    "write_tiny_model",
 ]

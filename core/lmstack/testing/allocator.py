@@ -10,6 +10,7 @@ import pytest
 from lmstack.interfaces import KVAllocator
 from lmstack.sequence import Sequence
 from lmstack.testing.fakes import make_seq
+from lmstack.testing.kit import ComponentKit
 
 
 def check_invariants(alloc: KVAllocator, live: list[Sequence]) -> None:
@@ -31,12 +32,36 @@ def check_invariants(alloc: KVAllocator, live: list[Sequence]) -> None:
         assert {b: len(s) for b, s in owners.items()} == dict(refs)
 
 
-class AllocatorConformance:
-    """Provide `make_allocator(num_blocks, block_size) -> KVAllocator`."""
+class AllocatorConformance(ComponentKit):
+    """Set `component` (a registered allocator name or Component) and optionally `options`.
 
-    @pytest.fixture
-    def make_allocator(self):
-        pytest.fail("a conformance suite must override the make_allocator fixture")
+    The kit builds allocators of the sizes each check needs through the factory, passing the
+    options `num_blocks` and `block_size` (the allocator must take them: `block_size` is the
+    option the engine reads, `num_blocks` overrides a memory budget). Forking is tested when
+    the allocator declares `fork`, truncation when it declares `truncate`."""
+
+    kind = "allocator"
+
+    def make_allocator(self, num_blocks: int, block_size: int) -> KVAllocator:
+        comp = self.registered()
+        missing = [o for o in ("num_blocks", "block_size") if o not in comp.option_names]
+        assert not missing, (
+            f"allocator {comp.name!r} has no option {' or '.join(missing)}; the allocator kit sizes "
+            "allocators with the options num_blocks and block_size"
+        )
+        alloc = self.build({"num_blocks": num_blocks, "block_size": block_size})
+        assert (alloc.num_blocks, alloc.block_size) == (num_blocks, block_size), (
+            f"built with num_blocks={num_blocks}, block_size={block_size}, the allocator has "
+            f"num_blocks={alloc.num_blocks}, block_size={alloc.block_size}"
+        )
+        return alloc
+
+    def _declares(self, capability: str) -> bool:
+        return bool(self.capabilities().get(capability))
+
+    def _needs(self, capability: str) -> None:
+        if not self._declares(capability):
+            pytest.skip(f"the allocator declares no {capability}")
 
     def _grow(self, alloc: KVAllocator, seq: Sequence, n: int) -> list[tuple[int, int]]:
         copies = alloc.allocate(seq, n)
@@ -45,8 +70,8 @@ class AllocatorConformance:
             seq.token_ids.append(7)
         return copies
 
-    def test_allocates_as_tokens_arrive(self, make_allocator):
-        alloc = make_allocator(8, 4)
+    def test_allocates_as_tokens_arrive(self):
+        alloc = self.make_allocator(8, 4)
         seq = make_seq(5)
         assert alloc.can_allocate(seq, 5)
         self._grow(alloc, seq, 5)
@@ -60,8 +85,8 @@ class AllocatorConformance:
         alloc.free(seq)  # idempotent
         check_invariants(alloc, [])
 
-    def test_refuses_past_capacity(self, make_allocator):
-        alloc = make_allocator(3, 4)
+    def test_refuses_past_capacity(self):
+        alloc = self.make_allocator(3, 4)
         seq = make_seq(13)
         assert not alloc.can_allocate(seq, 13)
         with pytest.raises(MemoryError):
@@ -69,8 +94,9 @@ class AllocatorConformance:
         assert alloc.num_free_blocks() == 3
         assert alloc.can_allocate(seq, 12)
 
-    def test_fork_shares_then_copies_on_write(self, make_allocator):
-        alloc = make_allocator(8, 4)
+    def test_fork_shares_then_copies_on_write(self):
+        self._needs("fork")
+        alloc = self.make_allocator(8, 4)
         parent = make_seq(6)
         self._grow(alloc, parent, 6)
         child = make_seq(6)
@@ -92,8 +118,9 @@ class AllocatorConformance:
         alloc.free(child)
         check_invariants(alloc, [])
 
-    def test_truncate_returns_blocks(self, make_allocator):
-        alloc = make_allocator(8, 4)
+    def test_truncate_returns_blocks(self):
+        self._needs("truncate")
+        alloc = self.make_allocator(8, 4)
         seq = make_seq(3)
         self._grow(alloc, seq, 11)
         assert len(alloc.block_table(seq)) == 3
@@ -106,8 +133,8 @@ class AllocatorConformance:
         alloc.free(seq)
         check_invariants(alloc, [])
 
-    def test_usage_fraction(self, make_allocator):
-        alloc = make_allocator(10, 4)
+    def test_usage_fraction(self):
+        alloc = self.make_allocator(10, 4)
         seq = make_seq(4)
         assert alloc.usage() == 0.0
         self._grow(alloc, seq, 8)
@@ -116,9 +143,10 @@ class AllocatorConformance:
         assert alloc.usage() == 0.0
 
     @pytest.mark.parametrize("seed", range(5))
-    def test_random_operations_never_leak(self, make_allocator, seed):
+    def test_random_operations_never_leak(self, seed):
         rng = random.Random(seed)
-        alloc = make_allocator(24, rng.choice([1, 2, 4, 16]))
+        alloc = self.make_allocator(24, rng.choice([1, 2, 4, 16]))
+        fork, truncate = self._declares("fork"), self._declares("truncate")
         live: list[Sequence] = []
         for _ in range(300):
             op = rng.random()
@@ -133,19 +161,19 @@ class AllocatorConformance:
                 n = rng.randint(1, 6)
                 if alloc.can_allocate(seq, n):
                     self._grow(alloc, seq, n)
-            elif op < 0.7:
+            elif op < 0.7 and fork:
                 parent = rng.choice(live)
                 child = make_seq(1)
                 child.token_ids = list(parent.token_ids)
                 child.num_computed_tokens = parent.num_computed_tokens
                 alloc.fork(parent, child)
                 live.append(child)
-            elif op < 0.8:
+            elif op < 0.8 and truncate:
                 seq = rng.choice(live)
                 keep = rng.randint(0, seq.num_computed_tokens)
                 alloc.truncate(seq, keep)
                 seq.num_computed_tokens = keep
-            else:
+            elif op >= 0.8:
                 seq = live.pop(rng.randrange(len(live)))
                 alloc.free(seq)
             check_invariants(alloc, live)

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from lmstack.batch import AttentionMetadata
+from lmstack.interfaces import AttentionBackend
+from lmstack.testing.kit import ComponentKit
 
 
 def _allowed(
@@ -70,24 +73,46 @@ def plain_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1).to(q.dtype), vv)
 
 
+@dataclass(frozen=True)
+class _Matrix:
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: tuple[int, ...]
+    block_sizes: tuple[int, ...]
+    phases: tuple[str, ...]
+    sliding_window: bool
+    chunked_context: bool
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
 
 
-class AttentionConformance:
-    """Provide a `backend` fixture. Override the class attributes to match its capabilities
-    (and to keep interpreter-mode runs small)."""
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
-    head_dims: tuple[int, ...] = (64,)
-    block_sizes: tuple[int, ...] = (1, 4, 16)
+
+class AttentionConformance(ComponentKit):
+    """Set `component` (a registered attention name or Component) and optionally `options`.
+
+    The test matrix comes from the declared capabilities: `dtypes`, `head_dims`, `block_sizes`
+    and `phases` (the kit's defaults where one is not declared), the cached-context prefill
+    check when `chunked_context` is declared, the sliding-window check when `sliding_window` is.
+    The class attributes of the same names may narrow the matrix (to keep interpreter-mode
+    runs small); they must stay within what is declared, or the kit fails."""
+
+    kind = "attention"
+
+    dtypes: tuple[torch.dtype, ...] | None = None
+    head_dims: tuple[int, ...] | None = None
+    block_sizes: tuple[int, ...] | None = None
+    phases: tuple[str, ...] | None = None  # the checks of a phase not listed are skipped
+    sliding_window: bool | None = None  # False: skip the sliding-window check
+    chunked_context: bool | None = None  # False: skip the cached-context prefill check
+    kv_cache_dtypes: tuple[torch.dtype, ...] | None = None
     gqa_ratios: tuple[int, ...] = (1, 3, 8)
     num_kv_heads: int = 2
     max_len: int = 200
     large_decode_batch: int = 40
     device: str = "cpu"
-    phases: tuple[str, ...] = ("prefill", "decode")  # the checks of a phase not listed are skipped
-    sliding_window: bool = True
     # A sequence passes when its relative error against the fp32 reference is at most
     # `reference_factor` x the error of `plain_attention` in the same dtype on the same inputs
     # and device, plus `slack[dtype]`. Measured (AVX2 CPU, random inputs as below): the torch
@@ -109,33 +134,71 @@ class AttentionConformance:
     # of every axis still appears (for slow backends, e.g. Triton kernels in the interpreter).
     cases: int | None = None
 
-    @pytest.fixture
-    def backend(self):
-        pytest.fail("a conformance suite must override the backend fixture")
+    # --- what to test, from the declared capabilities -------------------------------------------
+
+    def backend(self) -> AttentionBackend:
+        """The backend, built through the registered factory for the kit's device."""
+        return self.build(device=self.device)
+
+    def matrix(self) -> _Matrix:
+        caps = self.capabilities()
+        devices = caps.get("devices")
+        if devices is not None and torch.device(self.device).type not in devices:
+            pytest.skip(
+                f"the backend declares devices {tuple(devices)}, not the kit's device {self.device!r}"
+            )
+        declared = caps.get("dtypes")
+        declared_dtypes = None if declared is None else tuple(_DTYPES[n] for n in declared if n in _DTYPES)
+        return _Matrix(
+            dtypes=self.narrowed("dtypes", declared_dtypes, _DTYPES.values()),
+            head_dims=self.narrowed("head_dims", caps.get("head_dims"), (64,)),
+            block_sizes=self.narrowed("block_sizes", caps.get("block_sizes"), (1, 4, 16)),
+            phases=self.narrowed("phases", caps.get("phases"), ("prefill", "decode")),
+            sliding_window=self._flag("sliding_window", caps),
+            chunked_context=self._flag("chunked_context", caps),
+        )
+
+    def _flag(self, name: str, caps: dict) -> bool:
+        declared, chosen = bool(caps.get(name)), getattr(self, name)
+        if chosen is None:
+            return declared
+        assert declared or not chosen, (
+            f"{type(self).__name__}.{name} = True tests {name}, which the backend does not declare; "
+            f"declare {name}: True or drop the attribute"
+        )
+        return chosen
+
+    def test_class_attributes_within_declared_capabilities(self):
+        """The narrowing attributes name only declared values (checked by `matrix()`)."""
+        m = self.matrix()
+        assert m.dtypes and m.head_dims and m.block_sizes and m.phases
 
     # --- building a random paged batch ---------------------------------------------------------
 
-    def _batch(self, rng: random.Random, dtype, head_dim, block_size, ratio, spans):
+    def _batch(self, rng: random.Random, dtype, head_dim, block_size, ratio, spans, kv_dtype=None):
         """spans: [(context_len, query_len)] per sequence. Writes every token's K/V into a
-        shuffled paged cache; returns q, k_new, v_new, caches, metadata and the dense K/V."""
+        shuffled paged cache (in `kv_dtype`, default `dtype`); returns q, k_new, v_new, caches,
+        metadata and the dense K/V (as stored, in `dtype`)."""
+        kv_dtype = kv_dtype or dtype
         hkv, hq = self.num_kv_heads, self.num_kv_heads * ratio
         dev = self.device
         blocks_per_seq = [-(-(c + q) // block_size) for c, q in spans]
         num_blocks = sum(blocks_per_seq) + 3
         perm = list(range(num_blocks))
         rng.shuffle(perm)
-        k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, device=dev).to(dtype)  # garbage
+        k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, device=dev).to(kv_dtype)  # garbage
         v_cache = torch.randn_like(k_cache)
         tables, dense, qs, ks, vs = [], [], [], [], []
         for (c, ql), nb in zip(spans, blocks_per_seq, strict=True):
             table = [perm.pop() for _ in range(nb)]
             tables.append(table)
-            k = torch.randn(c + ql, hkv, head_dim, device=dev).to(dtype)
-            v = torch.randn(c + ql, hkv, head_dim, device=dev).to(dtype)
+            k = torch.randn(c + ql, hkv, head_dim, device=dev).to(kv_dtype)
+            v = torch.randn(c + ql, hkv, head_dim, device=dev).to(kv_dtype)
             pos = torch.arange(c + ql, device=dev)  # every position into its (block, offset)
             blocks = torch.tensor(table, dtype=torch.long, device=dev)[pos // block_size]
             k_cache[blocks, pos % block_size] = k
             v_cache[blocks, pos % block_size] = v
+            k, v = k.to(dtype), v.to(dtype)  # the stored values, as the model's dtype sees them
             dense.append((k, v))
             qs.append(torch.randn(ql, hq, head_dim, device=dev).to(dtype))
             ks.append(k[c:])
@@ -164,8 +227,8 @@ class AttentionConformance:
                 f"{self.reference_factor} x plain {dtype} attention's {plain:.2e} + {self.slack[dtype]:.1e}"
             )
 
-    def _cases(self):
-        axes = (self.dtypes, self.head_dims, self.block_sizes, self.gqa_ratios)
+    def _cases(self, m: _Matrix):
+        axes = (m.dtypes, m.head_dims, m.block_sizes, self.gqa_ratios)
         if self.cases is None:
             yield from itertools.product(*axes)
             return
@@ -179,79 +242,114 @@ class AttentionConformance:
             columns.append(column[:n])
         yield from zip(*columns)
 
-    def _needs(self, phase: str) -> None:
-        if phase not in self.phases:
+    def _needs(self, phase: str) -> _Matrix:
+        m = self.matrix()
+        if phase not in m.phases:
             pytest.skip(f"backend declares no {phase} phase")
+        return m
 
     # --- the checks --------------------------------------------------------------------------------
 
-    def test_prefill_varlen(self, backend):
-        self._needs("prefill")
+    def test_prefill_varlen(self):
+        m, backend = self._needs("prefill"), self.backend()
         rng = random.Random()
-        for dtype, hd, bs, ratio in self._cases():
+        for dtype, hd, bs, ratio in self._cases(m):
             spans = [(0, rng.randint(1, self.max_len)) for _ in range(3)] + [(0, 1)]
             q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
             out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
             self._check(out, qs, dense, spans, hd**-0.5, dtype, case=(dtype, hd, bs, ratio))
 
-    def test_prefill_chunk_attends_to_cached_context(self, backend):
-        self._needs("prefill")
+    def test_prefill_chunk_attends_to_cached_context(self):
+        m, backend = self._needs("prefill"), self.backend()
+        if not m.chunked_context:
+            pytest.skip("backend declares no chunked_context (prefill over cached tokens)")
         rng = random.Random()
-        for dtype, hd, bs, ratio in self._cases():
+        for dtype, hd, bs, ratio in self._cases(m):
             spans = [(rng.randint(1, self.max_len), rng.randint(1, self.max_len // 2)) for _ in range(3)]
             q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
             out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
             self._check(out, qs, dense, spans, hd**-0.5, dtype, case=(dtype, hd, bs, ratio))
 
-    def test_decode(self, backend):
-        self._needs("decode")
+    def test_decode(self):
+        m, backend = self._needs("decode"), self.backend()
         rng = random.Random()
-        for dtype, hd, bs, ratio in self._cases():
+        for dtype, hd, bs, ratio in self._cases(m):
             spans = [(rng.randint(0, self.max_len), 1) for _ in range(5)] + [(0, 1)]
             q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
             out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
             self._check(out, qs, dense, spans, hd**-0.5, dtype, case=(dtype, hd, bs, ratio))
 
-    def test_decode_large_batch(self, backend):
+    def test_decode_large_batch(self):
         """Many sequences of mixed lengths in one decode batch (backends may group or split them)."""
-        self._needs("decode")
+        m, backend = self._needs("decode"), self.backend()
         rng = random.Random()
-        dtype, hd, bs = self.dtypes[0], self.head_dims[0], self.block_sizes[-1]
+        dtype, hd, bs = m.dtypes[0], m.head_dims[0], m.block_sizes[-1]
         for ratio in self.gqa_ratios:
             spans = [(rng.randint(0, self.max_len), 1) for _ in range(self.large_decode_batch)]
             q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
             out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
             self._check(out, qs, dense, spans, hd**-0.5, dtype, case=(dtype, hd, bs, ratio))
 
-    def test_decode_single_sequence(self, backend):
-        self._needs("decode")
+    def test_decode_single_sequence(self):
+        m, backend = self._needs("decode"), self.backend()
         rng = random.Random()
-        for dtype, hd, bs, ratio in self._cases():
+        for dtype, hd, bs, ratio in self._cases(m):
             spans = [(rng.randint(0, self.max_len), 1)]
             q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
             out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
             self._check(out, qs, dense, spans, hd**-0.5, dtype, case=(dtype, hd, bs, ratio))
 
-    def test_sliding_window(self, backend):
-        if not self.sliding_window:
+    def test_sliding_window(self):
+        m = self.matrix()
+        if not m.sliding_window:
             pytest.skip("backend declares no sliding-window support")
+        backend = self.backend()
         rng = random.Random()
-        dtype, hd, bs, ratio = torch.float32, self.head_dims[0], self.block_sizes[-1], self.gqa_ratios[-1]
+        dtype = torch.float32 if torch.float32 in m.dtypes else m.dtypes[0]
+        hd, bs, ratio = m.head_dims[0], m.block_sizes[-1], self.gqa_ratios[-1]
         window = rng.randint(3, 40)
-        if "prefill" in self.phases:
+        if "prefill" in m.phases:
             spans = [(rng.randint(1, self.max_len), rng.randint(2, 30)), (0, rng.randint(2, 60))]
             q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
             out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=window)
             self._check(out, qs, dense, spans, hd**-0.5, dtype, window)
-        if "decode" in self.phases:
+        if "decode" in m.phases:
             spans = [(rng.randint(0, self.max_len), 1) for _ in range(4)]
             q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
             out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=window)
             self._check(out, qs, dense, spans, hd**-0.5, dtype, window)
 
-    def test_write_kv_uses_slot_mapping(self, backend):
+    def test_kv_cache_in_declared_dtypes(self):
+        """Caches stored in each declared `kv_cache_dtypes` entry other than the query's dtype
+        (a quantizer may keep an fp16 KV cache under an fp32 model). The reference sees the
+        same stored values, so only the query dtype's arithmetic error is allowed."""
+        m = self.matrix()
+        declared = self.capabilities().get("kv_cache_dtypes")
+        declared_dtypes = None if declared is None else tuple(_DTYPES[n] for n in declared if n in _DTYPES)
+        dtype = torch.float32 if torch.float32 in m.dtypes else m.dtypes[0]
+        others = [d for d in self.narrowed("kv_cache_dtypes", declared_dtypes, ()) if d != dtype]
+        if not others:
+            pytest.skip(f"the backend declares no KV-cache dtype other than {dtype}")
+        backend, rng = self.backend(), random.Random()
+        hd, bs, ratio = m.head_dims[0], m.block_sizes[-1], self.gqa_ratios[-1]
+        for kv_dtype in others:
+            case = (f"{dtype} over a {kv_dtype} cache", hd, bs, ratio)
+            if "prefill" in m.phases:
+                context = (lambda: rng.randint(1, self.max_len // 2)) if m.chunked_context else (lambda: 0)
+                spans = [(context(), rng.randint(1, 20)) for _ in range(2)]
+                q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans, kv_dtype)
+                out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
+                self._check(out, qs, dense, spans, hd**-0.5, dtype, case=case)
+            if "decode" in m.phases:
+                spans = [(rng.randint(0, self.max_len), 1) for _ in range(3)]
+                q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans, kv_dtype)
+                out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
+                self._check(out, qs, dense, spans, hd**-0.5, dtype, case=case)
+
+    def test_write_kv_uses_slot_mapping(self):
+        m, backend = self.matrix(), self.backend()
         rng = random.Random()
-        hd, bs = self.head_dims[0], self.block_sizes[-1]
+        hd, bs = m.head_dims[0], m.block_sizes[-1]
         spans = [(rng.randint(0, 40), rng.randint(1, 20)) for _ in range(3)]
         q, k, v, kc, vc, meta, dense, qs = self._batch(rng, torch.float32, hd, bs, 1, spans)
         kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)

@@ -6,12 +6,17 @@ scheduled and appends a token whenever a sequence's step reaches its newest toke
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from lmstack.interfaces import EngineLimits, KVAllocator, Scheduler
+from lmstack.registry import Component
 from lmstack.sequence import FinishReason, Sequence, SequenceStatus
 from lmstack.testing.allocator import check_invariants
+from lmstack.testing.components import build_component
 from lmstack.testing.fakes import make_seq
+from lmstack.testing.kit import ComponentKit
 
 
 def simulate(
@@ -78,28 +83,32 @@ def simulate(
     return finished
 
 
-class SchedulerConformance:
-    """Provide `make_scheduler(allocator, limits, **options) -> Scheduler` (options:
-    max_num_seqs, max_num_batched_tokens) and optionally `make_allocator(num_blocks,
-    block_size)` (defaults to the built-in paged allocator)."""
+class SchedulerConformance(ComponentKit):
+    """Set `component` (a registered scheduler name or Component) and optionally `options`.
 
-    @pytest.fixture
-    def make_scheduler(self):
-        pytest.fail("a conformance suite must override the make_scheduler fixture")
+    The kit builds the scheduler through its factory over a fresh allocator (`allocator`, a
+    registered allocator name or Component, built through its factory too) and `EngineLimits`,
+    and passes the limits' `max_num_seqs` / `max_num_batched_tokens` as options when the
+    options type has them (as the engine sizes its limits from them). Chunked prefill is tested
+    when the scheduler declares `chunked_prefill` (and its option of that name, if any, is on),
+    preemption when it declares `preemption`."""
 
-    @pytest.fixture
-    def make_allocator(self):
-        from lmstack.components.paged import PagedAllocator
+    kind = "scheduler"
+    allocator: ClassVar[str | Component] = "paged"
 
-        return PagedAllocator
-
-    def _setup(self, make_scheduler, make_allocator, *, blocks=64, bs=4, seqs=8, tokens=32, model_len=256):
-        alloc = make_allocator(blocks, bs)
+    def _setup(self, *, blocks=64, bs=4, seqs=8, tokens=32, model_len=256):
+        alloc = build_component(self.allocator, "allocator", {"num_blocks": blocks, "block_size": bs})
+        assert alloc.num_blocks == blocks and alloc.block_size == bs, (
+            "the scheduler kit sizes its allocator with the options num_blocks and block_size"
+        )
         limits = EngineLimits(max_model_len=model_len, max_num_seqs=seqs, max_num_batched_tokens=tokens)
-        return alloc, limits, make_scheduler(alloc, limits, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+        sched = self.build(
+            {"max_num_seqs": seqs, "max_num_batched_tokens": tokens}, allocator=alloc, limits=limits
+        )
+        return alloc, limits, sched
 
-    def test_all_requests_finish_within_limits(self, make_scheduler, make_allocator):
-        alloc, limits, sched = self._setup(make_scheduler, make_allocator)
+    def test_all_requests_finish_within_limits(self):
+        alloc, limits, sched = self._setup()
         seqs = [
             make_seq(p, m) for p, m in [(5, 3), (40, 5), (1, 9), (17, 2), (33, 4), (8, 8), (2, 1), (60, 3)]
         ]
@@ -107,8 +116,12 @@ class SchedulerConformance:
         assert sorted(s.seq_id for s in done) == sorted(s.seq_id for s in seqs)
         assert all(s.num_output_tokens == s.request.params.max_tokens for s in done)
 
-    def test_long_prompt_is_chunked_alongside_decodes(self, make_scheduler, make_allocator):
-        alloc, limits, sched = self._setup(make_scheduler, make_allocator, tokens=16)
+    def test_long_prompt_is_chunked_alongside_decodes(self):
+        if not self.capabilities().get("chunked_prefill"):
+            pytest.skip("the scheduler declares no chunked_prefill")
+        if getattr(self.converted_options(), "chunked_prefill", True) is False:
+            pytest.skip("chunked prefill is switched off by the kit's options")
+        alloc, limits, sched = self._setup(tokens=16)
         short = make_seq(4, 12)
         sched.add(short)
         for _ in range(2):  # get `short` decoding
@@ -124,17 +137,17 @@ class SchedulerConformance:
         assert by_id.get(short.seq_id) == 1, "the running decode must keep going"
         assert 0 < by_id.get(long.seq_id, 0) < 50, "the long prompt must be split into chunks"
 
-    def test_preemption_when_blocks_run_out(self, make_scheduler, make_allocator):
-        alloc, limits, sched = self._setup(
-            make_scheduler, make_allocator, blocks=12, bs=4, tokens=64, model_len=48
-        )
+    def test_preemption_when_blocks_run_out(self):
+        if not self.capabilities().get("preemption"):
+            pytest.skip("the scheduler declares no preemption")
+        alloc, limits, sched = self._setup(blocks=12, bs=4, tokens=64, model_len=48)
         seqs = [make_seq(10, 14) for _ in range(4)]  # 4 x 24 tokens = 24 blocks > 12
         done = simulate(sched, alloc, seqs, limits=limits)
         assert len(done) == 4
         assert sched.num_preemptions > 0
 
-    def test_arrivals_and_aborts(self, make_scheduler, make_allocator):
-        alloc, limits, sched = self._setup(make_scheduler, make_allocator)
+    def test_arrivals_and_aborts(self):
+        alloc, limits, sched = self._setup()
         first = [make_seq(12, 6) for _ in range(3)]
         late = [make_seq(7, 4) for _ in range(3)]
         done = simulate(
@@ -145,7 +158,7 @@ class SchedulerConformance:
         assert reasons[late[0].seq_id] is FinishReason.ABORT
         assert sum(r is FinishReason.LENGTH for r in reasons.values()) == 4
 
-    def test_respects_max_num_seqs(self, make_scheduler, make_allocator):
-        alloc, limits, sched = self._setup(make_scheduler, make_allocator, seqs=2, tokens=64)
+    def test_respects_max_num_seqs(self):
+        alloc, limits, sched = self._setup(seqs=2, tokens=64)
         seqs = [make_seq(3, 5) for _ in range(5)]
         simulate(sched, alloc, seqs, limits=limits)

@@ -58,7 +58,8 @@ COMPONENT = Component(
     kind="scheduler",
     factory=build,
     options_type=PriorityOptions,
-    capabilities={"chunked_prefill": True},
+    # Inherited from `continuous`; declared so the conformance kit tests them.
+    capabilities={"chunked_prefill": True, "preemption": "recompute"},
     description="Continuous batching that admits by request priority or shortest predicted job first.",
     api=">=1.0,<2",  # the lmstack plugin APIs it is written against (lmstack.plugin_api)
 )

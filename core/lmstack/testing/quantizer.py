@@ -1,0 +1,175 @@
+"""Quantizer conformance: linear layers built through `linear_factory` compute what the plain
+dense layer computes (within the error the format costs), and the tiny model served with the
+quantizer scores text like the unquantized one.
+
+The layer check feeds the layer what an unquantized Hugging Face checkpoint holds — dense fp32
+`weight` (and `bias`) tensors, one per part of a fused projection — through the parameters'
+weight loaders, as the model loader does. A quantizer that quantizes on load is tested as is;
+one that only reads pre-quantized tensors (e.g. GPTQ's `qweight`) needs checkpoints this kit
+does not make.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+from lmstack.interfaces import LinearSpec, Quantizer
+from lmstack.testing.attention import _DTYPES, rel_error
+from lmstack.testing.kit import (
+    KIT_PROMPTS,
+    ComponentKit,
+    generate,
+    greedy,
+    kit_llm,
+    reference_llm,
+    tiny_stack,
+)
+
+# Shapes a model asks for: odd sizes, fused projections of unequal parts, with and without bias.
+LINEAR_SHAPES: tuple[tuple[int, tuple[int, ...], bool], ...] = (
+    (37, (53,), True),
+    (64, (32, 16, 16), False),  # qkv_proj with GQA
+    (48, (40, 40), True),  # gate_up_proj
+    (128, (64,), False),
+    (1, (3,), True),
+)
+
+
+class QuantizerConformance(ComponentKit):
+    """Set `component` (a registered quantizer name or Component) and optionally `options`.
+
+    The dtypes tested are the declared `dtypes` (all three float dtypes when none are declared),
+    narrowed by the class attribute `dtypes` if set. A layer passes when its relative error
+    against the fp32 reference is at most 2x that of the plain dense layer in the same dtype,
+    plus a quarter of the dtype's epsilon, plus `quantization_error` — the relative error the
+    format itself costs (0 for a lossless quantizer; e.g. 0.01 for int8 with per-channel
+    scales). The model-level check compares the probability the model gives each prompt token
+    (teacher-forced, so both engines see the same inputs) with the unquantized engine's, within
+    `probability_tolerance` (when None: 1e-4, plus 5 x `quantization_error`, plus 50 epsilons
+    of the KV-cache dtype and, below fp32, of the model dtype)."""
+
+    kind = "quantizer"
+    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    quantization_error: ClassVar[float] = 0.0
+    probability_tolerance: ClassVar[float | None] = None
+
+    def quantizer(self, dtype: torch.dtype = torch.float32) -> Quantizer:
+        return self.build(dtype=dtype)
+
+    def kit_dtypes(self) -> tuple[torch.dtype, ...]:
+        declared = self.capabilities().get("dtypes")
+        declared_dtypes = None if declared is None else tuple(_DTYPES[n] for n in declared if n in _DTYPES)
+        return self.narrowed("dtypes", declared_dtypes, _DTYPES.values())
+
+    def test_kv_cache_dtype_as_declared(self) -> None:
+        """The instance's `kv_cache_dtype` is the declared `kv_cache_dtype` capability (the
+        resolver agrees the KV-cache dtype from the declaration, the runner from the instance)."""
+        caps = self.capabilities()
+        if "kv_cache_dtype" not in caps:
+            return
+        declared, actual = caps["kv_cache_dtype"], self.quantizer().kv_cache_dtype
+        actual_name = None if actual is None else str(actual).removeprefix("torch.")
+        assert actual_name == declared, (
+            f"the quantizer declares kv_cache_dtype {declared!r}, its instance has {actual_name!r}"
+        )
+
+    # --- one linear layer ------------------------------------------------------------------------
+
+    def _load(self, layer: nn.Module, parts: list[torch.Tensor], name: str, fused: bool) -> None:
+        params = dict(layer.named_parameters())
+        assert name in params, (
+            f"the layer has no parameter {name!r} (has {sorted(params)}); the kit loads the dense "
+            "`weight` / `bias` tensors of an unquantized checkpoint"
+        )
+        param = params[name]
+        loader = getattr(param, "weight_loader", None)
+        assert loader is not None, f"parameter {name!r} has no weight_loader (lmstack.model.weight_loader)"
+        for i, part in enumerate(parts):
+            loader(param, part.clone(), i if fused else None)
+
+    def test_linear_layers_match_dense_reference(self) -> None:
+        rng = random.Random()
+        for dtype in self.kit_dtypes():
+            make = self.quantizer(dtype).linear_factory()
+            for n, (in_features, sizes, bias) in enumerate(LINEAR_SHAPES):
+                spec = LinearSpec(
+                    in_features,
+                    sum(sizes),
+                    bias,
+                    f"layers.{n}.kit_proj",
+                    sizes,
+                    rng.choice(("column", "row", "replicated")),
+                    dtype,
+                )
+                layer = make(spec)
+                assert isinstance(layer, nn.Module), f"linear_factory returned {type(layer).__name__}"
+                weights = [torch.randn(s, in_features) * in_features**-0.5 for s in sizes]
+                biases = [torch.randn(s) for s in sizes] if bias else []
+                fused = len(sizes) > 1
+                self._load(layer, weights, "weight", fused)
+                if bias:
+                    self._load(layer, biases, "bias", fused)
+                x = torch.randn(rng.randint(1, 9), in_features)
+                w, b = torch.cat(weights), torch.cat(biases) if bias else None
+                with torch.no_grad():
+                    out = layer(x.to(dtype))
+                    ref = nn.functional.linear(x, w, b)
+                    plain = nn.functional.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+                where = f"{dtype} linear {spec.name} ({in_features} -> {sizes}, bias={bias})"
+                assert tuple(out.shape) == tuple(ref.shape), f"{where}: output shape {tuple(out.shape)}"
+                assert out.dtype == dtype, f"{where}: output dtype {out.dtype}"
+                err = rel_error(out, ref)
+                bound = 2 * rel_error(plain, ref) + torch.finfo(dtype).eps / 4 + self.quantization_error
+                if dtype == torch.float32:
+                    bound += 1e-6  # summation order
+                assert err <= bound, f"{where}: relative error {err:.2e} > {bound:.2e}"
+
+    # --- the tiny model served with the quantizer -----------------------------------------------
+
+    def test_model_scores_like_unquantized(self, tiny_model_path) -> None:
+        dtypes = self.kit_dtypes()
+        dtype = torch.float32 if torch.float32 in dtypes else dtypes[0]
+        dname = str(dtype).removeprefix("torch.")
+        llm = kit_llm(self, tiny_model_path, dtype=dname)
+        assert isinstance(llm.engine.quantizer, Quantizer)
+        ref = reference_llm(tiny_stack(tiny_model_path, dtype=dname))
+        tol = self.probability_tolerance
+        if tol is None:
+            kv_dtype = llm.engine.stack.kv_cache_dtype
+            tol = 1e-4 + 5 * self.quantization_error + 50 * torch.finfo(kv_dtype).eps
+            if dtype != torch.float32:
+                tol += 50 * torch.finfo(dtype).eps
+        from lmstack.sampling_params import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        ours, theirs = generate(llm, list(KIT_PROMPTS), sp), generate(ref, list(KIT_PROMPTS), sp)
+        for prompt, a, b in zip(KIT_PROMPTS, ours, theirs, strict=True):
+            ids = b.prompt_token_ids
+            for pos in range(1, len(ids)):
+                got, want = (
+                    math.exp(a.prompt_logprobs[pos][ids[pos]]),
+                    math.exp(b.prompt_logprobs[pos][ids[pos]]),
+                )
+                assert abs(got - want) <= tol, (
+                    f"prompt {prompt!r} token {pos}: probability {got:.4f} with the quantizer, "
+                    f"{want:.4f} without (tolerance {tol:.1e})"
+                )
+        llm.engine.shutdown()
+
+    def test_greedy_text_matches_unquantized(self, tiny_model_path) -> None:
+        """A lossless quantizer (`quantization_error` 0) gives the unquantized engine's greedy
+        tokens exactly."""
+        if self.quantization_error > 0:
+            pytest.skip("a lossy format may flip near ties; the logprob check bounds its error")
+        llm = kit_llm(self, tiny_model_path)
+        ref = reference_llm(tiny_stack(tiny_model_path))
+        ours, theirs = greedy(llm, list(KIT_PROMPTS), 8), greedy(ref, list(KIT_PROMPTS), 8)
+        for prompt, a, b in zip(KIT_PROMPTS, ours, theirs, strict=True):
+            assert a.token_ids == b.token_ids, f"prompt {prompt!r}: {a.text!r} != {b.text!r}"
+        llm.engine.shutdown()
