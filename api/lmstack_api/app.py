@@ -497,9 +497,11 @@ def _error_response(request: Request, err: APIError) -> Response:
         state.metrics.requests.labels(_endpoint(request), str(err.status)).inc()
     if err.status >= 500 and err.status != 503:
         log.error("request failed", path=request.url.path, status=err.status, error=err.message)
-    return Response(
-        content=to_json(err.body()), status_code=err.status, media_type=JSON, headers=err.headers()
-    )
+    headers = err.headers()
+    client_id = client_request_id(request.headers)
+    if client_id is not None:  # a caller tracing its requests can match the failures too
+        headers["X-Request-Id"] = client_id
+    return Response(content=to_json(err.body()), status_code=err.status, media_type=JSON, headers=headers)
 
 
 def _on_api_error(request: Request, exc: APIError) -> Response:

@@ -144,10 +144,11 @@ class ServerState:
 
     def authenticate(self, headers: Any) -> str | None:
         """The caller's API key (None when the server needs none); 401 when missing or wrong."""
-        return self.caller(headers)[0]
+        return self._match_key(headers)[0]
 
     def caller(self, headers: Any) -> tuple[str | None, str | None]:
-        """(API key, tenant) of a request; 401 when a key is needed and missing or wrong.
+        """(API key, tenant) of a generation request; 401 when a key is needed and missing or
+        wrong.
 
         With keys configured the tenant is the matching key's, and an `X-Tenant` header is
         ignored: a client must not be able to speak for another tenant (whose prefix cache,
@@ -155,6 +156,11 @@ class ServerState:
         tenant is the `X-Tenant` header when present (400 when malformed), else None."""
         if not self.api_keys:
             return None, tenant_header(headers)
+        return self._match_key(headers)
+
+    def _match_key(self, headers: Any) -> tuple[str | None, str | None]:
+        if not self.api_keys:
+            return None, None
         auth = headers.get("authorization") or ""
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
