@@ -87,7 +87,7 @@ class Sequence:
 class Request:
     """A client request: one prompt, `params.n` sequences sampled from it.
 
-    Metadata schedulers, caches and lifecycle hooks may read (the engine never interprets it):
+    Metadata set when the request is made, for schedulers, caches and lifecycle hooks to read:
 
     - `request_id`: the engine's key for the request, unique among requests in flight.
     - `client_request_id`: the caller's own id for it (over HTTP: an adopted `X-Request-Id`
