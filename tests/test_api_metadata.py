@@ -60,7 +60,7 @@ def test_a_well_formed_request_id_is_adopted_and_echoed(server, path, stream):
 
 def test_a_malformed_or_missing_request_id_is_replaced_by_the_servers(server):
     # The replacement happens before the routes differ (Job.echo_id): one route is enough.
-    for bad in (b"has spaces", b"x" * 129, "é".encode(), None):
+    for bad in (b"has spaces", b"x" * 129, None):
         headers = {} if bad is None else {"X-Request-Id": bad}
         status, echoed, body_id = post(server, "/v1/completions", headers, stream=bad is None)
         assert status == 200 and echoed == body_id and echoed.startswith("cmpl-"), bad
