@@ -16,11 +16,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lmstack_api.config import key_tenant
 from lmstack_api.testing import ServerProcess, free_port
 
 MODEL = "smollm2-135m-instruct"
 KEY = "sk-hardening-stackfile-7f3a9c"
 ENV_KEY = "sk-hardening-environment-41bd2e"
+TENANT_KEY = "sk-hardening-tenant-acme-90c1d4"  # configured as {key, tenant}
+KEYS = (KEY, ENV_KEY, TENANT_KEY)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 COMPILE_TIMEOUT_S = 4.0
 DRAIN_TIMEOUT_S = 15.0
@@ -31,7 +34,7 @@ STACK = {
     "scheduler": {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 1024},
     "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "64MiB"},
     "server": {
-        "api_keys": [KEY],
+        "api_keys": [KEY, {"key": TENANT_KEY, "tenant": "acme"}],
         # Room for the 5,000-property schema, so the time bound (not the size bound) stops it.
         "grammar_max_schema_bytes": 400_000,
         "grammar_max_schema_properties": 6_000,
@@ -112,9 +115,9 @@ def rss(pid: int) -> int:
 def test_stack_does_not_return_api_keys(server):
     status, raw = server.get("/v1/stack", AUTH)
     assert status == 200
-    assert KEY.encode() not in raw and ENV_KEY.encode() not in raw
+    assert not any(key.encode() in raw for key in KEYS)
     stack = json.loads(raw)["stack"]
-    assert stack["server"]["api_keys"] == "2 configured"
+    assert stack["server"]["api_keys"] == "3 configured"
     assert stack["server"]["grammar_compile_timeout_s"] == COMPILE_TIMEOUT_S  # the rest still shows
 
 
@@ -132,7 +135,24 @@ def test_no_response_body_carries_a_key(server):
             bodies.append(json.dumps(post_raw(server, path, body)).encode())
     bodies.append(json.dumps(post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})).encode())
     for raw in bodies:
-        assert KEY.encode() not in raw and ENV_KEY.encode() not in raw
+        assert not any(key.encode() in raw for key in KEYS)
+
+
+def test_the_tenant_is_the_keys_and_x_tenant_is_ignored(server):
+    """A plain key's tenant is derived from it, a {key, tenant} entry's is named; a client's
+    X-Tenant (well formed or not) changes neither. Read from the request log line, which
+    the server writes from the engine's Request."""
+    expected = {KEY: key_tenant(KEY), ENV_KEY: key_tenant(ENV_KEY), TENANT_KEY: "acme"}
+    for i, (key, tenant) in enumerate(expected.items()):
+        client_id = f"tenant-check-{i}-{time.time_ns()}"
+        headers = {"Authorization": f"Bearer {key}", "X-Request-Id": client_id}
+        headers["X-Tenant"] = "other-tenant" if i % 2 else "not a tenant!"
+        status, _, hdrs = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}, headers)
+        assert status == 200 and {k.lower(): v for k, v in hdrs.items()}["x-request-id"] == client_id
+        (line,) = [r for r in server.log_records("request finished") if r["client_request_id"] == client_id]
+        assert line["tenant"] == tenant
+    log = server.log()
+    assert not any(key in log for key in KEYS)
 
 
 # --- 3. malformed bodies -----------------------------------------------------------------------
@@ -403,7 +423,7 @@ def test_sigterm_during_a_compile_exits_within_the_drain_timeout(server):
     assert status == 503 and body["error"]["code"] == "server_overloaded"
     # Nothing the server logged carries a key, either.
     log = server.log()
-    assert "request finished" in log and KEY not in log and ENV_KEY not in log
+    assert "request finished" in log and not any(key in log for key in KEYS)
 
 
 # --- 2, in one process: the memory bound and the cache's byte bound -------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 import pytest
 from hypothesis import given
@@ -178,9 +180,27 @@ def test_plugin_sections_are_kept_raw_until_resolved():
 
 
 def test_section_view_hides_secrets():
-    described = checked({"server": {"api_keys": ["sk-secret-1", "sk-secret-2"]}}).describe()
+    keys = ["sk-secret-1", {"key": "sk-secret-2", "tenant": "acme"}]
+    described = checked({"server": {"api_keys": keys}}).describe()
     assert "sk-secret" not in str(described)
     assert described["server"]["api_keys"] == "2 configured"
+
+
+def test_api_key_tenants():
+    from lmstack_api.config import key_tenant, key_tenants
+
+    cfg = checked({"server": {"api_keys": ["sk-a", {"key": "sk-b", "tenant": "acme"}]}}).sections["server"]
+    derived = key_tenant("sk-a")
+    assert derived == "key-" + hashlib.sha256(b"sk-a").hexdigest()[:12] and "sk-a" not in derived
+    assert key_tenants(cfg, ["sk-env"]) == [
+        ("sk-a", derived),
+        ("sk-b", "acme"),
+        ("sk-env", key_tenant("sk-env")),
+    ]
+    e = error("server: {api_keys: [{key: sk-a, tenant: 'two words'}]}")
+    assert e.path == "server.api_keys[0].tenant"
+    e = error("server: {api_keys: [sk-a, {key: sk-a, tenant: acme}]}")
+    assert "one key twice" in str(e) and "'acme'" in str(e) and "sk-a" not in str(e)
 
 
 def test_unknown_nested_key():

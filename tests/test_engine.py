@@ -11,6 +11,7 @@ import torch
 
 from lmstack import SamplingParams
 from lmstack.errors import InvalidRequestError
+from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import Speculator
 from lmstack.verification import Draft
 
@@ -223,12 +224,75 @@ def test_prompt_and_max_tokens_past_the_context(llm):
 
 
 def test_metrics_snapshot(llm):
-    before = llm.get_stats().generation_tokens
+    old = llm.get_stats()
+    kept = (old.generation_tokens, old.num_steps, old.num_finished, dict(old.finished_by_reason))
     llm.generate(chat(llm, "Hello there"), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     s = llm.get_stats()
-    assert s.generation_tokens - before == 5
+    assert s.generation_tokens - old.generation_tokens == 5
     assert s.prompt_tokens > 0 and s.num_running == 0 and s.num_waiting == 0 and s.kv_usage == 0.0
     assert s.finished_by_reason.get("length", 0) >= 1
+    # A snapshot: the steps since left the earlier one as it was, nested dict included.
+    assert (old.generation_tokens, old.num_steps, old.num_finished, old.finished_by_reason) == kept
+    s.finished_by_reason["stop"] = 10**6  # and what a caller does to one stays with it
+    assert llm.get_stats().finished_by_reason.get("stop", 0) < 10**6
+
+
+class StatsRecorder:
+    """A lifecycle plugin keeping every stats object `lmstack_step_finished` hands it."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    @hookimpl
+    def lmstack_step_finished(self, engine, stats) -> None:
+        self.seen.append((stats, stats.num_steps, stats.generation_tokens))
+
+
+def test_step_finished_hook_gets_a_snapshot_per_step(llm):
+    recorder = StatsRecorder()
+    llm.engine.pm.register(recorder)
+    try:
+        llm.generate([504, 3575, 282], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    finally:
+        llm.engine.pm.unregister(recorder)
+    assert len(recorder.seen) >= 4
+    assert len({id(stats) for stats, _, _ in recorder.seen}) == len(recorder.seen)
+    # Each kept object still reads what it read during its own step.
+    assert all((stats.num_steps, stats.generation_tokens) == (n, g) for stats, n, g in recorder.seen)
+    steps = [n for _, n, _ in recorder.seen]
+    assert steps == list(range(steps[0], steps[0] + len(steps)))
+
+
+class RecordingScheduler:
+    """Wraps the engine's scheduler and notes the metadata of every request it is handed."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.seen: list[tuple[str, str | None, str | None]] = []
+
+    def add(self, seq) -> None:
+        req = seq.request
+        self.seen.append((req.request_id, req.client_request_id, req.tenant))
+        self.inner.add(seq)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_request_metadata_reaches_the_scheduler(llm, monkeypatch):
+    rec = RecordingScheduler(llm.engine.scheduler)
+    monkeypatch.setattr(llm.engine, "scheduler", rec)
+    eng, params, prompt = llm.engine, SamplingParams(max_tokens=1), [504, 3575, 282]
+    ids = [
+        eng.add_request(prompt, params, tenant="acme", client_request_id="trace-1"),
+        eng.add_request(prompt, params, tenant="acme", client_request_id="trace-1"),
+        eng.add_request(prompt, params),
+    ]
+    while eng.has_unfinished():
+        eng.step()
+    # One caller id twice is two requests with their own engine ids; the plain one has no metadata.
+    assert len(set(ids)) == 3
+    assert rec.seen == [(ids[0], "trace-1", "acme"), (ids[1], "trace-1", "acme"), (ids[2], None, None)]
 
 
 class ReplayDrafter(Speculator):

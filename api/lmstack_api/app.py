@@ -37,7 +37,7 @@ from lmstack_api.schemas import (
     ModelCard,
     ModelList,
 )
-from lmstack_api.state import ServerState
+from lmstack_api.state import ServerState, client_request_id
 
 log = get_logger()
 JSON = "application/json"
@@ -174,9 +174,7 @@ def _stream_response(job: Job, frames: AsyncIterator[bytes]) -> Stream:
     # If the body is never iterated (the client left before the headers went out), its
     # `finally` never runs: release the job's queue slot and reservation when it is collected.
     weakref.finalize(body, job.finish, "disconnected")
-    return Stream(
-        body, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": job.request_id}
-    )
+    return Stream(body, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": job.echo_id})
 
 
 def _engine_error(job: Job, exc: EngineFailure) -> APIError:
@@ -223,7 +221,7 @@ async def _complete(job: Job, request: Request) -> bool:
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
-    key = state.authenticate(request.headers)
+    key, tenant = state.caller(request.headers)
     engine = state.require_ready()
     req = P.decode_body(await _read_body(request), ChatCompletionRequest)
     state.check_model(req.model)
@@ -253,8 +251,10 @@ async def chat_completions(request: Request) -> Response:
         max_logit_bias_entries=state.config.max_logit_bias_entries,
         max_temperature=state.config.max_temperature,
     )
+    # The body's id stays ours (unique and OpenAI-shaped) even when the caller sent an
+    # X-Request-Id: that one may repeat across requests; it comes back in the header instead.
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    job = Job(state, "chat", rid, key)
+    job = Job(state, "chat", rid, key, tenant=tenant, client_request_id=client_request_id(request.headers))
     job.admit([prompt], sp, _client(request))
     created = int(time.time())
     tt = TokenText(engine.tokenizer)
@@ -299,7 +299,9 @@ async def chat_completions(request: Request) -> Response:
         )
         for c in out.outputs
     ]
-    return _json(ChatCompletion(rid, created, model, choices, usage([out])), headers={"X-Request-Id": rid})
+    return _json(
+        ChatCompletion(rid, created, model, choices, usage([out])), headers={"X-Request-Id": job.echo_id}
+    )
 
 
 # --- completions -----------------------------------------------------------------------------
@@ -308,7 +310,7 @@ async def chat_completions(request: Request) -> Response:
 @post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response:
     state = _state(request)
-    key = state.authenticate(request.headers)
+    key, tenant = state.caller(request.headers)
     engine = state.require_ready()
     req = P.decode_body(await _read_body(request), CompletionRequest)
     state.check_model(req.model)
@@ -334,8 +336,10 @@ async def completions(request: Request) -> Response:
         max_logit_bias_entries=state.config.max_logit_bias_entries,
         max_temperature=state.config.max_temperature,
     )
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    job = Job(state, "completions", rid, key)
+    rid = f"cmpl-{uuid.uuid4().hex}"  # ours, unique; see chat_completions
+    job = Job(
+        state, "completions", rid, key, tenant=tenant, client_request_id=client_request_id(request.headers)
+    )
     job.admit(prompts, sp, _client(request))
     created = int(time.time())
     tt = TokenText(engine.tokenizer)
@@ -397,7 +401,7 @@ async def completions(request: Request) -> Response:
                 )
             )
     outs = [job.final[i] for i in range(len(job.reqs))]
-    return _json(Completion(rid, created, model, choices, usage(outs)), headers={"X-Request-Id": rid})
+    return _json(Completion(rid, created, model, choices, usage(outs)), headers={"X-Request-Id": job.echo_id})
 
 
 # --- models, stack, health, metrics ----------------------------------------------------------
@@ -493,9 +497,11 @@ def _error_response(request: Request, err: APIError) -> Response:
         state.metrics.requests.labels(_endpoint(request), str(err.status)).inc()
     if err.status >= 500 and err.status != 503:
         log.error("request failed", path=request.url.path, status=err.status, error=err.message)
-    return Response(
-        content=to_json(err.body()), status_code=err.status, media_type=JSON, headers=err.headers()
-    )
+    headers = err.headers()
+    client_id = client_request_id(request.headers)
+    if client_id is not None:  # a caller tracing its requests can match the failures too
+        headers["X-Request-Id"] = client_id
+    return Response(content=to_json(err.body()), status_code=err.status, media_type=JSON, headers=headers)
 
 
 def _on_api_error(request: Request, exc: APIError) -> Response:

@@ -7,6 +7,7 @@ The core knows nothing of HTTP: lmstack-api registers the section through
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any
 
 import msgspec
@@ -19,6 +20,19 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 SECTION = "server"
+
+# A tenant name, as configured for a key or sent in `X-Tenant`: safe in logs, metric labels
+# and file names.
+TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}\Z"
+TenantName = Annotated[str, msgspec.Meta(pattern=TENANT_PATTERN)]
+
+
+class ApiKey(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A key with the tenant its requests belong to (`{key: sk-..., tenant: acme}`); several
+    keys may name one tenant (rotation, one key per service of a customer)."""
+
+    key: Annotated[str, msgspec.Meta(min_length=1)]
+    tenant: TenantName
 
 
 class RateLimitConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -43,8 +57,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # The name clients send as `model`; defaults to the stack's `model`.
     served_model_name: str | None = None
     # Bearer keys clients must send; empty means no authentication. `LMSTACK_API_KEYS`
-    # (comma-separated) adds keys without writing them into the stack file.
-    api_keys: list[str] = msgspec.field(default_factory=list)
+    # (comma-separated) adds keys without writing them into the stack file. A key's requests
+    # carry its tenant (`Request.tenant`): the one a `{key, tenant}` entry names, else an id
+    # derived from the key (`key_tenant`). With keys configured, `X-Tenant` is ignored.
+    api_keys: list[str | ApiKey] = msgspec.field(default_factory=list)
     # Admission: past either bound a new request gets 503 with Retry-After.
     max_waiting_requests: PositiveInt = 256
     max_queued_tokens: PositiveInt = 262_144
@@ -75,8 +91,34 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_logit_bias_entries: NonNegativeInt = 300
     max_temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 2.0
 
+    def __post_init__(self) -> None:
+        tenants: dict[str, str | None] = {}
+        for entry in self.api_keys:
+            key, tenant = (entry, None) if isinstance(entry, str) else (entry.key, entry.tenant)
+            if key in tenants and tenants[key] != tenant:
+                # Reported at `server`; the ", got" part keeps the section (and so the keys)
+                # from being quoted in the message (lmstack.config.config_error).
+                first, second = (t or "derived from the key" for t in (tenants[key], tenant))
+                raise ValueError(
+                    f"api_keys lists one key twice, got it with tenant {first!r} and {second!r}; "
+                    "keep one entry per key"
+                )
+            tenants[key] = tenant
+
 
 SECRET_FIELDS = ("api_keys",)
+
+
+def key_tenant(key: str) -> str:
+    """The tenant of a key configured without one: stable across restarts and servers (so a
+    disk cache salted with it stays valid) and not reversible to the key."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def key_tenants(cfg: ServerConfig, env_keys: list[str]) -> list[tuple[str, str]]:
+    """(key, tenant) for every configured key: the stack file's, then the environment's."""
+    out = [(e, key_tenant(e)) if isinstance(e, str) else (e.key, e.tenant) for e in cfg.api_keys]
+    return out + [(k, key_tenant(k)) for k in env_keys]
 
 
 def public_view(cfg: ServerConfig) -> dict[str, Any]:

@@ -27,11 +27,24 @@ class EngineFailure(Exception):
 
 
 class Job:
-    def __init__(self, state: ServerState, endpoint: str, request_id: str, api_key: str | None) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        endpoint: str,
+        request_id: str,
+        api_key: str | None,
+        *,
+        tenant: str | None = None,
+        client_request_id: str | None = None,
+    ) -> None:
         self.state = state
         self.endpoint = endpoint
+        # Unique per job (the engine keys its requests by it); the caller's own id, which may
+        # repeat, travels beside it as `client_request_id`.
         self.request_id = request_id
-        self.key = api_key
+        self.key = api_key  # for the rate limiter only: never on a Request, never logged
+        self.tenant = tenant
+        self.client_request_id = client_request_id
         self.reqs: list[Request] = []
         self.final: dict[int, RequestOutput] = {}
         self.status = "ok"
@@ -41,6 +54,11 @@ class Job:
         self._done = False
         self._last_token_time: dict[int, float] = {}
 
+    @property
+    def echo_id(self) -> str:
+        """The `X-Request-Id` the response carries: the caller's when adopted, else ours."""
+        return self.client_request_id or self.request_id
+
     def admit(self, prompts: list[str | list[int]], params: SamplingParams, client: str) -> None:
         """Tokenize and validate every prompt, then take the queue slot and rate-limit budget;
         raises APIError (400 / 429 / 503) and holds nothing when it does."""
@@ -49,7 +67,15 @@ class Job:
         try:
             for i, prompt in enumerate(prompts):
                 rid = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
-                self.reqs.append(engine.make_request(prompt, params, request_id=rid))
+                self.reqs.append(
+                    engine.make_request(
+                        prompt,
+                        params,
+                        request_id=rid,
+                        tenant=self.tenant,
+                        client_request_id=self.client_request_id,
+                    )
+                )
         except InvalidRequestError as exc:
             raise request_error(exc) from None
         prompt_tokens = sum(r.prompt_len for r in self.reqs)
@@ -164,6 +190,9 @@ class Job:
         log.info(
             "request finished",
             request_id=self.request_id,
+            # Read back from the engine's Request: what schedulers and caches saw.
+            client_request_id=first.client_request_id,
+            tenant=first.tenant,
             endpoint=self.endpoint,
             status=self.status,
             prompt_tokens=sum(r.prompt_len for r in self.reqs),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from lmstack.async_engine import AsyncEngine
 from lmstack.errors import LmstackError
 from lmstack.resolve import ResolvedStack
-from lmstack_api.config import ServerConfig, server_config
+from lmstack_api.config import TENANT_PATTERN, ServerConfig, key_tenants, server_config
 from lmstack_api.errors import APIError, clip, overloaded
 from lmstack_api.grammar_guard import CompileGuard
 from lmstack_api.limits import Admission, RateLimiter
@@ -22,6 +23,34 @@ from lmstack_api.prompts import max_piece_bytes
 
 log = get_logger()
 
+_TENANT = re.compile(TENANT_PATTERN)
+# Well-formed `X-Request-Id`s are adopted; others are ignored (see `client_request_id`).
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def tenant_header(headers: Any) -> str | None:
+    """The `X-Tenant` header (servers without API keys); 400 naming it when malformed."""
+    value = headers.get("x-tenant")
+    if value is None:
+        return None
+    if not _TENANT.match(value):
+        raise APIError(
+            400,
+            f"X-Tenant header {clip(value)!r} is not a tenant name: use 1-64 characters of A-Z a-z 0-9 . _ -",
+            param="X-Tenant",
+            code="invalid_header",
+        )
+    return value
+
+
+def client_request_id(headers: Any) -> str | None:
+    """The caller's `X-Request-Id` when well formed (1-128 characters of A-Z a-z 0-9 . _ : -),
+    else None. A malformed one is ignored rather than refused, and the server's own id is
+    echoed instead: the header is usually set by a proxy or tracing library the client does
+    not control, and a request should not fail over a tracing label."""
+    value = headers.get("x-request-id")
+    return value if value is not None and _REQUEST_ID.fullmatch(value) else None
+
 
 class ServerState:
     def __init__(self, stack: ResolvedStack, engine: AsyncEngine | None = None) -> None:
@@ -29,7 +58,8 @@ class ServerState:
         self.config: ServerConfig = server_config(stack)
         self.model_name = self.config.served_model_name or stack.config.model
         env_keys = [k.strip() for k in os.environ.get("LMSTACK_API_KEYS", "").split(",") if k.strip()]
-        self.api_keys = [k.encode() for k in (*self.config.api_keys, *env_keys)]
+        # (key, its tenant); compared in constant time, never logged.
+        self.api_keys = [(k.encode(), tenant) for k, tenant in key_tenants(self.config, env_keys)]
         self.engine = engine
         self.load_error: str | None = None
         # The exception itself: `lmstack serve` reports an LmstackError (a factory's BuildError)
@@ -120,8 +150,23 @@ class ServerState:
 
     def authenticate(self, headers: Any) -> str | None:
         """The caller's API key (None when the server needs none); 401 when missing or wrong."""
+        return self._match_key(headers)[0]
+
+    def caller(self, headers: Any) -> tuple[str | None, str | None]:
+        """(API key, tenant) of a generation request; 401 when a key is needed and missing or
+        wrong.
+
+        With keys configured the tenant is the matching key's, and an `X-Tenant` header is
+        ignored: a client must not be able to speak for another tenant (whose prefix cache,
+        rate limits or priority it would then share). Without keys nothing is secret, so the
+        tenant is the `X-Tenant` header when present (400 when malformed), else None."""
         if not self.api_keys:
-            return None
+            return None, tenant_header(headers)
+        return self._match_key(headers)
+
+    def _match_key(self, headers: Any) -> tuple[str | None, str | None]:
+        if not self.api_keys:
+            return None, None
         auth = headers.get("authorization") or ""
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
@@ -132,9 +177,13 @@ class ServerState:
                 code="invalid_api_key",
             )
         given = token.strip().encode()
-        if not any(hmac.compare_digest(given, key) for key in self.api_keys):
+        tenant = None
+        for key, key_tenant in self.api_keys:  # every key compared: no early exit to time
+            if hmac.compare_digest(given, key) and tenant is None:
+                tenant = key_tenant
+        if tenant is None:
             raise APIError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
-        return token.strip()
+        return token.strip(), tenant
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -98,6 +98,16 @@ class ServerProcess:
         except OSError:
             return ""
 
+    def log_records(self, event: str) -> list[dict[str, Any]]:
+        """The JSON log lines whose `event` is `event` (e.g. "request finished"), oldest first."""
+        records = []
+        for line in self.log().splitlines():
+            if line.startswith("{") and f'"{event}"' in line:
+                record = json.loads(line)
+                if record.get("event") == event:
+                    records.append(record)
+        return records
+
     def terminate(self, timeout: float = 120.0) -> int:
         """SIGTERM, then wait for the exit status."""
         assert self.proc is not None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,6 +35,8 @@ class AsyncEngine:
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self.engine: LLMEngine = stack if isinstance(stack, LLMEngine) else None  # type: ignore[assignment]
+        # An engine passed in stays its owner's: shutdown() stops the loop, not that engine.
+        self._owns_engine = not isinstance(stack, LLMEngine)
         # The latest metrics snapshot, published by the engine thread (readers never see the
         # live object the engine keeps mutating).
         self._stats: EngineStats | None = None
@@ -96,32 +97,37 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        tenant: str | None = None,
+        client_request_id: str | None = None,
     ) -> Request:
         """Validate and tokenize (raises InvalidRequestError naming the field); submit the
-        result with `stream`. Thread-safe."""
-        return self.engine.make_request(prompt, params, request_id=request_id, priority=priority)
+        result with `stream`. Thread-safe. `tenant` and `client_request_id` ride on the Request
+        for schedulers, caches and hooks to read."""
+        return self.engine.make_request(
+            prompt,
+            params,
+            request_id=request_id,
+            priority=priority,
+            tenant=tenant,
+            client_request_id=client_request_id,
+        )
 
     def stats(self) -> EngineStats:
         """A copy of the latest metrics snapshot (taken after the last step or admission)."""
         snap = self._stats
         assert snap is not None, "the engine thread publishes a snapshot before the constructor returns"
-        return copy.deepcopy(snap)
+        return snap.snapshot()
 
     def get_stats(self) -> EngineStats:
         return self.stats()
 
     async def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
+        self, prompt: str | list[int], params: SamplingParams | None = None, **kw: Any
     ) -> AsyncIterator[RequestOutput]:
-        """Validate now (raises InvalidRequestError), then yield outputs as they arrive; the
-        last one has `finished=True`. Leaving the iteration early aborts the request."""
-        req = self.make_request(prompt, params, request_id=request_id, priority=priority)
-        return self._stream(req)
+        """Validate now (raises InvalidRequestError; keywords as `make_request`), then yield
+        outputs as they arrive; the last one has `finished=True`. Leaving the iteration early
+        aborts the request."""
+        return self._stream(self.make_request(prompt, params, **kw))
 
     def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Submit a request made (and validated) with `make_request`; same stream as
@@ -151,8 +157,8 @@ class AsyncEngine:
         self._post("abort", request_id)
 
     def _publish_stats(self) -> None:
-        # A private copy: the engine mutates its own stats object on the next step.
-        self._stats = copy.deepcopy(self.engine.get_stats())
+        # get_stats() is a snapshot: readers never see the object the engine keeps mutating.
+        self._stats = self.engine.get_stats()
 
     def _post(self, kind: str, payload: Any) -> None:
         with self._lock:
@@ -198,4 +204,5 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
-        self.engine.shutdown()
+        if self._owns_engine:
+            self.engine.shutdown()

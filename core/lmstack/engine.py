@@ -94,8 +94,8 @@ class LLMEngine:
         return self.input_processor.grammar_compiler
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None = None, **kw: Any) -> Request:
-        """Validate and tokenize (keywords: request_id, priority, arrival_time); raises
-        InvalidRequestError naming the field. Thread-safe."""
+        """Validate and tokenize (keywords: request_id, priority, arrival_time, tenant,
+        client_request_id); raises InvalidRequestError naming the field. Thread-safe."""
         return self.input_processor.make_request(prompt, params, **kw)
 
     def enqueue(self, req: Request) -> None:
@@ -241,12 +241,12 @@ class LLMEngine:
     # --- metrics ---------------------------------------------------------------------------
 
     def get_stats(self) -> EngineStats:
-        """The live metrics object, refreshed (the engine keeps updating it)."""
+        """A snapshot of the metrics: a copy that later steps leave as it is."""
         s, sched = self.stats, self.scheduler
         s.num_running, s.num_waiting = sched.num_running(), sched.num_waiting()
         s.num_preemptions = sched.num_preemptions
         s.num_free_kv_blocks, s.kv_usage = self.allocator.num_free_blocks(), self.allocator.usage()
-        return s
+        return s.snapshot()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -118,8 +118,9 @@ def lmstack_engine_started(engine: LLMEngine) -> None:
 
 @hookspec
 def lmstack_step_finished(engine: LLMEngine, stats: EngineStats) -> None:
-    """One engine step finished. `stats` holds the engine's counters (queue depth, running
-    sequences, KV usage, tokens so far, ...); treat it as read-only."""
+    """One engine step finished. `stats` is a snapshot of the engine's counters (queue depth,
+    running sequences, KV usage, tokens so far, ...): a copy of its own, which later steps
+    leave as it is, so a plugin may keep it."""
 
 
 @hookspec

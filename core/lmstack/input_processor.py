@@ -106,8 +106,11 @@ class InputProcessor:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        tenant: str | None = None,
+        client_request_id: str | None = None,
     ) -> Request:
-        """Validate and tokenize; raises InvalidRequestError naming the field."""
+        """Validate and tokenize; raises InvalidRequestError naming the field. `tenant` and
+        `client_request_id` are carried on the Request for components to read (see `Request`)."""
         params = params or SamplingParams()
         ids, text = self.tokenize(prompt)
         self.check(ids, params)
@@ -116,7 +119,15 @@ class InputProcessor:
                 request_id = f"req-{next(self._ids)}"
         if request_id in self._live:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        req = Request(request_id, ids, params, priority=priority, prompt=text)
+        req = Request(
+            request_id,
+            ids,
+            params,
+            priority=priority,
+            prompt=text,
+            tenant=tenant,
+            client_request_id=client_request_id,
+        )
         req.stop_ids = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(
             params.stop_token_ids
         )

