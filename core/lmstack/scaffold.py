@@ -42,6 +42,8 @@ class KindTemplate:
     # The greedy output on the tiny model must equal the reference stack's. A quantizer changes
     # the numbers, so its end-to-end test checks that it generates instead.
     lossless: bool = True
+    # Extra class attributes of the generated conformance test (the kit's knobs).
+    kit_settings: str = ""
 
 
 TEMPLATES: dict[str, KindTemplate] = {
@@ -134,6 +136,11 @@ def decode(
 ''',
         build="""
 return $Camel$suffix()
+""",
+        kit_settings="""
+# Random (dtype, head_dim, block_size, GQA ratio) combinations per check, fresh each run and
+# together covering every value; None runs every combination (slower).
+cases = 3
 """,
     ),
     "quantizer": KindTemplate(
@@ -478,7 +485,7 @@ MAX_TOKENS = 8
 
 class Test$Camel${suffix}Conformance($kit):
     component = "$name"  # the registered name; the kit builds it with `options`
-    options = {}
+    options = {}$kit_settings
 
 
 # The tiny model with the reference components, and with this plugin selected in its place.
@@ -619,6 +626,7 @@ def render(kind: str, name: str) -> dict[str, str]:
         TESTS,
         **common,
         kit=f"{kind.capitalize()}Conformance",
+        kit_settings="\n" + _indent(template.kit_settings, 4) if template.kit_settings else "",
         reference_stack=py_literal(reference_stack),
         plugin_sections="\n".join(
             f"    {py_literal(k)}: {py_literal(v, inline=True)}," for k, v in changed.items()
