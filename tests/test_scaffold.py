@@ -4,6 +4,7 @@ every one of them generating text on the tiny model."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -105,6 +106,22 @@ def test_generated_package(kind):
     for path, text in files.items():
         if path.endswith(".py"):
             compile(text, path, "exec")
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_generated_component_imports_only_the_plugin_api(kind):
+    from lmstack.plugin_api import PUBLIC_API
+
+    module = scaffold.render(kind, "demo")[f"lmstack_demo_{kind}/__init__.py"]
+    imported = []
+    for node in ast.walk(ast.parse(module)):
+        if isinstance(node, ast.ImportFrom) and node.module.partition(".")[0] == "lmstack":
+            imported += [(node.module, alias.name) for alias in node.names]
+    assert imported
+    for module_name, name in imported:
+        # `from lmstack.components import paged` imports the public module itself.
+        public = f"{module_name}.{name}" in PUBLIC_API or name in PUBLIC_API.get(module_name, ())
+        assert public, f"{kind}: {module_name}.{name} is not in lmstack.plugin_api.PUBLIC_API"
 
 
 @pytest.mark.parametrize("kind", KIND_NAMES)

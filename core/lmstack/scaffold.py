@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import string
+import sys
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -72,12 +73,11 @@ return $Camel$suffix(options, ctx.allocator, ctx.limits)
     "allocator": KindTemplate(
         imports=(
             "from lmstack.components import paged",
-            "from lmstack.components.paged import PagedAllocator, PagedOptions",
             "from lmstack.sequence import Sequence",
         ),
-        base="PagedAllocator",
+        base="paged.PagedAllocator",
         suffix="Allocator",
-        options_base="PagedOptions",
+        options_base="paged.PagedOptions",
         body='''
 """The reference paged allocator: ref-counted fixed-size blocks, copy-on-write forks,
 truncation. Change how blocks are handed out here."""
@@ -87,8 +87,8 @@ def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
     return super().allocate(seq, num_new_tokens)
 ''',
         build="""
-# The reference sizes the pool from the memory budget (or `num_blocks`); reuse its answer.
-sized = paged.build(options, ctx)
+# The reference's factory sizes the pool from the memory budget (or `num_blocks`); reuse its answer.
+sized = paged.COMPONENT.factory(options, ctx)
 return $Camel$suffix(sized.num_blocks, sized.block_size)
 """,
     ),
@@ -145,9 +145,10 @@ cases = 3
     ),
     "quantizer": KindTemplate(
         imports=(
+            "from collections.abc import Callable",
             "from torch import nn",
             "from lmstack.components.none_quantizer import NoQuantizer",
-            "from lmstack.interfaces import LinearFactory",
+            "from lmstack.interfaces import LinearSpec",
         ),
         base="NoQuantizer",
         suffix="Quantizer",
@@ -156,8 +157,9 @@ cases = 3
 """No quantization yet: plain linears in the serving dtype. Return your own linear modules
 from `linear_factory`, and set `kv_cache_dtype` for a quantized KV cache."""
 
-def linear_factory(self) -> LinearFactory:
-    # Called once; the model builds every linear layer through the factory returned here.
+def linear_factory(self) -> Callable[[LinearSpec], nn.Module]:
+    # The model builds every linear layer through the factory returned here: LinearSpec (sizes,
+    # name, how tensor parallelism splits it) -> a module mapping [..., in] -> [..., out].
     return super().linear_factory()
 
 def process_model(self, model: nn.Module) -> None:
@@ -349,19 +351,24 @@ _COMMON_IMPORTS = (
 
 
 def import_block(lines: list[str]) -> str:
-    """Import lines merged per module and sorted as isort sorts them in a plugin's own repository,
-    where lmstack, torch and msgspec are all third-party: `import x` lines, then `from x import`."""
-    plain: set[str] = set()
-    froms: dict[str, set[str]] = {}
+    """Import lines merged per module and sorted as isort sorts them in a plugin's own repository:
+    the standard library, then the rest (lmstack, torch and msgspec are all third-party there);
+    in each, `import x` lines before `from x import` lines."""
+    sections: dict[bool, tuple[set[str], dict[str, set[str]]]] = {True: (set(), {}), False: (set(), {})}
     for line in lines:
         words = line.split()
+        plain, froms = sections[words[1].partition(".")[0] in sys.stdlib_module_names]
         if words[0] == "import":
             plain.add(words[1])
         else:
             froms.setdefault(words[1], set()).update(n.strip(",") for n in words[3:])
-    block = [f"import {m}" for m in sorted(plain)]
-    block += [f"from {m} import {', '.join(sorted(froms[m], key=_name_order))}" for m in sorted(froms)]
-    return "\n".join(block)
+    blocks = []
+    for plain, froms in sections.values():
+        block = [f"import {m}" for m in sorted(plain)]
+        block += [f"from {m} import {', '.join(sorted(froms[m], key=_name_order))}" for m in sorted(froms)]
+        if block:
+            blocks.append("\n".join(block))
+    return "\n\n".join(blocks)
 
 
 def _name_order(name: str) -> tuple[int, str]:
