@@ -35,6 +35,12 @@ def test_bad_names_are_refused_with_the_rule(name):
     )
 
 
+def test_the_core_s_own_names_are_refused():
+    with pytest.raises(scaffold.ScaffoldError, match="attention 'torch' is one of lmstack's own components"):
+        scaffold.render("attention", "torch")
+    scaffold.render("scheduler", "torch")  # names are per kind
+
+
 def test_names_derived_from_name_and_kind():
     names = scaffold.PluginNames("speculator", "fair-share2")
     assert names.distribution == "lmstack-fair-share2-speculator"

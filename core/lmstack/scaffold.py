@@ -288,13 +288,18 @@ def stack_selection(kind: str, name: str) -> dict[str, dict[str, str]]:
     return sections
 
 
+def builtin_registry():
+    """The core's own components (no installed plugins): the references the templates extend."""
+    from lmstack.plugins import build_registry, make_plugin_manager
+
+    return build_registry(make_plugin_manager(autoload=False))
+
+
 def reference_component(kind: str):
     """The built-in component a stack gets for `kind` when it names none (the role's default),
     which the generated component extends."""
-    from lmstack.plugins import build_registry, make_plugin_manager
-
     default = next(role.default for role in ROLES if role.kind == kind)
-    return build_registry(make_plugin_manager(autoload=False)).get(kind, default)
+    return builtin_registry().get(kind, default)
 
 
 def plugin_api_range() -> str:
@@ -578,6 +583,9 @@ def render(kind: str, name: str) -> dict[str, str]:
     """The generated package's files: relative path -> text."""
     check_kind(kind)
     check_name(name)
+    if name in builtin_registry().names(kind):
+        # Two components of one kind and name cannot both be installed.
+        raise ScaffoldError(f"{kind} {name!r} is one of lmstack's own components; pick another name")
     names = PluginNames(kind, name)
     template = TEMPLATES[kind]
     reference = reference_component(kind)
