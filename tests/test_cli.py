@@ -319,6 +319,7 @@ def test_serve_and_bench_come_from_their_distributions():
         "check",
         "plugins",
         "generate",
+        "new-plugin",
     }
     args = parser.parse_args(["bench", "serve", "--help"])
     assert args.bench_args == ["serve", "--help"]
