@@ -5,6 +5,7 @@ Convention (stated at the top of docs/plugins.md too):
 - a fenced block whose info string is exactly ``python`` is a complete program; it is run, in a
   fresh namespace, in the order of the file (blocks do not share state);
 - ``python no-run`` marks a fragment or a file that needs an installed package: shown, not run;
+- runnable blocks are also held to the repository's ruff rules and format (readers copy them);
 - ``toml`` blocks must parse (they are pyproject.toml excerpts); other languages (``sh``,
   ``yaml``, ``text``) are not checked here.
 
@@ -14,7 +15,10 @@ document itself (each block is compiled under the document's file name at its ow
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +96,22 @@ def test_runnable_block(block: Block, tmp_path: Path, monkeypatch: pytest.Monkey
             engine = getattr(value, "engine", None)
             if engine is not None and hasattr(engine, "shutdown"):
                 engine.shutdown()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
+def test_runnable_blocks_pass_ruff(tmp_path: Path) -> None:
+    files = []
+    for b in RUNNABLE:
+        path = tmp_path / f"plugins_md_line_{b.line}.py"
+        path.write_text(b.code, encoding="utf-8")
+        files.append(str(path))
+    config = str(ROOT / "pyproject.toml")
+    for args in (["check", "--output-format", "concise"], ["format", "--diff"]):
+        run = subprocess.run(
+            [sys.executable, "-m", "ruff", *args, "--config", config, *files], capture_output=True, text=True
+        )
+        # The file names carry each block's first line in docs/plugins.md.
+        assert run.returncode == 0, f"ruff {args[0]} on the runnable blocks:\n{run.stdout}{run.stderr}"
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.info == "toml"], ids=lambda b: f"line-{b.line}")
