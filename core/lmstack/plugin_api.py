@@ -17,7 +17,8 @@ refuses a component whose range excludes `PLUGIN_API_VERSION`, naming both versi
   ``lmstack.outputs``, ``lmstack.model.config`` (`ModelConfig`), ``lmstack.executor``
   (what a parallel layout creates executors from);
 - ``lmstack.errors``: the errors a component raises for bad input;
-- ``lmstack.testing``: the conformance kits;
+- ``lmstack.testing``: the conformance kits, `build_component`, the tiny random-weight model
+  and its pytest fixture;
 - the reference components a plugin may extend or delegate to
   (``lmstack.components.continuous``, ``paged``, ``torch_attention``, ``single``,
   ``none_quantizer``, ``none_speculator``).
@@ -66,7 +67,21 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.model.config": ("ModelConfig",),
     "lmstack.executor": ("ExecutorSpec", "InProcessExecutor"),
     "lmstack.errors": ("LmstackError", "ConfigError", "ResolutionError", "InvalidRequestError", "BuildError"),
-    "lmstack.testing": ("AllocatorConformance", "AttentionConformance", "SchedulerConformance", "make_seq"),
+    "lmstack.testing": (
+        "AllocatorConformance",
+        "AttentionConformance",
+        "ParallelConformance",
+        "QuantizerConformance",
+        "SchedulerConformance",
+        "SpeculatorConformance",
+        "ComponentKit",
+        "build_component",
+        "make_seq",
+        "write_tiny_model",
+    ),
+    "lmstack.testing.components": ("build_component", "make_context"),
+    "lmstack.testing.tiny_model": ("write_tiny_model",),
+    "lmstack.testing.fixtures": ("tiny_model_path",),
     "lmstack.components.continuous": ("ContinuousOptions", "ContinuousScheduler", "COMPONENT"),
     "lmstack.components.paged": ("PagedOptions", "PagedAllocator", "COMPONENT"),
     "lmstack.components.torch_attention": ("TorchAttention", "COMPONENT"),
