@@ -17,7 +17,8 @@ refuses a component whose range excludes `PLUGIN_API_VERSION`, naming both versi
   ``lmstack.outputs``, ``lmstack.model.config`` (`ModelConfig`), ``lmstack.executor``
   (what a parallel layout creates executors from);
 - ``lmstack.errors``: the errors a component raises for bad input;
-- ``lmstack.testing``: the conformance kits;
+- ``lmstack.testing``: the conformance kits, `build_component`, the tiny test model;
+  ``lmstack.testing.fixtures``: the pytest fixture `tiny_model_path`;
 - the reference components a plugin may extend or delegate to
   (``lmstack.components.continuous``, ``paged``, ``torch_attention``, ``single``,
   ``none_quantizer``, ``none_speculator``).
@@ -66,7 +67,22 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.model.config": ("ModelConfig",),
     "lmstack.executor": ("ExecutorSpec", "InProcessExecutor"),
     "lmstack.errors": ("LmstackError", "ConfigError", "ResolutionError", "InvalidRequestError", "BuildError"),
-    "lmstack.testing": ("AllocatorConformance", "AttentionConformance", "SchedulerConformance", "make_seq"),
+    "lmstack.testing": (
+        "AllocatorConformance",
+        "AttentionConformance",
+        "SchedulerConformance",
+        "QuantizerConformance",
+        "SpeculatorConformance",
+        "ParallelConformance",
+        "ComponentKit",
+        "build_component",
+        "write_tiny_model",
+        "make_seq",
+        "plain_attention",
+        "reference_attention",
+        "simulate",
+    ),
+    "lmstack.testing.fixtures": ("tiny_model_path",),
     "lmstack.components.continuous": ("ContinuousOptions", "ContinuousScheduler", "COMPONENT"),
     "lmstack.components.paged": ("PagedOptions", "PagedAllocator", "COMPONENT"),
     "lmstack.components.torch_attention": ("TorchAttention", "COMPONENT"),
