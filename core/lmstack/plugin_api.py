@@ -17,8 +17,8 @@ refuses a component whose range excludes `PLUGIN_API_VERSION`, naming both versi
   ``lmstack.outputs``, ``lmstack.model.config`` (`ModelConfig`), ``lmstack.executor``
   (what a parallel layout creates executors from);
 - ``lmstack.errors``: the errors a component raises for bad input;
-- ``lmstack.testing``: the conformance kits, `build_component`, the tiny random-weight model
-  and its pytest fixture;
+- ``lmstack.testing``: the conformance kits, `build_component`, the tiny test model;
+  ``lmstack.testing.fixtures``: the pytest fixture `tiny_model_path`;
 - the reference components a plugin may extend or delegate to
   (``lmstack.components.continuous``, ``paged``, ``torch_attention``, ``single``,
   ``none_quantizer``, ``none_speculator``).
@@ -77,6 +77,9 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "ComponentKit",
         "build_component",
         "make_seq",
+        "plain_attention",
+        "reference_attention",
+        "simulate",
         "write_tiny_model",
     ),
     "lmstack.testing.components": ("build_component", "make_context"),

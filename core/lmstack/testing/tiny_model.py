@@ -94,9 +94,10 @@ def write_tiny_model(
         return (torch.randn(*shape, generator=gen) * std).contiguous()
 
     def linear(out_features: int, in_features: int) -> torch.Tensor:
-        # Twice unit gain: each layer moves the residual stream well away from the token's own
-        # embedding (at unit gain greedy text fell into two-token loops within a few steps).
-        return rand(out_features, in_features, std=2.0 * in_features**-0.5)
+        # 1.5x unit gain: each layer moves the residual stream away from the token's own
+        # embedding (at unit gain greedy text fell into one- or two-token loops within a few
+        # steps; at 2x it never repeated, so a prompt-lookup drafter had nothing to propose).
+        return rand(out_features, in_features, std=1.5 * in_features**-0.5)
 
     h, kv = hidden_size, num_kv_heads * head_dim
     tensors = {"model.embed_tokens.weight": rand(vocab_size, h, std=0.5), "model.norm.weight": torch.ones(h)}
