@@ -16,9 +16,7 @@ import pytest
 
 from lmstack import cli, scaffold
 from lmstack.config import load_stack
-from lmstack.roles import KIND_NAMES, ROLE_NAMES
-
-pytest_plugins = ["lmstack.testing.fixtures"]
+from lmstack.roles import KIND_NAMES
 
 
 def test_every_kind_has_a_template():
@@ -73,7 +71,7 @@ def test_writes_into_an_empty_folder_and_prints_next_steps(tmp_path, capsys):
     target.mkdir()
     assert cli.main(["new-plugin", "attention", "fast-kv", "--dir", str(target)]) == 0
     out = capsys.readouterr().out
-    assert f"pip install -e {target}[test]" in out
+    assert f'pip install -e "{target}[test]"' in out
     assert f"python -m pytest {target / 'tests'}" in out
     assert "attention: {prefill: fast-kv, decode: fast-kv}" in out
     assert sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()) == [
@@ -84,10 +82,12 @@ def test_writes_into_an_empty_folder_and_prints_next_steps(tmp_path, capsys):
     ]
 
 
-def test_default_folder_is_the_distribution_name(tmp_path, monkeypatch):
+def test_default_folder_is_the_distribution_name(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert scaffold.write_plugin("parallel", "demo") == Path("lmstack-demo-parallel")
+    assert cli.main(["new-plugin", "parallel", "demo"]) == 0
     assert (tmp_path / "lmstack-demo-parallel" / "pyproject.toml").is_file()
+    # A relative folder is printed as a path pip cannot take for a package name.
+    assert 'pip install -e "./lmstack-demo-parallel[test]"' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kind", KIND_NAMES)
@@ -115,15 +115,16 @@ def test_generated_package(kind):
 
 
 @pytest.mark.parametrize("kind", KIND_NAMES)
-def test_generated_component_imports_only_the_plugin_api(kind):
+def test_generated_code_imports_only_the_plugin_api(kind):
     from lmstack.plugin_api import PUBLIC_API
 
-    module = scaffold.render(kind, "demo")[f"lmstack_demo_{kind}/__init__.py"]
+    files = scaffold.render(kind, "demo")
     imported = []
-    for node in ast.walk(ast.parse(module)):
-        if isinstance(node, ast.ImportFrom) and node.module.partition(".")[0] == "lmstack":
-            imported += [(node.module, alias.name) for alias in node.names]
-    assert imported
+    for path in (f"lmstack_demo_{kind}/__init__.py", f"tests/test_demo_{kind}.py"):
+        for node in ast.walk(ast.parse(files[path])):
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("lmstack."):
+                imported += [(node.module, alias.name) for alias in node.names]
+    assert ("lmstack.testing", f"{kind.capitalize()}Conformance") in imported
     for module_name, name in imported:
         # `from lmstack.components import paged` imports the public module itself.
         public = f"{module_name}.{name}" in PUBLIC_API or name in PUBLIC_API.get(module_name, ())
@@ -187,18 +188,8 @@ def test_a_generated_plugin_of_every_kind_installs_lists_passes_its_tests_and_ge
     # Installed side by side into a folder of their own (the CI's environment stays untouched):
     # lmstack finds their entry points through the *.dist-info there.
     site = tmp_path / "site"
-    pip = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--no-deps",
-        "--no-build-isolation",
-        "--target",
-        site,
-    ]
-    _run([*pip, *dirs.values()], env, tmp_path)
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+    _run([*pip, "--target", site, *dirs.values()], env, tmp_path)
     env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
 
     rows = json.loads(_run([sys.executable, "-m", "lmstack.cli", "plugins", "--json"], env, tmp_path))
@@ -206,19 +197,8 @@ def test_a_generated_plugin_of_every_kind_installs_lists_passes_its_tests_and_ge
     assert listed == {(kind, f"lmstack-demo-{kind}") for kind in KIND_NAMES}
 
     # Every package's own tests (kit + end-to-end), in one pytest run from outside the repository.
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            *(d / "tests" for d in dirs.values()),
-        ],
-        env,
-        tmp_path,
-    )
+    tests = [d / "tests" for d in dirs.values()]
+    _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env, tmp_path)
 
     stack = tmp_path / "demo.yaml"
     stack.write_text(
@@ -230,12 +210,6 @@ def test_a_generated_plugin_of_every_kind_installs_lists_passes_its_tests_and_ge
             if kind != "allocator"
             for line in scaffold.yaml_flow(scaffold.stack_selection(kind, "demo"))
         )
-    )
-    resolved = json.loads(
-        _run([sys.executable, "-m", "lmstack.cli", "check", "--json", stack], env, tmp_path)
-    )
-    assert {role: c["name"] for role, c in resolved["components"].items()} == dict.fromkeys(
-        ROLE_NAMES, "demo"
     )
     text = _run(
         [sys.executable, "-m", "lmstack.cli", "generate", "--stack", stack, "--max-tokens", "6", "Hello"],

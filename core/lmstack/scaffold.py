@@ -304,9 +304,9 @@ def reference_component(kind: str):
 
 def plugin_api_range() -> str:
     """The API range generated components declare: this lmstack's plugin API major."""
-    import lmstack
+    from lmstack.plugin_api import PLUGIN_API_VERSION
 
-    major = int(str(getattr(lmstack, "PLUGIN_API_VERSION", "1.0")).split(".")[0])
+    major = int(PLUGIN_API_VERSION.split(".")[0])
     return f">={major}.0,<{major + 1}"
 
 
@@ -677,13 +677,16 @@ def write_plugin(kind: str, name: str, directory: str | Path | None = None) -> P
 
 def next_steps(kind: str, name: str, target: Path) -> str:
     names = PluginNames(kind, name)
+    # pip takes a bare folder name for a package name; "./" says it is a path. The quotes keep
+    # shells that expand brackets (zsh) away from the extra.
+    where = str(target) if target.is_absolute() else f"./{target}"
     return "\n".join(
         [
-            f"wrote {kind} plugin {name!r} ({names.distribution}) to {target}",
+            f"wrote {kind} plugin {name!r} ({names.distribution}) to {where}",
             "next:",
-            f"  pip install -e {target}[test]",
+            f'  pip install -e "{where}[test]"',
             f"  lmstack plugins               # lists {kind} {name}",
-            f"  python -m pytest {target / 'tests'}",
+            f"  python -m pytest {Path(where) / 'tests'}",
             f"  select it in a stack: {'; '.join(yaml_flow(stack_selection(kind, name)))}",
         ]
     )
