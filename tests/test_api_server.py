@@ -393,7 +393,8 @@ def test_metrics_and_health(server, client):
         "lmstack:e2e_request_latency_seconds_bucket",
         "lmstack:request_queue_time_seconds_bucket",
         "lmstack:request_goodput_total",
-        "lmstack:prefix_cache_hit_tokens_total",
+        "lmstack:prefix_cache_queries_total",
+        "lmstack:prefix_cache_hits_total",
     ):
         assert name in text, name
     assert server.metric("lmstack:generation_tokens_total") > 0

@@ -32,6 +32,7 @@ def fake_registry() -> Registry:
         ("none", "quantizer", {}),
         ("none", "speculator", {}),
         ("single", "parallel", {}),
+        ("none", "cache", {}),
         ("gpu-only", "attention", {"capabilities": {"devices": ("cuda",)}, "api": ">=1.0,<2"}),
     ]:
         reg.add(
@@ -111,7 +112,7 @@ def test_check_json(fakes, capsys, stack_file):
         ("scheduler: {name: fair}\n", "error: scheduler.name: unknown scheduler 'fair'"),
         ("attention: gpu-only\n", "prefill kernel 'gpu-only' (lmstack-fake 2.0) runs on cuda only"),
         ("model: x\nscheduler: [\n", "invalid YAML"),
-        ("cache: {prefix: {name: prefix}}\n", "error: cache.prefix:"),
+        ("cache: {name: prefix}\n", "error: cache.name: unknown cache 'prefix'"),
     ],
 )
 def test_check_errors_are_one_line(fakes, capsys, stack_file, text, fragment):
@@ -186,6 +187,7 @@ def test_plugins_with_the_builtins(capsys, monkeypatch):
         "quantizer",
         "speculator",
         "parallel",
+        "cache",
     }
     assert all(r["distribution"] == "lmstack" for r in rows)
 

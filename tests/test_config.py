@@ -39,7 +39,7 @@ dtype: bfloat16
 device: cpu
 scheduler: {name: continuous, max_num_seqs: 64, max_num_batched_tokens: 2048}
 allocator: {name: paged, block_size: 16, kv_cache_memory: 2GiB}
-cache: {prefix: {name: prefix}, tiers: [{name: host, capacity: 8GiB}]}
+cache: {name: tiered, disk_path: /var/cache/lmstack, disk_capacity: 20GiB}
 attention: {prefill: torch, decode: torch}
 quant: {weights: none, kv_cache: none}
 speculator: {name: ngram, num_draft_tokens: 5}
@@ -71,7 +71,7 @@ def test_empty_stack_gives_the_defaults():
         assert stack.quant == {"weights": "none", "kv_cache": KV_CACHE_AUTO}
         assert stack.speculator == {"name": "none"}
         assert stack.parallel == {"name": "single"}
-        assert stack.cache == {}
+        assert stack.cache == {"name": "none"}
         assert stack.extra_sections == {}
         assert checked(stack).sections["server"] == ServerConfig(host="127.0.0.1", port=8000)
 
@@ -80,7 +80,7 @@ def test_the_design_example_parses():
     stack = parse_stack(DESIGN_EXAMPLE)
     assert stack.scheduler == {"name": "continuous", "max_num_seqs": 64, "max_num_batched_tokens": 2048}
     assert stack.allocator == {"name": "paged", "block_size": 16, "kv_cache_memory": "2GiB"}
-    assert stack.cache == {"prefix": {"name": "prefix"}, "tiers": [{"name": "host", "capacity": "8GiB"}]}
+    assert stack.cache == {"name": "tiered", "disk_path": "/var/cache/lmstack", "disk_capacity": "20GiB"}
     assert stack.quant == {"weights": "none", "kv_cache": "none"}
     assert stack.speculator == {"name": "ngram", "num_draft_tokens": 5}
     # A section without `name` gets its default component; layout options stay.
@@ -148,9 +148,13 @@ def test_quant_forms():
     assert parse_stack("quant: {kv_cache: null}").quant["kv_cache"] == "none"
 
 
-def test_empty_cache_parts_ask_for_nothing():
-    assert parse_stack("cache:\n").cache == {}
-    assert parse_stack("cache: {prefix: null, tiers: []}").cache == {}
+def test_cache_section_names_a_cache_component():
+    assert parse_stack("cache:\n").cache == {"name": "none"}
+    assert parse_stack("cache: prefix").cache == {"name": "prefix"}
+    assert parse_stack("cache: {name: tiered, disk_path: /tmp/kv}").cache == {
+        "name": "tiered",
+        "disk_path": "/tmp/kv",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +224,7 @@ def test_unknown_nested_key():
         ("scheduler: [continuous]", "scheduler", "expected a mapping"),
         ("scheduler: {name: 3}", "scheduler.name", "expected a component name"),
         ("attention: {prefill: {name: 5}}", "attention.prefill.name", "expected a component name"),
-        ("cache: {tiers: host}", "cache.tiers", "expected a list"),
+        ("cache: [prefix]", "cache", "expected a mapping"),
     ],
 )
 def test_wrong_type(text, path, fragment):
@@ -241,7 +245,7 @@ def test_wrong_type(text, path, fragment):
         ("device: gpu0", "device", "not a torch device"),
         ("attention: {prefil: flash}", "attention.prefil", "prefill and decode"),
         ("attention: {name: flash, decode: torch}", "attention.decode", "not both"),
-        ("cache: {prefixes: {}}", "cache.prefixes", "prefix, tiers"),
+        ("cache: {name: 3}", "cache.name", "expected a component name"),
     ],
 )
 def test_bad_value(text, path, fragment):

@@ -12,7 +12,7 @@ import torch
 from lmstack import SamplingParams
 from lmstack.errors import InvalidRequestError
 from lmstack.hookspecs import hookimpl
-from lmstack.interfaces import Speculator
+from lmstack.interfaces import BlockCache, Speculator
 from lmstack.verification import Draft
 
 STACK = {
@@ -344,7 +344,7 @@ def test_multi_token_decode_queries_verify_losslessly(llm, with_probs):
     assert eng.allocator.num_free_blocks() == eng.allocator.num_blocks
 
 
-class DictBlockCache:
+class DictBlockCache(BlockCache):
     def __init__(self):
         self.blocks, self.evicted, self.lookups = {}, [], 0
 

@@ -49,7 +49,8 @@ BASE = [
     comp("torch", "attention", capabilities={"devices": ("cpu", "cuda"), "phases": ("prefill", "decode")}),
     comp("none", "quantizer", capabilities={"kv_cache_dtype": None}),
     comp("none", "speculator"),
-    comp("single", "parallel"),
+    comp("none", "cache"),
+    comp("single", "parallel"),  # last: a test replaces it
 ]
 
 
@@ -110,6 +111,7 @@ def test_default_stack_resolves():
         "quantizer",
         "speculator",
         "parallel",
+        "cache",
     }
     assert all(isinstance(s, Selected) for s in r.roles().values())
 
@@ -366,12 +368,17 @@ def test_single_layout_with_layout_options_rejects_sharding_too():
     assert r.parallel.options == LayoutOptions(tp=2)
 
 
-def test_cache_sections_need_a_cache_plugin():
-    msg = conflict({"cache": {"prefix": {"name": "prefix"}}})
-    assert msg.startswith("cache.prefix:") and "cache plugin" in msg
-    msg = conflict({"cache": {"tiers": [{"name": "host"}]}})
-    assert msg.startswith("cache.tiers:")
-    assert resolved({"cache": {}}).config.cache == {}
+def test_cache_section_selects_a_cache_component():
+    assert resolved({}).cache.name == "none"
+    assert conflict({"cache": "prefix"}).startswith("cache.name: unknown cache 'prefix'")
+    prefix = comp("prefix", "cache", requires={"allocator.content_hash": True})
+    assert resolved({"cache": {"name": "prefix"}}, prefix).cache.name == "prefix"
+    msg = conflict(
+        {"cache": "prefix", "allocator": "plain"},
+        prefix,
+        comp("plain", "allocator", capabilities={"content_hash": False}),
+    )
+    assert "needs a allocator with content_hash=True" in msg and "allocator.name" in msg
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -437,6 +444,7 @@ def test_the_builtin_defaults_resolve(monkeypatch):
         "quantizer": "none",
         "speculator": "none",
         "parallel": "single",
+        "cache": "none",
     }
     assert all(s.component.distribution == "lmstack" for s in r.roles().values())
     json.dumps(r.describe())

@@ -59,7 +59,13 @@ class Job:
         """The `X-Request-Id` the response carries: the caller's when adopted, else ours."""
         return self.client_request_id or self.request_id
 
-    def admit(self, prompts: list[str | list[int]], params: SamplingParams, client: str) -> None:
+    def admit(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        client: str,
+        cache_salt: str | None = None,
+    ) -> None:
         """Tokenize and validate every prompt, then take the queue slot and rate-limit budget;
         raises APIError (400 / 429 / 503) and holds nothing when it does."""
         state = self.state
@@ -74,6 +80,7 @@ class Job:
                         request_id=rid,
                         tenant=self.tenant,
                         client_request_id=self.client_request_id,
+                        cache_salt=cache_salt,
                     )
                 )
         except InvalidRequestError as exc:
@@ -178,6 +185,7 @@ class Job:
                     m.tpot.observe(tpot)
                 ttfts.append(ttft)
                 tpots.append(tpot)
+            m.prefix_queries.inc(len(o.prompt_token_ids))
             m.prefix_hits.inc(o.num_cached_tokens)
             reasons.extend(c.finish_reason for c in o.outputs)
         complete = self.status == "ok" and len(self.final) == len(self.reqs)
@@ -196,6 +204,7 @@ class Job:
             endpoint=self.endpoint,
             status=self.status,
             prompt_tokens=sum(r.prompt_len for r in self.reqs),
+            cached_tokens=sum(o.num_cached_tokens for o in self.final.values()),
             completion_tokens=used,
             n=first.params.n,
             finish_reason=",".join(sorted({str(r) for r in reasons})) or None,

@@ -117,8 +117,12 @@ class Metrics:
         self.goodput = Counter(
             "lmstack:request_goodput", "Finished requests that met the TTFT and TPOT objectives", registry=r
         )
+        # vLLM's pair: the hit rate is hits / queries (both in prompt tokens).
+        self.prefix_queries = Counter(
+            "lmstack:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
         self.prefix_hits = Counter(
-            "lmstack:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
+            "lmstack:prefix_cache_hits", "Prompt tokens served from the prefix cache", registry=r
         )
         self.prompt_tokens_served = Counter(
             "lmstack:request_prompt_tokens", "Prompt tokens of admitted requests", registry=r

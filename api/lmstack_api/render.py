@@ -8,6 +8,7 @@ from lmstack.outputs import CompletionOutput, RequestOutput
 from lmstack_api.schemas import (
     ChatLogprobs,
     CompletionLogprobs,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -91,4 +92,5 @@ def completion_logprobs(
 def usage(outputs: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return Usage(prompt, completion, prompt + completion)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))

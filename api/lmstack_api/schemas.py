@@ -64,6 +64,8 @@ class SamplingFields(msgspec.Struct):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     user: str | None = None
+    # Requests with different salts never share cached KV blocks (vLLM's field).
+    cache_salt: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -95,10 +97,15 @@ class CompletionRequest(SamplingFields):
 # --- responses -------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
 class TopLogprob(msgspec.Struct):

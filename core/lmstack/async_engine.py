@@ -99,10 +99,12 @@ class AsyncEngine:
         priority: int = 0,
         tenant: str | None = None,
         client_request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenize (raises InvalidRequestError naming the field); submit the
         result with `stream`. Thread-safe. `tenant` and `client_request_id` ride on the Request
-        for schedulers, caches and hooks to read."""
+        for schedulers, caches and hooks to read; `cache_salt` keeps its KV blocks apart
+        from those of requests with another salt."""
         return self.engine.make_request(
             prompt,
             params,
@@ -110,6 +112,7 @@ class AsyncEngine:
             priority=priority,
             tenant=tenant,
             client_request_id=client_request_id,
+            cache_salt=cache_salt,
         )
 
     def stats(self) -> EngineStats:

@@ -137,6 +137,11 @@ class StepPlan:
     # Return these layers' outputs at `logits_indices` too (layer i = decoder layer i's output,
     # num_layers = after the final norm): what a drafter conditioned on target states reads.
     hidden_state_layers: tuple[int, ...] = ()
+    # A cache's lower tiers: (block id, KV of shape [layers, 2, block_size, heads, dim]) written
+    # into device blocks before the step, and block ids whose KV is copied out after it (into
+    # `ModelOutput.swapped_out`, same order). Every rank applies them to its own KV tensors.
+    swap_in: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    swap_out: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -164,3 +169,5 @@ class ModelOutput:
     logits: torch.Tensor  # [L, vocab] fp32
     # layer index (num_layers = after the final norm) -> [L, hidden]
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The KV of `StepPlan.swap_out`'s blocks after the step, on the host: [layers, 2, bs, H, D].
+    swapped_out: list[torch.Tensor] = field(default_factory=list)

@@ -2,9 +2,9 @@
 
 Each role's factory gets its options and the `BuildContext`, which fills up as roles are built
 (`ctx.components` holds every instance built so far, by role). The engine-level steps that
-sit between roles — the executor and the weights after the parallel layout, the KV cache after
-the allocator, the limits before the scheduler — are the only role-specific code; a new kind
-in `lmstack.roles` is built here with no edit.
+sit between roles — the executor and the weights after the parallel layout, the cache's
+geometry after the cache, the KV cache after the allocator, the limits before the scheduler —
+are the only role-specific code; a new kind in `lmstack.roles` is built here with no edit.
 
 Whatever a factory (or the model load after the parallel layout) raises comes out as a
 `BuildError` naming the role, the component and its distribution, in one line; the original
@@ -14,16 +14,18 @@ executor, the weights or the KV cache, for `lmstack check --build`.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
+from lmstack.content_hash import CacheGeometry, config_digest
 from lmstack.errors import BuildError
 from lmstack.executor import ExecutorSpec
 from lmstack.interfaces import BuildContext, EngineLimits, Executor
 from lmstack.model.architecture import ModelRegistry
 from lmstack.model.config import ModelConfig
-from lmstack.resolve import ResolvedStack, Selected
+from lmstack.resolve import DTYPE_NAMES, ResolvedStack, Selected
 from lmstack.roles import ROLE, ROLES
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,25 @@ class _Builder:
         )
         with _blame("parallel", self.stack.parallel, what=f"failed to load the model {self.stack.model!r}"):
             self.executor.load_model()
+
+    def _after_cache(self) -> None:
+        cache = self.ctx.components["cache"]
+        mc, q = self.mc, self.stack.quantizer
+        cache.bind(
+            CacheGeometry(
+                model=self.stack.model,
+                model_config=config_digest(mc),
+                dtype=DTYPE_NAMES[self.stack.dtype],
+                quantizer=json.dumps([q.name, q.describe()["options"]], sort_keys=True, default=str),
+                num_layers=mc.num_layers,
+                num_kv_heads=mc.num_kv_heads,
+                head_dim=mc.head_dim,
+                kv_cache_dtype=DTYPE_NAMES[self.stack.kv_cache_dtype],
+                block_size=getattr(self.stack.allocator.options, "block_size", 16),
+                device=str(self.stack.device),
+            )
+        )
+        self.ctx.block_cache = cache if cache.reuses_blocks else None
 
     def _before_allocator(self) -> None:
         block_size = getattr(self.stack.allocator.options, "block_size", 16)

@@ -31,7 +31,6 @@ KV_CACHE_NONE = "none"
 
 DEFAULT_ATTENTION = ROLE["attention_prefill"].default
 ATTENTION_PHASES = ("prefill", "decode")
-CACHE_KEYS = ("prefix", "tiers")
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -64,8 +63,6 @@ _SECTION_FIELDS: list[tuple[str, Any, Any]] = [
 ] + [
     ("attention", dict[str, dict[str, Any]], msgspec.field(default_factory=_default_attention)),
     ("quant", dict[str, Any], msgspec.field(default_factory=_default_quant)),
-    # Prefix reuse / tiering: no cache kind exists yet, so asking for them is a resolution error.
-    ("cache", dict[str, Any], msgspec.field(default_factory=dict)),
 ]
 # Top-level sections a plugin declares (lmstack-api's `server:`), kept raw until `resolve`
 # converts them with the type the plugin registered; a section nobody declares is an error there.
@@ -80,11 +77,10 @@ StackConfig = msgspec.defstruct(
 )
 StackConfig.__doc__ = """A parsed stack file. Sections are normalised by `load_stack`:
 
-- one section per single-role kind (scheduler, allocator, speculator, parallel, ...):
+- one section per single-role kind (scheduler, allocator, speculator, parallel, cache, ...):
   ``{"name": str, **options}``;
 - `attention`: ``{"prefill": {"name": str, **options}, "decode": {...}}``;
 - `quant`: ``{"weights": str, "kv_cache": "auto" | "none" | dtype, **weight options}``;
-- `cache`: ``{}`` or ``{"prefix": ..., "tiers": [...]}``;
 - `extra_sections`: every other top-level key, raw, for the plugins that declare them.
 """
 
@@ -138,8 +134,6 @@ def stack_from_mapping(data: Mapping[str, Any]) -> StackConfig:
         raw["attention"] = _attention_section(raw["attention"])
     if "quant" in raw:
         raw["quant"] = _quant_section(raw["quant"])
-    if "cache" in raw:
-        raw["cache"] = _cache_section(raw["cache"])
     if "dtype" in raw:
         _check_choice(raw["dtype"], MODEL_DTYPES, "dtype")
     extra = dict(raw.pop(EXTRA, None) or {})  # a StackConfig turned back into a mapping
@@ -213,19 +207,6 @@ def _quant_section(value: Any) -> dict[str, Any]:
     _check_choice(kv, (KV_CACHE_AUTO, KV_CACHE_NONE, *KV_CACHE_DTYPES), "quant.kv_cache")
     section["kv_cache"] = kv
     return section
-
-
-def _cache_section(value: Any) -> dict[str, Any]:
-    if value is None:
-        return {}
-    section = _mapping(value, "cache")
-    for key in section:
-        if key not in CACHE_KEYS:
-            raise ConfigError(f"unknown key; expected one of: {', '.join(CACHE_KEYS)}", f"cache.{key}")
-    if section.get("tiers") is not None and not isinstance(section["tiers"], list):
-        raise ConfigError(f"expected a list of tiers, got {_kind(section['tiers'])}", "cache.tiers")
-    # `prefix: null` or `tiers: []` ask for nothing.
-    return {k: v for k, v in section.items() if v not in (None, [], {})}
 
 
 def _mapping(value: Any, path: str) -> dict[str, Any]:

@@ -62,6 +62,10 @@ class LLMEngine:
         self.quantizer, self.parallel = c["quantizer"], c["parallel"]
         self.prefill_backend, self.decode_backend = c["attention_prefill"], c["attention_decode"]
         self.allocator, self.scheduler, self.speculator = c["allocator"], c["scheduler"], c["speculator"]
+        self.cache = c["cache"]
+        # The cache the allocator reports to (None under cache `none`): it may move blocks
+        # between tiers each step.
+        self.block_cache = built.ctx.block_cache
         self.sampler = Sampler(mc.vocab_size, seed=resolved.config.seed)
 
         self.requests: dict[str, Request] = {}
@@ -143,7 +147,11 @@ class LLMEngine:
         planned = plan_step(
             sched.scheduled, sched.blocks_to_copy, self.allocator.block_table, self.hidden_state_layers
         )
+        if self.block_cache is not None:
+            planned.plan.swap_in, planned.plan.swap_out = self.block_cache.take_transfers()
         result = self.executor.execute(planned.plan)
+        if planned.plan.swap_out:
+            self.block_cache.offloaded(planned.plan.swap_out, result.swapped_out)
         for item in sched.scheduled:
             seq, req = item.seq, item.seq.request
             if req.first_scheduled_time is None:
@@ -249,4 +257,5 @@ class LLMEngine:
         return s.snapshot()
 
     def shutdown(self) -> None:
+        self.cache.close()
         self.executor.shutdown()

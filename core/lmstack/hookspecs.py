@@ -82,6 +82,13 @@ def lmstack_register_parallel(register: Register) -> None:
 
 
 @hookspec
+def lmstack_register_caches(register: Register) -> None:
+    """Register KV caches (kind ``cache``, interface `lmstack.interfaces.BlockCache`): prefix
+    reuse of full blocks across requests, and lower tiers (host memory, disk) that blocks move
+    to and come back from."""
+
+
+@hookspec
 def lmstack_register_models(register: Callable[[ModelArchitecture], None]) -> None:
     """Register model architectures (`lmstack.model.architecture.ModelArchitecture`): the names a
     checkpoint uses for one, its config parser, model class and checkpoint-name mapping. Not a

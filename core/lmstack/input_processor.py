@@ -108,9 +108,11 @@ class InputProcessor:
         arrival_time: float | None = None,
         tenant: str | None = None,
         client_request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenize; raises InvalidRequestError naming the field. `tenant` and
-        `client_request_id` are carried on the Request for components to read (see `Request`)."""
+        `client_request_id` are carried on the Request for components to read (see `Request`); `cache_salt`
+        keeps the request's KV blocks apart from those of requests with another salt."""
         params = params or SamplingParams()
         ids, text = self.tokenize(prompt)
         self.check(ids, params)
@@ -127,6 +129,7 @@ class InputProcessor:
             prompt=text,
             tenant=tenant,
             client_request_id=client_request_id,
+            cache_salt=check_cache_salt(cache_salt),
         )
         req.stop_ids = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(
             params.stop_token_ids
@@ -134,3 +137,20 @@ class InputProcessor:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         return req
+
+
+MAX_CACHE_SALT_LENGTH = 1024
+
+
+def check_cache_salt(salt: object) -> str | None:
+    """A cache salt is None or a non-empty string of at most 1024 characters."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise InvalidRequestError(f"cache_salt must be a non-empty string, got {salt!r}", param="cache_salt")
+    if len(salt) > MAX_CACHE_SALT_LENGTH:
+        raise InvalidRequestError(
+            f"cache_salt has {len(salt)} characters; at most {MAX_CACHE_SALT_LENGTH} are allowed",
+            param="cache_salt",
+        )
+    return salt

@@ -10,15 +10,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
+from lmstack.content_hash import CacheGeometry, request_key
+
 if TYPE_CHECKING:
     from lmstack.batch import AttentionMetadata, ModelOutput, StepPlan
     from lmstack.model.config import ModelConfig
-    from lmstack.sequence import Sequence
+    from lmstack.sequence import Request, Sequence
     from lmstack.verification import Draft
 
 
@@ -39,7 +41,8 @@ class EngineLimits:
 @dataclass
 class BuildContext:
     """Passed to every component factory. Fields are filled in the role table's build order
-    (`lmstack.roles.ROLES`): quantizer, attention, parallel, allocator (needs the KV geometry),
+    (`lmstack.roles.ROLES`): quantizer, attention, parallel, cache (`block_cache`), allocator
+    (needs the KV geometry and the cache),
     scheduler (needs the allocator and the limits), speculator. `components` holds every
     instance built so far, by role."""
 
@@ -51,6 +54,8 @@ class BuildContext:
     allocator: KVAllocator | None = None
     # Bytes of one KV block as the executor will lay it out (set before the allocator is built).
     kv_bytes_per_block: int | None = None
+    # The cache component the allocator reports full blocks to; None: no reuse (cache `none`).
+    block_cache: BlockCache | None = None
     components: dict[str, Any] = field(default_factory=dict)
 
 
@@ -59,22 +64,67 @@ class BuildContext:
 # ---------------------------------------------------------------------------------------------
 
 
-class BlockCache(Protocol):
-    """Where a cache component (prefix reuse, tiered offload) meets the allocator.
+class BlockCache(ABC):
+    """A cache component (kind ``cache``): where prefix reuse and lower KV tiers meet the
+    allocator.
 
-    The allocator computes a content hash for every full block (parent hash, token ids, extra
-    keys) and calls these; the reference allocator runs with none attached.
+    The allocator addresses every full block by a stable content hash
+    (`lmstack.content_hash.block_hash` over the parent's hash, the token ids, the geometry's
+    fingerprint and `request_key`) and calls `lookup` / `register` / `evict` for blocks in
+    device memory. A cache with lower tiers also answers `fetch` (a block it holds elsewhere is
+    loaded into a free device block) and asks for block copies through `take_transfers`: the
+    engine puts them into the step plan, the executor applies them on every worker (copies in
+    before the forward, copies out after it) and hands what it copied out to `offloaded`.
+
+    All methods run on the engine's thread; keep them cheap (file I/O belongs on a thread of the
+    cache's own).
     """
 
+    # False only for the built-in `none`: the allocator is then built without a cache.
+    reuses_blocks: bool = True
+    geometry: CacheGeometry | None = None
+
+    def bind(self, geometry: CacheGeometry) -> None:
+        """Called once before the allocator is built: the model and block layout the cache
+        serves (a tier checks stored blocks against `geometry.fingerprint`)."""
+        self.geometry = geometry
+
+    def request_key(self, request: Request) -> bytes:
+        """Extra keys of a request's blocks (`lmstack.content_hash.request_key`): its cache
+        salt and tenant by default, so tenants never share a block."""
+        return request_key(request.cache_salt, getattr(request, "tenant", None))
+
+    @abstractmethod
     def lookup(self, block_hash: int) -> int | None:
-        """A resident physical block holding this content, or None (a miss)."""
+        """A device block holding this content, or None (a miss). The allocator double-checks
+        the answer against its own record of the block's content."""
 
+    @abstractmethod
     def register(self, block_hash: int, block_id: int) -> None:
-        """A block just became full with this content."""
+        """A device block holds (or this step computes) this content."""
 
+    @abstractmethod
     def evict(self, block_hash: int, block_id: int) -> None:
-        """A hashed block is about to be reused for other content: it leaves device memory.
-        A tiered cache copies it to a lower tier here."""
+        """The block's content leaves device memory (the block is reused or rolled back)."""
+
+    def fetch(self, block_hash: int, block_id: int) -> bool:
+        """Load this content from a lower tier into free device block `block_id` before the
+        next step (queue it for `take_transfers`); False on a miss. A corrupt or foreign entry
+        is a miss, never wrong data."""
+        return False
+
+    def take_transfers(self) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
+        """(copies in, copies out) for this step: (block id, KV of shape
+        `geometry.block_shape`) written before the forward, and block ids whose KV is read
+        after it and handed to `offloaded`."""
+        return [], []
+
+    def offloaded(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
+        """The KV of the blocks `take_transfers` asked to copy out, after the step (host
+        tensors of shape `geometry.block_shape`)."""
+
+    def close(self) -> None:
+        """Finish pending writes and release resources (the engine is shutting down)."""
 
 
 class KVAllocator(ABC):

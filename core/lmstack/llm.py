@@ -28,9 +28,11 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Prompts as text or token ids; one params for all or one per prompt. Results come back
-        in prompt order."""
+        in prompt order. Requests with different `cache_salt`s never share cached KV blocks."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -41,7 +43,10 @@ class LLM:
         if len(params) != len(plist):
             raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
         # Validate everything before anything runs, so one bad prompt fails the call cleanly.
-        reqs = [self.engine.make_request(p, sp) for p, sp in zip(plist, params, strict=True)]
+        reqs = [
+            self.engine.make_request(p, sp, cache_salt=cache_salt)
+            for p, sp in zip(plist, params, strict=True)
+        ]
         for r in reqs:
             self.engine.enqueue(r)
         final: dict[str, RequestOutput] = {}

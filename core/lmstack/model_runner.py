@@ -128,8 +128,32 @@ class ModelRunner:
             blocks_to_copy=list(plan.blocks_to_copy),
         )
 
+    def swap_in(self, blocks: list[tuple[int, torch.Tensor]]) -> None:
+        """Write blocks' KV ([layers, 2, block_size, heads, dim] each) into the device cache."""
+        for block, data in blocks:
+            data = data.to(self.device, self.kv_cache_dtype, non_blocking=True)
+            for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+                k_cache[block].copy_(data[layer, 0])
+                v_cache[block].copy_(data[layer, 1])
+
+    def swap_out(self, blocks: list[int]) -> list[torch.Tensor]:
+        """The blocks' KV as host tensors of shape [layers, 2, block_size, heads, dim]."""
+        if not blocks:
+            return []
+        index = torch.tensor(blocks, device=self.device)
+        # [layers, 2, n, bs, H, D] gathered in one copy per layer, then split per block.
+        stacked = torch.stack([torch.stack((k[index], v[index])) for k, v in self.kv_caches])
+        host = stacked.to("cpu")
+        return [host[:, :, i].clone() for i in range(len(blocks))]
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ModelOutput:
+        if plan.swap_in:
+            self.swap_in(plan.swap_in)
+        if not plan.seqs:  # a transfer-only step (a cache flushing its tiers)
+            return ModelOutput(
+                torch.empty(0, self.config.vocab_size), swapped_out=self.swap_out(plan.swap_out)
+            )
         inp = self.prepare(plan)
         if inp.blocks_to_copy:
             src = torch.tensor([s for s, _ in inp.blocks_to_copy], device=self.device)
@@ -148,4 +172,4 @@ class ModelRunner:
         logits, hidden = self.model(
             inp.input_ids, inp.positions, ctx, inp.logits_indices, inp.hidden_state_layers
         )
-        return ModelOutput(logits=logits, hidden_states=hidden)
+        return ModelOutput(logits=logits, hidden_states=hidden, swapped_out=self.swap_out(plan.swap_out))

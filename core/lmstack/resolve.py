@@ -158,7 +158,6 @@ class ResolvedStack:
             "max_model_len": self.config.max_model_len,
             "seed": self.config.seed,
             "components": {role: sel.describe() for role, sel in self.roles().items()},
-            "cache": _jsonable(self.config.cache),
             **sections,
         }
 
@@ -182,7 +181,6 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
     quant_name = quant.pop("weights")
     quant.pop("kv_cache")
 
-    _check_cache(stack)
     quantizer = _select(registry, "quantizer", quant_name, quant, "quant", name_key="quant.weights")
     selected = {
         "quantizer": quantizer,
@@ -311,17 +309,6 @@ def _raise_not_sharding(registry: Registry, component: Component, axis: str, val
         f"on one device; install a parallel plugin and select it with parallel.name ({installed}), "
         f"or set {axis}: 1"
     )
-
-
-def _check_cache(stack: StackConfig) -> None:
-    # No installed component provides prefix caching or tiering yet (they will come as cache
-    # plugins hooking into the allocator); asking for them must not be silently ignored.
-    for key, what in (("prefix", "prefix caching"), ("tiers", "KV-cache tiering")):
-        if stack.cache.get(key):
-            raise ResolutionError(
-                f"cache.{key}: {what} needs a cache plugin that provides it, and none is installed; "
-                "install one or remove the cache section"
-            )
 
 
 def _kv_cache_dtype(stack: StackConfig, quantizer: Selected, dtype: torch.dtype) -> torch.dtype:

@@ -69,6 +69,12 @@ class ParallelCapabilities(Capabilities, forbid_unknown_fields=True, frozen=True
     world_size: int | None = None
 
 
+class CacheCapabilities(Capabilities, forbid_unknown_fields=True, frozen=True):
+    # Where blocks live, fastest first, e.g. ("device", "disk").
+    tiers: tuple[str, ...] | None = None
+    persistent: bool | None = None  # blocks outlive the process (a restart finds them)
+
+
 # ---------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------
@@ -102,16 +108,18 @@ KINDS: tuple[KindSpec, ...] = (
     KindSpec("quantizer", "lmstack_register_quantizers", "Quantizer", QuantizerCapabilities),
     KindSpec("speculator", "lmstack_register_speculators", "Speculator", SpeculatorCapabilities),
     KindSpec("parallel", "lmstack_register_parallel", "ParallelLayout", ParallelCapabilities),
+    KindSpec("cache", "lmstack_register_caches", "BlockCache", CacheCapabilities),
 )
 
 # In build order: each factory may use what the ones before it put into the BuildContext
-# (attention needs the quantizer's KV dtype, the allocator the executor's KV geometry, the
-# scheduler the allocator, the speculator the scheduler's limits).
+# (attention needs the quantizer's KV dtype, the allocator the executor's KV geometry and the
+# cache, the scheduler the allocator, the speculator the scheduler's limits).
 ROLES: tuple[RoleSpec, ...] = (
     RoleSpec("quantizer", "quantizer", "quant.weights", "quantizer", "none"),
     RoleSpec("attention_prefill", "attention", "attention.prefill", "prefill kernel", "torch"),
     RoleSpec("attention_decode", "attention", "attention.decode", "decode kernel", "torch"),
     RoleSpec("parallel", "parallel", "parallel.name", "parallel layout", "single"),
+    RoleSpec("cache", "cache", "cache.name", "KV cache", "none"),
     RoleSpec("allocator", "allocator", "allocator.name", "allocator", "paged"),
     RoleSpec("scheduler", "scheduler", "scheduler.name", "scheduler", "continuous"),
     RoleSpec("speculator", "speculator", "speculator.name", "speculator", "none"),

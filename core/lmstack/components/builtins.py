@@ -3,7 +3,15 @@ third-party plugins use."""
 
 from __future__ import annotations
 
-from lmstack.components import continuous, none_quantizer, none_speculator, paged, single, torch_attention
+from lmstack.components import (
+    continuous,
+    none_cache,
+    none_quantizer,
+    none_speculator,
+    paged,
+    single,
+    torch_attention,
+)
 from lmstack.hookspecs import hookimpl
 from lmstack.model import llama
 
@@ -36,6 +44,11 @@ def lmstack_register_speculators(register):
 @hookimpl
 def lmstack_register_parallel(register):
     register(single.COMPONENT)
+
+
+@hookimpl
+def lmstack_register_caches(register):
+    register(none_cache.COMPONENT)
 
 
 @hookimpl

@@ -2,8 +2,10 @@
 
 Fixed-size blocks, allocated as tokens arrive; per-sequence block tables; reference counts so
 forks (n > 1) share the prompt's blocks, with copy-on-write when a shared block is written;
-truncation for rejected drafts. Full blocks get a content hash (parent hash + token ids +
-extra keys) when a `BlockCache` is attached: that is where prefix reuse and tiering plug in.
+truncation for rejected drafts. Full blocks get a stable content hash (parent hash + token ids +
+extra keys: the geometry's fingerprint, the request's salt and tenant) when a `BlockCache` is
+attached: that is where prefix reuse and tiering plug in. Freed blocks keep their hash and stay
+reusable in LRU order until a new allocation takes them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections import OrderedDict
 
 import msgspec
 
+from lmstack.content_hash import block_hash
 from lmstack.errors import ConfigError
 from lmstack.interfaces import BlockCache, BuildContext, KVAllocator
 from lmstack.registry import Component
@@ -44,10 +47,6 @@ class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
             raise ConfigError(f"must be >= 1, got {self.num_blocks}", "allocator.num_blocks")
         if parse_bytes(self.kv_cache_memory) <= 0:
             raise ConfigError("must be positive", "allocator.kv_cache_memory")
-
-
-def hash_block(parent: int | None, token_ids: tuple[int, ...], extra: tuple = ()) -> int:
-    return hash((parent, token_ids, extra))
 
 
 class PagedAllocator(KVAllocator):
@@ -160,55 +159,74 @@ class PagedAllocator(KVAllocator):
             for b in table[full:]:
                 # The partly kept block will be overwritten: its content hash is void.
                 if self._refcount[b] == 1:
-                    self._hash_of_block.pop(b, None)
+                    old = self._hash_of_block.pop(b, None)
+                    if old is not None and self.block_cache is not None:
+                        self.block_cache.evict(old, b)
             del hashes[full:]
 
     # --- content hashes (prefix reuse / tiering seam) -----------------------------------------
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Hash every block that is full once `num_tokens` tokens are written."""
+        """Hash every block that is full once `num_tokens` tokens are written (draft tokens
+        are not part of `seq.token_ids`: blocks they would fill are hashed once accepted)."""
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         table = self._tables[seq.seq_id]
         bs = self.block_size
-        while len(hashes) < num_tokens // bs and len(hashes) < len(table):
+        full = min(num_tokens, seq.num_tokens) // bs
+        if len(hashes) >= min(full, len(table)):
+            return
+        extra = self._extra_keys(seq)
+        while len(hashes) < full and len(hashes) < len(table):
             i = len(hashes)
-            h = hash_block(
-                hashes[-1] if hashes else None,
-                tuple(seq.token_ids[i * bs : (i + 1) * bs]),
-                self._extra_keys(seq),
-            )
+            h = block_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs], extra)
             hashes.append(h)
             block = table[i]
             if self._hash_of_block.get(block) != h:
                 self._hash_of_block[block] = h
                 self.block_cache.register(h, block)
 
-    @staticmethod
-    def _extra_keys(seq: Sequence) -> tuple:
-        salt = seq.request.cache_salt
-        return (salt,) if salt is not None else ()
+    def _extra_keys(self, seq: Sequence) -> bytes:
+        cache = self.block_cache
+        fingerprint = cache.geometry.fingerprint if cache.geometry is not None else b""
+        return fingerprint + cache.request_key(seq.request)
 
     def attach_cached_prefix(self, seq: Sequence) -> int:
         """Attach the longest run of cached full prompt blocks; returns the tokens they hold.
-        At least one prompt token is always left to compute, so the step yields logits."""
+        At least one prompt token is always left to compute, so the step yields logits.
+
+        Blocks resident in device memory are shared; a block the cache holds in a lower tier
+        is fetched into a free block (while enough free blocks stay for the rest of the
+        prompt). A request asking for prompt logprobs attaches nothing: the skipped positions
+        would have no logits, so its whole prompt is recomputed."""
         if self.block_cache is None or seq.seq_id in self._tables:
             return 0
-        bs = self.block_size
+        if seq.request.params.prompt_logprobs is not None:
+            return 0
+        cache, bs = self.block_cache, self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
+        rest_blocks = -(-seq.num_tokens // bs)  # blocks the whole sequence will need
+        extra = self._extra_keys(seq)
         table: list[int] = []
         hashes: list[int] = []
         for i in range(max_blocks):
-            h = hash_block(
-                hashes[-1] if hashes else None,
-                tuple(seq.token_ids[i * bs : (i + 1) * bs]),
-                self._extra_keys(seq),
-            )
-            block = self.block_cache.lookup(h)
-            if block is None or self._hash_of_block.get(block) != h:
+            h = block_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs], extra)
+            block = cache.lookup(h)
+            if block is not None and self._hash_of_block.get(block) == h:
+                if self._refcount[block] == 0:
+                    del self._free[block]
+                self._refcount[block] += 1
+            elif len(self._free) > rest_blocks - len(table):
+                block = self._pop_free()
+                if not cache.fetch(h, block):
+                    # No content: the block goes back first in line for reuse.
+                    self._refcount[block] = 0
+                    self._free[block] = None
+                    self._free.move_to_end(block, last=False)
+                    break
+                self._hash_of_block[block] = h
+                cache.register(h, block)
+            else:
                 break
-            if self._refcount[block] == 0:
-                del self._free[block]
-            self._refcount[block] += 1
             table.append(block)
             hashes.append(h)
         if table:
@@ -232,8 +250,7 @@ def build(options: PagedOptions, ctx: BuildContext) -> PagedAllocator:
                 f"{options.kv_cache_memory} holds no block of {per_block} bytes; raise it",
                 "allocator.kv_cache_memory",
             )
-    # No cache kind exists yet to attach a BlockCache here; a test or plugin sets `block_cache`.
-    return PagedAllocator(num_blocks, options.block_size)
+    return PagedAllocator(num_blocks, options.block_size, ctx.block_cache)
 
 
 COMPONENT = Component(
