@@ -21,6 +21,7 @@ component as the engine would outside a kit: `lmstack.testing.components.build_c
 
 from lmstack.testing.allocator import AllocatorConformance
 from lmstack.testing.attention import AttentionConformance, plain_attention, reference_attention
+from lmstack.testing.cache import CacheConformance
 from lmstack.testing.components import build_component
 from lmstack.testing.fakes import make_seq
 from lmstack.testing.kit import ComponentKit
@@ -33,6 +34,7 @@ from lmstack.testing.tiny_model import write_tiny_model
 __all__ = [
     "AllocatorConformance",
     "AttentionConformance",
+    "CacheConformance",
     "ComponentKit",
     "ParallelConformance",
     "QuantizerConformance",

@@ -1,0 +1,155 @@
+"""`tiered`: prefix reuse in device memory (as `prefix`) plus a disk tier.
+
+Every full block is written through to disk once computed: the allocator registers it while
+scheduling, the same step's plan asks the executor to copy it out after the forward
+(`StepPlan.swap_out`), and a writer thread encodes, checksums and writes it, so the engine
+thread only pays for a host copy. Writing at computation (not at eviction from device memory)
+means a restart or a crash loses at most the blocks still queued. When a new request's prefix is not in device memory
+but on disk, the block is read, checked and loaded into a free device block before the step
+that needs it (`StepPlan.swap_in`). The directory outlives the process: a restarted server finds
+earlier prefixes.
+
+On a CPU device the device pool *is* host memory, so there is no separate host tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import msgspec
+import torch
+
+from lmstack.components.paged import parse_bytes
+from lmstack.content_hash import CacheGeometry, hash_hex
+from lmstack.errors import ConfigError
+from lmstack.resolve import DTYPES
+from lmstack_prefix_cache import PrefixCache
+from lmstack_tiered_cache.store import CorruptEntry, DiskStore, decode_block, encode_block
+
+log = logging.getLogger("lmstack.cache.tiered")
+
+
+class TieredCacheOptions(msgspec.Struct, forbid_unknown_fields=True):
+    disk_path: str
+    disk_capacity: int | str = "20GiB"
+    share_across_tenants: bool = False
+    # Blocks waiting for the writer thread; past this, new blocks are not written (a cache may
+    # skip a write; it must never block the engine).
+    max_pending_writes: int = 512
+
+    def __post_init__(self) -> None:
+        if not self.disk_path:
+            raise ConfigError("must name a directory", "cache.disk_path")
+        if parse_bytes(self.disk_capacity, "cache.disk_capacity") <= 0:
+            raise ConfigError("must be positive", "cache.disk_capacity")
+        if self.max_pending_writes < 1:
+            raise ConfigError("must be >= 1", "cache.max_pending_writes")
+
+
+class TieredCache(PrefixCache):
+    def __init__(self, options: TieredCacheOptions) -> None:
+        super().__init__(options)  # type: ignore[arg-type]  # shares share_across_tenants
+        self.options = options
+        self.store = DiskStore(options.disk_path, parse_bytes(options.disk_capacity, "cache.disk_capacity"))
+        self._dtype = torch.float32
+        self._copy_out: dict[int, int] = {}  # block id -> hash: to copy out after this step
+        self._in_flight: list[int] = []  # hashes of the blocks asked for, in order
+        self._swap_in: list[tuple[int, torch.Tensor]] = []
+        self._pending: set[int] = set()  # hashes queued for the writer
+        self._queue: queue.Queue = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self.disk_hits = 0  # blocks loaded from disk
+        self.disk_misses = 0  # corrupt or foreign entries
+        self.dropped_writes = 0
+
+    def bind(self, geometry: CacheGeometry) -> None:
+        super().bind(geometry)
+        self._dtype = DTYPES[geometry.kv_cache_dtype]
+
+    # --- device tier -------------------------------------------------------------------------
+
+    def register(self, block_hash: int, block_id: int) -> None:
+        super().register(block_hash, block_id)
+        if block_hash not in self._pending and block_hash not in self.store:
+            self._copy_out[block_id] = block_hash
+
+    def evict(self, block_hash: int, block_id: int) -> None:
+        super().evict(block_hash, block_id)
+        # Not computed (rolled back) or about to be overwritten: nothing to copy out.
+        if self._copy_out.get(block_id) == block_hash:
+            del self._copy_out[block_id]
+
+    # --- lower tier --------------------------------------------------------------------------
+
+    def fetch(self, block_hash: int, block_id: int) -> bool:
+        raw = self.store.read(block_hash)
+        if raw is None:
+            return False
+        assert self.geometry is not None
+        try:
+            data = decode_block(raw, self.geometry, block_hash, self._dtype)
+        except CorruptEntry as exc:
+            self.disk_misses += 1
+            log.warning("disk tier: block %s is unusable (%s); treated as a miss", hash_hex(block_hash), exc)
+            self.store.discard(block_hash)
+            return False
+        self.disk_hits += 1
+        self._swap_in.append((block_id, data))
+        return True
+
+    def take_transfers(self) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
+        swap_in, self._swap_in = self._swap_in, []
+        blocks = list(self._copy_out)
+        self._in_flight = [self._copy_out[b] for b in blocks]
+        self._copy_out = {}
+        return swap_in, blocks
+
+    def offloaded(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
+        for block_hash, tensor in zip(self._in_flight, data, strict=True):
+            if block_hash in self._pending:
+                continue
+            if self._queue.qsize() >= self.options.max_pending_writes:
+                self.dropped_writes += 1
+                continue
+            self._pending.add(block_hash)
+            self._queue.put((block_hash, tensor))
+        self._in_flight = []
+        self._ensure_writer()
+
+    # --- the writer thread ---------------------------------------------------------------------
+
+    def _ensure_writer(self) -> None:
+        if self._writer is None or not self._writer.is_alive():
+            self._writer = threading.Thread(target=self._write_loop, name="lmstack-kv-disk", daemon=True)
+            self._writer.start()
+
+    def _write_loop(self) -> None:
+        assert self.geometry is not None
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                block_hash, tensor = item
+                try:
+                    self.store.write(block_hash, encode_block(self.geometry, block_hash, tensor))
+                except OSError as exc:
+                    log.warning("disk tier: cannot write block %s: %s", hash_hex(block_hash), exc)
+                finally:
+                    self._pending.discard(block_hash)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued block is on disk."""
+        if self._writer is not None and self._writer.is_alive():
+            self._queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        if self._writer is not None and self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+        self._writer = None
