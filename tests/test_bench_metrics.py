@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -117,3 +118,15 @@ def test_parse_slo():
 def test_summarize_rejects_nothing():
     with pytest.raises(ValueError):
         summarize([])
+
+
+def test_turn_and_cached_tokens_survive_the_json_round_trip():
+    from lmstack_bench.report import BenchResult, RunResult, result_from_json
+    from lmstack_bench.runner import LoadSpec
+
+    a = RequestRecord(start=0.0, end=1.0, first_token=0.2, chunk_times=[0.2], turn=0, cached_tokens=0)
+    b = RequestRecord(start=1.0, end=2.0, first_token=1.1, chunk_times=[1.1], turn=1, cached_tokens=320)
+    load = LoadSpec(concurrency=1, num_requests=2)
+    res = BenchResult("x", "http://x", "m", {}, [RunResult.of(load, [a, b], None)])
+    back = result_from_json(json.loads(json.dumps(res.to_json())))
+    assert [(r.turn, r.cached_tokens) for r in back.runs[0].records] == [(0, 0), (1, 320)]

@@ -122,6 +122,9 @@ async def send(
     # Servers that send no usage chunk: count text chunks (one token each without speculation).
     rec.output_tokens = int(usage["completion_tokens"]) if usage else len(rec.chunk_times)
     rec.prompt_tokens = int(usage["prompt_tokens"]) if usage else expected_prompt_tokens
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    if isinstance(details.get("cached_tokens"), int):
+        rec.cached_tokens = details["cached_tokens"]
     return Reply(record=rec, text="".join(parts))
 
 

@@ -36,6 +36,9 @@ class RequestRecord:
     # Arrival time of every chunk that carried text, in order; the first equals `first_token`.
     chunk_times: list[float] = field(default_factory=list)
     error: str | None = None
+    turn: int = 0  # which turn of its session (multi-turn: 1 and later carry a history)
+    # Prompt tokens the server served from its prefix cache (usage.prompt_tokens_details), if said.
+    cached_tokens: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -43,6 +43,8 @@ class RunResult:
                     "output_tokens": r.output_tokens,
                     "itls_s": [us(g) for g in r.itls],
                     "error": r.error,
+                    "turn": r.turn,
+                    "cached_tokens": r.cached_tokens,
                 }
                 for r in self.records
             ],
@@ -216,6 +218,8 @@ def result_from_json(data: dict[str, Any]) -> BenchResult:
                 prompt_tokens=r["prompt_tokens"],
                 output_tokens=r["output_tokens"],
                 error=r["error"],
+                turn=r.get("turn", 0),
+                cached_tokens=r.get("cached_tokens"),
             )
             if r["ttft_s"] is not None:
                 t = rec.start + r["ttft_s"]

@@ -142,6 +142,7 @@ class Runner:
             reply = await send(
                 client, self.base_url, self.opts, messages, turn.max_tokens, turn.expected_prompt_tokens
             )
+            reply.record.turn = i
             records.append(reply.record)
             bar.update(1)
             if not reply.record.ok:

@@ -107,6 +107,11 @@ class BlockCache(ABC):
     def evict(self, block_hash: int, block_id: int) -> None:
         """The block's content leaves device memory (the block is reused or rolled back)."""
 
+    def holds(self, block_hash: int) -> bool:
+        """Whether a lower tier has this content (cheap: no read). The allocator asks before
+        taking a free block for `fetch`, since taking one evicts the content it held."""
+        return False
+
     def fetch(self, block_hash: int, block_id: int) -> bool:
         """Load this content from a lower tier into free device block `block_id` before the
         next step (queue it for `take_transfers`); False on a miss. A corrupt or foreign entry

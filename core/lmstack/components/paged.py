@@ -215,7 +215,7 @@ class PagedAllocator(KVAllocator):
                 if self._refcount[block] == 0:
                     del self._free[block]
                 self._refcount[block] += 1
-            elif len(self._free) > rest_blocks - len(table):
+            elif cache.holds(h) and len(self._free) > rest_blocks - len(table):
                 block = self._pop_free()
                 if not cache.fetch(h, block):
                     # No content: the block goes back first in line for reuse.

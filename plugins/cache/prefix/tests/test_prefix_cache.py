@@ -128,3 +128,15 @@ def test_evict_forgets_only_the_block_it_names():
     assert pc.lookup(7) == 2
     pc.evict(7, 2)
     assert pc.lookup(7) is None
+
+
+def test_a_miss_does_not_evict_a_cached_block():
+    pc = cache()
+    alloc = PagedAllocator(3, BS, pc)
+    a = seq(list(range(12)))  # 3 full blocks: the whole pool, all cached once freed
+    compute(alloc, a)
+    alloc.free(a)
+    assert len(pc) == 3
+    # A prompt sharing nothing: looking it up must not take (and so evict) a free cached block.
+    assert alloc.attach_cached_prefix(seq(list(range(500, 505)))) == 0
+    assert len(pc) == 3

@@ -83,6 +83,9 @@ class TieredCache(PrefixCache):
 
     # --- lower tier --------------------------------------------------------------------------
 
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self.store
+
     def fetch(self, block_hash: int, block_id: int) -> bool:
         raw = self.store.read(block_hash)
         if raw is None:
