@@ -140,3 +140,23 @@ def test_a_miss_does_not_evict_a_cached_block():
     # A prompt sharing nothing: looking it up must not take (and so evict) a free cached block.
     assert alloc.attach_cached_prefix(seq(list(range(500, 505)))) == 0
     assert len(pc) == 3
+
+
+def test_blocks_filled_by_unverified_drafts_are_not_hashed():
+    pc = cache()
+    alloc = PagedAllocator(8, BS, pc)
+    s = seq(list(range(9)))  # prompt computed: 2 full blocks hashed
+    compute(alloc, s)
+    assert len(pc) == 2
+    # A decode step verifying 4 drafts writes slots 9..13; the tokens there are not known yet,
+    # so block 2 (slots 8..11) must wait for them to be accepted before it gets a hash.
+    s.num_computed_tokens = 8
+    s.token_ids.append(77)
+    s.draft_token_ids = [1, 2, 3, 4]
+    alloc.allocate(s, 1 + 4)
+    assert len(pc) == 2
+    s.token_ids += [1, 2]  # two drafts accepted: block 2 is full with known tokens
+    s.num_computed_tokens = 12
+    alloc.truncate(s, 12)
+    alloc.allocate(s, 0)
+    assert len(pc) == 3
