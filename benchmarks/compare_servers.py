@@ -7,6 +7,12 @@ machine, one after another; `lmstack bench serve` drives each through the same c
 
     python benchmarks/compare_servers.py                         # the recorded run (~8 min + a ~4 min first build)
     python benchmarks/compare_servers.py --quick                 # smoke: concurrency 1,4, few requests
+    python benchmarks/compare_servers.py --workload shared-prefix --servers lmstack,llama.cpp \
+        --concurrency 1,4 --input-len 32 --output-len 16        # prefix caches: 1,024-token shared prompts
+
+With `--workload shared-prefix` every request is one of two --prefix-len system prompts plus a
+short new question; lmstack serves `examples/stacks/prefix-cache.yaml` (the `prefix` cache) and
+llama-server its per-slot prompt cache, as it ships. The report compares median TTFT.
 
 The peers:
 - **llama.cpp**: `llama-server` with `-np <max concurrency>` parallel slots (continuous batching),
@@ -101,11 +107,13 @@ def build_llama_server(build_dir: Path, version: str, jobs: int) -> tuple[Path, 
 
 def servers(args: argparse.Namespace, gguf: Path, llama_server: Path | None) -> Iterator[Server]:
     slots = max(args.concurrency)
-    ctx_per_slot = args.input_len + args.output_len + 256  # room for the chat/BOS tokens
+    shared = args.workload == "shared-prefix"
+    ctx_per_slot = args.input_len + args.output_len + 256 + (args.prefix_len if shared else 0)
+    stack = "examples/stacks/prefix-cache.yaml" if shared else "examples/stacks/cpu.yaml"
     for name in args.servers:
         port = free_port()
         if name == "lmstack":
-            argv = [LMSTACK, "serve", str(REPO / "examples/stacks/cpu.yaml"), "--port", str(port),
+            argv = [LMSTACK, "serve", str(REPO / stack), "--port", str(port),
                     "--log-level", "warning"]  # fmt: skip
         elif name == "llama.cpp":
             assert llama_server is not None
@@ -151,6 +159,9 @@ def bench_commands(args: argparse.Namespace, server: Server, base: str, work: Pa
     """One `lmstack bench serve` per concurrency: each gets its own request count (enough rounds
     for a steady state at that concurrency) and its own warm-up."""
     cmds = []
+    workload = ["--workload", args.workload]
+    if args.workload == "shared-prefix":
+        workload += ["--prefix-len", str(args.prefix_len), "--num-prefixes", "2", "--endpoint", "chat"]
     for c in args.concurrency:
         n = max(args.min_requests, args.rounds * c)
         cmds.append(
@@ -158,7 +169,7 @@ def bench_commands(args: argparse.Namespace, server: Server, base: str, work: Pa
              "--label", server.name, "--concurrency", str(c), "--num-requests", str(n),
              "--warmup", str(min(c, 4)), "--input-len", str(args.input_len),
              "--input-len-spread", "0.1", "--output-len", str(args.output_len), "--slo", args.slo,
-             "--out", str(work / f"{server.name}-c{c}.json"), "--no-plot", "--no-progress"]
+             "--out", str(work / f"{server.name}-c{c}.json"), "--no-plot", "--no-progress", *workload]
         )  # fmt: skip
     return cmds
 
@@ -174,11 +185,19 @@ def by_concurrency(res: BenchResult) -> dict[int, Any]:
     return {run.load.concurrency: run.summary for run in res.runs}
 
 
-def targets(results: dict[str, BenchResult]) -> list[dict[str, Any]]:
+def targets(results: dict[str, BenchResult], workload: str = "random") -> list[dict[str, Any]]:
     if "lmstack" not in results or "llama.cpp" not in results:
         return []
     lm, ll = by_concurrency(results["lmstack"]), by_concurrency(results["llama.cpp"])
     out = []
+    if workload == "shared-prefix":
+        # Both serve shared prompts from a cache; the ratio is recorded, not judged.
+        for c in sorted(set(lm) & set(ll)):
+            if lm[c].ttft and ll[c].ttft:
+                a, b = lm[c].ttft.median, ll[c].ttft.median
+                out.append({"what": f"concurrency {c}: median TTFT ms, lmstack vs llama.cpp (shared prefix)",
+                            "value": [a, b], "ratio": b / a, "target": "recorded", "pass": None})  # fmt: skip
+        return out
     for c in (16, 32):
         if c in lm and c in ll:
             ratio = lm[c].output_throughput / ll[c].output_throughput
@@ -204,10 +223,7 @@ def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str)
         f"load average before {report['loadavg_before'][0]:.2f}. Git {report['git']['commit']}"
         f"{' (dirty)' if report['git']['dirty'] else ''}. Model: `{report['gguf']}` (Q4_1).",
         "",
-        f"Workload: closed loop, random prompts of {report['input_len']} tokens (±10 %), exactly "
-        f"{report['output_len']} output tokens (min_tokens = max_tokens, ignore_eos), greedy, "
-        "`/v1/completions` streamed. Servers run one at a time. Latencies in ms; goodput = requests/s "
-        f"meeting `{report['slo']}`.",
+        _workload_line(report),
         "",
         "```",
         table(list(results.values())),
@@ -226,7 +242,9 @@ def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str)
     for t in report["targets"]:
         v = t["value"]
         if isinstance(v, list):
-            shown = f"{v[0]:.0f} vs {v[1]:.0f}"
+            shown = f"{v[0]:.0f} vs {v[1]:.0f}" + (
+                f" (llama.cpp / lmstack {t['ratio']:.2f}×)" if "ratio" in t else ""
+            )
         else:
             shown = f"{v:.2f}×" + (
                 f" ({t['detail'][0]:.1f} vs {t['detail'][1]:.1f} tok/s)" if "detail" in t else ""
@@ -249,12 +267,33 @@ def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str)
     return "\n".join(lines)
 
 
+def _workload_line(report: dict[str, Any]) -> str:
+    common = (
+        f"exactly {report['output_len']} output tokens (min_tokens = max_tokens, ignore_eos), greedy, "
+        "streamed. Servers run one at a time. Latencies in ms; goodput = requests/s "
+        f"meeting `{report['slo']}`."
+    )
+    if report.get("workload") == "shared-prefix":
+        return (
+            f"Workload: closed loop, `/v1/chat/completions`, each request one of two "
+            f"{report['prefix_len']}-token system prompts plus {report['input_len']} new tokens (±10 %); "
+            "lmstack with the `prefix` cache (`examples/stacks/prefix-cache.yaml`), llama-server with its "
+            "per-slot prompt cache as it ships; " + common
+        )
+    return (
+        f"Workload: closed loop, random prompts of {report['input_len']} tokens (±10 %), "
+        "`/v1/completions`, " + common
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--servers", default=",".join(SERVERS), help="comma-separated subset of " + ", ".join(SERVERS)
     )
     ap.add_argument("--concurrency", default="1,8,16,32", help="closed-loop sweep (default 1,8,16,32)")
+    ap.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
+    ap.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
     ap.add_argument("--input-len", type=int, default=200)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="requests per concurrency = rounds × concurrency")
@@ -303,7 +342,8 @@ def main() -> int:
             print(f"built {llama_server} in {build_s:.0f} s", file=sys.stderr)
 
     date = dt.date.today().isoformat()
-    stem = f"{date}-servers" + ("-quick" if args.quick else "")
+    stem = f"{date}-servers" + ("-shared-prefix" if args.workload == "shared-prefix" else "")
+    stem += "-quick" if args.quick else ""
     work = Path(tempfile.mkdtemp(prefix="lmstack-compare-"))
     loadavg_before = os.getloadavg()
     git = git_info()  # the tree the run started from
@@ -329,6 +369,8 @@ def main() -> int:
         "loadavg_before": loadavg_before,
         "loadavg_after": os.getloadavg(),
         "gguf": gguf.name,
+        "workload": args.workload,
+        "prefix_len": args.prefix_len,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "slo": args.slo,
@@ -337,7 +379,7 @@ def main() -> int:
         "build_seconds": build_s,
         "server_commands": server_cmds,
         "bench_commands": bench_cmds,
-        "targets": targets(results),
+        "targets": targets(results, args.workload),
         "results": {name: res.to_json() for name, res in results.items()},
     }
     write_outputs(report, results, args.out, stem)
@@ -361,7 +403,7 @@ def replot(path: Path) -> int:
     """Rewrite a recorded run's Markdown and plots from its JSON (no servers are started)."""
     report = json.loads(path.read_text())
     results = {name: result_from_json(data) for name, data in report["results"].items()}
-    report["targets"] = targets(results)
+    report["targets"] = targets(results, report.get("workload", "random"))
     report["results"] = {name: res.to_json() for name, res in results.items()}
     write_outputs(report, results, path.parent, path.stem)
     return 0

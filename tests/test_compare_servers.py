@@ -86,6 +86,26 @@ def test_report_names_every_target_and_command():
     assert "(2026-11-29-servers.png)" in md
 
 
+def test_shared_prefix_runs_compare_median_ttft():
+    lm = result("lmstack", [steady_run(1, 2, 0.2, 0.05)])
+    ll = result("llama.cpp", [steady_run(1, 2, 0.6, 0.05)])
+    results = {"lmstack": lm, "llama.cpp": ll}
+    (t,) = compare_servers.targets(results, "shared-prefix")
+    assert t["value"] == pytest.approx([200.0, 600.0]) and t["ratio"] == pytest.approx(3.0)
+    assert t["pass"] is None and "shared prefix" in t["what"]
+    report = {
+        "date": "2026-12-01T06:00:00", "machine": {"cpu_model": "cpu", "cpus_usable": 2, "memory_total_gib": 8},
+        "loadavg_before": (0.1, 0, 0), "git": {"commit": "abc", "dirty": False}, "gguf": "m.gguf",
+        "workload": "shared-prefix", "prefix_len": 1024, "input_len": 32, "output_len": 16, "slo": "ttft=2s",
+        "targets": [t], "command": "python benchmarks/compare_servers.py --workload shared-prefix",
+        "build_commands": [], "build_seconds": None, "llama_server": None, "server_commands": [],
+        "bench_commands": [],
+    }  # fmt: skip
+    md = compare_servers.markdown(report, results, "2026-12-01-servers-shared-prefix")
+    assert "1024-token system prompts" in md and "prefix-cache.yaml" in md
+    assert "200 vs 600 (llama.cpp / lmstack 3.00×)" in md
+
+
 def test_transformers_peer_serves_the_load_generator(smollm2_path, hf_smollm2_folder, tmp_path):
     port = free_port()
     log = (tmp_path / "peer.log").open("w")
