@@ -87,6 +87,20 @@ def test_prepare_builds_positions_slots_and_block_tables(tiny):
     assert inp.hidden_state_layers == (1,) and inp.blocks_to_copy == [(3, 8)]
 
 
+def test_swap_out_and_swap_in_move_a_blocks_kv(tiny):
+    """What a cache's lower tier relies on: blocks copied out after a step and written into
+    other blocks before a later one give the same attention context."""
+    _, runner = tiny
+    prefill = runner.execute(StepPlan([SeqPlan(list(range(1, 9)), 0, [5, 6])], [7], swap_out=[5, 6]))
+    out = prefill.swapped_out
+    assert [tuple(t.shape) for t in out] == [(2, 2, BLOCK, 2, 16)] * 2  # layers, K/V, slots, heads, dim
+    k_cache, v_cache = runner.kv_caches[1]
+    assert torch.equal(out[1][1, 0], k_cache[6]) and torch.equal(out[1][1, 1], v_cache[6])
+    here = runner.execute(StepPlan([SeqPlan([9], 8, [5, 6, 7])], [0]))
+    moved = runner.execute(StepPlan([SeqPlan([9], 8, [9, 10, 11])], [0], swap_in=[(9, out[0]), (10, out[1])]))
+    torch.testing.assert_close(moved.logits, here.logits)
+
+
 def test_plan_is_plain_data():
     plan = StepPlan([SeqPlan([1, 2], 0, [0])], [1], hidden_state_layers=(0,))
     assert pickle.loads(pickle.dumps(plan)) == plan

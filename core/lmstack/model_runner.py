@@ -148,12 +148,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ModelOutput:
-        if plan.swap_in:
+        if plan.swap_in:  # blocks a cache loads from a lower tier, before anything reads them
             self.swap_in(plan.swap_in)
-        if not plan.seqs:  # a transfer-only step (a cache flushing its tiers)
-            return ModelOutput(
-                torch.empty(0, self.config.vocab_size), swapped_out=self.swap_out(plan.swap_out)
-            )
         inp = self.prepare(plan)
         if inp.blocks_to_copy:
             src = torch.tensor([s for s, _ in inp.blocks_to_copy], device=self.device)
