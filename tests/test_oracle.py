@@ -127,6 +127,37 @@ def test_greedy_equals_transformers_under_preemption(engine_tight, prompts, hf_g
     assert stats.kv_usage == 0.0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", ["prefix", "tiered"])
+def test_greedy_equals_transformers_with_a_prefix_cache(
+    shared_llm, prompts, hf_greedy, cache, tmp_path_factory
+):
+    """The oracle prompts twice through a cache under a tight pool (preemption, eviction; the
+    tiered cache loads evicted blocks back from disk): the second pass is served partly from the
+    cache and still equals transformers."""
+    from lmstack.plugins import build_registry, make_plugin_manager
+
+    if cache not in build_registry(make_plugin_manager()).names("cache"):
+        pytest.skip(f"the {cache!r} cache plugin is not installed")
+    section = {"name": cache}
+    if cache == "tiered":
+        section["disk_path"] = str(tmp_path_factory.mktemp("oracle-kv"))
+    engine = shared_llm(
+        _stack(allocator={"num_blocks": 14}, scheduler={"max_num_batched_tokens": 256}, cache=section)
+    ).engine
+    assert _run(engine, prompts) == hf_greedy
+    hits = []
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=MAX_NEW)) for p in prompts]
+    results = {}
+    while len(results) < len(prompts):
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+                hits.append(out.num_cached_tokens)
+    assert [results[i] for i in ids] == hf_greedy
+    assert sum(hits) > 0, "the second pass was meant to hit the cache"
+
+
 def _forward_all(engine: LLMEngine, token_ids: list[int], layers: tuple[int, ...] = ()):
     """Teacher-forced forward through the engine's runner: logits (and hidden states) for
     every position, not just the last — the seam verification and prompt logprobs use."""
