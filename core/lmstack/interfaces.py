@@ -107,6 +107,10 @@ class BlockCache(ABC):
     def evict(self, block_hash: int, block_id: int) -> None:
         """The block's content leaves device memory (the block is reused or rolled back)."""
 
+    def prefetch(self, block_hashes: list[int]) -> None:
+        """The hashes of a new request's prompt blocks, in order, before the allocator looks
+        them up one by one: a lower tier may start reading them now, in parallel."""
+
     def holds(self, block_hash: int) -> bool:
         """Whether a lower tier has this content (cheap: no read). The allocator asks before
         taking a free block for `fetch`, since taking one evicts the content it held."""

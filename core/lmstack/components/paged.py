@@ -206,10 +206,15 @@ class PagedAllocator(KVAllocator):
         max_blocks = (seq.num_tokens - 1) // bs
         rest_blocks = -(-seq.num_tokens // bs)  # blocks the whole sequence will need
         extra = self._extra_keys(seq)
+        chain: list[int] = []
+        for i in range(max_blocks):
+            chain.append(
+                block_hash(chain[-1] if chain else None, seq.token_ids[i * bs : (i + 1) * bs], extra)
+            )
+        cache.prefetch(chain)
         table: list[int] = []
         hashes: list[int] = []
-        for i in range(max_blocks):
-            h = block_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs], extra)
+        for h in chain:
             block = cache.lookup(h)
             if block is not None and self._hash_of_block.get(block) == h:
                 if self._refcount[block] == 0:

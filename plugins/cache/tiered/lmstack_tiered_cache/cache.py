@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import torch
@@ -59,6 +60,10 @@ class TieredCache(PrefixCache):
         self._swap_in: list[tuple[int, torch.Tensor]] = []
         self._pending: set[int] = set()  # hashes queued for the writer
         self._queue: queue.Queue = queue.Queue()
+        # Reads of a new request's blocks, started in parallel before the allocator asks for
+        # them one by one (file reads and checksums release the GIL).
+        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lmstack-kv-read")
+        self._reads: dict[int, Future] = {}
         self._writer: threading.Thread | None = None
         self.disk_hits = 0  # blocks loaded from disk
         self.disk_misses = 0  # corrupt or foreign entries
@@ -86,23 +91,42 @@ class TieredCache(PrefixCache):
     def holds(self, block_hash: int) -> bool:
         return block_hash in self.store
 
-    def fetch(self, block_hash: int, block_id: int) -> bool:
+    def prefetch(self, block_hashes: list[int]) -> None:
+        for h in block_hashes:
+            if self.lookup(h) is not None or h in self._reads:
+                continue
+            if h not in self.store:
+                break  # the chain of stored blocks ends here
+            self._reads[h] = self._readers.submit(self._load, h)
+
+    def _load(self, block_hash: int) -> torch.Tensor | None:
+        """Read and check one block (raises CorruptEntry); None when it is not stored."""
         raw = self.store.read(block_hash)
         if raw is None:
-            return False
+            return None
         assert self.geometry is not None
+        return decode_block(raw, self.geometry, block_hash, self._dtype)
+
+    def fetch(self, block_hash: int, block_id: int) -> bool:
+        read = self._reads.pop(block_hash, None)
         try:
-            data = decode_block(raw, self.geometry, block_hash, self._dtype)
+            data = read.result() if read is not None else self._load(block_hash)
         except CorruptEntry as exc:
             self.disk_misses += 1
             log.warning("disk tier: block %s is unusable (%s); treated as a miss", hash_hex(block_hash), exc)
             self.store.discard(block_hash)
+            return False
+        if data is None:
             return False
         self.disk_hits += 1
         self._swap_in.append((block_id, data))
         return True
 
     def take_transfers(self) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
+        # Reads the allocator did not use (it stopped early: no free blocks) are dropped.
+        for read in self._reads.values():
+            read.cancel()
+        self._reads.clear()
         swap_in, self._swap_in = self._swap_in, []
         blocks = list(self._copy_out)
         self._in_flight = [self._copy_out[b] for b in blocks]
@@ -152,6 +176,8 @@ class TieredCache(PrefixCache):
 
     def close(self) -> None:
         self.flush()
+        self._readers.shutdown(wait=True, cancel_futures=True)
+        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lmstack-kv-read")
         if self._writer is not None and self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
