@@ -141,6 +141,7 @@ def test_generated_stack_selects_every_role_of_the_kind(kind):
         "quantizer": [stack.quant["weights"]],
         "speculator": [stack.speculator["name"]],
         "parallel": [stack.parallel["name"]],
+        "cache": [stack.cache["name"]],
     }
     assert selected[kind] and set(selected[kind]) == {"demo"}
 

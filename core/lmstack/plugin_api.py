@@ -21,7 +21,8 @@ refuses a component whose range excludes `PLUGIN_API_VERSION`, naming both versi
   ``lmstack.testing.fixtures``: the pytest fixture `tiny_model_path`;
 - the reference components a plugin may extend or delegate to
   (``lmstack.components.continuous``, ``paged``, ``torch_attention``, ``single``,
-  ``none_quantizer``, ``none_speculator``).
+  ``none_quantizer``, ``none_speculator``, ``none_cache``);
+- ``lmstack.content_hash``: stable KV-block content hashes and the cache geometry (caches).
 
 Everything else in lmstack is internal and may change in any release.
 """
@@ -70,6 +71,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.testing": (
         "AllocatorConformance",
         "AttentionConformance",
+        "CacheConformance",
         "ParallelConformance",
         "QuantizerConformance",
         "SchedulerConformance",
@@ -86,10 +88,12 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.testing.tiny_model": ("write_tiny_model",),
     "lmstack.testing.fixtures": ("tiny_model_path",),
     "lmstack.components.continuous": ("ContinuousOptions", "ContinuousScheduler", "COMPONENT"),
-    "lmstack.components.paged": ("PagedOptions", "PagedAllocator", "COMPONENT"),
+    "lmstack.components.paged": ("PagedOptions", "PagedAllocator", "COMPONENT", "parse_bytes"),
     "lmstack.components.torch_attention": ("TorchAttention", "COMPONENT"),
     "lmstack.components.single": ("SingleOptions", "SingleLayout", "COMPONENT"),
     "lmstack.components.none_quantizer": ("NoQuantizer", "COMPONENT"),
     "lmstack.components.none_speculator": ("NoSpeculator", "COMPONENT"),
+    "lmstack.components.none_cache": ("NoCache", "COMPONENT"),
+    "lmstack.content_hash": ("CacheGeometry", "block_hash", "config_digest", "hash_hex", "request_key"),
 }
 """Module -> the names in it that plugins may import (everything else is internal)."""

@@ -216,6 +216,36 @@ def create_executor(self, spec: ExecutorSpec) -> Executor:
 return $Camel$suffix()
 """,
     ),
+    "cache": KindTemplate(
+        imports=("from lmstack.components.none_cache import NoCache",),
+        base="NoCache",
+        suffix="Cache",
+        options_base=None,
+        body='''
+"""Prefix reuse in its simplest form: the reference `none` reuses nothing, so this subclass
+turns reuse on and remembers which device block holds which content hash. Add lower tiers with
+`holds` / `fetch` / `take_transfers` / `offloaded` (see `lmstack.interfaces.BlockCache`)."""
+
+reuses_blocks = True
+
+def __init__(self) -> None:
+    self.blocks: dict[int, int] = {}  # content hash -> device block holding it
+
+def lookup(self, block_hash: int) -> int | None:
+    return self.blocks.get(block_hash)
+
+def register(self, block_hash: int, block_id: int) -> None:
+    self.blocks[block_hash] = block_id
+
+def evict(self, block_hash: int, block_id: int) -> None:
+    # Only if this block is the one remembered (the same content may sit in two blocks).
+    if self.blocks.get(block_hash) == block_id:
+        del self.blocks[block_hash]
+''',
+        build="""
+return $Camel$suffix()
+""",
+    ),
 }
 
 NAME_RULE = "lowercase letters, digits and single dashes, starting with a letter (e.g. fair-share)"

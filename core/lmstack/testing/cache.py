@@ -1,7 +1,7 @@
 """Cache conformance: a cache (kind ``cache``) must never change what the model outputs.
 
 Subclass `CacheConformance` with the registered name of your cache (or its `Component`) and,
-optionally, its options::
+optionally, its options; a cache that needs a directory overrides `cache_options`::
 
     from lmstack.testing import CacheConformance
 
@@ -9,57 +9,45 @@ optionally, its options::
         component = "my-cache"
         options = {"capacity": 64}
 
-The kit runs SmolLM2-135M (fp32) with your cache and compares greedy outputs with the same
-stack without a cache: repeated prompts and a shared system prompt, chunked prefill, a tiny KV
-pool that forces preemption and eviction, ``n > 1``, prompt logprobs over a cached prefix, and
-isolation by cache salt. A cache whose entries outlive the process (capability
-``persistent``) also overrides `corrupt_entries`, and the kit checks that damaged entries are
-misses, never wrong tokens.
+The kit runs the tiny test model (fp32) with your cache and compares greedy outputs with the same
+stack built from the reference components: repeated prompts and a shared system prompt, chunked
+prefill, a tiny KV pool that forces preemption and eviction, ``n > 1``, prompt logprobs over a
+cached prefix, and isolation by cache salt. A cache whose entries outlive the process
+(capability ``persistent``) also overrides `corrupt_entries`, and the kit checks that damaged
+entries are misses, never wrong tokens, and that a second engine finds the first one's entries.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
-from lmstack.hookspecs import hookimpl
-from lmstack.registry import Component
 from lmstack.sampling_params import SamplingParams
+from lmstack.testing.components import build_component, lookup
+from lmstack.testing.kit import ComponentKit, one_thread, plugin_manager_for, reference_llm, tiny_stack
 
-MODEL = "smollm2-135m-instruct"
 BLOCK_SIZE = 16
+# Byte-level tokens on the tiny model: the shared system prompt spans several full blocks.
 SYSTEM = (
-    "You are a careful assistant for a small bakery. Answer in one short sentence, politely, and "
-    "never invent prices. The bakery opens at seven, closes at six, and sells bread, cakes and "
-    "coffee. "
+    "You are a careful assistant for a small bakery. Answer in one short sentence, politely. "
+    "The bakery opens at seven and sells bread, cakes and coffee. "
 )
-QUESTIONS = ["When do you open?", "Do you sell coffee?", "What can I buy here?"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
-
-# Outputs of the stack without a cache, per (model, what was asked): computed once a session and
-# shared by every kit subclass.
-_BASELINE: dict[str, list[Any]] = {}
-_BASELINE_LLM: dict[str, Any] = {}
+QUESTIONS = ("When do you open?", "Do you sell coffee?", "What can I buy here?")
+MAX_TOKENS = 6
 
 
-class _Offer:
-    """Registers a `Component` object given to the kit instead of an installed name."""
-
-    def __init__(self, component: Component) -> None:
-        self.component = component
-
-    @hookimpl
-    def lmstack_register_caches(self, register):
-        register(self.component)
+def greedy(max_tokens: int = MAX_TOKENS, **params: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params)
 
 
-class CacheConformance:
-    component: str | Component = ""
-    options: dict[str, Any] = {}
-    model: str = MODEL
+def tokens(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+class CacheConformance(ComponentKit):
+    kind: ClassVar[str] = "cache"
 
     # --- what a subclass may override ----------------------------------------------------------
 
@@ -73,154 +61,143 @@ class CacheConformance:
         called for caches declaring ``persistent``."""
         raise NotImplementedError("a persistent cache's kit subclass must say how to damage its entries")
 
-    # --- plumbing ----------------------------------------------------------------------------
+    # --- plumbing ------------------------------------------------------------------------------
 
-    @staticmethod
-    def _name_of(component: str | Component) -> str:
-        return component.name if isinstance(component, Component) else component
+    @pytest.fixture(scope="class")
+    @classmethod
+    def cache_options_here(cls, tmp_path_factory) -> dict[str, Any]:
+        return cls.cache_options(tmp_path_factory.mktemp("cache"))
 
     @classmethod
-    def _plugin_manager(cls):
-        from lmstack.plugins import make_plugin_manager
-
-        if isinstance(cls.component, Component):
-            return make_plugin_manager(extra_plugins=[_Offer(cls.component)])
-        return make_plugin_manager()
-
-    @classmethod
-    def stack(cls, cache: dict[str, Any] | None, **over: Any) -> dict[str, Any]:
-        stack: dict[str, Any] = {
-            "model": cls.model,
-            "dtype": "float32",
-            "scheduler": {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 32},
-            "allocator": {"name": "paged", "block_size": BLOCK_SIZE, "num_blocks": 256},
-        }
-        if cache is not None:
-            stack["cache"] = cache
-        stack.update(over)
-        return stack
-
-    @classmethod
-    def make_llm(cls, cache: dict[str, Any] | None, **over: Any):
-        from lmstack.errors import ConfigError
+    def make_llm(cls, model_path, options: dict[str, Any], **sections: Any):
         from lmstack.llm import LLM
-        from lmstack.model.source import resolve_model_path
 
-        try:
-            resolve_model_path(cls.model)
-        except ConfigError as exc:
-            pytest.skip(str(exc))
-        return LLM(cls.stack(cache, **over), plugin_manager=cls._plugin_manager())
-
-    def baseline(self, key: str, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
-        full = json.dumps([self.model, key, prompts, repr(params)])
-        if full not in _BASELINE:
-            if self.model not in _BASELINE_LLM:
-                _BASELINE_LLM[self.model] = self.make_llm(None)
-            _BASELINE[full] = _BASELINE_LLM[self.model].generate(prompts, params)
-        return _BASELINE[full]
+        pm, name = plugin_manager_for(lookup(cls.component, cls.kind))
+        stack = tiny_stack(model_path, **sections)
+        stack["cache"] = {"name": name, **options}
+        return LLM(stack, plugin_manager=pm)
 
     @pytest.fixture(scope="class")
     @classmethod
-    def cache_dir(cls, tmp_path_factory) -> Path:
-        return tmp_path_factory.mktemp("cache")
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def cache_section(cls, cache_dir) -> dict[str, Any]:
-        return {"name": cls._name_of(cls.component), **cls.cache_options(cache_dir)}
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def llm(cls, cache_section):
-        llm = cls.make_llm(cache_section)
+    def llm(cls, tiny_model_path, cache_options_here):
+        llm = cls.make_llm(tiny_model_path, cache_options_here)
         yield llm
         llm.engine.shutdown()
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def prompts(cls, llm) -> list[list[int]]:
-        tok = llm.tokenizer
-        return [
-            tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
-            for q in QUESTIONS
-        ]
-
     @staticmethod
-    def tokens(outputs) -> list[list[list[int]]]:
-        return [[c.token_ids for c in o.outputs] for o in outputs]
+    def run(llm, prompts, params, **kw):
+        with one_thread():
+            return llm.generate(list(prompts), params, **kw)
+
+    def baseline(self, model_path, prompts, params, **sections):
+        return tokens(self.run(reference_llm(tiny_stack(model_path, **sections)), prompts, params))
+
+    prompts = [SYSTEM + q for q in QUESTIONS]
 
     # --- the checks --------------------------------------------------------------------------
 
-    def test_repeated_prompts_hit_and_match(self, llm, prompts):
-        want = self.tokens(self.baseline("one", prompts, GREEDY))
-        for i, p in enumerate(prompts[:2]):
-            first, again = llm.generate(p, GREEDY)[0], llm.generate(p, GREEDY)[0]
-            assert self.tokens([first]) == self.tokens([again]) == [want[i]]
+    def test_registered_component_builds(self, cache_options_here) -> None:
+        comp = self.registered()
+        assert comp.kind == "cache"
+        build_component(comp, "cache", cache_options_here)
+
+    def test_repeated_prompts_hit_and_match(self, llm, tiny_model_path):
+        want = self.baseline(tiny_model_path, self.prompts[:2], greedy())
+        for i, p in enumerate(self.prompts[:2]):
+            first, again = self.run(llm, [p], greedy())[0], self.run(llm, [p], greedy())[0]
+            assert tokens([first]) == tokens([again]) == [want[i]]
             assert again.num_cached_tokens >= BLOCK_SIZE, "a repeated prompt reuses its full blocks"
-            assert again.num_cached_tokens % BLOCK_SIZE == 0 and again.num_cached_tokens < len(p)
+            assert again.num_cached_tokens % BLOCK_SIZE == 0
+            assert again.num_cached_tokens < len(again.prompt_token_ids), "the last token is computed"
 
-    def test_a_batch_sharing_a_system_prompt_matches_with_chunked_prefill(self, llm, prompts):
-        # The scheduler's budget (32 tokens) cuts every prompt into chunks; later requests start
-        # their prefill at the cached boundary while earlier ones still decode.
-        want = self.baseline("batch", prompts, GREEDY)
-        got = llm.generate(prompts, GREEDY)
-        assert self.tokens(got) == self.tokens(want)
+    def test_a_batch_sharing_a_system_prompt_matches_with_chunked_prefill(self, llm, tiny_model_path):
+        # A 32-token budget cuts every prompt into chunks; later requests start their prefill
+        # at the cached boundary while earlier ones still run.
+        chunked = {"scheduler": {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 32}}
+        want = self.baseline(tiny_model_path, self.prompts, greedy(), **chunked)
+        other = self.make_llm(tiny_model_path, self._options(llm), **chunked)
+        try:
+            assert tokens(self.run(other, self.prompts, greedy())) == want
+            assert tokens(self.run(other, self.prompts, greedy())) == want
+        finally:
+            other.engine.shutdown()
 
-    def test_n_samples_share_and_match(self, llm, prompts):
-        params = SamplingParams(temperature=0.0, max_tokens=6, n=2)
-        want = self.baseline("n2", prompts[:2], params)
-        assert self.tokens(llm.generate(prompts[:2], params)) == self.tokens(want)
-        assert self.tokens(llm.generate(prompts[:2], params)) == self.tokens(want)
+    def test_n_samples_share_and_match(self, llm, tiny_model_path):
+        params = greedy(n=2)
+        want = self.baseline(tiny_model_path, self.prompts[:2], params)
+        assert tokens(self.run(llm, self.prompts[:2], params)) == want
+        assert tokens(self.run(llm, self.prompts[:2], params)) == want
 
-    def test_prompt_logprobs_over_a_cached_prefix_are_complete(self, llm, prompts):
-        params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0)
-        llm.generate(prompts[0], GREEDY)  # make sure the prefix is cached
-        (want,) = self.baseline("plp", prompts[:1], params)
-        (got,) = llm.generate(prompts[0], params)
-        assert got.prompt_logprobs is not None and len(got.prompt_logprobs) == len(prompts[0])
+    def test_prompt_logprobs_over_a_cached_prefix_are_complete(self, llm, tiny_model_path):
+        params = greedy(2, prompt_logprobs=0)
+        self.run(llm, self.prompts[:1], greedy())  # the prefix is cached now
+        (want,) = self.run(reference_llm(tiny_stack(tiny_model_path)), self.prompts[:1], params)
+        (got,) = self.run(llm, self.prompts[:1], params)
+        assert got.prompt_logprobs is not None and len(got.prompt_logprobs) == len(got.prompt_token_ids)
         assert got.prompt_logprobs[0] is None and all(e for e in got.prompt_logprobs[1:])
         for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
             assert a.keys() == b.keys()
-            assert all(abs(a[t] - b[t]) < 1e-3 for t in a)
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
-    def test_isolation_by_salt(self, llm, prompts):
-        p = prompts[1]
-        llm.generate(p, GREEDY, cache_salt="tenant-a")
-        same = llm.generate(p, GREEDY, cache_salt="tenant-a")[0]
-        other = llm.generate(p, GREEDY, cache_salt="tenant-b")[0]
+    def test_isolation_by_salt(self, llm):
+        p = self.prompts[1:2]
+        self.run(llm, p, greedy(), cache_salt="tenant-a")
+        (same,) = self.run(llm, p, greedy(), cache_salt="tenant-a")
+        (other,) = self.run(llm, p, greedy(), cache_salt="tenant-b")
         assert same.num_cached_tokens > 0
-        assert other.num_cached_tokens == 0
-        assert self.tokens([same]) == self.tokens([other])
+        assert other.num_cached_tokens == 0, "a request with another salt got a hit"
+        assert tokens([same]) == tokens([other])
 
-    def test_a_tiny_pool_preempts_evicts_and_still_matches(self, cache_section, prompts):
-        # 8 blocks of 16 tokens: three ~60-token prompts growing past 64 tokens cannot all run
-        # even when they share their system prompt's blocks, so sequences are preempted and
-        # cached blocks are evicted and recomputed.
-        params = SamplingParams(temperature=0.0, max_tokens=8)
-        want = self.tokens(self.baseline("tiny", prompts, params))
-        llm = self.make_llm(
-            cache_section, allocator={"name": "paged", "block_size": BLOCK_SIZE, "num_blocks": 8}
-        )
+    def test_a_tiny_pool_preempts_evicts_and_still_matches(self, llm, tiny_model_path):
+        # A pool one block short of what the three prompts need at their shortest final length,
+        # even sharing the system prompt's blocks: sequences are preempted, cached blocks evicted.
+        params = greedy(4 * MAX_TOKENS)
+        ids = [llm.tokenizer.encode(p) for p in self.prompts]
+        common = min(len(x) for x in ids)
+        while any(x[:common] != ids[0][:common] for x in ids):
+            common -= 1
+        shared = common // BLOCK_SIZE
+        per_seq = -(-(min(len(x) for x in ids) + params.max_tokens) // BLOCK_SIZE)
+        blocks = shared + 3 * (per_seq - shared) - 1
+        pool = {"allocator": {"name": "paged", "block_size": BLOCK_SIZE, "num_blocks": blocks}}
+        want = self.baseline(tiny_model_path, self.prompts, params)
+        tight = self.make_llm(tiny_model_path, self._options(llm), **pool)
         try:
-            assert self.tokens(llm.generate(prompts, params)) == want
-            assert self.tokens(llm.generate(prompts[::-1], params)) == want[::-1]
-            eng = llm.engine
+            assert tokens(self.run(tight, self.prompts, params)) == want
+            assert tokens(self.run(tight, self.prompts[::-1], params)) == want[::-1]
+            eng = tight.engine
             assert eng.get_stats().num_preemptions > 0, "the pool was meant to force preemption"
             assert eng.allocator.num_free_blocks() == eng.allocator.num_blocks, "blocks leaked"
         finally:
-            llm.engine.shutdown()
+            tight.engine.shutdown()
 
-    def test_corrupt_entries_are_misses_not_wrong_tokens(self, llm, cache_section, prompts):
-        if not llm.engine.stack.cache.capabilities.get("persistent"):
+    def test_a_second_engine_finds_persistent_entries(self, llm, tiny_model_path):
+        if not self.registered().capabilities.get("persistent"):
             pytest.skip("the cache keeps no entries outside the process")
-        want = self.tokens(self.baseline("one", prompts, GREEDY))
-        llm.generate(prompts, GREEDY)
-        llm.engine.cache.close()  # pending writes land before they are damaged
-        options = {k: v for k, v in cache_section.items() if k != "name"}
-        assert self.corrupt_entries(options) > 0, "nothing was stored to damage"
-        fresh = self.make_llm(cache_section)
+        p = ["Restart check. " + SYSTEM]
+        (first,) = self.run(llm, p, greedy())
+        llm.engine.cache.close()  # pending writes land
+        fresh = self.make_llm(tiny_model_path, self._options(llm))
         try:
-            assert self.tokens(fresh.generate(prompts, GREEDY)) == want
+            (again,) = self.run(fresh, p, greedy())
+            assert again.num_cached_tokens >= BLOCK_SIZE
+            assert tokens([again]) == tokens([first])
         finally:
             fresh.engine.shutdown()
+
+    def test_corrupt_entries_are_misses_not_wrong_tokens(self, llm, tiny_model_path):
+        if not self.registered().capabilities.get("persistent"):
+            pytest.skip("the cache keeps no entries outside the process")
+        want = self.baseline(tiny_model_path, self.prompts, greedy())
+        self.run(llm, self.prompts, greedy())
+        llm.engine.cache.close()
+        assert self.corrupt_entries(self._options(llm)) > 0, "nothing was stored to damage"
+        fresh = self.make_llm(tiny_model_path, self._options(llm))
+        try:
+            assert tokens(self.run(fresh, self.prompts, greedy())) == want
+        finally:
+            fresh.engine.shutdown()
+
+    @staticmethod
+    def _options(llm) -> dict[str, Any]:
+        return {k: v for k, v in llm.engine.stack.config.cache.items() if k != "name"}

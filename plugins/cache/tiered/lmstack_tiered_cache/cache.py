@@ -25,7 +25,6 @@ import torch
 from lmstack.components.paged import parse_bytes
 from lmstack.content_hash import CacheGeometry, hash_hex
 from lmstack.errors import ConfigError
-from lmstack.resolve import DTYPES
 from lmstack_prefix_cache import PrefixCache
 from lmstack_tiered_cache.store import CorruptEntry, DiskStore, decode_block, encode_block
 
@@ -71,7 +70,7 @@ class TieredCache(PrefixCache):
 
     def bind(self, geometry: CacheGeometry) -> None:
         super().bind(geometry)
-        self._dtype = DTYPES[geometry.kv_cache_dtype]
+        self._dtype = getattr(torch, geometry.kv_cache_dtype)  # a torch dtype name, e.g. bfloat16
 
     # --- device tier -------------------------------------------------------------------------
 
