@@ -420,6 +420,7 @@ def test_the_build_context_holds_what_the_engine_built_before():
         "attention_prefill",
         "attention_decode",
         "parallel",
+        "cache",
         "allocator",
         "scheduler",
     ]
