@@ -90,7 +90,8 @@ def test_chat_streaming_usage_metrics_and_log(server):
     headers = {"Authorization": f"Bearer {KEYS[0]}"}
     usages = []
     for _ in range(2):
-        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, headers=headers) as r:
+        url = server.base_url + "/v1/chat/completions"
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as r:
             frames = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
         usages.append(json.loads(frames[-1])["usage"])
     assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
