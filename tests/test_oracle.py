@@ -128,22 +128,24 @@ def test_greedy_equals_transformers_under_preemption(engine_tight, prompts, hf_g
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cache", ["tiered"])  # `prefix` is tiered's device tier; its kit covers it
+@pytest.mark.parametrize("cache", ["prefix", "tiered"])
 def test_greedy_equals_transformers_with_a_prefix_cache(
     shared_llm, prompts, hf_greedy, cache, tmp_path_factory
 ):
     """The oracle prompts twice through a cache under a tight pool (preemption, eviction; the
-    tiered cache loads evicted blocks back from disk): the second pass is served partly from the
-    cache and still equals transformers."""
+    tiered cache loads evicted blocks back from disk) and a 24-token budget (prompts are
+    prefilled in chunks, the second pass starting at the cached boundary): the second pass is
+    served partly from the cache and still equals transformers."""
     from lmstack.plugins import build_registry, make_plugin_manager
 
     if cache not in build_registry(make_plugin_manager()).names("cache"):
         pytest.skip(f"the {cache!r} cache plugin is not installed")
+    assert max(map(len, prompts)) > 24, "the prompts were meant to be prefilled in chunks"
     section = {"name": cache}
     if cache == "tiered":
         section["disk_path"] = str(tmp_path_factory.mktemp("oracle-kv"))
     engine = shared_llm(
-        _stack(allocator={"num_blocks": 14}, scheduler={"max_num_batched_tokens": 256}, cache=section)
+        _stack(allocator={"num_blocks": 14}, scheduler={"max_num_batched_tokens": 24}, cache=section)
     ).engine
     assert _run(engine, prompts) == hf_greedy
     hits = []
