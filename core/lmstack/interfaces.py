@@ -326,6 +326,14 @@ class LinearSpec:
     `shard_id` indexes it. `parallel` says how a tensor-parallel layout should split the layer:
     "column" (split outputs; each rank keeps whole shards of every part), "row" (split inputs; the
     outputs are summed across ranks) or "replicated". `params_dtype` is the serving dtype.
+
+    `tp_rank` / `tp_size`: the tensor-parallel shard this process builds. `in_features`,
+    `out_features` and `output_sizes` always describe the whole (unsplit) layer; the module a
+    factory returns holds only the `local_*` sizes: a column-parallel layer keeps rows
+    [r * part / tp, (r + 1) * part / tp) of every part (its local output is the parts' shards
+    concatenated), a row-parallel layer keeps input columns [r * in / tp, (r + 1) * in / tp) and
+    its output is a partial sum the model reduces over the tp group (its bias is loaded on tp rank
+    0 only). Its weight loaders receive whole checkpoint tensors and keep their shard.
     """
 
     in_features: int
@@ -335,6 +343,8 @@ class LinearSpec:
     output_sizes: tuple[int, ...] = ()
     parallel: ParallelHint = "replicated"
     params_dtype: torch.dtype = torch.float32
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.output_sizes:
@@ -343,6 +353,31 @@ class LinearSpec:
             raise ValueError(
                 f"linear {self.name}: output_sizes {self.output_sizes} do not add up to {self.out_features}"
             )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"linear {self.name}: tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        if self.tp_size > 1 and self.parallel != "replicated":
+            split = self.output_sizes if self.parallel == "column" else (self.in_features,)
+            bad = [n for n in split if n % self.tp_size]
+            if bad:
+                dim = "output part" if self.parallel == "column" else "input size"
+                raise ValueError(f"linear {self.name}: {dim} {bad[0]} is not divisible by tp={self.tp_size}")
+
+    @property
+    def local_output_sizes(self) -> tuple[int, ...]:
+        """This rank's share of every output part."""
+        if self.parallel == "column" and self.tp_size > 1:
+            return tuple(n // self.tp_size for n in self.output_sizes)
+        return self.output_sizes
+
+    @property
+    def local_out_features(self) -> int:
+        return sum(self.local_output_sizes)
+
+    @property
+    def local_in_features(self) -> int:
+        if self.parallel == "row" and self.tp_size > 1:
+            return self.in_features // self.tp_size
+        return self.in_features
 
 
 LinearFactory = Callable[[LinearSpec], nn.Module]
@@ -370,6 +405,14 @@ class Quantizer(ABC):
 
     def process_model(self, model: nn.Module) -> None:
         """Called once after the weights are loaded."""
+
+    def shard_alignment(self, spec: LinearSpec) -> int:
+        """The granularity at which this quantizer's tensors for `spec` split under tensor
+        parallelism, along the dimension `spec.parallel` splits (output rows of every part for
+        "column", input columns for "row"): each rank's share must be a multiple of it (e.g. a
+        group size, or values per packed word). A parallel layout checks it at resolution and
+        lists the degrees that work. 1: any even split (dense weights)."""
+        return 1
 
 
 # ---------------------------------------------------------------------------------------------
