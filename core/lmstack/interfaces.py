@@ -20,6 +20,7 @@ from lmstack.content_hash import CacheGeometry, request_key
 if TYPE_CHECKING:
     from lmstack.batch import AttentionMetadata, ModelOutput, StepPlan
     from lmstack.model.config import ModelConfig
+    from lmstack.quant_format import WeightFormat
     from lmstack.sequence import Request, Sequence
     from lmstack.verification import Draft
 
@@ -413,6 +414,11 @@ class Quantizer(ABC):
         group size, or values per packed word). A parallel layout checks it at resolution and
         lists the degrees that work. 1: any even split (dense weights)."""
         return 1
+
+    def weight_format(self) -> WeightFormat | None:
+        """The checkpoint format `lmstack quantize --method <this quantizer>` writes
+        (`lmstack.quant_format.WeightFormat`); None: this quantizer only reads checkpoints."""
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

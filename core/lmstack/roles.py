@@ -59,6 +59,9 @@ class AttentionCapabilities(Capabilities, forbid_unknown_fields=True, frozen=Tru
 class QuantizerCapabilities(Capabilities, forbid_unknown_fields=True, frozen=True):
     dtypes: DtypeNames | None = None  # model (activation) dtypes
     kv_cache_dtype: str | None = None  # the KV-cache dtype under quant.kv_cache: auto
+    # Checkpoint formats it reads (`lmstack.quant_format` ids: "dense", "gguf",
+    # "compressed-tensors/pack-quantized", ...); None: not declared (treated as dense + gguf).
+    checkpoint_formats: tuple[str, ...] | None = None
 
 
 class SpeculatorCapabilities(Capabilities, forbid_unknown_fields=True, frozen=True):
