@@ -13,7 +13,7 @@ from lmstack.components import (
     torch_attention,
 )
 from lmstack.hookspecs import hookimpl
-from lmstack.model import llama
+from lmstack.model import llama, moe
 
 
 @hookimpl
@@ -54,3 +54,5 @@ def lmstack_register_caches(register):
 @hookimpl
 def lmstack_register_models(register):
     register(llama.ARCHITECTURE)
+    register(moe.MIXTRAL)
+    register(moe.QWEN2_MOE)

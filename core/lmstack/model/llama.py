@@ -45,7 +45,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h, inter = cfg.hidden_size, cfg.intermediate_size
+        h = cfg.hidden_size
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         p = f"layers.{index}."
 
@@ -57,8 +57,20 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = linear(spec("qkv_proj", h, qkv, cfg.attention_bias, "column"))
         self.o_proj = linear(spec("o_proj", self.q_size, (h,), cfg.attention_bias, "row"))
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.gate_up_proj = linear(spec("gate_up_proj", h, (inter, inter), cfg.mlp_bias, "column"))
-        self.down_proj = linear(spec("down_proj", inter, (h,), cfg.mlp_bias, "row"))
+        self.init_mlp(cfg, linear, dtype)
+
+    def init_mlp(self, cfg: ModelConfig, linear: LinearFactory, dtype: torch.dtype) -> None:
+        """The feed-forward block's modules (a mixture-of-experts layer overrides this and `mlp`)."""
+        h, inter, p = cfg.hidden_size, cfg.intermediate_size, f"layers.{self.index}."
+        self.gate_up_proj = linear(
+            LinearSpec(h, 2 * inter, cfg.mlp_bias, p + "gate_up_proj", (inter, inter), "column", dtype)
+        )
+        self.down_proj = linear(LinearSpec(inter, h, cfg.mlp_bias, p + "down_proj", (h,), "row", dtype))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward block on the normalised residual stream x [T, hidden]."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionFn
@@ -72,11 +84,12 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = attn.attend(self.index, q, k, v)
         x = x + self.o_proj(o.reshape(t, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[DecoderLayer] = DecoderLayer  # a subclass's own decoder layer (MoE)
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -95,7 +108,7 @@ class LlamaModel(nn.Module):
             _freeze=True,
         )
         set_weight_loader(self.embed_tokens.weight, default_weight_loader)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, linear, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, linear, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # The head stays a dense linear: quantizing it costs the most accuracy for the least memory.
         self.lm_head = default_linear(

@@ -85,8 +85,7 @@ def write_tiny_model(
 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    backend = _tokenizer()
-    vocab_size = backend.get_vocab_size(with_added_tokens=True)
+    vocab_size, bos_id, eos_id = write_tokenizer_files(folder, max_position_embeddings)
     head_dim = hidden_size // num_heads
     gen = torch.Generator().manual_seed(seed)
 
@@ -118,7 +117,6 @@ def write_tiny_model(
         tensors["lm_head.weight"] = rand(vocab_size, h, std=0.5)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
-    eos_id, bos_id = SPECIAL_TOKENS.index("<|im_end|>"), SPECIAL_TOKENS.index("<|im_start|>")
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -142,6 +140,13 @@ def write_tiny_model(
     }
     _write_json(folder / "config.json", config)
     _write_json(folder / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
+    return folder
+
+
+def write_tokenizer_files(folder: Path, max_position_embeddings: int) -> tuple[int, int, int]:
+    """The tiny byte-level tokenizer and its ChatML template into `folder` (tokenizer.json,
+    tokenizer_config.json), for any tiny test model; returns (vocab size, bos id, eos id)."""
+    backend = _tokenizer()
     backend.save(str(folder / "tokenizer.json"))
     _write_json(
         folder / "tokenizer_config.json",
@@ -155,7 +160,8 @@ def write_tiny_model(
             "chat_template": CHAT_TEMPLATE,
         },
     )
-    return folder
+    eos_id, bos_id = SPECIAL_TOKENS.index("<|im_end|>"), SPECIAL_TOKENS.index("<|im_start|>")
+    return backend.get_vocab_size(with_added_tokens=True), bos_id, eos_id
 
 
 def _write_json(path: Path, data: dict) -> None:
