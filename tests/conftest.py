@@ -15,7 +15,7 @@ from lmstack.errors import ConfigError
 # `tiny_model_path`, the kits' tiny random-weight Llama. pytest also loads it from lmstack's
 # pytest11 entry point; named here so the suite does not depend on entry-point plugins
 # (PYTEST_DISABLE_PLUGIN_AUTOLOAD=1).
-from lmstack.testing.fixtures import tiny_model_path  # noqa: F401
+from lmstack.testing.fixtures import tiny_model_path, tiny_moe_path  # noqa: F401
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from lmstack.batch import ModelOutput, StepPlan
+from lmstack.distributed import ParallelRanks
 from lmstack.interfaces import AttentionBackend, Executor, Quantizer
 from lmstack.model.architecture import ModelRegistry
 from lmstack.model.config import ModelConfig
@@ -30,6 +31,7 @@ class ExecutorSpec:
     decode: AttentionBackend
     stack: object = None  # lmstack.resolve.ResolvedStack
     models: ModelRegistry | None = None  # the installed model architectures; None: the built-ins
+    parallel: ParallelRanks | None = None  # a multi-process layout's degrees (workers set their rank)
 
 
 class InProcessExecutor(Executor):

@@ -5,6 +5,8 @@
 - `tiny_model_path`: a tiny random-weight Llama written once per session
   (`lmstack.testing.tiny_model`), for end-to-end tests without downloads:
   ``LLM({"model": str(tiny_model_path)})``.
+- `tiny_moe_path`: a tiny random-weight Mixtral written by transformers itself
+  (`lmstack.testing.tiny_moe`; skipped where transformers is not installed).
 
 Importing this module imports no torch: it is loaded into every pytest run.
 """
@@ -21,3 +23,11 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from lmstack.testing.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    from lmstack.testing.tiny_moe import write_tiny_moe
+
+    return write_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))

@@ -32,6 +32,7 @@ def write_tiny_moe(
     num_experts: int = 4,
     top_k: int = 2,
     expert_size: int = 96,
+    dense_layers: tuple[int, ...] = (),
     max_position_embeddings: int = 1024,
 ) -> Path:
     """Write the tiny MoE model into the folder `path` (created if missing) and return it.
@@ -39,11 +40,14 @@ def write_tiny_moe(
     transformers' initialisation (std 0.02) would give near-uniform logits and routing, where
     an argmax hinges on rounding; every parameter is redrawn from a seeded generator at the tiny
     Llama's scales (unit-ish gain per linear, router logits spread over a few units) so greedy
-    tokens and expert choices are decisive and reproducible."""
+    tokens and expert choices are decisive and reproducible. `style` "qwen2_moe": top-k
+    probabilities not renormalised, a shared expert, and dense MLPs on `dense_layers`."""
     import transformers
 
     if style not in STYLES:
         raise ValueError(f"style {style!r}: expected one of {', '.join(STYLES)}")
+    if dense_layers and style != "qwen2_moe":
+        raise ValueError("dense_layers (layers with a dense MLP) is a qwen2_moe option")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     vocab_size, bos_id, eos_id = write_tokenizer_files(folder, max_position_embeddings)
@@ -73,6 +77,7 @@ def write_tiny_moe(
             shared_expert_intermediate_size=2 * expert_size,
             intermediate_size=2 * expert_size,
             norm_topk_prob=False,
+            mlp_only_layers=list(dense_layers),
             use_sliding_window=False,
         )
         model = transformers.Qwen2MoeForCausalLM(config)

@@ -1,0 +1,1 @@
+"""lmstack-ep: the `ep` parallel layout (expert parallelism)."""

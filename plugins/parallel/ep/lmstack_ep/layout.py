@@ -1,0 +1,87 @@
+"""The `ep` layout: one worker process per rank, and the checks that the model's experts split
+over the degrees a stack asks for.
+
+Placement and dispatch (the model side is `lmstack.model.moe`): dense layers are replicated
+across the ep ranks, so every ep rank has every token; ep rank r holds experts [r * E / ep,
+(r + 1) * E / ep), runs them on the tokens routed to them (the router is replicated, so every
+rank routes alike), and one all-reduce over the moe group (ep x tp ranks) sums the partial
+outputs. No token moves between ranks: the all-reduce is the dispatch and the combine. An
+all-to-all dispatch only pays when the tokens are sharded across ep ranks (data-parallel
+attention), which this layout does not do; the README has the byte counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+from lmstack.distributed import ParallelRanks
+from lmstack.errors import ResolutionError
+from lmstack.executor import ExecutorSpec
+from lmstack.interfaces import BuildContext, Executor, ParallelLayout
+from lmstack.model.moe import MoEConfig, valid_ep_degrees
+
+
+class ExpertLayout(ParallelLayout):
+    """`ranks.world_size` worker processes over torch.distributed (gloo on CPU, NCCL on CUDA);
+    each builds its experts (`lmstack.distributed.get_parallel`) and worker rank 0 returns the
+    step's outputs."""
+
+    def __init__(self, ranks: ParallelRanks) -> None:
+        self.ranks = ranks
+        self.world_size = ranks.world_size
+
+    def create_executor(self, spec: ExecutorSpec) -> Executor:
+        from lmstack.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(dataclasses.replace(spec, parallel=self.ranks), self.world_size)
+
+
+def _listed(degrees: list[int]) -> str:
+    return ", ".join(map(str, degrees[:-1])) + f" or {degrees[-1]}" if len(degrees) > 1 else str(degrees[0])
+
+
+def check_expert_parallel(ep: int, tp: int, ctx: BuildContext) -> None:
+    """ResolutionError when the model (`ctx.model_config`) is not a mixture-of-experts model,
+    its experts do not split over `ep` ranks (naming the degrees that would), or `tp` does not
+    split its layers. Nothing to check without a model config (a factory built alone)."""
+    mc = ctx.model_config
+    if mc is None:
+        return
+    model = f"model {mc.name!r}" if mc.name else "the model"
+    if not isinstance(mc, MoEConfig):
+        if ep > 1:
+            raise ResolutionError(
+                f"parallel.ep: {model} is not a mixture-of-experts model, so ep={ep} has no experts to "
+                "split; use the `tp` or `pp` layout for a dense model"
+            )
+        return
+    if mc.num_experts % ep:
+        raise ResolutionError(
+            f"parallel.ep: ep={ep} does not divide the {mc.num_experts} experts of {model}; "
+            f"ep can be {_listed(valid_ep_degrees(mc.num_experts))}"
+        )
+    if tp > 1:
+        _check_tp(tp, mc, model, ctx)
+
+
+def _check_tp(tp: int, mc: MoEConfig, model: str, ctx: BuildContext) -> None:
+    # The dense layers' split is the tensor-parallel model layers' (lmstack.model.tensor_parallel).
+    if importlib.util.find_spec("lmstack.model.tensor_parallel") is None:
+        raise ResolutionError(
+            "parallel.tp: ep x tp needs the tensor-parallel model layers, which this lmstack lacks; "
+            "use tp=1 (experts split over ep ranks only)"
+        )
+    from lmstack.parallel_layout import check_tensor_parallel
+
+    check_tensor_parallel(tp, ctx)
+    widths = {
+        "expert width": mc.moe_intermediate_size,
+        "shared expert width": mc.shared_expert_intermediate_size,
+    }
+    for what, width in widths.items():
+        if width % tp:
+            ok = [d for d in range(1, width + 1) if width % d == 0 and mc.hidden_size % d == 0]
+            raise ResolutionError(
+                f"parallel.tp: tp={tp} does not divide the {what} {width} of {model}; tp can be {_listed(ok)}"
+            )

@@ -1,0 +1,53 @@
+"""Registers the `ep` parallel layout: `parallel: {name: ep, ep: N}` runs N worker processes,
+each holding 1/N of every mixture-of-experts layer's experts (and the dense layers whole);
+`tp: M` also splits each expert, and the dense layers, over M ranks inside each ep rank."""
+
+from __future__ import annotations
+
+import msgspec
+
+from lmstack.distributed import ParallelRanks
+from lmstack.errors import ConfigError
+from lmstack.hookspecs import hookimpl
+from lmstack.interfaces import BuildContext
+from lmstack.registry import Component
+from lmstack_ep.layout import ExpertLayout, check_expert_parallel
+
+
+class EpOptions(msgspec.Struct, forbid_unknown_fields=True):
+    ep: int = 2  # ranks the experts are split over
+    tp: int = 1  # ranks each expert (and each dense layer) is split over, inside an ep rank
+
+    def __post_init__(self) -> None:
+        for axis in ("ep", "tp"):
+            if getattr(self, axis) < 1:
+                raise ConfigError(
+                    f"expected a positive integer, got {getattr(self, axis)}", f"parallel.{axis}"
+                )
+
+
+def build(options: EpOptions, ctx: BuildContext) -> ExpertLayout:
+    # The model config is known here, before any worker starts or any weight loads.
+    check_expert_parallel(options.ep, options.tp, ctx)
+    return ExpertLayout(ParallelRanks(tp=options.tp, ep=options.ep))
+
+
+def _capabilities(options: EpOptions) -> dict:
+    return {"devices": ("cpu", "cuda"), "world_size": options.ep * options.tp}
+
+
+COMPONENT = Component(
+    name="ep",
+    kind="parallel",
+    factory=build,
+    options_type=EpOptions,
+    description="Expert parallelism: a mixture-of-experts model's experts split over ep worker processes (x tp).",
+    capabilities={"devices": ("cpu", "cuda"), "world_size": 2},
+    capabilities_for=_capabilities,
+    api=">=1.0,<2",  # the lmstack plugin APIs it is written against (lmstack.plugin_api)
+)
+
+
+@hookimpl
+def lmstack_register_parallel(register):
+    register(COMPONENT)
