@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lmstack.batch import ModelOutput, StepPlan
+from lmstack.distributed import init_parallel
 from lmstack.executor import ExecutorSpec, InProcessExecutor
 from lmstack.interfaces import Executor
 
@@ -32,6 +33,8 @@ def _worker(rank: int, world_size: int, port: int, spec: ExecutorSpec, conn: Any
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     backend = "nccl" if spec.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    if spec.parallel is not None:  # this rank's place in the layout: its model shard and groups
+        init_parallel(spec.parallel.with_rank(rank))
     local = InProcessExecutor(spec)
     try:
         while True:
