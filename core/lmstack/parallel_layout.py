@@ -58,8 +58,4 @@ def check_tensor_parallel(tp: int, ctx: BuildContext, key: str = "parallel.tp") 
     degrees = valid_tp_degrees(mc, alignment)
     ok = ", ".join(map(str, degrees[:-1])) + f" or {degrees[-1]}" if len(degrees) > 1 else str(degrees[0])
     model = f"model {mc.name!r}" if mc.name else "the model"
-    raise ResolutionError(
-        f"{key}: tp={tp} does not divide {model} ({problem}; it has {mc.num_heads} query heads, "
-        f"{mc.num_kv_heads} KV heads, hidden size {mc.hidden_size}, intermediate size "
-        f"{mc.intermediate_size}); tp can be {ok}"
-    )
+    raise ResolutionError(f"{key}: tp={tp} does not divide {model} ({problem}); tp can be {ok}")
