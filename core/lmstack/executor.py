@@ -60,6 +60,8 @@ class InProcessExecutor(Executor):
         )
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        if self.runner is not None:  # the loaded model's own share (a tensor-parallel rank's heads)
+            return self.runner.kv_cache_bytes_per_block(block_size)
         return block_size * self.spec.model_config.kv_bytes_per_token(self.spec.kv_cache_dtype.itemsize)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:

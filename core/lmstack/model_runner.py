@@ -82,6 +82,8 @@ class ModelRunner:
         model.load_weights(weights)
         quantizer.process_model(model)
         self.model = model.eval()
+        # A tensor-parallel rank caches only its KV heads.
+        self.num_kv_heads: int = getattr(model, "local_num_kv_heads", config.num_kv_heads)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.scale = config.head_dim**-0.5
@@ -89,7 +91,7 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
         self.block_size = block_size
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        shape = (num_blocks, block_size, self.num_kv_heads, c.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
@@ -97,6 +99,11 @@ class ModelRunner:
             )
             for _ in range(c.num_layers)
         ]
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """K and V of one block, all layers, as this process caches them."""
+        c = self.config
+        return 2 * c.num_layers * block_size * self.num_kv_heads * c.head_dim * self.kv_cache_dtype.itemsize
 
     def prepare(self, plan: StepPlan) -> ModelInput:
         """The plan's host lists as tensors on this runner's device: token ids and positions

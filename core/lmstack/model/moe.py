@@ -151,13 +151,23 @@ class MoEDecoderLayer(DecoderLayer):
     """The Llama decoder layer with a `SparseMoE` feed-forward block (or the dense MLP on the
     layers the config keeps dense)."""
 
-    def __init__(self, cfg: ModelConfig, index: int, linear: LinearFactory, dtype: torch.dtype) -> None:
-        super().__init__(cfg, index, linear, dtype)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        index: int,
+        linear: LinearFactory,
+        dtype: torch.dtype,
+        ranks: ParallelRanks | None = None,
+    ) -> None:
+        super().__init__(cfg, index, linear, dtype, ranks)
         assert isinstance(cfg, MoEConfig)
-        if cfg.attention_bias and not cfg.output_bias:
+        if cfg.attention_bias and not cfg.output_bias:  # Qwen2-MoE: q/k/v biased, o not
             self.o_proj = linear(
-                LinearSpec(self.q_size, cfg.hidden_size, False, f"layers.{index}.o_proj", (), "row", dtype)
-            )
+                LinearSpec(
+                    cfg.q_size, cfg.hidden_size, False, f"layers.{index}.o_proj", (), "row", dtype,
+                    self.ranks.tp_rank, self.ranks.tp,
+                )
+            )  # fmt: skip
 
     def init_mlp(self, cfg: ModelConfig, linear: LinearFactory, dtype: torch.dtype) -> None:
         assert isinstance(cfg, MoEConfig)
@@ -165,7 +175,7 @@ class MoEDecoderLayer(DecoderLayer):
         if self.index in cfg.dense_layers:
             super().init_mlp(cfg, linear, dtype)
         else:
-            self.moe = SparseMoE(cfg, f"layers.{self.index}.moe", linear, dtype, get_parallel().ranks)
+            self.moe = SparseMoE(cfg, f"layers.{self.index}.moe", linear, dtype, self.ranks)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return super().mlp(x) if self.moe is None else self.moe(x)
@@ -176,10 +186,10 @@ class MoEModel(LlamaModel):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
-        """Hugging Face Mixtral / Qwen2-MoE named tensors; other ranks' experts are skipped."""
-        assert isinstance(self.config, MoEConfig)
-        local = set(self.config.local_experts(get_parallel().ranks))
+        """Hugging Face Mixtral / Qwen2-MoE named tensors; other ep ranks' experts are skipped."""
         config = self.config
+        assert isinstance(config, MoEConfig)
+        local = set(config.local_experts(self.ranks))
 
         def name_map(name: str) -> tuple[str, ShardId | None] | None:
             target = moe_checkpoint_name(name, config)
@@ -187,6 +197,8 @@ class MoEModel(LlamaModel):
                 return None
             return target
 
+        if self.kv_replicas > 1:  # tp above the KV heads: each rank's copies (LlamaModel)
+            weights = self._replicate_kv_heads(weights)
         load_named_weights(self, weights, name_map)
 
 
@@ -269,7 +281,7 @@ def build_moe(
 ) -> MoEModel:
     if not isinstance(config, MoEConfig):
         raise ConfigError(f"model {config.name!r} has no mixture-of-experts config")
-    return MoEModel(config, linear, dtype=dtype, max_positions=max_positions)
+    return MoEModel(config, linear, dtype=dtype, max_positions=max_positions, ranks=get_parallel().ranks)
 
 
 MIXTRAL = ModelArchitecture(

@@ -1,5 +1,5 @@
-"""The `ep` layout: one worker process per rank, and the checks that the model's experts split
-over the degrees a stack asks for.
+"""The checks that the model's experts split over the degrees a stack asks for (the layout
+itself is the core's `lmstack.parallel_layout.ShardedLayout`: one worker process per rank).
 
 Placement and dispatch (the model side is `lmstack.model.moe`): dense layers are replicated
 across the ep ranks, so every ep rank has every token; ep rank r holds experts [r * E / ep,
@@ -12,29 +12,10 @@ attention), which this layout does not do; the README has the byte counts.
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-
-from lmstack.distributed import ParallelRanks
 from lmstack.errors import ResolutionError
-from lmstack.executor import ExecutorSpec
-from lmstack.interfaces import BuildContext, Executor, ParallelLayout
+from lmstack.interfaces import BuildContext
 from lmstack.model.moe import MoEConfig, valid_ep_degrees
-
-
-class ExpertLayout(ParallelLayout):
-    """`ranks.world_size` worker processes over torch.distributed (gloo on CPU, NCCL on CUDA);
-    each builds its experts (`lmstack.distributed.get_parallel`) and worker rank 0 returns the
-    step's outputs."""
-
-    def __init__(self, ranks: ParallelRanks) -> None:
-        self.ranks = ranks
-        self.world_size = ranks.world_size
-
-    def create_executor(self, spec: ExecutorSpec) -> Executor:
-        from lmstack.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(dataclasses.replace(spec, parallel=self.ranks), self.world_size)
+from lmstack.parallel_layout import check_tensor_parallel
 
 
 def _listed(degrees: list[int]) -> str:
@@ -66,15 +47,7 @@ def check_expert_parallel(ep: int, tp: int, ctx: BuildContext) -> None:
 
 
 def _check_tp(tp: int, mc: MoEConfig, model: str, ctx: BuildContext) -> None:
-    # The dense layers' split is the tensor-parallel model layers' (lmstack.model.tensor_parallel).
-    if importlib.util.find_spec("lmstack.model.tensor_parallel") is None:
-        raise ResolutionError(
-            "parallel.tp: ep x tp needs the tensor-parallel model layers, which this lmstack lacks; "
-            "use tp=1 (experts split over ep ranks only)"
-        )
-    from lmstack.parallel_layout import check_tensor_parallel
-
-    check_tensor_parallel(tp, ctx)
+    check_tensor_parallel(tp, ctx)  # heads, hidden size, the quantizer's alignment
     widths = {
         "expert width": mc.moe_intermediate_size,
         "shared expert width": mc.shared_expert_intermediate_size,

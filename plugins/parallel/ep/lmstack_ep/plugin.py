@@ -10,8 +10,9 @@ from lmstack.distributed import ParallelRanks
 from lmstack.errors import ConfigError
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import BuildContext
+from lmstack.parallel_layout import ShardedLayout
 from lmstack.registry import Component
-from lmstack_ep.layout import ExpertLayout, check_expert_parallel
+from lmstack_ep.layout import check_expert_parallel
 
 
 class EpOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -26,10 +27,10 @@ class EpOptions(msgspec.Struct, forbid_unknown_fields=True):
                 )
 
 
-def build(options: EpOptions, ctx: BuildContext) -> ExpertLayout:
+def build(options: EpOptions, ctx: BuildContext) -> ShardedLayout:
     # The model config is known here, before any worker starts or any weight loads.
     check_expert_parallel(options.ep, options.tp, ctx)
-    return ExpertLayout(ParallelRanks(tp=options.tp, ep=options.ep))
+    return ShardedLayout(ParallelRanks(tp=options.tp, ep=options.ep))
 
 
 def _capabilities(options: EpOptions) -> dict:
