@@ -1,7 +1,7 @@
 """The `ep` layout on the tiny Mixtral transformers wrote (`tiny_moe_path`): the parallel kit
 passes with the experts on two worker processes (greedy tokens equal the single process's,
 which equal transformers'), and a degree that does not split the experts (or a dense model) is
-refused before any worker starts."""
+refused before any worker starts; `ep: 2 × tp: 2` gives the same tokens on four."""
 
 from __future__ import annotations
 
@@ -67,16 +67,31 @@ def test_single_process_greedy_tokens_equal_transformers(tiny_moe_path):
         assert out.token_ids == expected.tolist(), prompt
 
 
+def test_ep2_tp2_greedy_tokens_equal_single_process(tiny_moe_path):
+    """4 workers: each ep rank's two experts split over its tp pair, attention heads and
+    vocabulary split over the tp pairs; tokens as in one process (hence as transformers')."""
+    prompts, n = list(KIT_PROMPTS[:2]), 8
+    llm = LLM(tiny_stack(tiny_moe_path, parallel={"name": "ep", "ep": 2, "tp": 2}))
+    try:
+        assert llm.engine.executor.world_size == 4
+        ours = greedy(llm, prompts, n)
+    finally:
+        llm.engine.shutdown()
+    theirs = greedy(reference_llm(tiny_stack(tiny_moe_path)), prompts, n)
+    assert [o.token_ids for o in ours] == [t.token_ids for t in theirs]
+
+
 @pytest.mark.parametrize(
-    ("model", "ep", "message"),
+    ("model", "ep", "tp", "message"),
     [
-        ("moe", 3, r"parallel.ep: ep=3 does not divide the 4 experts of model .*; ep can be 1, 2 or 4"),
-        ("dense", 2, r"parallel.ep: model .* is not a mixture-of-experts model"),
+        ("moe", 3, 1, r"parallel.ep: ep=3 does not divide the 4 experts of model .*; ep can be 1, 2 or 4"),
+        ("dense", 2, 1, r"parallel.ep: model .* is not a mixture-of-experts model"),
+        ("moe", 2, 3, r"parallel.tp: tp=3 does not divide model .*; tp can be 1, 2 or 4"),
     ],
 )
-def test_a_degree_that_does_not_split_the_experts_is_refused(
-    tiny_moe_path, tiny_model_path, model, ep, message
+def test_a_degree_that_does_not_split_the_model_is_refused(
+    tiny_moe_path, tiny_model_path, model, ep, tp, message
 ):
     path = tiny_moe_path if model == "moe" else tiny_model_path
     with pytest.raises(BuildError, match=message):
-        LLM(tiny_stack(path, parallel={"name": "ep", "ep": ep}))
+        LLM(tiny_stack(path, parallel={"name": "ep", "ep": ep, "tp": tp}))
