@@ -11,7 +11,7 @@ import torch
 from lmstack.distributed import ParallelRanks
 from lmstack.errors import ConfigError
 from lmstack.model.linear import default_linear
-from lmstack.model.moe import MoEConfig, SparseMoE, moe_checkpoint_name
+from lmstack.model.moe import MoEConfig, MoEModel, SparseMoE, moe_checkpoint_name
 from lmstack.model.source import open_model_source
 from lmstack.sampling_params import SamplingParams
 from lmstack.testing.kit import one_thread, reference_llm, tiny_stack
@@ -52,12 +52,16 @@ def test_mixtral_matches_transformers(tiny_moe_path):
     _matches_transformers(tiny_moe_path, "MixtralForCausalLM")
 
 
-def test_qwen2_moe_with_shared_expert_and_dense_layer_matches_transformers(tmp_path):
+@pytest.fixture(scope="module")
+def qwen2_moe_path(tmp_path_factory):
     pytest.importorskip("transformers")
     from lmstack.testing.tiny_moe import write_tiny_moe
 
-    path = write_tiny_moe(tmp_path / "qwen2-moe", style="qwen2_moe", dense_layers=(1,))
-    cfg = open_model_source(path).config
+    return write_tiny_moe(tmp_path_factory.mktemp("qwen2-moe"), style="qwen2_moe", dense_layers=(1,))
+
+
+def test_qwen2_moe_with_shared_expert_and_dense_layer_matches_transformers(qwen2_moe_path):
+    cfg = open_model_source(qwen2_moe_path).config
     assert isinstance(cfg, MoEConfig)
     assert (cfg.norm_topk_prob, cfg.dense_layers, cfg.attention_bias, cfg.output_bias) == (
         False,
@@ -66,7 +70,20 @@ def test_qwen2_moe_with_shared_expert_and_dense_layer_matches_transformers(tmp_p
         False,
     )
     assert cfg.shared_expert_intermediate_size > 0
-    _matches_transformers(path, "Qwen2MoeForCausalLM")
+    _matches_transformers(qwen2_moe_path, "Qwen2MoeForCausalLM")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_ep_rank_loads_only_its_experts(qwen2_moe_path, rank):
+    """ep: 2 without processes: rank 1 reads the checkpoint skipping experts 0-1 and the shared
+    expert; rank 0 skipping experts 2-3. Neither lacks a weight nor meets a stray one."""
+    source = open_model_source(qwen2_moe_path)
+    model = MoEModel(source.config, ranks=ParallelRanks(ep=2, rank=rank))
+    model.load_weights(source.weights())
+    experts = {n.split(".")[4] for n, _ in model.named_parameters() if ".moe.experts." in n}
+    assert experts == {str(2 * rank), str(2 * rank + 1)}
+    assert any(".shared_expert." in n for n, _ in model.named_parameters()) == (rank == 0)
+    assert model.layers[1].moe is None  # the dense layer
 
 
 def test_checkpoint_names():

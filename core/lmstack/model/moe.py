@@ -186,14 +186,20 @@ class MoEModel(LlamaModel):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
-        """Hugging Face Mixtral / Qwen2-MoE named tensors; other ep ranks' experts are skipped."""
+        """Hugging Face Mixtral / Qwen2-MoE named tensors; other ep ranks' experts (and, off ep
+        rank 0, the shared expert) are skipped."""
         config = self.config
         assert isinstance(config, MoEConfig)
         local = set(config.local_experts(self.ranks))
+        shared_here = self.ranks.ep_rank == 0
 
         def name_map(name: str) -> tuple[str, ShardId | None] | None:
             target = moe_checkpoint_name(name, config)
-            if target is not None and (m := _EXPERT_PARAM.match(target[0])) and int(m.group(1)) not in local:
+            if target is None:
+                return None
+            if (m := _EXPERT_PARAM.match(target[0])) and int(m.group(1)) not in local:
+                return None
+            if not shared_here and _SHARED_PARAM.match(target[0]):
                 return None
             return target
 
@@ -203,6 +209,7 @@ class MoEModel(LlamaModel):
 
 
 _EXPERT_PARAM = re.compile(r"layers\.\d+\.moe\.experts\.(\d+)\.")
+_SHARED_PARAM = re.compile(r"layers\.\d+\.moe\.shared_expert")
 # Checkpoint expert module -> (our module, shard id in its fused projection), per naming style.
 _EXPERT_PARTS = {
     "w1": ("gate_up_proj", 0),
