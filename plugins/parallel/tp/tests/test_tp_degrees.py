@@ -69,7 +69,10 @@ def test_quantizer_shard_alignment_narrows_the_degrees():
 
 def test_bad_degree_fails_the_build_before_workers_start(tiny_model_path):
     before = {p.pid for p in multiprocessing.active_children()}
-    with pytest.raises(BuildError, match=r"failed to build: parallel.tp: tp=3 does not divide model .* \(4 query heads\); tp can be 1, 2 or 4$"):
+    with pytest.raises(
+        BuildError,
+        match=r"failed to build: parallel.tp: tp=3 does not divide model .* \(4 query heads\); tp can be 1, 2 or 4$",
+    ):
         LLM(tiny_stack(tiny_model_path, parallel={"name": "tp", "tp": 3}))
     assert {p.pid for p in multiprocessing.active_children()} == before
 
