@@ -35,7 +35,7 @@ class TpOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 def build(options: TpOptions, ctx: BuildContext) -> ShardedLayout:
     # The model config and the quantizer are known here, before any worker starts or weight loads.
-    check_tensor_parallel(options.tp, ctx)
+    check_tensor_parallel(options.tp, ctx.model_config, ctx.components.get("quantizer"))
     return ShardedLayout(ParallelRanks(tp=options.tp))
 
 
