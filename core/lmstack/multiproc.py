@@ -32,6 +32,9 @@ def _free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, spec: ExecutorSpec, conn: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if spec.device.type == "cuda" and spec.parallel is not None:  # one GPU per rank (NCCL needs it)
+        spec = dataclasses.replace(spec, device=torch.device("cuda", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(spec.device)
     backend = "nccl" if spec.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     if spec.parallel is not None:  # this rank's place in the layout: its model shard and groups
