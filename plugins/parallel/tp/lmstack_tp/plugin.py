@@ -39,6 +39,19 @@ def build(options: TpOptions, ctx: BuildContext) -> ShardedLayout:
     return ShardedLayout(ParallelRanks(tp=options.tp))
 
 
+def check(options: TpOptions, stack, key: str) -> str | None:
+    # A lower cache tier swaps KV blocks out through worker rank 0, which holds only its own
+    # heads: the other ranks' share would be lost.
+    tiers = tuple(stack.cache.capabilities.get("tiers") or ("device",))
+    if options.tp > 1 and tiers != ("device",):
+        return (
+            f"keeps each rank's KV heads on its own device, but cache {stack.cache.name!r} moves "
+            f"blocks to {', '.join(t for t in tiers if t != 'device')}; use a device-only cache "
+            "(cache: prefix or none) with tp"
+        )
+    return None
+
+
 COMPONENT = Component(
     name="tp",
     kind="parallel",
@@ -47,6 +60,7 @@ COMPONENT = Component(
     description="Tensor parallelism: attention heads, MLP and vocabulary split over tp worker processes.",
     capabilities={"devices": ("cpu", "cuda"), "world_size": 2},
     capabilities_for=lambda options: {"devices": ("cpu", "cuda"), "world_size": options.tp},
+    check=check,
     api=">=1.0,<2",  # the lmstack plugin APIs it is written against (lmstack.plugin_api)
 )
 

@@ -81,3 +81,15 @@ def test_quantizer_alignment_fails_the_layout_factory():
 def test_other_axes_name_the_plugin_that_composes_them(tiny_model_path):
     with pytest.raises(ConfigError, match=r"parallel.pp: .*`pp` plugin"):
         LLM(tiny_stack(tiny_model_path, parallel={"name": "tp", "tp": 2, "pp": 2}))
+
+
+def test_a_cache_that_moves_blocks_off_the_device_is_refused(tiny_model_path, tmp_path):
+    pytest.importorskip("lmstack_tiered_cache")
+    with pytest.raises(ResolutionError, match=r"parallel layout 'tp' .*cache 'tiered' moves blocks to"):
+        LLM(
+            tiny_stack(
+                tiny_model_path,
+                parallel={"name": "tp", "tp": 2},
+                cache={"name": "tiered", "disk_path": str(tmp_path)},
+            )
+        )
