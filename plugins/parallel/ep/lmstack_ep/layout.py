@@ -47,7 +47,7 @@ def check_expert_parallel(ep: int, tp: int, ctx: BuildContext) -> None:
 
 
 def _check_tp(tp: int, mc: MoEConfig, model: str, ctx: BuildContext) -> None:
-    check_tensor_parallel(tp, ctx)  # heads, hidden size, the quantizer's alignment
+    check_tensor_parallel(tp, mc, ctx.components.get("quantizer"))  # heads, widths, quantizer alignment
     widths = {
         "expert width": mc.moe_intermediate_size,
         "shared expert width": mc.shared_expert_intermediate_size,
@@ -58,3 +58,16 @@ def _check_tp(tp: int, mc: MoEConfig, model: str, ctx: BuildContext) -> None:
             raise ResolutionError(
                 f"parallel.tp: tp={tp} does not divide the {what} {width} of {model}; tp can be {_listed(ok)}"
             )
+
+
+def check_cache_tiers(tp: int, stack) -> str | None:
+    """With tp > 1 each rank caches only its KV heads, and a lower cache tier swaps blocks
+    through worker rank 0: the other ranks' heads would be lost (as under the `tp` layout)."""
+    tiers = tuple(stack.cache.capabilities.get("tiers") or ("device",))
+    if tp > 1 and tiers != ("device",):
+        return (
+            f"keeps each tp rank's KV heads on its own device, but cache {stack.cache.name!r} moves "
+            f"blocks to {', '.join(t for t in tiers if t != 'device')}; use a device-only cache "
+            "(cache: prefix or none) with tp > 1"
+        )
+    return None

@@ -12,7 +12,7 @@ from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import BuildContext
 from lmstack.parallel_layout import ShardedLayout
 from lmstack.registry import Component
-from lmstack_ep.layout import check_expert_parallel
+from lmstack_ep.layout import check_cache_tiers, check_expert_parallel
 
 
 class EpOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -33,6 +33,10 @@ def build(options: EpOptions, ctx: BuildContext) -> ShardedLayout:
     return ShardedLayout(ParallelRanks(tp=options.tp, ep=options.ep))
 
 
+def check(options: EpOptions, stack, key: str) -> str | None:
+    return check_cache_tiers(options.tp, stack)
+
+
 def _capabilities(options: EpOptions) -> dict:
     return {"devices": ("cpu", "cuda"), "world_size": options.ep * options.tp}
 
@@ -45,6 +49,7 @@ COMPONENT = Component(
     description="Expert parallelism: a mixture-of-experts model's experts split over ep worker processes (x tp).",
     capabilities={"devices": ("cpu", "cuda"), "world_size": 2},
     capabilities_for=_capabilities,
+    check=check,
     api=">=1.0,<2",  # the lmstack plugin APIs it is written against (lmstack.plugin_api)
 )
 

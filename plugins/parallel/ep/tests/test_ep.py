@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmstack.errors import BuildError
+from lmstack.errors import BuildError, ResolutionError
 from lmstack.llm import LLM
 from lmstack.model.moe import MoEConfig
 from lmstack.testing import ParallelConformance
@@ -93,5 +93,13 @@ def test_a_degree_that_does_not_split_the_model_is_refused(
     tiny_moe_path, tiny_model_path, model, ep, tp, message
 ):
     path = tiny_moe_path if model == "moe" else tiny_model_path
-    with pytest.raises(BuildError, match=message):
+    # The stack's tp is checked against the model while resolving; ep by the layout's factory.
+    with pytest.raises((BuildError, ResolutionError), match=message):
         LLM(tiny_stack(path, parallel={"name": "ep", "ep": ep, "tp": tp}))
+
+
+def test_a_cache_that_moves_blocks_off_the_device_is_refused_with_tp(tiny_moe_path, tmp_path):
+    pytest.importorskip("lmstack_tiered_cache")
+    cache = {"name": "tiered", "disk_path": str(tmp_path)}
+    with pytest.raises(ResolutionError, match=r"parallel layout 'ep' .*cache 'tiered' moves blocks to"):
+        LLM(tiny_stack(tiny_moe_path, parallel={"name": "ep", "ep": 2, "tp": 2}, cache=cache))

@@ -37,7 +37,11 @@ def test_split_kv_heads_and_vocab_padding_tp2(tiny, rank):
     layer = m.layers[0]
     q, k, v = (w[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
     want = torch.cat(
-        [q[rank * hq * d : (rank + 1) * hq * d], k[rank * hkv * d : (rank + 1) * hkv * d], v[rank * hkv * d : (rank + 1) * hkv * d]]
+        [
+            q[rank * hq * d : (rank + 1) * hq * d],
+            k[rank * hkv * d : (rank + 1) * hkv * d],
+            v[rank * hkv * d : (rank + 1) * hkv * d],
+        ]
     )
     assert torch.equal(layer.qkv_proj.weight, want)
     o = w["model.layers.0.self_attn.o_proj.weight"]
@@ -105,9 +109,16 @@ def test_gguf_packed_rows_are_cut_before_decoding():
     col.weight.weight_loader(col.weight, t.take_rows(slice(0, 4)), 0)
     col.weight.weight_loader(col.weight, t.take_rows(slice(4, 8)), 1)
     assert torch.equal(col.weight, torch.cat([whole[2:4], whole[6:8]]))
+    # Row shards: 32 columns are one Q8_0 block per row (cut packed); 16 are not (decoded whole).
+    for tp, rank in ((2, 1), (4, 2)):
+        row = default_linear(LinearSpec(64, 8, False, "r", parallel="row", tp_rank=rank, tp_size=tp))
+        row.weight.weight_loader(row.weight, t, None)
+        width = 64 // tp
+        assert torch.equal(row.weight, whole[:, rank * width : (rank + 1) * width])
+    f32 = GGUFTensor(data=dense.numpy(), ggml_type=GGMLQuantizationType.F32, shape=(8, 64))
     row = default_linear(LinearSpec(64, 8, False, "r", parallel="row", tp_rank=1, tp_size=2))
-    row.weight.weight_loader(row.weight, t, None)
-    assert torch.equal(row.weight, whole[:, 32:])
+    row.weight.weight_loader(row.weight, f32, None)
+    assert torch.equal(row.weight, dense[:, 32:])
 
 
 def test_valid_degrees_of_the_tiny_model(tiny):
