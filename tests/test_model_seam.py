@@ -528,7 +528,12 @@ def test_model_registry_rejects_a_second_claim_on_a_name() -> None:
 def test_plugin_architecture_generates_through_the_engine(tiny_folder) -> None:
     folder, ref = tiny_folder
     pm = make_plugin_manager(autoload=False, extra_plugins=[TinyModelPlugin()])
-    assert [a.name for a in build_model_registry(pm).architectures] == ["llama", "mixtral", "qwen2_moe", "tiny-test"]
+    assert [a.name for a in build_model_registry(pm).architectures] == [
+        "llama",
+        "mixtral",
+        "qwen2_moe",
+        "tiny-test",
+    ]
     engine = LLMEngine(
         {
             "model": str(folder),
