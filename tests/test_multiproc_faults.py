@@ -111,31 +111,27 @@ def test_killed_worker_fails_requests_turns_health_503_and_exits_nonzero(tiny_mo
         assert "engine died" in srv.log()
 
 
-def test_rank_that_never_joins_is_one_line_naming_it(tiny_model_path, tmp_path):
-    # Rank 0 of a launched 2-rank group whose rank 1 never starts.
-    stack = replicas_stack(tiny_model_path, join_timeout_s=1.5)
-    stack["server"] = {"host": "127.0.0.1", "port": free_port()}
-    path = tmp_path / "stack.yaml"
-    path.write_text(yaml.safe_dump(stack))
-    env = {
-        **os.environ,
+def test_rank_that_never_joins_is_one_line_naming_it(tiny_model_path, monkeypatch):
+    # This process as rank 0 of a launched 2-rank group whose rank 1 never starts.
+    from lmstack.errors import BuildError
+    from lmstack.llm import LLM
+    from lmstack.plugins import make_plugin_manager
+
+    for name, value in {
         "RANK": "0",
         "WORLD_SIZE": "2",
         "LOCAL_RANK": "0",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "lmstack.testing.replicas", "serve", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if "did not join" in line]
-    assert errors and "rank 1 of 2 did not join within 1.5 s" in errors[-1], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    pm = make_plugin_manager(autoload=False, extra_plugins=["lmstack.testing.replicas"])
+    started = time.monotonic()
+    with pytest.raises(BuildError) as info:
+        LLM(replicas_stack(tiny_model_path, join_timeout_s=1.5), plugin_manager=pm)
+    message = str(info.value)
+    assert "rank 1 of 2 did not join within 1.5 s (rendezvous at 127.0.0.1:" in message
+    assert "\n" not in message and time.monotonic() - started < 30
 
 
 def torchrun(node_rank: int, port: int, stack_path: Path, log: Path) -> subprocess.Popen:
@@ -175,7 +171,9 @@ def test_two_nodes_over_torchrun_serve_single_process_tokens_and_stop_on_sigterm
             time.sleep(0.25)
         body = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "temperature": 0}
         req = urllib.request.Request(
-            base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            base + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=60) as r:
             text = json.loads(r.read())["choices"][0]["text"]
