@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lmstack import comm_stats
 from lmstack.batch import ModelOutput, StepPlan
 from lmstack.errors import ConfigError, EngineDeadError, JoinTimeout, LmstackError, WorkerDied
 from lmstack.executor import ExecutorSpec, InProcessExecutor
@@ -135,9 +136,7 @@ def _wait_for_ranks(store: dist.Store, world_size: int, timeout: float, where: s
 def _join(store: dist.Store, rank: int, world_size: int, backend: str, timeout: float, where: str) -> None:
     store.set(_JOINED.format(rank), "1")
     _wait_for_ranks(store, world_size, timeout, where)
-    dist.init_process_group(
-        backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size
-    )
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size)
 
 
 def _backend(device: torch.device) -> str:
@@ -164,18 +163,22 @@ def _rank_executor(rank: int, spec: ExecutorSpec) -> InProcessExecutor:
 
 # --- every rank but the driver: the command loop ---------------------------------------------
 
-# Commands whose answer is every rank's (gathered to rank 0 in rank order), not rank 0's alone.
-_GATHERED = frozenset({"parameter_shapes"})
+# Commands each rank answers itself, gathered to rank 0 as a list in rank order (not rank 0's
+# answer alone), and commands that are not executor methods.
+_GATHERED: dict[str, Any] = {
+    "parameter_shapes": lambda local: local.parameter_shapes()[0],
+    "comm_stats": lambda local: comm_stats.snapshot(),
+}
+_RANK_COMMANDS: dict[str, Any] = {"reset_comm_stats": lambda local: comm_stats.reset()}
 
 
 def _run(local: InProcessExecutor, name: str, args: tuple) -> Any:
-    result = getattr(local, name)(*args)
-    if name in _GATHERED:
-        out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(result, out, dst=0)
-        result = [r for per_rank in out for r in per_rank] if out is not None else None
-    return result
-
+    if name not in _GATHERED:
+        command = _RANK_COMMANDS.get(name)
+        return command(local) if command is not None else getattr(local, name)(*args)
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(_GATHERED[name](local), out, dst=0)
+    return out
 
 
 def _command_loop(local: InProcessExecutor, relay: Any = None) -> None:
@@ -203,6 +206,7 @@ def _worker(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Ctrl-C reaches the whole process group: the engine decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    comm_stats.install_if_enabled()
     try:
         spec = _rank_spec(spec, rank)
         store = dist.TCPStore(
@@ -244,6 +248,7 @@ def run_launched_worker(join_timeout: float = JOIN_TIMEOUT_S) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     where = f" (rendezvous at {launch.master_addr}:{launch.master_port})"
+    comm_stats.install_if_enabled()
     try:
         store = _launch_store(launch, join_timeout)
         try:
@@ -260,7 +265,9 @@ def run_launched_worker(join_timeout: float = JOIN_TIMEOUT_S) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:
-        print(f"error: rank {launch.rank}: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(
+            f"error: rank {launch.rank}: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr
+        )
         return 1
     dist.destroy_process_group()
     return 0
@@ -317,7 +324,11 @@ class MultiprocExecutor(Executor):
         # The engine hosts the rendezvous store (port 0: the OS picks a free one), so it can
         # see which ranks joined.
         self._store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.join_timeout)
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.join_timeout),
         )
         self._conn, child = ctx.Pipe()
         args = (self.world_size, self._store.port, wire)
@@ -357,7 +368,8 @@ class MultiprocExecutor(Executor):
             for p in procs:
                 p.join(timeout=1)
             said = "; ".join(
-                f"worker rank {r} (pid {p.pid}) {_exit_reason(p.exitcode)}" for r, p in zip(dead, procs, strict=True)
+                f"worker rank {r} (pid {p.pid}) {_exit_reason(p.exitcode)}"
+                for r, p in zip(dead, procs, strict=True)
             )
             raise self._fail(WorkerDied(said))
         try:
@@ -374,8 +386,11 @@ class MultiprocExecutor(Executor):
                 f"WORLD_SIZE={launch.world_size}; start {self.world_size} in all (nnodes x nproc-per-node)"
             )
         if launch.rank != 0:
-            raise ConfigError(f"only global rank 0 builds the engine; rank {launch.rank} runs run_launched_worker")
+            raise ConfigError(
+                f"only global rank 0 builds the engine; rank {launch.rank} runs run_launched_worker"
+            )
         wire = _rank_spec(wire, launch.local_rank)
+        comm_stats.install_if_enabled()
         store = _launch_store(launch, self.join_timeout)
         store.set("backend", _backend(wire.device))
         store.set("join_timeout", str(self.join_timeout))
@@ -411,7 +426,9 @@ class MultiprocExecutor(Executor):
             raise
         except Exception as exc:
             reason = " ".join(str(exc).split())[:300]
-            raise self._fail(EngineDeadError(f"rank 0 failed in {name}: {type(exc).__name__}: {reason}")) from exc
+            raise self._fail(
+                EngineDeadError(f"rank 0 failed in {name}: {type(exc).__name__}: {reason}")
+            ) from exc
 
     # --- both ---------------------------------------------------------------------------------
 
@@ -447,7 +464,9 @@ class MultiprocExecutor(Executor):
             self._fail(result)
             if isinstance(result, LmstackError):
                 raise result
-            raise EngineDeadError(f"worker rank 0 failed in {name}: {type(result).__name__}: {result}") from result
+            raise EngineDeadError(
+                f"worker rank 0 failed in {name}: {type(result).__name__}: {result}"
+            ) from result
         return result
 
     def load_model(self) -> None:
@@ -465,6 +484,14 @@ class MultiprocExecutor(Executor):
     def parameter_shapes(self) -> list[dict[str, tuple[int, ...]]]:
         """Every rank's parameter shapes, in rank order."""
         return self._call("parameter_shapes")
+
+    def comm_stats(self) -> list[dict[str, dict[str, int]]]:
+        """Per rank: bytes and calls per torch.distributed operation since the last reset
+        (`lmstack.comm_stats`; empty unless LMSTACK_COMM_STATS=1 when the ranks started)."""
+        return self._call("comm_stats")
+
+    def reset_comm_stats(self) -> None:
+        self._call("reset_comm_stats")
 
     def shutdown(self) -> None:
         if self._local is not None:
