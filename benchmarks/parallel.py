@@ -1,7 +1,7 @@
 """Parallel layouts: decode step time and bytes communicated per decode step, per layout.
 
     .venv/bin/python benchmarks/parallel.py                       # tiny model, every installed layout
-    .venv/bin/python benchmarks/parallel.py --model smollm2-135m-instruct --layouts single,tp3,pp2
+    .venv/bin/python benchmarks/parallel.py --model tiny --model smollm2-135m-instruct --layouts single,tp3,pp2
     .venv/bin/python benchmarks/parallel.py --device cuda --dtype bfloat16   # GPU section (NCCL)
 
 For each layout it builds an engine on the model, prefills `--batch` prompts, runs `--warmup`
@@ -182,13 +182,14 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from offline_throughput import git_info, machine_info
 
-    models = args.model or []
-    labels = {}
-    if not models:
-        from lmstack.testing.tiny_model import write_tiny_model
+    models, labels = [], {}
+    for model in args.model or ["tiny"]:
+        if model == "tiny":  # the random-weight test model, written now
+            from lmstack.testing.tiny_model import write_tiny_model
 
-        tiny = str(write_tiny_model(Path(tempfile.mkdtemp(prefix="lmstack-bench-tiny-"))))
-        models, labels = [tiny], {tiny: "tiny"}
+            model = str(write_tiny_model(Path(tempfile.mkdtemp(prefix="lmstack-bench-tiny-"))))
+            labels[model] = "tiny"
+        models.append(model)
     results = []
     for model in models:
         for name in [n.strip() for n in args.layouts.split(",") if n.strip()]:
