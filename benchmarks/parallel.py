@@ -190,6 +190,7 @@ def main() -> int:
             model = str(write_tiny_model(Path(tempfile.mkdtemp(prefix="lmstack-bench-tiny-"))))
             labels[model] = "tiny"
         models.append(model)
+    load_before = os.getloadavg()
     results = []
     for model in models:
         for name in [n.strip() for n in args.layouts.split(",") if n.strip()]:
@@ -226,6 +227,8 @@ def main() -> int:
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "when": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": machine,
+        # Other jobs on the machine slow every layout alike; the load says how busy it was.
+        "loadavg_1_5_15": {"before": load_before, "after": os.getloadavg()},
         "git": git_info(),
         "note": note,
         "bytes_counted": "per rank, tensors it contributes to each torch.distributed op (lmstack.comm_stats)",

@@ -129,6 +129,12 @@ def serve(stack_path: str, host: str | None = None, port: int | None = None, log
     # This distribution's own plugin (the `server:` section) even when autoload is off.
     pm = make_plugin_manager(extra_plugins=["lmstack_api.plugin"])
     stack = resolve(load_stack(stack_path), build_registry(pm))
+    if launch is not None and launch.world_size > 1 and stack.parallel.component.name == "single":
+        # Its other ranks would wait for a rank 0 that never joins them.
+        raise LmstackError(
+            f"the launcher started WORLD_SIZE={launch.world_size} ranks, but the stack's parallel "
+            "layout is `single` (one process); select a parallel layout with that many ranks"
+        )
     # The model's metadata (no weights) against the stack: conflicts stop here, in one line.
     check_model(stack, open_model_source(stack.model).config)
     cfg = server_config(stack)

@@ -41,7 +41,7 @@ _CONTRIBUTED: dict[str, tuple[int, str]] = {
 }
 
 _counts: dict[str, list[int]] = {}  # op -> [calls, bytes]
-_installed = False
+_originals: dict[tuple[Any, str], Callable] = {}  # (module, name) -> the function wrapped
 
 
 def _nbytes(value: Any) -> int:
@@ -69,8 +69,7 @@ def _wrap(name: str, fn: Callable, where: tuple[int, str]) -> Callable:
 
 def install() -> None:
     """Wrap the torch.distributed collectives in this process (idempotent)."""
-    global _installed
-    if _installed:
+    if _originals:
         return
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -81,10 +80,17 @@ def install() -> None:
             continue
         counted = _wrap(name, fn, where)
         # Both names: torch's own object collectives call the c10d module's globals.
-        setattr(c10d, name, counted)
-        if getattr(dist, name, None) is fn:
-            setattr(dist, name, counted)
-    _installed = True
+        for module in (c10d, dist):
+            if getattr(module, name, None) is fn:
+                _originals[(module, name)] = fn
+                setattr(module, name, counted)
+
+
+def uninstall() -> None:
+    """Put the original functions back (tests)."""
+    for (module, name), fn in _originals.items():
+        setattr(module, name, fn)
+    _originals.clear()
 
 
 def install_if_enabled() -> None:
