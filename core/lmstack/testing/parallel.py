@@ -61,19 +61,27 @@ class ParallelConformance(ComponentKit):
     # The bound on noticing a dead rank: generous for a loaded CI machine, far below a hang.
     dead_worker_bound_s: ClassVar[float] = 30.0
 
-    def test_shard_shapes_add_up(self, tiny_model_path) -> None:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def layout_llm(cls, tiny_model_path):
+        """One engine under the layout for the two tests below (building it is the slow part):
+        the shard check reads it, then the dead-worker test (defined last) kills a worker.
+        Yields (llm, the worker processes it started)."""
+        before = {p.pid for p in multiprocessing.active_children()}
+        llm = kit_llm(cls(), tiny_model_path)  # an instance: the kit reads class attributes only
+        workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+        yield llm, workers
+        llm.engine.shutdown()
+
+    def test_shard_shapes_add_up(self, layout_llm, tiny_model_path) -> None:
         """Every rank's parameters (as loaded, reported by the executor's `parameter_shapes`)
         are pieces of the single-process model's: known names, the same rank, each dimension
         at most the whole one and at most one dimension split; every parameter is held
         somewhere, and its pieces add up to whole copies of it (one per replica group)."""
-        llm = kit_llm(self, tiny_model_path)
-        try:
-            executor = llm.engine.executor
-            if not hasattr(executor, "parameter_shapes"):
-                pytest.skip(f"{type(executor).__name__} does not report parameter_shapes")
-            ranks = executor.parameter_shapes()
-        finally:
-            llm.engine.shutdown()
+        executor = layout_llm[0].engine.executor
+        if not hasattr(executor, "parameter_shapes"):
+            pytest.skip(f"{type(executor).__name__} does not report parameter_shapes")
+        ranks = executor.parameter_shapes()
         whole = reference_llm(tiny_stack(tiny_model_path)).engine.executor.parameter_shapes()[0]
         assert len(ranks) == getattr(executor, "world_size", 1), "one shape map per rank"
         held: dict[str, int] = dict.fromkeys(whole, 0)
@@ -94,19 +102,16 @@ class ParallelConformance(ComponentKit):
                 f"the pieces of {name} {whole[name]} add up to {total} elements, not whole copies of {size}"
             )
 
-    def test_dead_worker_does_not_hang_the_engine(self, tiny_model_path) -> None:
+    def test_dead_worker_does_not_hang_the_engine(self, layout_llm) -> None:
         """A worker process killed while requests run: the engine's step raises EngineDeadError
         within `dead_worker_bound_s` (never hangs), later calls raise at once, and shutdown
         returns."""
         from lmstack.errors import EngineDeadError
         from lmstack.sampling_params import SamplingParams
 
-        before = {p.pid for p in multiprocessing.active_children()}
-        llm = kit_llm(self, tiny_model_path)
+        llm, workers = layout_llm
         engine = llm.engine
-        workers = [p for p in multiprocessing.active_children() if p.pid not in before]
         if not workers:
-            engine.shutdown()
             pytest.skip("the layout started no worker process of its own to kill")
         outcome: list[BaseException | None] = []
 
@@ -135,5 +140,5 @@ class ParallelConformance(ComponentKit):
             done = threading.Event()
             threading.Thread(target=lambda: (engine.shutdown(), done.set()), daemon=True).start()
             assert done.wait(self.dead_worker_bound_s), "shutdown hung after a worker died"
-        left = [p for p in multiprocessing.active_children() if p.pid not in before]
+        left = [p for p in workers if p.is_alive()]
         assert not left, f"{len(left)} worker processes still alive after shutdown"
