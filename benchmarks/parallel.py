@@ -151,7 +151,8 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     names = [f"{r['model_label']}\n{r['layout']}" for r in ran]
     fig, (a, b) = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(ran) * 2), 4.5))
     a.bar(names, [r["step_ms_median"] for r in ran], color="tab:blue")
-    a.set_ylabel("median decode step (ms)")
+    a.set_ylabel("median decode step (ms, log)")
+    a.set_yscale("log")
     b.bar(names, [r["bytes_per_step_total"] / 1024 for r in ran], color="tab:orange")
     b.set_ylabel("KiB communicated per decode step (all ranks)")
     for ax in (a, b):
@@ -235,7 +236,14 @@ def main() -> int:
         "results": results,
     }
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=2))
-    plot(results, stem.with_suffix(".png"), f"{machine.get('cpu_model')} — {note[:90]}")
+    where = (
+        f"{machine.get('cpu_model')}, {machine.get('cpus_usable')} cores" if args.device == "cpu" else note
+    )
+    plot(
+        results,
+        stem.with_suffix(".png"),
+        f"{where}: {args.dtype}, batch {args.batch}, median of {args.steps} steps",
+    )
     print(f"wrote {stem.with_suffix('.json')}")
     return 0
 
