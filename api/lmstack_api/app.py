@@ -14,7 +14,7 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
-from lmstack.errors import LmstackError
+from lmstack.errors import EngineDeadError, LmstackError
 from lmstack.resolve import ResolvedStack
 from lmstack_api import params as P
 from lmstack_api.errors import APIError, clip, from_status
@@ -177,7 +177,7 @@ def _stream_response(job: Job, frames: AsyncIterator[bytes]) -> Stream:
     return Stream(body, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": job.echo_id})
 
 
-def _engine_error(job: Job, exc: EngineFailure) -> APIError:
+def _engine_error(job: Job, exc: EngineFailure | EngineDeadError) -> APIError:
     job.status = "engine_error"
     return APIError(500, f"the engine ended this request: {exc}", type="server_error")
 
@@ -191,7 +191,7 @@ async def _sse(job: Job, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     except asyncio.CancelledError:  # the client went away: Litestar cancels the stream
         job.status = "disconnected"
         raise
-    except EngineFailure as exc:
+    except (EngineFailure, EngineDeadError) as exc:
         yield sse(_engine_error(job, exc).body())
     except Exception:
         log.exception("stream failed", request_id=job.request_id)
@@ -209,7 +209,7 @@ async def _complete(job: Job, request: Request) -> bool:
             job.status = "disconnected"
             return False
         return True
-    except EngineFailure as exc:
+    except (EngineFailure, EngineDeadError) as exc:
         raise _engine_error(job, exc) from None
     finally:
         job.finish()
@@ -467,6 +467,8 @@ async def stack_info(request: Request) -> Response:
 @get("/health")
 async def health(request: Request) -> Response:
     state = _state(request)
+    if state.engine_error is not None:
+        return _json({"status": "failed"}, 503)
     if state.draining:
         return _json({"status": "draining"}, 503, {"Retry-After": "5"})
     if state.engine is None:

@@ -19,6 +19,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from lmstack.config import load_stack
 from lmstack.errors import LmstackError
 from lmstack.model.source import open_model_source
+from lmstack.multiproc import launched, run_launched_worker
 from lmstack.plugins import build_registry, make_plugin_manager
 from lmstack.resolve import check_model, resolve
 from lmstack_api.app import create_app
@@ -110,12 +111,30 @@ class _DrainingServer(uvicorn.Server):
             log.warning("drain timeout: aborting in-flight requests", inflight=state.inflight)
         self.should_exit = True
 
+    async def exit_after_engine_death(self) -> None:
+        # In-flight requests have been handed their errors; let their responses go out, and keep
+        # answering /health with 503 a moment so probes and balancers see it, then exit.
+        await self.state.wait_idle(5.0)
+        await asyncio.sleep(1.0)
+        self.should_exit = True
+
 
 def serve(stack_path: str, host: str | None = None, port: int | None = None, log_level: str = "info") -> int:
     configure_logging(log_level)
+    launch = launched()
+    if launch is not None and launch.rank != 0:
+        # Under torchrun every rank runs `lmstack serve`: global rank 0 serves HTTP and drives
+        # the engine, the others are its workers (they get everything else from rank 0).
+        return run_launched_worker()
     # This distribution's own plugin (the `server:` section) even when autoload is off.
     pm = make_plugin_manager(extra_plugins=["lmstack_api.plugin"])
     stack = resolve(load_stack(stack_path), build_registry(pm))
+    if launch is not None and launch.world_size > 1 and stack.parallel.component.name == "single":
+        # Its other ranks would wait for a rank 0 that never joins them.
+        raise LmstackError(
+            f"the launcher started WORLD_SIZE={launch.world_size} ranks, but the stack's parallel "
+            "layout is `single` (one process); select a parallel layout with that many ranks"
+        )
     # The model's metadata (no weights) against the stack: conflicts stop here, in one line.
     check_model(stack, open_model_source(stack.model).config)
     cfg = server_config(stack)
@@ -141,13 +160,14 @@ def serve(stack_path: str, host: str | None = None, port: int | None = None, log
         server.should_exit = True
 
     state.on_load_failure = failed
+    state.on_engine_death = lambda: asyncio.ensure_future(server.exit_after_engine_death())
     server.run(sockets=[sock])
     # A server that cannot serve exits non-zero (its reason was logged once), so a supervisor
     # restarts it or reports it rather than probing a process stuck at 503 forever. A problem
     # the user can fix (a component that failed to build) is also the CLI's one error line.
     if isinstance(state.load_exception, LmstackError):
         raise state.load_exception
-    return 1 if state.load_error else 0
+    return 1 if state.failed else 0
 
 
 def _listen(host: str, port: int) -> socket.socket:

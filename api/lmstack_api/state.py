@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lmstack.async_engine import AsyncEngine
-from lmstack.errors import LmstackError
+from lmstack.errors import EngineDeadError, LmstackError
 from lmstack.resolve import ResolvedStack
 from lmstack_api.config import TENANT_PATTERN, ServerConfig, key_tenants, server_config
 from lmstack_api.errors import APIError, clip, overloaded
@@ -80,6 +80,10 @@ class ServerState:
         # Called once if the engine cannot be built: the server exits non-zero (server.py), so
         # a supervisor restarts it instead of probing a process that will never serve.
         self.on_load_failure: Callable[[], None] | None = None
+        # Set when the engine died while serving (a worker process gone): /health says 503 and
+        # `on_engine_death` makes the server exit non-zero once in-flight requests have failed.
+        self.engine_error: str | None = None
+        self.on_engine_death: Callable[[], None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -104,6 +108,10 @@ class ServerState:
                 self.on_load_failure()
             return
         self.engine = engine
+        loop = asyncio.get_running_loop()
+        engine.on_dead = lambda exc: loop.call_soon_threadsafe(self._engine_died, exc)
+        if engine.dead is not None:  # died between its build and now
+            self._engine_died(engine.dead)
         log.info(
             "engine ready",
             model=self.model_name,
@@ -111,6 +119,19 @@ class ServerState:
             max_model_len=self.engine.max_model_len,
             kv_blocks=self.engine.num_kv_blocks,
         )
+
+    @property
+    def failed(self) -> bool:
+        """The engine failed to load, or died while serving."""
+        return bool(self.load_error or self.engine_error)
+
+    def _engine_died(self, exc: EngineDeadError) -> None:
+        if self.engine_error is not None:
+            return
+        self.engine_error = str(exc)
+        log.error("engine died; exiting", error=self.engine_error, inflight=self.inflight)
+        if self.on_engine_death is not None:
+            self.on_engine_death()
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -142,6 +163,8 @@ class ServerState:
     def require_ready(self) -> AsyncEngine:
         if self.draining:
             raise overloaded("the server is shutting down and admits no new requests", retry_after=5.0)
+        if self.engine_error is not None:
+            raise APIError(503, "the engine stopped; this server is exiting", type="server_error")
         if self.engine is None:
             if self.load_error:  # the reason is in the log, not for clients
                 raise APIError(503, "the model failed to load", type="server_error")

@@ -28,6 +28,9 @@ class ServerProcess:
     """`lmstack serve` on 127.0.0.1 and a free port, started from a stack mapping; `start()`
     returns once /health says ready. Use as a context manager."""
 
+    # The module whose `main()` runs `lmstack`: a subclass may name one that adds a test plugin.
+    main_module = "lmstack.cli"
+
     def __init__(
         self, stack: dict[str, Any], *, log_path: str | Path | None = None, env: dict | None = None
     ) -> None:
@@ -43,7 +46,7 @@ class ServerProcess:
         self.health_seen: list[int] = []  # distinct /health statuses while starting, in order
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
-        cmd = [sys.executable, "-c", "import sys; from lmstack.cli import main; sys.exit(main())"]
+        cmd = [sys.executable, "-c", f"import sys; from {self.main_module} import main; sys.exit(main())"]
         cmd += ["serve", str(self.stack_path)]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)

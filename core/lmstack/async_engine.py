@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from lmstack.engine import LLMEngine, StackSource
+from lmstack.errors import EngineDeadError
 from lmstack.grammar import GrammarCompiler
 from lmstack.interfaces import EngineLimits
 from lmstack.outputs import EngineStats, RequestOutput
@@ -32,6 +33,10 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._error: BaseException | None = None
+        # Set (under _lock) when a step raised EngineDeadError: no step can run again, so the
+        # loop ends, every request fails and `on_dead` (a server exiting) is called once.
+        self.dead: EngineDeadError | None = None
+        self.on_dead: Callable[[EngineDeadError], None] | None = None
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self.engine: LLMEngine = stack if isinstance(stack, LLMEngine) else None  # type: ignore[assignment]
@@ -140,7 +145,9 @@ class AsyncEngine:
     async def _stream(self, req) -> AsyncIterator[RequestOutput]:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
-        self._post("add", req)
+        if not self._post("add", req):
+            self._streams.pop(req.request_id, None)
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
         finished = False
         try:
             while True:
@@ -163,10 +170,14 @@ class AsyncEngine:
         # get_stats() is a snapshot: readers never see the object the engine keeps mutating.
         self._stats = self.engine.get_stats()
 
-    def _post(self, kind: str, payload: Any) -> None:
+    def _post(self, kind: str, payload: Any) -> bool:
+        """False when the engine is dead (nothing will read the inbox again)."""
         with self._lock:
+            if self.dead is not None:
+                return False
             self._inbox.append((kind, payload))
         self._wake.set()
+        return True
 
     def _run(self) -> None:
         eng = self.engine
@@ -188,6 +199,9 @@ class AsyncEngine:
                 outputs = eng.step()
             except BaseException as exc:  # a failed step must not hang the clients
                 self._error = exc
+                if isinstance(exc, EngineDeadError):
+                    self._die(exc)
+                    return
                 for rid in list(eng.requests):
                     eng.abort(rid)
                     self._deliver(rid, RuntimeError(f"engine step failed: {exc}"))
@@ -196,6 +210,20 @@ class AsyncEngine:
             self._publish_stats()
             for out in outputs:
                 self._deliver(out.request_id, out)
+
+    def _die(self, exc: EngineDeadError) -> None:
+        with self._lock:
+            self.dead = exc
+            inbox, self._inbox = self._inbox, []
+        eng = self.engine
+        failed = [p.request_id for kind, p in inbox if kind == "add"] + list(eng.requests)
+        for rid in list(eng.requests):
+            eng.abort(rid)
+        for rid in dict.fromkeys(failed):
+            self._deliver(rid, EngineDeadError(f"the engine stopped: {exc}"))
+        self._publish_stats()
+        if self.on_dead is not None:
+            self.on_dead(exc)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         target = self._streams.get(request_id)

@@ -67,3 +67,17 @@ class BuildError(LmstackError):
 
 def _rebuild_build_error(args: tuple, what: str) -> BuildError:
     return BuildError(*args, what=what)
+
+
+class JoinTimeout(LmstackError):
+    """Ranks of a multi-process layout did not join the process group in time (a machine or
+    worker that never started, a wrong MASTER_ADDR / port). The message names the ranks."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run another step: its executor's ranks are gone or out of step. Every
+    request in flight fails with it, new ones are refused, and a server exits non-zero."""
+
+
+class WorkerDied(EngineDeadError):
+    """A worker process of a multi-process executor died (or stopped answering)."""

@@ -71,3 +71,9 @@ class InProcessExecutor(Executor):
     def execute(self, plan: StepPlan) -> ModelOutput:
         assert self.runner is not None, "load_model() first"
         return self.runner.execute(plan)
+
+    def parameter_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        """Per rank (here one): each parameter's name and shape as loaded — what a parallel
+        layout's conformance test checks its shards against."""
+        assert self.runner is not None, "load_model() first"
+        return [{n: tuple(p.shape) for n, p in self.runner.model.named_parameters()}]

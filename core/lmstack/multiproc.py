@@ -1,88 +1,475 @@
-"""`MultiprocExecutor`: the model in N worker processes joined by torch.distributed.
+"""`MultiprocExecutor`: the model on N ranks joined by torch.distributed.
 
-The engine process drives; worker rank 0 receives each command over a pipe, broadcasts it to
-the other ranks (`broadcast_object_list`), every rank runs it, and rank 0 sends the result
-back. A parallel layout (TP / PP / EP) builds on this by giving each rank its shard; with the
-reference model every rank holds a full replica, which is what the tests use to check the
-plumbing.
+Two ways the ranks start:
+
+- **spawned** (one machine; the default): the engine process starts N worker processes. Worker
+  rank 0 receives each command over a pipe, broadcasts it to the other ranks
+  (`broadcast_object_list`), every rank runs it, and rank 0 sends the result back. While it
+  waits, the engine process also watches every worker's process sentinel: a worker that dies
+  fails the call with `WorkerDied` at once instead of leaving the engine waiting.
+- **launched** (`torchrun`, many machines): the launcher starts every rank and sets RANK,
+  WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Global rank 0 is the `lmstack serve` process itself:
+  its executor runs rank 0's model in-process and broadcasts each command and, once, the
+  executor spec; the other ranks run `run_launched_worker` (what `lmstack serve` does there).
+
+Either way every rank announces itself in the rendezvous store and waits for the others for
+`join_timeout` seconds; ranks still missing then are named in one `JoinTimeout` line.
+
+A command that fails on one rank leaves the others out of step (waiting in a collective the
+failed rank never reaches), so the executor is then dead: that call and every later one raise
+an `EngineDeadError`, and the remaining workers are killed rather than left hanging.
+
+With the reference model every rank holds a full replica (what the plumbing tests use); a
+parallel layout (TP / PP / EP) gives each rank its shard through `ExecutorSpec.parallel`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import socket
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing import connection
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lmstack import comm_stats
 from lmstack.batch import ModelOutput, StepPlan
-from lmstack.distributed import init_parallel
+from lmstack.errors import ConfigError, EngineDeadError, JoinTimeout, LmstackError, WorkerDied
 from lmstack.executor import ExecutorSpec, InProcessExecutor
 from lmstack.interfaces import Executor
 
+JOIN_TIMEOUT_S = 60.0
+# Idle ranks wait for the next command inside a broadcast, which times out with the process
+# group (30 min by default): rank 0 sends a no-op this often when no command came.
+HEARTBEAT_S = 60.0
+_JOINED = "joined/{}"
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+# --- launch environment and joining ----------------------------------------------------------
 
 
-def _worker(rank: int, world_size: int, port: int, spec: ExecutorSpec, conn: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if spec.device.type == "cuda" and spec.parallel is not None:  # one GPU per rank (NCCL needs it)
-        spec = dataclasses.replace(spec, device=torch.device("cuda", rank % torch.cuda.device_count()))
-        torch.cuda.set_device(spec.device)
-    backend = "nccl" if spec.device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    if spec.parallel is not None:  # this rank's place in the layout: its model shard and groups
-        init_parallel(spec.parallel.with_rank(rank))
-        # torch read OMP_NUM_THREADS at import, before the line above could set it: share the
-        # cores between the ranks instead of each rank's threads fighting over all of them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    local = InProcessExecutor(spec)
+@dataclass(frozen=True)
+class Launch:
+    """What a launcher (torchrun, or a scheduler setting the same variables) says about this
+    process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    agent_store: bool  # torchrun's agent on node 0 already hosts the store at MASTER_PORT
+    attempt: str  # restarts of the worker group so far: keys of an earlier attempt are stale
+
+
+def launched() -> Launch | None:
+    """The launcher's view of this process; None when no launcher set RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT (the engine then spawns its own workers)."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
     try:
-        while True:
-            cmd: list[Any] = [conn.recv() if rank == 0 else None]
-            dist.broadcast_object_list(cmd, src=0)
-            name, args = cmd[0]
-            if name == "stop":
-                break
-            result = getattr(local, name)(*args)
-            if rank == 0:
-                conn.send(result)
-    except Exception as exc:  # report instead of leaving the driver waiting
-        if rank == 0:
-            conn.send(RuntimeError(f"worker rank {rank} failed: {exc!r}"))
-    finally:
-        dist.destroy_process_group()
+        rank, world, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
+        local = int(env.get("LOCAL_RANK", "0"))
+    except ValueError:
+        raise ConfigError(
+            "RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT must be integers "
+            f"(got {env['RANK']!r}, {env['WORLD_SIZE']!r}, {env.get('LOCAL_RANK')!r}, {env['MASTER_PORT']!r})"
+        ) from None
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return Launch(
+        rank,
+        world,
+        local,
+        env["MASTER_ADDR"],
+        port,
+        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        env.get("TORCHELASTIC_RESTART_COUNT", "0"),
+    )
+
+
+def _launch_store(launch: Launch, timeout: float) -> dist.Store:
+    where = f"{launch.master_addr}:{launch.master_port}"
+    hosts = launch.rank == 0 and not launch.agent_store
+    try:
+        store = dist.TCPStore(
+            launch.master_addr,
+            launch.master_port,
+            is_master=hosts,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout),
+        )
+    except (RuntimeError, dist.DistError) as exc:
+        what = "cannot host" if hosts else "cannot reach rank 0's"
+        reason = " ".join(str(exc).split())[:200]
+        raise JoinTimeout(f"rank {launch.rank} {what} rendezvous store at {where} ({reason})") from None
+    return dist.PrefixStore(f"lmstack/{launch.attempt}", store)
+
+
+def _wait_for_ranks(store: dist.Store, world_size: int, timeout: float, where: str, alive=None) -> None:
+    """Until every rank has set its `joined` key; JoinTimeout naming the missing ones after
+    `timeout` s. `alive()` (optional) is checked while waiting and may raise."""
+    keys = [_JOINED.format(r) for r in range(world_size)]
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        if alive is not None:
+            alive()
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            names = ", ".join(map(str, missing))
+            raise JoinTimeout(
+                f"rank{'s' if len(missing) > 1 else ''} {names} of {world_size} did not join within "
+                f"{timeout:g} s{where}"
+            )
+        time.sleep(0.02)
+
+
+def _join(store: dist.Store, rank: int, world_size: int, backend: str, timeout: float, where: str) -> None:
+    store.set(_JOINED.format(rank), "1")
+    _wait_for_ranks(store, world_size, timeout, where)
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size)
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _rank_spec(spec: ExecutorSpec, local_rank: int) -> ExecutorSpec:
+    """The spec as this rank runs it: on a GPU, the one of its local rank."""
+    if spec.device.type != "cuda":
+        return spec
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return dataclasses.replace(spec, device=device)
+
+
+def _rank_executor(rank: int, spec: ExecutorSpec) -> InProcessExecutor:
+    ranks = getattr(spec, "parallel", None)  # a layout's ParallelRanks, when it sets one
+    if ranks is not None:
+        from lmstack.distributed import init_parallel
+
+        init_parallel(ranks.with_rank(rank))
+        # torch read OMP_NUM_THREADS at import: share the host's cores between the ranks
+        # instead of each rank's threads fighting over all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.world_size))
+    return InProcessExecutor(spec)
+
+
+# --- every rank but the driver: the command loop ---------------------------------------------
+
+# Commands each rank answers itself, gathered to rank 0 as a list in rank order (not rank 0's
+# answer alone), and commands that are not executor methods.
+_GATHERED: dict[str, Any] = {
+    "parameter_shapes": lambda local: local.parameter_shapes()[0],
+    "comm_stats": lambda local: comm_stats.snapshot(),
+}
+_RANK_COMMANDS: dict[str, Any] = {"reset_comm_stats": lambda local: comm_stats.reset()}
+
+
+def _run(local: InProcessExecutor, name: str, args: tuple) -> Any:
+    if name not in _GATHERED:
+        command = _RANK_COMMANDS.get(name)
+        return command(local) if command is not None else getattr(local, name)(*args)
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(_GATHERED[name](local), out, dst=0)
+    return out
+
+
+def _command_loop(local: InProcessExecutor, relay: Any = None) -> None:
+    """Run commands until "stop". The relay (spawned rank 0) reads them from the engine's pipe,
+    broadcasts them and answers on the pipe; the other ranks receive the broadcast."""
+    while True:
+        if relay is not None:
+            box: list[Any] = [relay.recv() if relay.poll(HEARTBEAT_S) else ("ping", ())]
+        else:
+            box = [None]
+        dist.broadcast_object_list(box, src=0)
+        name, args = box[0]
+        if name == "stop":
+            return
+        if name == "ping":
+            continue
+        result = _run(local, name, args)
+        if relay is not None:
+            relay.send(result)
+
+
+def _worker(
+    rank: int, world_size: int, store_port: int, spec: ExecutorSpec, conn: Any, join_timeout: float
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Ctrl-C reaches the whole process group: the engine decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    comm_stats.install_if_enabled()
+    try:
+        spec = _rank_spec(spec, rank)
+        store = dist.TCPStore(
+            "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=join_timeout)
+        )
+        _join(store, rank, world_size, _backend(spec.device), join_timeout, "")
+        _command_loop(_rank_executor(rank, spec), conn)
+    except BaseException as exc:
+        if conn is not None:  # rank 0 reports; the others' exit is seen by the engine
+            try:
+                conn.send(exc if _picklable(exc) else RuntimeError(f"{type(exc).__name__}: {exc}"))
+            except OSError:
+                pass
+        else:
+            print(f"lmstack worker rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        os._exit(1)  # the group is out of step: no teardown collectives
+    dist.destroy_process_group()
+
+
+def _picklable(exc: BaseException) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return True
+    except Exception:
+        return False
+
+
+def run_launched_worker(join_timeout: float = JOIN_TIMEOUT_S) -> int:
+    """A launched rank other than 0 (`lmstack serve` under torchrun): join, receive the executor
+    spec from rank 0, run commands until rank 0 says stop. Exit status: 0 after stop, 1 when
+    the group failed (rank 0 gone, a join timeout)."""
+    launch = launched()
+    assert launch is not None and launch.rank != 0, "rank 0 serves; run_launched_worker is for the others"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The launcher forwards SIGTERM to every rank; rank 0 drains and then tells the others to
+    # stop, so the others keep serving until then (or until rank 0 is gone).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    where = f" (rendezvous at {launch.master_addr}:{launch.master_port})"
+    comm_stats.install_if_enabled()
+    try:
+        store = _launch_store(launch, join_timeout)
+        try:
+            backend = store.get("backend").decode()
+            timeout = float(store.get("join_timeout").decode())
+        except (RuntimeError, dist.DistError):
+            raise JoinTimeout(f"rank 0 did not join within {join_timeout:g} s{where}") from None
+        _join(store, launch.rank, launch.world_size, backend, timeout, where)
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        spec = _rank_spec(box[0], launch.local_rank)
+        _command_loop(_rank_executor(launch.rank, spec))
+    except LmstackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        print(
+            f"error: rank {launch.rank}: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr
+        )
+        return 1
+    dist.destroy_process_group()
+    return 0
+
+
+# --- the engine's side -----------------------------------------------------------------------
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, spec: ExecutorSpec, world_size: int) -> None:
+    """`world_size` ranks; spawned here unless a launcher (torchrun) started this process as
+    global rank 0. `join_timeout`: seconds the ranks get to join. `step_timeout`: seconds a
+    command may take before the workers count as hung (None: no limit; death is still seen at
+    once)."""
+
+    def __init__(
+        self,
+        spec: ExecutorSpec,
+        world_size: int,
+        *,
+        join_timeout: float = JOIN_TIMEOUT_S,
+        step_timeout: float | None = None,
+    ) -> None:
         self.spec = spec
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        port = _free_port()
+        self.join_timeout = join_timeout
+        self.step_timeout = step_timeout
+        self._dead: BaseException | None = None
+        self._procs: list[Any] = []
+        self._conn: Any = None
+        self._local: InProcessExecutor | None = None  # launched: rank 0's own model
         # The resolved stack holds component factories (not picklable); workers don't need it.
         wire = dataclasses.replace(spec, stack=None)
+        launch = launched()
+        if launch is None:
+            self._spawn(wire)
+        else:
+            self._join_launched(launch, wire)
+
+    # --- spawned ---------------------------------------------------------------------------
+
+    def _spawn(self, wire: ExecutorSpec) -> None:
+        ctx = mp.get_context("spawn")
+        # The engine hosts the rendezvous store (port 0: the OS picks a free one), so it can
+        # see which ranks joined.
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.join_timeout),
+        )
+        self._conn, child = ctx.Pipe()
+        args = (self.world_size, self._store.port, wire)
         self._procs = [
             ctx.Process(
-                target=_worker, args=(r, world_size, port, wire, child if r == 0 else None), daemon=True
+                target=_worker,
+                args=(r, *args, child if r == 0 else None, self.join_timeout),
+                daemon=True,
+                name=f"lmstack-rank{r}",
             )
-            for r in range(world_size)
+            for r in range(self.world_size)
         ]
         for p in self._procs:
             p.start()
+        child.close()  # rank 0 holds the only other end: its death is EOF here
+        try:
+            _wait_for_ranks(self._store, self.world_size, self.join_timeout, "", self._check_alive)
+        except JoinTimeout:
+            self._kill()
+            raise
+
+    def _check_alive(self) -> None:
+        for r, p in enumerate(self._procs):
+            if not p.is_alive():
+                raise self._fail(WorkerDied(f"worker rank {r} (pid {p.pid}) {_exit_reason(p.exitcode)}"))
+
+    def _reply(self) -> Any:
+        waitables = [self._conn, *(p.sentinel for p in self._procs)]
+        ready = connection.wait(waitables, timeout=self.step_timeout)
+        if not ready:
+            raise self._fail(WorkerDied(f"the workers did not answer within {self.step_timeout:g} s"))
+        dead = [r for r, p in enumerate(self._procs) if p.sentinel in ready]
+        if dead:
+            # A rank gone mid-command: even a result rank 0 already sent is from a group that
+            # can no longer run the next step.
+            procs = [self._procs[r] for r in dead]
+            for p in procs:
+                p.join(timeout=1)
+            said = "; ".join(
+                f"worker rank {r} (pid {p.pid}) {_exit_reason(p.exitcode)}"
+                for r, p in zip(dead, procs, strict=True)
+            )
+            raise self._fail(WorkerDied(said))
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            raise self._fail(WorkerDied("worker rank 0 closed its pipe")) from None
+
+    # --- launched ---------------------------------------------------------------------------
+
+    def _join_launched(self, launch: Launch, wire: ExecutorSpec) -> None:
+        if launch.world_size != self.world_size:
+            raise ConfigError(
+                f"the parallel layout runs {self.world_size} ranks, but the launcher started "
+                f"WORLD_SIZE={launch.world_size}; start {self.world_size} in all (nnodes x nproc-per-node)"
+            )
+        if launch.rank != 0:
+            raise ConfigError(
+                f"only global rank 0 builds the engine; rank {launch.rank} runs run_launched_worker"
+            )
+        wire = _rank_spec(wire, launch.local_rank)
+        comm_stats.install_if_enabled()
+        store = _launch_store(launch, self.join_timeout)
+        store.set("backend", _backend(wire.device))
+        store.set("join_timeout", str(self.join_timeout))
+        where = f" (rendezvous at {launch.master_addr}:{launch.master_port})"
+        _join(store, 0, self.world_size, _backend(wire.device), self.join_timeout, where)
+        dist.broadcast_object_list([wire], src=0)
+        self._local = _rank_executor(0, wire)
+        self._lock = threading.Lock()
+        self._last_call = time.monotonic()
+        self._stopping = threading.Event()
+        threading.Thread(target=self._heartbeat, name="lmstack-heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        while not self._stopping.wait(HEARTBEAT_S / 4):
+            if time.monotonic() - self._last_call < HEARTBEAT_S or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if self._dead is None and not self._stopping.is_set():
+                    self._broadcast_locked("ping", ())
+            except EngineDeadError:
+                pass  # recorded: the next command raises it
+            finally:
+                self._lock.release()
+
+    def _broadcast_locked(self, name: str, args: tuple) -> Any:
+        assert self._local is not None
+        self._last_call = time.monotonic()
+        try:
+            dist.broadcast_object_list([(name, args)], src=0)
+            return None if name in ("ping", "stop") else _run(self._local, name, args)
+        except LmstackError as exc:
+            self._dead = EngineDeadError(f"rank 0 failed in {name}: {exc}")
+            raise
+        except Exception as exc:
+            reason = " ".join(str(exc).split())[:300]
+            raise self._fail(
+                EngineDeadError(f"rank 0 failed in {name}: {type(exc).__name__}: {reason}")
+            ) from exc
+
+    # --- both ---------------------------------------------------------------------------------
+
+    def _fail(self, exc: BaseException) -> BaseException:
+        """Record the executor as dead and stop what is left of it; returns `exc` to raise."""
+        if self._dead is None:
+            self._dead = exc
+        self._kill()
+        return exc
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
 
     def _call(self, name: str, *args: Any) -> Any:
-        self._conn.send((name, args))
-        result = self._conn.recv()
-        if isinstance(result, Exception):
-            raise result
+        if self._dead is not None:
+            raise EngineDeadError(f"the executor is dead: {self._dead}")
+        if self._local is not None:
+            with self._lock:
+                return self._broadcast_locked(name, args)
+        self._check_alive()
+        try:
+            self._conn.send((name, args))
+        except OSError:
+            self._check_alive()
+            raise self._fail(WorkerDied("worker rank 0 closed its pipe")) from None
+        result = self._reply()
+        if isinstance(result, BaseException):
+            # Rank 0 stopped after reporting it: the group is gone either way.
+            self._fail(result)
+            if isinstance(result, LmstackError):
+                raise result
+            raise EngineDeadError(
+                f"worker rank 0 failed in {name}: {type(result).__name__}: {result}"
+            ) from result
         return result
 
     def load_model(self) -> None:
@@ -97,13 +484,38 @@ class MultiprocExecutor(Executor):
     def execute(self, plan: StepPlan) -> ModelOutput:
         return self._call("execute", plan)
 
+    def parameter_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        """Every rank's parameter shapes, in rank order."""
+        return self._call("parameter_shapes")
+
+    def comm_stats(self) -> list[dict[str, dict[str, int]]]:
+        """Per rank: bytes and calls per torch.distributed operation since the last reset
+        (`lmstack.comm_stats`; empty unless LMSTACK_COMM_STATS=1 when the ranks started)."""
+        return self._call("comm_stats")
+
+    def reset_comm_stats(self) -> None:
+        self._call("reset_comm_stats")
+
     def shutdown(self) -> None:
+        if self._local is not None:
+            self._stopping.set()
+            with self._lock:
+                if self._dead is None:
+                    try:
+                        self._broadcast_locked("stop", ())
+                    except BaseException:
+                        pass
+                self._local = None
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            return
         if not self._procs:
             return
-        try:
-            self._conn.send(("stop", ()))
-        except OSError:
-            pass
+        if self._dead is None:
+            try:
+                self._conn.send(("stop", ()))
+            except OSError:
+                pass
         for p in self._procs:
             p.join(timeout=30)
             if p.is_alive():
