@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lmstack.batch import ModelOutput, StepPlan
+from lmstack.distributed import ParallelRanks, init_parallel
 from lmstack.executor import ExecutorSpec, InProcessExecutor
 from lmstack.interfaces import Executor
 
@@ -28,11 +30,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, spec: ExecutorSpec, conn: Any) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    spec: ExecutorSpec,
+    conn: Any,
+    ranks: ParallelRanks | None = None,
+    local_executor: Callable[[ExecutorSpec], Executor] = InProcessExecutor,
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     backend = "nccl" if spec.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    local = InProcessExecutor(spec)
+    if ranks is not None:  # the model build reads this rank's place in the layout
+        init_parallel(ranks.with_rank(rank))
+    local = local_executor(spec)
     try:
         while True:
             cmd: list[Any] = [conn.recv() if rank == 0 else None]
@@ -51,7 +63,16 @@ def _worker(rank: int, world_size: int, port: int, spec: ExecutorSpec, conn: Any
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, spec: ExecutorSpec, world_size: int) -> None:
+    def __init__(
+        self,
+        spec: ExecutorSpec,
+        world_size: int,
+        *,
+        ranks: ParallelRanks | None = None,
+        local_executor: Callable[[ExecutorSpec], Executor] = InProcessExecutor,
+    ) -> None:
+        """`ranks`: the layout's degrees (each worker calls `init_parallel` with its own rank);
+        `local_executor` (picklable) builds each rank's executor: rank 0's results come back."""
         self.spec = spec
         self.world_size = world_size
         ctx = mp.get_context("spawn")
@@ -61,7 +82,9 @@ class MultiprocExecutor(Executor):
         wire = dataclasses.replace(spec, stack=None)
         self._procs = [
             ctx.Process(
-                target=_worker, args=(r, world_size, port, wire, child if r == 0 else None), daemon=True
+                target=_worker,
+                args=(r, world_size, port, wire, child if r == 0 else None, ranks, local_executor),
+                daemon=True,
             )
             for r in range(world_size)
         ]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmstack.distributed import get_parallel, layer_range
 from lmstack.interfaces import LinearFactory, LinearSpec, ParallelHint
 from lmstack.model.architecture import AttentionFn, ModelArchitecture
 from lmstack.model.checkpoint import CheckpointTensor
@@ -24,6 +25,7 @@ from lmstack.model.gguf_loader import llama_gguf_tensor, load_gguf_config
 from lmstack.model.hf_loader import parse_llama_config
 from lmstack.model.linear import default_linear, dense_parameter
 from lmstack.model.rope import RotaryEmbedding, rotate
+from lmstack.model.stages import StageLayers
 from lmstack.model.weight_loader import ShardId, default_weight_loader, load_named_weights, set_weight_loader
 
 
@@ -84,27 +86,41 @@ class LlamaModel(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> None:
+        """`layers`: the [start, end) decoder layers of one pipeline stage (None: all). A stage
+        builds only its layers (the others are empty placeholders, so layer indices and parameter
+        names stay global); only the first stage embeds, only the last has the norm and head."""
         super().__init__()
         self.config = cfg
-        # `_weight` skips the random init: the checkpoint overwrites every value.
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
-            _freeze=True,
-        )
-        set_weight_loader(self.embed_tokens.weight, default_weight_loader)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, linear, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        # The head stays a dense linear: quantizing it costs the most accuracy for the least memory.
-        self.lm_head = default_linear(
-            LinearSpec(
-                cfg.hidden_size, cfg.vocab_size, False, "lm_head", parallel="column", params_dtype=dtype
+        self.stage = StageLayers(*(layers or (0, cfg.num_layers)), cfg.num_layers)
+        stage = self.stage
+        self.embed_tokens: nn.Embedding | None = None
+        if stage.first:
+            # `_weight` skips the random init: the checkpoint overwrites every value.
+            self.embed_tokens = nn.Embedding(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                _freeze=True,
             )
+            set_weight_loader(self.embed_tokens.weight, default_weight_loader)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, linear, dtype) if stage.holds(i) else nn.Identity()
+            for i in range(cfg.num_layers)
         )
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.norm: RMSNorm | None = None
+        self.lm_head: nn.Module | None = None
+        if stage.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            # The head stays a dense linear: quantizing it costs the most accuracy for the least memory.
+            self.lm_head = default_linear(
+                LinearSpec(
+                    cfg.hidden_size, cfg.vocab_size, False, "lm_head", parallel="column", params_dtype=dtype
+                )
+            )
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
@@ -116,18 +132,27 @@ class LlamaModel(nn.Module):
         attn: AttentionFn,
         logits_indices: torch.Tensor | None = None,
         hidden_state_layers: tuple[int, ...] = (),
+        *,
+        hidden_in: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """input_ids, positions: [T]. Returns logits [L, V] (fp32) for rows `logits_indices`
         (all rows when None) and the requested layers' outputs at those rows (layer i = output
-        of decoder layer i; num_layers = after the final norm)."""
-        x = self.embed_tokens(input_ids)
+        of decoder layer i; num_layers = after the final norm).
+
+        A pipeline stage after the first takes the previous stage's output as `hidden_in`
+        [T, hidden] instead of embedding `input_ids`; a stage before the last returns its
+        layers' output [T, hidden] (every row: the next stage needs them all) in place of logits."""
+        stage = self.stage
+        x = hidden_in if hidden_in is not None else self.embed_tokens(input_ids)
         rope = self.rope.tables(positions, x.dtype)
         hidden: dict[int, torch.Tensor] = {}
         want = set(hidden_state_layers)
-        for layer in self.layers:
+        for layer in self.layers[stage.start : stage.end]:
             x = layer(x, rope, attn)
             if layer.index in want:
                 hidden[layer.index] = x if logits_indices is None else x[logits_indices]
+        if self.lm_head is None:
+            return x, hidden
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x)
@@ -138,7 +163,12 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Hugging Face Llama-named checkpoint tensors into the parameters' weight loaders."""
-        load_named_weights(self, weights, lambda name: llama_checkpoint_name(name, self.config))
+        cfg, stage = self.config, self.stage
+        load_named_weights(
+            self,
+            weights,
+            lambda name: stage.param_name(llama_checkpoint_name(name, cfg), tied=cfg.tie_word_embeddings),
+        )
 
 
 # Checkpoint module -> (our fused module, shard id = index in its LinearSpec.output_sizes).
@@ -173,7 +203,9 @@ def llama_checkpoint_name(name: str, config: ModelConfig) -> tuple[str, ShardId 
 def build_llama(
     config: ModelConfig, linear: LinearFactory, *, dtype: torch.dtype, max_positions: int
 ) -> LlamaModel:
-    return LlamaModel(config, linear, dtype=dtype, max_positions=max_positions)
+    ranks = get_parallel().ranks  # a pipeline stage builds only its layers
+    layers = layer_range(config.num_layers, ranks.pp, ranks.pp_rank) if ranks.pp > 1 else None
+    return LlamaModel(config, linear, dtype=dtype, max_positions=max_positions, layers=layers)
 
 
 ARCHITECTURE = ModelArchitecture(
