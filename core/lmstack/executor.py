@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from lmstack.batch import ModelOutput, StepPlan
+from lmstack.distributed import ParallelRanks
 from lmstack.interfaces import AttentionBackend, Executor, Quantizer
 from lmstack.model.architecture import ModelRegistry
 from lmstack.model.config import ModelConfig
@@ -30,6 +31,7 @@ class ExecutorSpec:
     decode: AttentionBackend
     stack: object = None  # lmstack.resolve.ResolvedStack
     models: ModelRegistry | None = None  # the installed model architectures; None: the built-ins
+    parallel: ParallelRanks | None = None  # a multi-process layout's degrees (workers set their rank)
 
 
 class InProcessExecutor(Executor):
@@ -58,6 +60,8 @@ class InProcessExecutor(Executor):
         )
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        if self.runner is not None:  # the loaded model's own share (a tensor-parallel rank's heads)
+            return self.runner.kv_cache_bytes_per_block(block_size)
         return block_size * self.spec.model_config.kv_bytes_per_token(self.spec.kv_cache_dtype.itemsize)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:

@@ -82,6 +82,8 @@ class ModelRunner:
         model.load_weights(weights)
         quantizer.process_model(model)
         self.model = model.eval()
+        # A tensor-parallel rank caches only its KV heads.
+        self.num_kv_heads: int = getattr(model, "local_num_kv_heads", config.num_kv_heads)
         # A pipeline stage's model holds only some decoder layers: KV tensors for those alone.
         stage = getattr(model, "stage", None)
         self.layers = range(stage.start, stage.end) if stage is not None else range(config.num_layers)
@@ -92,7 +94,7 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
         self.block_size = block_size
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        shape = (num_blocks, block_size, self.num_kv_heads, c.head_dim)
 
         # Indexed by global layer; layers another pipeline stage holds get empty placeholders.
         def layer_cache(i: int) -> torch.Tensor:
@@ -100,6 +102,13 @@ class ModelRunner:
             return torch.zeros(size, dtype=self.kv_cache_dtype, device=self.device)
 
         self.kv_caches = [(layer_cache(i), layer_cache(i)) for i in range(c.num_layers)]
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """K and V of one block, all layers, as this process caches them (a stage: its layers)."""
+        c = self.config
+        return (
+            2 * len(self.layers) * block_size * self.num_kv_heads * c.head_dim * self.kv_cache_dtype.itemsize
+        )
 
     def prepare(self, plan: StepPlan) -> ModelInput:
         """The plan's host lists as tensors on this runner's device: token ids and positions

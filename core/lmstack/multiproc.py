@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lmstack.batch import ModelOutput, StepPlan
-from lmstack.distributed import ParallelRanks, init_parallel
+from lmstack.distributed import init_parallel
 from lmstack.executor import ExecutorSpec, InProcessExecutor
 from lmstack.interfaces import Executor
 
@@ -36,14 +36,13 @@ def _worker(
     port: int,
     spec: ExecutorSpec,
     conn: Any,
-    ranks: ParallelRanks | None = None,
     local_executor: Callable[[ExecutorSpec], Executor] = InProcessExecutor,
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     backend = "nccl" if spec.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    if ranks is not None:  # the model build reads this rank's place in the layout
-        init_parallel(ranks.with_rank(rank))
+    if spec.parallel is not None:  # this rank's place in the layout: its model shard and groups
+        init_parallel(spec.parallel.with_rank(rank))
     local = local_executor(spec)
     try:
         while True:
@@ -68,11 +67,10 @@ class MultiprocExecutor(Executor):
         spec: ExecutorSpec,
         world_size: int,
         *,
-        ranks: ParallelRanks | None = None,
         local_executor: Callable[[ExecutorSpec], Executor] = InProcessExecutor,
     ) -> None:
-        """`ranks`: the layout's degrees (each worker calls `init_parallel` with its own rank);
-        `local_executor` (picklable) builds each rank's executor: rank 0's results come back."""
+        """`local_executor` (picklable) builds each rank's executor (a pipeline stage's, say);
+        rank 0's results come back."""
         self.spec = spec
         self.world_size = world_size
         ctx = mp.get_context("spawn")
@@ -83,7 +81,7 @@ class MultiprocExecutor(Executor):
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, port, wire, child if r == 0 else None, ranks, local_executor),
+                args=(r, world_size, port, wire, child if r == 0 else None, local_executor),
                 daemon=True,
             )
             for r in range(world_size)

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmstack.distributed import get_parallel, layer_range
+from lmstack.distributed import ParallelRanks, get_parallel, layer_range, tp_all_reduce
+from lmstack.errors import ConfigError
 from lmstack.interfaces import LinearFactory, LinearSpec, ParallelHint
 from lmstack.model.architecture import AttentionFn, ModelArchitecture
 from lmstack.model.checkpoint import CheckpointTensor
@@ -26,6 +27,12 @@ from lmstack.model.hf_loader import parse_llama_config
 from lmstack.model.linear import default_linear, dense_parameter
 from lmstack.model.rope import RotaryEmbedding, rotate
 from lmstack.model.stages import StageLayers
+from lmstack.model.tensor_parallel import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    attention_shard,
+    expand_kv_heads,
+)
 from lmstack.model.weight_loader import ShardId, default_weight_loader, load_named_weights, set_weight_loader
 
 
@@ -43,21 +50,36 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, linear: LinearFactory, dtype: torch.dtype) -> None:
+    """One decoder layer, or this tensor-parallel rank's shard of it (`ranks.tp` > 1): its query
+    and KV heads (`lmstack.model.tensor_parallel.attention_shard`), gate/up columns and down
+    rows; o_proj's and down_proj's partial sums are all-reduced over the tp group."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        index: int,
+        linear: LinearFactory,
+        dtype: torch.dtype,
+        ranks: ParallelRanks | None = None,
+    ) -> None:
         super().__init__()
+        tp, tp_rank = (ranks.tp, ranks.tp_rank) if ranks is not None else (1, 0)
+        shard = attention_shard(cfg.num_heads, cfg.num_kv_heads, tp)
         self.index = index
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
         h, inter = cfg.hidden_size, cfg.intermediate_size
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         p = f"layers.{index}."
 
         def spec(name: str, i: int, sizes: tuple[int, ...], bias: bool, parallel: ParallelHint) -> LinearSpec:
-            return LinearSpec(i, sum(sizes), bias, p + name, sizes, parallel, dtype)
+            return LinearSpec(i, sum(sizes), bias, p + name, sizes, parallel, dtype, tp_rank, tp)
 
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        qkv = (self.q_size, self.kv_size, self.kv_size)
+        # Replicated KV heads: the layer tp splits has every KV head repeated per sharing rank.
+        kv = cfg.kv_size * shard.kv_replicas
+        qkv = (cfg.q_size, kv, kv)
         self.qkv_proj = linear(spec("qkv_proj", h, qkv, cfg.attention_bias, "column"))
-        self.o_proj = linear(spec("o_proj", self.q_size, (h,), cfg.attention_bias, "row"))
+        self.o_proj = linear(spec("o_proj", cfg.q_size, (h,), cfg.attention_bias, "row"))
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.gate_up_proj = linear(spec("gate_up_proj", h, (inter, inter), cfg.mlp_bias, "column"))
         self.down_proj = linear(spec("down_proj", inter, (h,), cfg.mlp_bias, "row"))
@@ -73,9 +95,9 @@ class DecoderLayer(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = attn.attend(self.index, q, k, v)
-        x = x + self.o_proj(o.reshape(t, self.q_size))
+        x = x + tp_all_reduce(self.o_proj(o.reshape(t, self.q_size)))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + tp_all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaModel(nn.Module):
@@ -86,17 +108,27 @@ class LlamaModel(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
-        layers: tuple[int, int] | None = None,
+        ranks: ParallelRanks | None = None,
     ) -> None:
-        """`layers`: the [start, end) decoder layers of one pipeline stage (None: all). A stage
-        builds only its layers (the others are empty placeholders, so layer indices and parameter
-        names stay global); only the first stage embeds, only the last has the norm and head."""
+        """`ranks`: this process's place in a parallel layout (None: a single rank). A pipeline
+        stage (`ranks.pp` > 1) builds only its decoder layers (`layer_range`; the others are
+        empty placeholders, so layer indices and parameter names stay global); only the first
+        stage embeds, only the last has the final norm and the head."""
         super().__init__()
         self.config = cfg
-        self.stage = StageLayers(*(layers or (0, cfg.num_layers)), cfg.num_layers)
-        stage = self.stage
-        self.embed_tokens: nn.Embedding | None = None
-        if stage.first:
+        self.ranks = ranks = ranks or ParallelRanks()
+        self.stage = stage = StageLayers(
+            *layer_range(cfg.num_layers, ranks.pp, ranks.pp_rank), cfg.num_layers
+        )
+        shard = attention_shard(cfg.num_heads, cfg.num_kv_heads, ranks.tp)
+        self.kv_replicas = shard.kv_replicas
+        self.local_num_kv_heads = shard.num_kv_heads  # what this rank's KV cache holds per layer
+        self.embed_tokens: nn.Module | None = None
+        if stage.first and ranks.tp > 1:  # vocabulary-parallel embedding and head (tensor_parallel.py)
+            self.embed_tokens = VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, ranks.tp, ranks.tp_rank, dtype
+            )
+        elif stage.first:
             # `_weight` skips the random init: the checkpoint overwrites every value.
             self.embed_tokens = nn.Embedding(
                 cfg.vocab_size,
@@ -106,7 +138,7 @@ class LlamaModel(nn.Module):
             )
             set_weight_loader(self.embed_tokens.weight, default_weight_loader)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, linear, dtype) if stage.holds(i) else nn.Identity()
+            DecoderLayer(cfg, i, linear, dtype, ranks) if stage.holds(i) else nn.Identity()
             for i in range(cfg.num_layers)
         )
         self.norm: RMSNorm | None = None
@@ -114,11 +146,21 @@ class LlamaModel(nn.Module):
         if stage.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
             # The head stays a dense linear: quantizing it costs the most accuracy for the least memory.
-            self.lm_head = default_linear(
-                LinearSpec(
-                    cfg.hidden_size, cfg.vocab_size, False, "lm_head", parallel="column", params_dtype=dtype
+            if ranks.tp > 1:
+                self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ranks.tp, ranks.tp_rank, dtype)
+            else:
+                self.lm_head = default_linear(
+                    LinearSpec(
+                        cfg.hidden_size,
+                        cfg.vocab_size,
+                        False,
+                        "lm_head",
+                        parallel="column",
+                        params_dtype=dtype,
+                    )
                 )
-            )
+            # Tied: the head shares the embedding; a last stage without one loads the embedding
+            # tensor into its head (`StageLayers.param_name`).
             if cfg.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(
@@ -163,12 +205,32 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Hugging Face Llama-named checkpoint tensors into the parameters' weight loaders."""
+        if self.kv_replicas > 1:
+            weights = self._replicate_kv_heads(weights)
         cfg, stage = self.config, self.stage
         load_named_weights(
             self,
             weights,
             lambda name: stage.param_name(llama_checkpoint_name(name, cfg), tied=cfg.tie_word_embeddings),
         )
+
+    def _replicate_kv_heads(
+        self, weights: Iterable[tuple[str, CheckpointTensor]]
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """k_proj / v_proj tensors with each KV head repeated for the ranks that share it (see
+        DecoderLayer). Only row-major tensors (dense or GGUF weight / bias) have heads on rows."""
+        for name, tensor in weights:
+            if m := _LAYER_TENSOR.search(name):
+                module, suffix = m.group(2), m.group(3)
+                if module in ("k_proj", "v_proj"):
+                    if suffix not in ("weight", "bias"):
+                        raise ConfigError(
+                            f"checkpoint tensor {name!r}: tp={self.ranks.tp} replicates the "
+                            f"{self.config.num_kv_heads} KV heads, which works for dense and GGUF "
+                            "weights only; pick a tp that divides the KV heads"
+                        )
+                    tensor = expand_kv_heads(tensor, self.config.num_kv_heads, self.kv_replicas)
+            yield name, tensor
 
 
 # Checkpoint module -> (our fused module, shard id = index in its LinearSpec.output_sizes).
@@ -201,11 +263,18 @@ def llama_checkpoint_name(name: str, config: ModelConfig) -> tuple[str, ShardId 
 
 
 def build_llama(
-    config: ModelConfig, linear: LinearFactory, *, dtype: torch.dtype, max_positions: int
+    config: ModelConfig,
+    linear: LinearFactory,
+    *,
+    dtype: torch.dtype,
+    max_positions: int,
+    ranks: ParallelRanks | None = None,
 ) -> LlamaModel:
-    ranks = get_parallel().ranks  # a pipeline stage builds only its layers
-    layers = layer_range(config.num_layers, ranks.pp, ranks.pp_rank) if ranks.pp > 1 else None
-    return LlamaModel(config, linear, dtype=dtype, max_positions=max_positions, layers=layers)
+    """`ranks` defaults to this process's (`lmstack.distributed.get_parallel`): a worker of a
+    parallel layout builds its shard (or its pipeline stage), any other process the whole model."""
+    return LlamaModel(
+        config, linear, dtype=dtype, max_positions=max_positions, ranks=ranks or get_parallel().ranks
+    )
 
 
 ARCHITECTURE = ModelArchitecture(

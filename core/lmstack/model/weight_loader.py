@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lmstack.errors import ConfigError
-from lmstack.model.checkpoint import CheckpointTensor, to_dense
+from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
 
 ShardId = int
 """Index of a checkpoint tensor inside a fused parameter's `output_sizes`."""
@@ -110,3 +110,90 @@ def load_named_weights(
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ConfigError(f"the checkpoint lacks weights for {', '.join(missing[:3])}{more}")
+
+
+# --- tensor-parallel shards --------------------------------------------------------------------
+# A sharded parameter's loader still receives the whole checkpoint tensor (see LinearSpec) and
+# keeps its own rows or columns. It cuts before decoding, so a rank converts (and, for packed
+# GGUF rows, dequantizes) only its shard: a dense tensor is narrowed as a view, packed GGUF data
+# is selected row by row (quant blocks run along a row, so whole rows stay a valid tensor).
+
+
+def take_rows(tensor: CheckpointTensor, start: int, length: int) -> CheckpointTensor:
+    """Rows [start, start + length) of `tensor` (its first axis), still in its stored form."""
+    if isinstance(tensor, GGUFTensor):
+        return tensor.take_rows(slice(start, start + length))
+    return tensor.narrow(0, start, length)
+
+
+def take_columns(tensor: CheckpointTensor, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Columns [start, start + length) of a 2-D `tensor`, decoded into `dtype`. Packed GGUF blocks
+    run along a row, so those are decoded whole first; a dense tensor is cut before converting."""
+    if isinstance(tensor, GGUFTensor):
+        return tensor.dequantize(dtype).narrow(-1, start, length)
+    return to_dense(tensor.narrow(-1, start, length), dtype)
+
+
+def column_parallel_loader(output_sizes: Sequence[int], tp_rank: int, tp_size: int) -> WeightLoader:
+    """A column-parallel weight or bias: of every part i (`output_sizes[i]` whole rows) this rank
+    keeps rows [r * n_i / tp, (r + 1) * n_i / tp); the parameter holds those shards concatenated
+    in part order. A whole (unsplit) fused tensor (shard id None) is cut into its parts first."""
+    sizes = tuple(int(s) for s in output_sizes)
+    local = tuple(n // tp_size for n in sizes)
+    offsets = [sum(local[:i]) for i in range(len(sizes))]
+
+    def load_part(param: nn.Parameter, loaded: CheckpointTensor, part: int) -> None:
+        shape = tuple(loaded.shape)
+        if shape[0] != sizes[part]:
+            raise ValueError(f"part {part}: expected {sizes[part]} rows, got shape {shape}")
+        value = to_dense(take_rows(loaded, tp_rank * local[part], local[part]), param.dtype)
+        target = param.data.narrow(0, offsets[part], local[part])
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"part {part}: expected shard shape {tuple(target.shape)}, got {tuple(value.shape)}"
+            )
+        target.copy_(value)
+
+    @torch.no_grad()
+    def load(param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId | None = None) -> None:
+        if shard_id is not None:
+            if not 0 <= shard_id < len(sizes):
+                raise ValueError(f"shard {shard_id} out of range for a fused parameter of {len(sizes)} parts")
+            load_part(param, loaded, shard_id)
+            return
+        if len(sizes) == 1:
+            load_part(param, loaded, 0)
+            return
+        if tuple(loaded.shape)[0] != sum(sizes):
+            raise ValueError(f"expected {sum(sizes)} rows, got shape {tuple(loaded.shape)}")
+        start = 0
+        for part, n in enumerate(sizes):
+            load_part(param, take_rows(loaded, start, n), part)
+            start += n
+
+    return load
+
+
+def row_parallel_loader(in_features: int, tp_rank: int, tp_size: int, *, bias: bool) -> WeightLoader:
+    """A row-parallel weight keeps input columns [r * in / tp, (r + 1) * in / tp). Its bias is
+    added once to the sum over ranks, so tp rank 0 keeps it and the others hold zeros."""
+    local = in_features // tp_size
+
+    @torch.no_grad()
+    def load(param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId | None = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"got shard {shard_id} for a parameter that is not fused")
+        if bias:
+            if tp_rank == 0:
+                default_weight_loader(param, loaded)
+            else:
+                param.data.zero_()
+            return
+        if tuple(loaded.shape)[-1] != in_features:
+            raise ValueError(f"expected {in_features} input columns, got shape {tuple(loaded.shape)}")
+        value = take_columns(loaded, tp_rank * local, local, param.dtype)
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"expected shard shape {tuple(param.shape)}, got {tuple(value.shape)}")
+        param.data.copy_(value)
+
+    return load

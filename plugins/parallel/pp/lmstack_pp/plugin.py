@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import msgspec
@@ -10,7 +11,8 @@ from lmstack.distributed import ParallelRanks
 from lmstack.errors import ConfigError
 from lmstack.executor import ExecutorSpec
 from lmstack.hookspecs import hookimpl
-from lmstack.interfaces import BuildContext, Executor, ParallelLayout
+from lmstack.interfaces import BuildContext, Executor
+from lmstack.parallel_layout import ShardedLayout, check_tensor_parallel
 from lmstack.registry import Component
 from lmstack_pp.stage import StageExecutor
 
@@ -27,17 +29,19 @@ class PipelineOptions(msgspec.Struct, forbid_unknown_fields=True):
                 raise ConfigError(f"expected a positive integer, got {value!r}", f"parallel.{name}")
 
 
-class PipelineLayout(ParallelLayout):
+class PipelineLayout(ShardedLayout):
+    """`pp x tp` workers; each runs a `StageExecutor` (its stage of every micro-batch)."""
+
     def __init__(self, options: PipelineOptions) -> None:
+        super().__init__(ParallelRanks(tp=options.tp, pp=options.pp))
         self.options = options
-        self.ranks = ParallelRanks(tp=options.tp, pp=options.pp)
-        self.world_size = self.ranks.world_size
 
     def create_executor(self, spec: ExecutorSpec) -> Executor:
         from lmstack.multiproc import MultiprocExecutor
 
         local = functools.partial(StageExecutor, micro_batches=self.options.micro_batches)
-        return MultiprocExecutor(spec, self.world_size, ranks=self.ranks, local_executor=local)
+        spec = dataclasses.replace(spec, parallel=self.ranks)
+        return MultiprocExecutor(spec, self.world_size, local_executor=local)
 
 
 def build(options: PipelineOptions, ctx: BuildContext) -> PipelineLayout:
@@ -47,6 +51,7 @@ def build(options: PipelineOptions, ctx: BuildContext) -> PipelineLayout:
             f"pp={options.pp} stages for a model with {mc.num_layers} decoder layers (at most {mc.num_layers})",
             "parallel.pp",
         )
+    check_tensor_parallel(options.tp, ctx)
     return PipelineLayout(options)
 
 

@@ -41,12 +41,6 @@ class StageExecutor(InProcessExecutor):
         self.steps = 0
         self._trace = os.environ.get(TRACE_ENV)
 
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        # Only this stage's layers have KV here; rank 0 answers for stage 0, which holds the most.
-        assert self.runner is not None, "load_model() first"
-        full = super().kv_cache_bytes_per_block(block_size)
-        return full * len(self.runner.layers) // self.spec.model_config.num_layers
-
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ModelOutput | None:
         assert self.runner is not None, "load_model() first"

@@ -1,0 +1,1 @@
+"""lmstack-tp: the `tp` parallel layout (tensor parallelism)."""

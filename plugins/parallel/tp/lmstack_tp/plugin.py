@@ -1,0 +1,56 @@
+"""Registers the `tp` parallel layout: `parallel: {name: tp, tp: N}` runs N worker processes,
+each holding 1/N of every decoder layer's heads and MLP and of the vocabulary."""
+
+from __future__ import annotations
+
+import msgspec
+
+from lmstack.distributed import ParallelRanks
+from lmstack.errors import ConfigError
+from lmstack.hookspecs import hookimpl
+from lmstack.interfaces import BuildContext
+from lmstack.parallel_layout import ShardedLayout, check_tensor_parallel
+from lmstack.registry import Component
+
+# Which plugin shards along the other axes (this one accepts them at 1 only).
+_OTHER_AXES = {"pp": "the `pp` plugin (pipeline parallelism)", "ep": "the `ep` plugin (expert parallelism)"}
+
+
+class TpOptions(msgspec.Struct, forbid_unknown_fields=True):
+    tp: int = 2  # ranks the model is split over
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ConfigError(f"expected a positive integer, got {self.tp}", "parallel.tp")
+        for axis, plugin in _OTHER_AXES.items():
+            if getattr(self, axis) != 1:
+                raise ConfigError(
+                    f"the `tp` layout splits tensors only (got {axis}={getattr(self, axis)}); "
+                    f"{plugin} composes with tp: set parallel.name to it",
+                    f"parallel.{axis}",
+                )
+
+
+def build(options: TpOptions, ctx: BuildContext) -> ShardedLayout:
+    # The model config and the quantizer are known here, before any worker starts or weight loads.
+    check_tensor_parallel(options.tp, ctx)
+    return ShardedLayout(ParallelRanks(tp=options.tp))
+
+
+COMPONENT = Component(
+    name="tp",
+    kind="parallel",
+    factory=build,
+    options_type=TpOptions,
+    description="Tensor parallelism: attention heads, MLP and vocabulary split over tp worker processes.",
+    capabilities={"devices": ("cpu", "cuda"), "world_size": 2},
+    capabilities_for=lambda options: {"devices": ("cpu", "cuda"), "world_size": options.tp},
+    api=">=1.0,<2",  # the lmstack plugin APIs it is written against (lmstack.plugin_api)
+)
+
+
+@hookimpl
+def lmstack_register_parallel(register):
+    register(COMPONENT)
