@@ -49,7 +49,9 @@ class StageExecutor(InProcessExecutor):
             return super().execute(plan)
         _check_supported(plan)
         step, self.steps = self.steps, self.steps + 1
-        batches = split_plan(plan, self.micro_batches or ranks.pp)
+        # An empty micro-batch (no tokens) or one without logits rows (a prompt chunk that samples
+        # nothing) sends nothing where there is nothing: a zero-byte message would hang gloo.
+        batches = [mb for mb in split_plan(plan, self.micro_batches or ranks.pp) if mb.plan.num_tokens]
         device, cfg = self.spec.device, self.spec.model_config
         neighbour = {
             d: ranks.rank_of(pp_rank=ranks.pp_rank + d, ep_rank=ranks.ep_rank, tp_rank=ranks.tp_rank)
@@ -57,11 +59,13 @@ class StageExecutor(InProcessExecutor):
             if 0 <= ranks.pp_rank + d < ranks.pp
         }
         head_rank = ranks.rank_of(pp_rank=ranks.pp - 1, ep_rank=0, tp_rank=0)  # sends the logits
-        results: list[tuple[torch.Tensor, Any]] = []
+        results: list[tuple[list[int], torch.Tensor, Any]] = []
         if ranks.rank == 0:
             for j, mb in enumerate(batches):
+                if not mb.rows:
+                    continue
                 buf = torch.empty(len(mb.rows), cfg.vocab_size, dtype=torch.float32, device=device)
-                results.append((buf, dist.irecv(buf, src=head_rank, tag=j)))
+                results.append((mb.rows, buf, dist.irecv(buf, src=head_rank, tag=j)))
         sends: list[tuple[torch.Tensor, Any]] = []  # each tensor stays alive until its send is done
         for j, mb in enumerate(batches):
             hidden_in = None
@@ -75,16 +79,16 @@ class StageExecutor(InProcessExecutor):
             self._record(ranks, step, j, start)
             if 1 in neighbour:
                 sends.append((out, dist.isend(out, dst=neighbour[1], tag=j)))
-            elif ranks.rank == head_rank:
+            elif ranks.rank == head_rank and mb.rows:
                 sends.append((out, dist.isend(out, dst=0, tag=j)))
         for _, work in sends:
             work.wait()
         if ranks.rank != 0:
             return None  # only rank 0's result goes back to the engine
         logits = torch.empty(len(plan.logits_indices), cfg.vocab_size, dtype=torch.float32, device=device)
-        for mb, (buf, work) in zip(batches, results, strict=True):
+        for rows, buf, work in results:
             work.wait()
-            logits[mb.rows] = buf
+            logits[rows] = buf
         return ModelOutput(logits=logits)
 
     def _record(self, ranks: ParallelRanks, step: int, mb: int, start: float) -> None:

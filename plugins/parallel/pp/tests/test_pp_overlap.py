@@ -1,5 +1,5 @@
-"""Micro-batches in flight: with three micro-batches per step over two stages, greedy tokens are
-the single-process engine's, and the stages overlap — stage 0 starts micro-batch m + 1 before
+"""Micro-batches in flight: with three micro-batches per step over two stages and prompts
+prefilled in chunks, greedy tokens are the single-process engine's, and the stages overlap — stage 0 starts micro-batch m + 1 before
 stage 1 has finished micro-batch m (an ordering of events, read from the ranks' trace)."""
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ from lmstack.testing.kit import KIT_PROMPTS, greedy, reference_llm, tiny_stack
 def test_three_micro_batches_match_single_process_and_stages_overlap(tiny_model_path, tmp_path, monkeypatch):
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setenv(TRACE_ENV, str(trace))  # spawned workers inherit it
-    llm = LLM(tiny_stack(tiny_model_path, parallel={"name": "pp", "pp": 2, "micro_batches": 3}))
+    # A 16-token budget prefills the longer prompts in chunks: some micro-batches then have no
+    # logits rows (a chunk that samples nothing), and nothing of theirs travels back.
+    scheduler = {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 16}
+    parallel = {"name": "pp", "pp": 2, "micro_batches": 3}
+    llm = LLM(tiny_stack(tiny_model_path, scheduler=scheduler, parallel=parallel))
     try:
         ours = greedy(llm, list(KIT_PROMPTS), 8)
     finally:
