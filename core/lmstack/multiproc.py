@@ -15,6 +15,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -39,10 +40,16 @@ def _worker(
     local_executor: Callable[[ExecutorSpec], Executor] = InProcessExecutor,
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if spec.device.type == "cuda" and spec.parallel is not None:  # one GPU per rank (NCCL needs it)
+        spec = dataclasses.replace(spec, device=torch.device("cuda", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(spec.device)
     backend = "nccl" if spec.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     if spec.parallel is not None:  # this rank's place in the layout: its model shard and groups
         init_parallel(spec.parallel.with_rank(rank))
+        # torch read OMP_NUM_THREADS at import, before the line above could set it: share the
+        # cores between the ranks instead of each rank's threads fighting over all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     local = local_executor(spec)
     try:
         while True:

@@ -1,7 +1,9 @@
 """What the parallel plugins (`tp`, `pp`, `ep`) share: a layout that starts one worker process
 per rank, each building its shard of the model, and the checks that a model splits over the
-degrees a stack asks for — run by the layout's factory, after the quantizer is built and before
-the executor exists, so a bad degree fails before any worker starts or any weight loads.
+degrees a stack asks for. `lmstack.resolve.check_model` runs the head / width check as soon as
+the model's config is read; the layout's factory runs it again with the built quantizer's shard
+alignment, before the executor exists: a bad degree fails before any worker starts or any
+weight loads.
 
 A plugin validates its own options, then returns `ShardedLayout(ParallelRanks(tp=..., pp=...,
 ep=...))`; `lmstack.multiproc` gives each worker its rank (`init_parallel`) and the model reads
@@ -15,7 +17,7 @@ import dataclasses
 from lmstack.distributed import ParallelRanks
 from lmstack.errors import ResolutionError
 from lmstack.executor import ExecutorSpec
-from lmstack.interfaces import BuildContext, Executor, LinearSpec, ParallelLayout, Quantizer
+from lmstack.interfaces import Executor, LinearSpec, ParallelLayout, Quantizer
 from lmstack.model.config import ModelConfig
 from lmstack.model.tensor_parallel import tp_problem, valid_tp_degrees
 
@@ -44,22 +46,20 @@ def _alignment(quantizer: Quantizer | None):
     return alignment
 
 
-def check_tensor_parallel(tp: int, ctx: BuildContext, key: str = "parallel.tp") -> None:
-    """ResolutionError when the model (`ctx.model_config`) does not split over `tp` ranks — its
-    heads, MLP width, or the quantizer's shard alignment (`Quantizer.shard_alignment`) — naming
-    the degrees that would. Nothing to check without a model config (a factory built alone)."""
-    mc: ModelConfig | None = ctx.model_config
+def check_tensor_parallel(
+    tp: int, model_config: ModelConfig | None, quantizer: Quantizer | None = None, key: str = "parallel.tp"
+) -> None:
+    """ResolutionError when the model does not split over `tp` ranks — its heads, MLP width, or
+    the quantizer's shard alignment (`Quantizer.shard_alignment`) — naming the degrees that
+    would. Nothing to check without a model config (a factory built alone, in a test)."""
+    mc = model_config
     if mc is None or tp == 1:
         return
-    alignment = _alignment(ctx.components.get("quantizer"))
+    alignment = _alignment(quantizer)
     problem = tp_problem(mc, tp, alignment)
     if problem is None:
         return
     degrees = valid_tp_degrees(mc, alignment)
     ok = ", ".join(map(str, degrees[:-1])) + f" or {degrees[-1]}" if len(degrees) > 1 else str(degrees[0])
     model = f"model {mc.name!r}" if mc.name else "the model"
-    raise ResolutionError(
-        f"{key}: tp={tp} does not divide {model} ({problem}; it has {mc.num_heads} query heads, "
-        f"{mc.num_kv_heads} KV heads, hidden size {mc.hidden_size}, intermediate size "
-        f"{mc.intermediate_size}); tp can be {ok}"
-    )
+    raise ResolutionError(f"{key}: tp={tp} does not divide {model} ({problem}); tp can be {ok}")

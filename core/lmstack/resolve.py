@@ -525,6 +525,11 @@ def check_model(resolved: ResolvedStack, model_config: ModelConfig) -> None:
                 f"with {ROLE_KEY[role]}"
             )
     _check_block_size(r)
+    tp = getattr(r.parallel.options, "tp", 1)
+    if isinstance(tp, int) and tp > 1:  # heads and widths; the quantizer's alignment at build
+        from lmstack.parallel_layout import check_tensor_parallel
+
+        check_tensor_parallel(tp, model_config)
     limit = model_config.max_position_embeddings
     if (
         r.config.max_model_len is not None

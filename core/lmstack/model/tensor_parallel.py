@@ -148,26 +148,26 @@ def decoder_linear_specs(cfg: ModelConfig, tp: int, dtype: torch.dtype = torch.f
 def tp_problem(
     cfg: ModelConfig, tp: int, alignment: Callable[[LinearSpec], int] = lambda spec: 1
 ) -> str | None:
-    """Why `cfg` cannot split over `tp` ranks (heads, MLP width, or a quantizer's shard
-    alignment), or None when it can."""
+    """What in `cfg` does not split over `tp` ranks — its query heads, KV heads, MLP width, or a
+    quantizer's shard alignment — as a short phrase ("9 query heads"), or None when it splits."""
     if tp == 1:
         return None
-    try:
-        specs = decoder_linear_specs(cfg, tp)
-    except ValueError as exc:
-        return str(exc).removeprefix("linear layers.0.")
-    for spec in specs:
+    if cfg.num_heads % tp:
+        return f"{cfg.num_heads} query heads"
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        return f"{cfg.num_kv_heads} KV heads, which tp must divide or be a multiple of"
+    if cfg.intermediate_size % tp:
+        return f"intermediate size {cfg.intermediate_size}"
+    for spec in decoder_linear_specs(cfg, tp):
         align = max(1, int(alignment(spec)))
-        if spec.parallel == "column":
-            sizes = {n: n // tp for n in spec.output_sizes}
-        else:
-            sizes = {spec.in_features: spec.in_features // tp}
-        for whole, local in sizes.items():
-            if local % align:
+        wholes = spec.output_sizes if spec.parallel == "column" else (spec.in_features,)
+        for whole in wholes:
+            if (whole // tp) % align:
+                what = "rows" if spec.parallel == "column" else "input columns"
                 name = spec.name.removeprefix("layers.0.")
                 return (
-                    f"tp={tp} leaves {local} of {whole} {'rows' if spec.parallel == 'column' else 'columns'} "
-                    f"of {name} per rank, not a multiple of the quantizer's shard alignment {align}"
+                    f"{name} would keep {whole // tp} of {whole} {what} per rank, not a multiple of "
+                    f"the quantizer's shard alignment {align}"
                 )
     return None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -127,11 +128,21 @@ def take_rows(tensor: CheckpointTensor, start: int, length: int) -> CheckpointTe
 
 
 def take_columns(tensor: CheckpointTensor, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """Columns [start, start + length) of a 2-D `tensor`, decoded into `dtype`. Packed GGUF blocks
-    run along a row, so those are decoded whole first; a dense tensor is cut before converting."""
-    if isinstance(tensor, GGUFTensor):
-        return tensor.dequantize(dtype).narrow(-1, start, length)
-    return to_dense(tensor.narrow(-1, start, length), dtype)
+    """Columns [start, start + length) of a 2-D `tensor`, decoded into `dtype`. A dense tensor is
+    cut before converting. Packed GGUF blocks run along a row: a cut on block boundaries keeps
+    those blocks of every row (a valid packed tensor, decoded alone); any other cut decodes the
+    whole tensor first."""
+    if not isinstance(tensor, GGUFTensor):
+        return to_dense(tensor.narrow(-1, start, length), dtype)
+    per_block, block_bytes = tensor.block_size
+    if len(tensor.shape) == 2 and start % per_block == 0 and length % per_block == 0:
+        raw = tensor.data.view(np.uint8).reshape(tensor.shape[0], -1)
+        first, count = start // per_block * block_bytes, length // per_block * block_bytes
+        cut = raw[:, first : first + count]
+        if not tensor.is_quantized:  # F32 / F16 / BF16 rows: back to their element type
+            cut = np.ascontiguousarray(cut).view(tensor.data.dtype)
+        return GGUFTensor(cut, tensor.ggml_type, (tensor.shape[0], length)).dequantize(dtype)
+    return tensor.dequantize(dtype).narrow(-1, start, length)
 
 
 def column_parallel_loader(output_sizes: Sequence[int], tp_rank: int, tp_size: int) -> WeightLoader:

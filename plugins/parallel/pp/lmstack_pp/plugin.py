@@ -51,7 +51,7 @@ def build(options: PipelineOptions, ctx: BuildContext) -> PipelineLayout:
             f"pp={options.pp} stages for a model with {mc.num_layers} decoder layers (at most {mc.num_layers})",
             "parallel.pp",
         )
-    check_tensor_parallel(options.tp, ctx)
+    check_tensor_parallel(options.tp, ctx.model_config, ctx.components.get("quantizer"))
     return PipelineLayout(options)
 
 

@@ -37,12 +37,6 @@ TRACE_ENV = "LMSTACK_PP_TRACE"
 class StageExecutor(InProcessExecutor):
     def __init__(self, spec: ExecutorSpec, micro_batches: int = 0) -> None:
         super().__init__(spec)
-        ranks = get_parallel().ranks
-        if spec.device.type == "cpu" and ranks.world_size > 1:
-            # The ranks share this host's cores: more threads than a share each make them wait on
-            # one another's spinning threads (10x slower measured on a busy 2-core machine).
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))  # torchrun sets it
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         self.micro_batches = micro_batches
         self.steps = 0
         self._trace = os.environ.get(TRACE_ENV)

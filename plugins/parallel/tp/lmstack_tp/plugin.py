@@ -35,8 +35,21 @@ class TpOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 def build(options: TpOptions, ctx: BuildContext) -> ShardedLayout:
     # The model config and the quantizer are known here, before any worker starts or weight loads.
-    check_tensor_parallel(options.tp, ctx)
+    check_tensor_parallel(options.tp, ctx.model_config, ctx.components.get("quantizer"))
     return ShardedLayout(ParallelRanks(tp=options.tp))
+
+
+def check(options: TpOptions, stack, key: str) -> str | None:
+    # A lower cache tier swaps KV blocks out through worker rank 0, which holds only its own
+    # heads: the other ranks' share would be lost.
+    tiers = tuple(stack.cache.capabilities.get("tiers") or ("device",))
+    if options.tp > 1 and tiers != ("device",):
+        return (
+            f"keeps each rank's KV heads on its own device, but cache {stack.cache.name!r} moves "
+            f"blocks to {', '.join(t for t in tiers if t != 'device')}; use a device-only cache "
+            "(cache: prefix or none) with tp"
+        )
+    return None
 
 
 COMPONENT = Component(
@@ -47,6 +60,7 @@ COMPONENT = Component(
     description="Tensor parallelism: attention heads, MLP and vocabulary split over tp worker processes.",
     capabilities={"devices": ("cpu", "cuda"), "world_size": 2},
     capabilities_for=lambda options: {"devices": ("cpu", "cuda"), "world_size": options.tp},
+    check=check,
     api=">=1.0,<2",  # the lmstack plugin APIs it is written against (lmstack.plugin_api)
 )
 
