@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,9 @@ class ExecutorSpec:
     stack: object = None  # lmstack.resolve.ResolvedStack
     models: ModelRegistry | None = None  # the installed model architectures; None: the built-ins
     parallel: ParallelRanks | None = None  # a multi-process layout's degrees (workers set their rank)
+    # How each rank of a multi-process layout builds its own executor (picklable; a pipeline
+    # stage's, say); None: InProcessExecutor.
+    rank_executor: Callable[[ExecutorSpec], Executor] | None = None
 
 
 class InProcessExecutor(Executor):

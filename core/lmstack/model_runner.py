@@ -84,6 +84,9 @@ class ModelRunner:
         self.model = model.eval()
         # A tensor-parallel rank caches only its KV heads.
         self.num_kv_heads: int = getattr(model, "local_num_kv_heads", config.num_kv_heads)
+        # A pipeline stage's model holds only some decoder layers: KV tensors for those alone.
+        stage = getattr(model, "stage", None)
+        self.layers = range(stage.start, stage.end) if stage is not None else range(config.num_layers)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.scale = config.head_dim**-0.5
@@ -92,18 +95,20 @@ class ModelRunner:
         c = self.config
         self.block_size = block_size
         shape = (num_blocks, block_size, self.num_kv_heads, c.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-            )
-            for _ in range(c.num_layers)
-        ]
+
+        # Indexed by global layer; layers another pipeline stage holds get empty placeholders.
+        def layer_cache(i: int) -> torch.Tensor:
+            size = shape if i in self.layers else (0,)
+            return torch.zeros(size, dtype=self.kv_cache_dtype, device=self.device)
+
+        self.kv_caches = [(layer_cache(i), layer_cache(i)) for i in range(c.num_layers)]
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """K and V of one block, all layers, as this process caches them."""
+        """K and V of one block, all layers, as this process caches them (a stage: its layers)."""
         c = self.config
-        return 2 * c.num_layers * block_size * self.num_kv_heads * c.head_dim * self.kv_cache_dtype.itemsize
+        return (
+            2 * len(self.layers) * block_size * self.num_kv_heads * c.head_dim * self.kv_cache_dtype.itemsize
+        )
 
     def prepare(self, plan: StepPlan) -> ModelInput:
         """The plan's host lists as tensors on this runner's device: token ids and positions
@@ -139,7 +144,8 @@ class ModelRunner:
         """Write blocks' KV ([layers, 2, block_size, heads, dim] each) into the device cache."""
         for block, data in blocks:
             data = data.to(self.device, self.kv_cache_dtype, non_blocking=True)
-            for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+            for layer in self.layers:
+                k_cache, v_cache = self.kv_caches[layer]
                 k_cache[block].copy_(data[layer, 0])
                 v_cache[block].copy_(data[layer, 1])
 
@@ -149,19 +155,24 @@ class ModelRunner:
             return []
         index = torch.tensor(blocks, device=self.device)
         # [layers, 2, n, bs, H, D] gathered in one copy per layer, then split per block.
-        stacked = torch.stack([torch.stack((k[index], v[index])) for k, v in self.kv_caches])
+        stacked = torch.stack([torch.stack((k[index], v[index])) for k, v in self._held_caches()])
         host = stacked.to("cpu")
         return [host[:, :, i].clone() for i in range(len(blocks))]
 
+    def _held_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.kv_caches[i] for i in self.layers]
+
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> ModelOutput:
+    def execute(self, plan: StepPlan, *, hidden_in: torch.Tensor | None = None) -> ModelOutput:
+        """One step. A pipeline stage after the first passes the previous stage's output as
+        `hidden_in`; on a stage before the last, `logits` holds this stage's output [T, hidden]."""
         if plan.swap_in:  # blocks a cache loads from a lower tier, before anything reads them
             self.swap_in(plan.swap_in)
         inp = self.prepare(plan)
         if inp.blocks_to_copy:
             src = torch.tensor([s for s, _ in inp.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in inp.blocks_to_copy], device=self.device)
-            for k_cache, v_cache in self.kv_caches:
+            for k_cache, v_cache in self._held_caches():
                 k_cache[dst] = k_cache[src]
                 v_cache[dst] = v_cache[src]
         ctx = ForwardContext(
@@ -172,7 +183,8 @@ class ModelRunner:
             self.scale,
             self.config.sliding_window,
         )
+        stage_kw = {} if hidden_in is None else {"hidden_in": hidden_in}
         logits, hidden = self.model(
-            inp.input_ids, inp.positions, ctx, inp.logits_indices, inp.hidden_state_layers
+            inp.input_ids, inp.positions, ctx, inp.logits_indices, inp.hidden_state_layers, **stage_kw
         )
         return ModelOutput(logits=logits, hidden_states=hidden, swapped_out=self.swap_out(plan.swap_out))

@@ -31,6 +31,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection
@@ -161,7 +162,8 @@ def _rank_executor(rank: int, spec: ExecutorSpec) -> InProcessExecutor:
         # torch read OMP_NUM_THREADS at import: share the host's cores between the ranks
         # instead of each rank's threads fighting over all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.world_size))
-    return InProcessExecutor(spec)
+    # A layout may build each rank's executor itself (a pipeline stage's).
+    return (spec.rank_executor or InProcessExecutor)(spec)
 
 
 # --- every rank but the driver: the command loop ---------------------------------------------
@@ -303,6 +305,7 @@ class MultiprocExecutor(Executor):
         *,
         join_timeout: float = JOIN_TIMEOUT_S,
         step_timeout: float | None = None,
+        local_executor: Callable[[ExecutorSpec], Executor] | None = None,
     ) -> None:
         self.spec = spec
         self.world_size = world_size
@@ -313,7 +316,8 @@ class MultiprocExecutor(Executor):
         self._conn: Any = None
         self._local: InProcessExecutor | None = None  # launched: rank 0's own model
         # The resolved stack holds component factories (not picklable); workers don't need it.
-        wire = dataclasses.replace(spec, stack=None)
+        # `local_executor` (picklable) builds each rank's executor; rank 0's results come back.
+        wire = dataclasses.replace(spec, stack=None, rank_executor=local_executor or spec.rank_executor)
         launch = launched()
         if launch is None:
             self._spawn(wire)

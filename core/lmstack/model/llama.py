@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmstack.distributed import ParallelRanks, get_parallel, tp_all_reduce
+from lmstack.distributed import ParallelRanks, get_parallel, layer_range, tp_all_reduce
 from lmstack.errors import ConfigError
 from lmstack.interfaces import LinearFactory, LinearSpec, ParallelHint
 from lmstack.model.architecture import AttentionFn, ModelArchitecture
@@ -26,6 +26,7 @@ from lmstack.model.gguf_loader import llama_gguf_tensor, load_gguf_config
 from lmstack.model.hf_loader import parse_llama_config
 from lmstack.model.linear import default_linear, dense_parameter
 from lmstack.model.rope import RotaryEmbedding, rotate
+from lmstack.model.stages import StageLayers
 from lmstack.model.tensor_parallel import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -125,18 +126,25 @@ class LlamaModel(nn.Module):
         max_positions: int | None = None,
         ranks: ParallelRanks | None = None,
     ) -> None:
-        """`ranks`: this process's place in a parallel layout (None: a single rank)."""
+        """`ranks`: this process's place in a parallel layout (None: a single rank). A pipeline
+        stage (`ranks.pp` > 1) builds only its decoder layers (`layer_range`; the others are
+        empty placeholders, so layer indices and parameter names stay global); only the first
+        stage embeds, only the last has the final norm and the head."""
         super().__init__()
         self.config = cfg
         self.ranks = ranks = ranks or ParallelRanks()
+        self.stage = stage = StageLayers(
+            *layer_range(cfg.num_layers, ranks.pp, ranks.pp_rank), cfg.num_layers
+        )
         shard = attention_shard(cfg.num_heads, cfg.num_kv_heads, ranks.tp)
         self.kv_replicas = shard.kv_replicas
         self.local_num_kv_heads = shard.num_kv_heads  # what this rank's KV cache holds per layer
-        if ranks.tp > 1:  # vocabulary-parallel embedding and head (tensor_parallel.py)
+        self.embed_tokens: nn.Module | None = None
+        if stage.first and ranks.tp > 1:  # vocabulary-parallel embedding and head (tensor_parallel.py)
             self.embed_tokens = VocabParallelEmbedding(
                 cfg.vocab_size, cfg.hidden_size, ranks.tp, ranks.tp_rank, dtype
             )
-        else:
+        elif stage.first:
             # `_weight` skips the random init: the checkpoint overwrites every value.
             self.embed_tokens = nn.Embedding(
                 cfg.vocab_size,
@@ -146,20 +154,31 @@ class LlamaModel(nn.Module):
             )
             set_weight_loader(self.embed_tokens.weight, default_weight_loader)
         self.layers = nn.ModuleList(
-            self.layer_class(cfg, i, linear, dtype, ranks) for i in range(cfg.num_layers)
+            self.layer_class(cfg, i, linear, dtype, ranks) if stage.holds(i) else nn.Identity()
+            for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        # The head stays a dense linear: quantizing it costs the most accuracy for the least memory.
-        if ranks.tp > 1:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ranks.tp, ranks.tp_rank, dtype)
-        else:
-            self.lm_head = default_linear(
-                LinearSpec(
-                    cfg.hidden_size, cfg.vocab_size, False, "lm_head", parallel="column", params_dtype=dtype
+        self.norm: RMSNorm | None = None
+        self.lm_head: nn.Module | None = None
+        if stage.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            # The head stays a dense linear: quantizing it costs the most accuracy for the least memory.
+            if ranks.tp > 1:
+                self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ranks.tp, ranks.tp_rank, dtype)
+            else:
+                self.lm_head = default_linear(
+                    LinearSpec(
+                        cfg.hidden_size,
+                        cfg.vocab_size,
+                        False,
+                        "lm_head",
+                        parallel="column",
+                        params_dtype=dtype,
+                    )
                 )
-            )
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            # Tied: the head shares the embedding; a last stage without one loads the embedding
+            # tensor into its head (`StageLayers.param_name`).
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
@@ -171,18 +190,27 @@ class LlamaModel(nn.Module):
         attn: AttentionFn,
         logits_indices: torch.Tensor | None = None,
         hidden_state_layers: tuple[int, ...] = (),
+        *,
+        hidden_in: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """input_ids, positions: [T]. Returns logits [L, V] (fp32) for rows `logits_indices`
         (all rows when None) and the requested layers' outputs at those rows (layer i = output
-        of decoder layer i; num_layers = after the final norm)."""
-        x = self.embed_tokens(input_ids)
+        of decoder layer i; num_layers = after the final norm).
+
+        A pipeline stage after the first takes the previous stage's output as `hidden_in`
+        [T, hidden] instead of embedding `input_ids`; a stage before the last returns its
+        layers' output [T, hidden] (every row: the next stage needs them all) in place of logits."""
+        stage = self.stage
+        x = hidden_in if hidden_in is not None else self.embed_tokens(input_ids)
         rope = self.rope.tables(positions, x.dtype)
         hidden: dict[int, torch.Tensor] = {}
         want = set(hidden_state_layers)
-        for layer in self.layers:
+        for layer in self.layers[stage.start : stage.end]:
             x = layer(x, rope, attn)
             if layer.index in want:
                 hidden[layer.index] = x if logits_indices is None else x[logits_indices]
+        if self.lm_head is None:
+            return x, hidden
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x)
@@ -195,7 +223,12 @@ class LlamaModel(nn.Module):
         """Hugging Face Llama-named checkpoint tensors into the parameters' weight loaders."""
         if self.kv_replicas > 1:
             weights = self._replicate_kv_heads(weights)
-        load_named_weights(self, weights, lambda name: llama_checkpoint_name(name, self.config))
+        cfg, stage = self.config, self.stage
+        load_named_weights(
+            self,
+            weights,
+            lambda name: stage.param_name(llama_checkpoint_name(name, cfg), tied=cfg.tie_word_embeddings),
+        )
 
     def _replicate_kv_heads(
         self, weights: Iterable[tuple[str, CheckpointTensor]]
@@ -254,7 +287,7 @@ def build_llama(
     ranks: ParallelRanks | None = None,
 ) -> LlamaModel:
     """`ranks` defaults to this process's (`lmstack.distributed.get_parallel`): a worker of a
-    parallel layout builds its shard, any other process the whole model."""
+    parallel layout builds its shard (or its pipeline stage), any other process the whole model."""
     return LlamaModel(
         config, linear, dtype=dtype, max_positions=max_positions, ranks=ranks or get_parallel().ranks
     )

@@ -37,7 +37,7 @@ class TestEpConformance(ParallelConformance):
     component = "ep"
     options = {"ep": 2}
 
-    @pytest.fixture
+    @pytest.fixture(scope="class")
     def tiny_model_path(self, tiny_moe_path):
         """The kit's end-to-end model, here the MoE one: ep has no experts to split in the Llama."""
         return tiny_moe_path
