@@ -124,6 +124,8 @@ class ResolvedStack:
     sections: Mapping[str, msgspec.Struct]
     # How each section shows itself to readers (secrets left out); name -> public(value).
     section_views: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    # The model's checkpoint format (`lmstack.quant_format` id) as read at resolution.
+    checkpoint_format: str | None = None
 
     def __getattr__(self, name: str) -> Selected:
         # Only reached when normal lookup fails: the role attributes.
@@ -157,6 +159,7 @@ class ResolvedStack:
             "device": str(self.device),
             "dtype": DTYPE_NAMES[self.dtype],
             "kv_cache_dtype": DTYPE_NAMES.get(self.kv_cache_dtype, str(self.kv_cache_dtype)),
+            "checkpoint_format": self.checkpoint_format,
             "max_model_len": self.config.max_model_len,
             "seed": self.config.seed,
             "components": {role: sel.describe() for role, sel in self.roles().items()},
@@ -182,8 +185,9 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
     quant = dict(stack.quant)
     quant_name = quant.pop("weights")
     quant.pop("kv_cache")
+    checkpoint_format = _checkpoint_format(stack.model)
     if quant_name == QUANT_AUTO:
-        quant_name = auto_quantizer(registry, _checkpoint_format(stack.model))
+        quant_name = auto_quantizer(registry, checkpoint_format)
 
     quantizer = _select(registry, "quantizer", quant_name, quant, "quant", name_key="quant.weights")
     selected = {
@@ -211,6 +215,7 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
         selected=selected,
         sections=sections,
         section_views=views,
+        checkpoint_format=checkpoint_format,
     )
     for check in (
         _check_components,
