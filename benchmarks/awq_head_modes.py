@@ -1,7 +1,7 @@
 """Perplexity of SmolLM2-135M-Instruct with rtn-int4 linears (asym, g128) and each way of
 holding the tied embedding / LM head (`lm_head: dense | int8 | int4` and its group size), in
 transformers fp32, on a text file (default: the GPL-3 text, 512-token windows), plus the
-resident bytes each choice gives against bf16. Usage: python benchmarks/awq_head_modes.py [text]"""
+resident bytes each choice gives against bf16. Usage: python benchmarks/awq_head_modes.py [text] [modes, e.g. int4:32,int8]"""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from lmstack_awq.compact import Int8Rows
 from lmstack_awq.int4_math import Int4Scheme, quantize_int4
 
 TEXT = sys.argv[1] if len(sys.argv) > 1 else "/usr/share/common-licenses/GPL-3"
+# Which head modes to run, e.g. "int4:32,int8" (default: all).
+MODES = sys.argv[2] if len(sys.argv) > 2 else "dense,int8,int4:32,int4:64,int4:128"
 WINDOW, MAX_TOKENS = 512, 8192
 
 
@@ -60,7 +62,9 @@ def main() -> None:
         for n, m in model.named_modules():
             if isinstance(m, torch.nn.Linear) and "lm_head" not in n:
                 m.weight.copy_(quantize_int4(m.weight, g128).dequantize())
-    for mode, group in (("dense", 0), ("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)):
+    for spec in MODES.split(","):
+        mode, _, group_text = spec.partition(":")
+        group = int(group_text or 0)
         with torch.no_grad():
             model.model.embed_tokens.weight.copy_(state["model.embed_tokens.weight"])
             if mode == "int8":
