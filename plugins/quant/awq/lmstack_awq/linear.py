@@ -200,6 +200,14 @@ class Int4Linear(nn.Module):
 
         return dequantize_int4(self.codes(), self.w_scales, self.w_zeros, self.group_size, dtype)
 
+    def prepare(self) -> None:
+        """Pick the kernel (and let it re-lay the weight out) now, at load, for the serving dtype."""
+        if self.kernel is None:
+            probe = torch.empty(
+                0, self.in_features, dtype=self.spec.params_dtype, device=self.w_packed.device
+            )
+            self.kernel = kernels.select(self, probe)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
             self.kernel = kernels.select(self, x)

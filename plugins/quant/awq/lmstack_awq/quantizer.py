@@ -92,6 +92,9 @@ class Int4Quantizer(Quantizer):
 
     def process_model(self, model: nn.Module) -> None:
         compact_embedding_and_head(model, self.options.lm_head, self.options.lm_head_group_size)
+        for module in model.modules():
+            if isinstance(module, Int4Linear):
+                module.prepare()  # kernel re-layouts at load, not on the first request
 
     def shard_alignment(self, spec: LinearSpec) -> int:
         # Row splits must fall on group boundaries; column splits may cut anywhere (zero points
