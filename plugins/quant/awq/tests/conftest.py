@@ -21,50 +21,49 @@ def _is_linear(name: str) -> bool:
     return name.endswith(".weight") and name.split(".")[-2] in LINEARS
 
 
-def write_ct_checkpoint(dense: Path, out: Path, fmt: Int4WeightFormat) -> Path:
-    """A compressed-tensors pack-quantized copy of the dense model folder `dense`."""
+def _rewrite(dense: Path, out: Path, encode, quantization_config: dict) -> Path:
+    """A copy of the dense model folder `dense` whose linear weights `encode(weight)` turns into
+    checkpoint tensors by suffix, with `quantization_config` in its config.json."""
     shutil.copytree(dense, out)
     tensors = load_file(str(out / "model.safetensors"))
     written: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if _is_linear(name):
             prefix = name.removesuffix("weight")
-            for suffix, value in fmt.encode(prefix, t.float()).items():
-                written[prefix + suffix] = value
+            written.update({prefix + suffix: value for suffix, value in encode(t.float()).items()})
         else:
             written[name] = t
     save_file(written, str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = fmt.quantization_config(["lm_head"])
+    config["quantization_config"] = quantization_config
     (out / "config.json").write_text(json.dumps(config))
     return out
 
 
+def write_ct_checkpoint(dense: Path, out: Path, fmt: Int4WeightFormat) -> Path:
+    """A compressed-tensors pack-quantized copy of `dense`, as `lmstack quantize` writes it."""
+    return _rewrite(dense, out, lambda w: fmt.encode("linear", w), fmt.quantization_config(["lm_head"]))
+
+
 def write_autoawq_checkpoint(dense: Path, out: Path, fmt: Int4WeightFormat) -> Path:
     """An AutoAWQ GEMM copy of `dense` holding the same int4 values as `fmt` would write."""
-    shutil.copytree(dense, out)
-    tensors = load_file(str(out / "model.safetensors"))
-    written: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if _is_linear(name):
-            prefix = name.removesuffix("weight")
-            qw = fmt.quantize(t.float())
-            written[prefix + "qweight"] = pack_awq_words(qw.q.t().contiguous())
-            written[prefix + "qzeros"] = pack_awq_words(qw.zero.t().contiguous())
-            written[prefix + "scales"] = qw.scale.t().to(torch.float16).contiguous()
-        else:
-            written[name] = t
-    save_file(written, str(out / "model.safetensors"))
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {
+
+    def encode(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        qw = fmt.quantize(w)
+        return {
+            "qweight": pack_awq_words(qw.q.t().contiguous()),
+            "qzeros": pack_awq_words(qw.zero.t().contiguous()),
+            "scales": qw.scale.t().to(torch.float16).contiguous(),
+        }
+
+    config = {
         "quant_method": "awq",
         "bits": 4,
         "group_size": fmt.scheme.group_size,
         "zero_point": True,
         "version": "gemm",
     }
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+    return _rewrite(dense, out, encode, config)
 
 
 @pytest.fixture(scope="module")
