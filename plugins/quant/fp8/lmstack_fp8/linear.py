@@ -2,11 +2,17 @@
 float-quantized checkpoint (`weight`, `weight_scale`, maybe `input_scale`) or by quantizing a
 dense checkpoint's weights as they load.
 
-Two kernels compute it. `dequant` (the CPU default, and the reference): the weight is widened
-to the model dtype and scaled per row, activations are rounded through e4m3 with their scales
-(when the scheme quantizes them), then a plain matmul. `scaled_mm` (the CUDA default):
-activations quantized to e4m3 and `torch._scaled_mm` with row-wise scales — the same products
-and scales, accumulated in fp32 by the fp8 tensor cores.
+Three kernels compute it:
+- `scaled_mm` (the CUDA default), W8A8 as the checkpoint's scheme says: activations quantized to
+  e4m3 (per token, or with the static input scale) and `torch._scaled_mm` with row-wise scales,
+  accumulated in fp32 by the fp8 tensor cores.
+- `emulate`: the same W8A8 arithmetic without an fp8 matmul (activations rounded through e4m3,
+  weight widened and scaled per row, a plain matmul): the reference `scaled_mm` is tested
+  against, and a way to measure W8A8 quality on the CPU.
+- `dequant` (the CPU default): weight-only. The weight is widened to the model dtype and scaled
+  per row; activations stay in the model dtype, as vLLM serves FP8 checkpoints on GPUs without
+  FP8 matmuls. The CPU has none either, and on SmolLM2 the activations' rounding costs more
+  perplexity than the weights' (README).
 """
 
 from __future__ import annotations
@@ -134,7 +140,7 @@ class Fp8Linear(nn.Module):
                 out_dtype=out_dtype,
             ).to(x.dtype)
         else:
-            if self.scheme.activations != "none":
+            if self.kernel == "emulate" and self.scheme.activations != "none":
                 x2 = fp8.fake_quantize_activations(
                     x2, None if self.input_scale is None else self.input_scale.max()
                 )

@@ -13,11 +13,12 @@ from lmstack.registry import Component
 
 
 class Fp8Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    # auto: torch._scaled_mm on CUDA, dequantize-per-layer on the CPU (faster there, measured).
-    kernel: Literal["auto", "dequant", "scaled_mm"] = "auto"
+    # auto: torch._scaled_mm (W8A8) on CUDA, weight-only dequantize-per-layer on the CPU;
+    # emulate: W8A8 arithmetic without an fp8 matmul (the scaled_mm reference). See linear.py.
+    kernel: Literal["auto", "dequant", "scaled_mm", "emulate"] = "auto"
     # For a dense / GGUF checkpoint quantized at load: "dynamic" quantizes activations per token
-    # (FP8_DYNAMIC, what `lmstack quantize --method fp8` writes), "none" keeps them in the model
-    # dtype (weight-only). A float-quantized checkpoint's own config decides otherwise.
+    # where the kernel does (FP8_DYNAMIC, what `lmstack quantize --method fp8` writes), "none"
+    # never. A float-quantized checkpoint's own config decides otherwise.
     activations: Literal["dynamic", "none"] = "dynamic"
 
 

@@ -9,7 +9,7 @@ from lmstack.interfaces import LinearFactory, LinearSpec, Quantizer
 from lmstack.quant_format import CT_FLOAT_QUANTIZED, DENSE, GGUF, WeightFormat, checkpoint_format_id
 from lmstack_fp8.scheme import Fp8Scheme, Fp8WeightFormat, parse_scheme
 
-KERNELS = ("auto", "dequant", "scaled_mm")
+KERNELS = ("auto", "dequant", "scaled_mm", "emulate")
 
 
 class Fp8Quantizer(Quantizer):
@@ -45,6 +45,7 @@ def make_quantizer(
             f"fp8 cannot read a {fmt} checkpoint (it reads {CT_FLOAT_QUANTIZED}, dense and gguf)"
         )
     if kernel == "auto":
-        # Measured on the CPU: dequantizing per layer beats torch._scaled_mm there (README).
+        # The CPU has no fp8 matmul (torch._scaled_mm there is no faster than widening the
+        # weight: README), so it computes weight-only, as vLLM does on such GPUs.
         kernel = "scaled_mm" if device_type == "cuda" else "dequant"
     return Fp8Quantizer(scheme, from_checkpoint, kernel)

@@ -7,9 +7,6 @@ import math
 
 import pytest
 import torch
-from lmstack_fp8 import fp8
-from lmstack_fp8.linear import Fp8Linear
-from lmstack_fp8.scheme import Fp8Scheme, Fp8WeightFormat, parse_scheme
 from torch import nn
 
 from lmstack.errors import ConfigError
@@ -18,6 +15,9 @@ from lmstack.model.weight_loader import load_named_weights
 from lmstack.sampling_params import SamplingParams
 from lmstack.testing.kit import KIT_PROMPTS, generate, tiny_stack
 from lmstack.testing.quantizer import write_quantized_folder
+from lmstack_fp8 import fp8
+from lmstack_fp8.linear import Fp8Linear
+from lmstack_fp8.scheme import Fp8Scheme, Fp8WeightFormat, parse_scheme
 
 DYNAMIC = Fp8Scheme(per_channel_weights=True, activations="dynamic")
 
@@ -65,7 +65,7 @@ def test_per_tensor_static_checkpoint_computes_its_formula():
     sum_k fp8(x / s_in) * s_in * w8 * s_w with the largest input scale of the parts."""
     scheme = Fp8Scheme(per_channel_weights=False, activations="static")
     spec = LinearSpec(32, 48, False, "layers.0.qkv_proj", (16, 16, 16), "column", torch.float32)
-    holder = _layer(spec, scheme, from_checkpoint=True)
+    holder = _layer(spec, scheme, from_checkpoint=True, kernel="emulate")
     tensors, dense = {}, []
     for i in range(3):
         w = torch.randn(16, 32)
@@ -101,16 +101,22 @@ def test_broken_checkpoints_name_the_tensor():
 
 
 def test_scaled_mm_kernel_matches_the_dequantized_reference():
-    """torch._scaled_mm (the CUDA kernel; it runs on the CPU too) computes what the reference does."""
+    """torch._scaled_mm (the CUDA kernel; it runs on the CPU too) computes what its W8A8
+    reference (`emulate`) does; the weight-only CPU default differs by the activations' rounding."""
     spec = LinearSpec(64, 48, True, "layers.0.gate_up_proj", (32, 16), "column", torch.float32)
     weights = {f"proj.{i}.weight": torch.randn(n, 64) for i, n in enumerate((32, 16))}
     weights |= {f"proj.{i}.bias": torch.randn(n) for i, n in enumerate((32, 16))}
-    ref, mm = _layer(spec), _layer(spec, kernel="scaled_mm")
-    _load(ref, weights)
-    _load(mm, weights)
+    ref, mm, weight_only = _layer(spec, kernel="emulate"), _layer(spec, kernel="scaled_mm"), _layer(spec)
+    for layer in (ref, mm, weight_only):
+        _load(layer, weights)
     assert mm.proj._use_scaled_mm(torch.zeros(1, 64))
     x = torch.randn(5, 64)
     torch.testing.assert_close(mm.proj(x), ref.proj(x), rtol=1e-4, atol=1e-4)
+    exact = torch.nn.functional.linear(
+        x, weight_only.proj.dequantized_weight(torch.float32), weight_only.proj.bias
+    )
+    torch.testing.assert_close(weight_only.proj(x), exact)
+    assert not torch.allclose(ref.proj(x), exact, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("parallel", ["column", "row"])
