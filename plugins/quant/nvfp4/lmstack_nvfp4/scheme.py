@@ -15,9 +15,12 @@ from lmstack.errors import ConfigError
 from lmstack.quant_format import CT_NVFP4, WeightFormat
 from lmstack_nvfp4 import nvfp4
 
-# Candidate multiples of a group's absmax scale tried when quantizing (least squared error wins):
-# slightly smaller scales clip the group's largest value but round the rest more finely.
-SCALE_SEARCH = (1.0, 0.95, 0.9, 0.85, 0.8, 1.05, 1.1)
+# Multiples of a group's absmax / 6 scale tried when quantizing; the one with the least squared
+# error per group wins. 1.5 maps the group's absmax to e2m1's 4 instead of 6 ("four over six"):
+# values near the max then land on 3 / 4 rather than the coarse 4 / 6 steps. Measured on
+# SmolLM2 (README): RTN +22.4 % perplexity, {1, 1.5} +16.3 %; clipping candidates (< 1) chosen by
+# the same error made it worse (+27.2 %), the weights' outliers matter more than their MSE.
+SCALE_SEARCH = (1.0, 1.5)
 
 
 def parse_scheme(quantization: dict[str, Any]) -> bool:
