@@ -312,3 +312,31 @@ class QuantizerConformance(ComponentKit):
         for prompt, a, b in zip(KIT_PROMPTS, ours, theirs, strict=True):
             assert a.token_ids == b.token_ids, f"prompt {prompt!r}: {a.text!r} != {b.text!r}"
         llm.engine.shutdown()
+
+
+def write_quantized_folder(src, dst, weight_format, ignore: tuple[str, ...] = ("lm_head",)):
+    """A copy of the Hugging Face folder `src` (one model.safetensors) at `dst` with every
+    decoder linear's `weight` replaced by `weight_format.encode`'s tensors and config.json
+    carrying its `quantization_config`: what `lmstack quantize` writes, without calibration, for
+    load round-trip tests of a quantizer's checkpoint reader."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = {}
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        if name.endswith("_proj.weight"):
+            prefix = name.removesuffix("weight")
+            for suffix, value in weight_format.encode(prefix.rstrip("."), tensor.float()).items():
+                tensors[prefix + suffix] = value.contiguous()
+        else:
+            tensors[name] = tensor
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = weight_format.quantization_config(list(ignore))
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

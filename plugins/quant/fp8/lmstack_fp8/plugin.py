@@ -1,0 +1,51 @@
+"""Registers the `fp8` quantizer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from lmstack.hookspecs import hookimpl
+from lmstack.interfaces import BuildContext
+from lmstack.quant_format import CT_FLOAT_QUANTIZED, DENSE, GGUF
+from lmstack.registry import Component
+
+
+class Fp8Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # auto: torch._scaled_mm (W8A8) on CUDA, weight-only dequantize-per-layer on the CPU;
+    # emulate: W8A8 arithmetic without an fp8 matmul (the scaled_mm reference). See linear.py.
+    kernel: Literal["auto", "dequant", "scaled_mm", "emulate"] = "auto"
+    # For a dense / GGUF checkpoint quantized at load: "dynamic" quantizes activations per token
+    # where the kernel does (FP8_DYNAMIC, what `lmstack quantize --method fp8` writes), "none"
+    # never. A float-quantized checkpoint's own config decides otherwise.
+    activations: Literal["dynamic", "none"] = "dynamic"
+
+
+def build(options: Fp8Options, ctx: BuildContext):
+    from lmstack_fp8.quantizer import make_quantizer
+
+    quantization = ctx.model_config.quantization if ctx.model_config is not None else None
+    return make_quantizer(quantization, ctx.device.type, options.kernel, options.activations)
+
+
+COMPONENT = Component(
+    name="fp8",
+    kind="quantizer",
+    factory=build,
+    options_type=Fp8Options,
+    capabilities={
+        "devices": ("cpu", "cuda"),
+        "dtypes": ("float32", "float16", "bfloat16"),
+        "kv_cache_dtype": None,
+        "checkpoint_formats": (CT_FLOAT_QUANTIZED, DENSE, GGUF),
+    },
+    api=">=1.0,<2",
+    description="FP8 e4m3 weights (per-channel or per-tensor scales), dynamic per-token or static "
+    "activation scales; reads compressed-tensors float-quantized checkpoints or quantizes at load.",
+)
+
+
+@hookimpl
+def lmstack_register_quantizers(register) -> None:
+    register(COMPONENT)
