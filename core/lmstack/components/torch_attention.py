@@ -50,17 +50,42 @@ def grouped_attention(
     return torch.matmul(probs, v)
 
 
+def _fold_scales(q: torch.Tensor, k_scale, v_scale, hkv: int):
+    """A scaled float8 cache holds K / k_scale and V / v_scale per KV head: q x k_scale meets the
+    stored keys (scores unchanged) and the output is multiplied by v_scale, so the gathered
+    cache is only cast, never rescaled. Returns (q, v_scale as [Hkv, 1, 1]) or (q, None)."""
+    if k_scale is None:
+        return q, None
+    t, hq, d = q.shape
+    q = (q.view(t, hkv, hq // hkv, d) * k_scale.view(1, hkv, 1, 1).to(q.dtype)).view(t, hq, d)
+    return q, v_scale.view(hkv, 1, 1)
+
+
 class TorchAttention(AttentionBackend):
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window):
+    def prefill(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        *,
+        scale,
+        sliding_window,
+        k_scale=None,
+        v_scale=None,
+    ):
         hq, d = q.shape[1], q.shape[2]
         hkv = k_cache.shape[2]
         g = hq // hkv
         out = torch.empty_like(q)
+        q, out_scale = _fold_scales(q, k_scale, v_scale, hkv)
         starts = meta.query_start_loc.tolist()
         for i, (ql, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu, strict=True)):
             s = starts[i]
             total = ctx + ql
-            if ctx == 0:
+            if ctx == 0 and out_scale is None:  # a scaled cache is read back, as stored
                 ki, vi = k[s : s + ql], v[s : s + ql]
             else:
                 ki = gather_kv(k_cache, meta.block_tables[i], total)
@@ -79,10 +104,33 @@ class TorchAttention(AttentionBackend):
                 mask = causal_mask(q_pos, k_pos[:kend], sliding_window)  # [rows, kend]
                 mask = mask.unsqueeze(0).expand(g, rows, kend).reshape(1, g * rows, kend)
                 o = grouped_attention(qt, ki[:, :kend], vi[:, :kend], mask, scale)  # [Hkv, G*rows, D]
+                if out_scale is not None:
+                    o = o * out_scale.to(o.dtype)
                 out[s + t0 : s + t1] = o.view(hkv, g, rows, d).permute(2, 0, 1, 3).reshape(rows, hq, d)
         return out
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window):
+    def decode(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        *,
+        scale,
+        sliding_window,
+        k_scale=None,
+        v_scale=None,
+    ):
+        b, hq, d = q.shape
+        hkv = k_cache.shape[2]
+        g = hq // hkv
+        q, out_scale = _fold_scales(q, k_scale, v_scale, hkv)
+        out = self._decode(q, k_cache, v_cache, meta, scale, sliding_window)
+        if out_scale is not None:
+            out = (out.view(b, hkv, g, d) * out_scale.view(1, hkv, 1, 1).to(out.dtype)).view(b, hq, d)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window):
         b, hq, d = q.shape
         hkv = k_cache.shape[2]
         g = hq // hkv
@@ -195,7 +243,7 @@ COMPONENT = Component(
     capabilities={
         "devices": ("cpu", "cuda", "mps"),
         "dtypes": ("float32", "float16", "bfloat16"),
-        "kv_cache_dtypes": ("float32", "float16", "bfloat16"),
+        "kv_cache_dtypes": ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
         "phases": ("prefill", "decode"),
         "sliding_window": True,
         "chunked_context": True,
