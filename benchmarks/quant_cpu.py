@@ -264,8 +264,10 @@ def main() -> None:
     if args.worker:
         print(json.dumps(run_worker(json.loads(args.worker))))
         return
-    if args.quick:
-        args.decode_tokens, args.repeats, args.streams, args.output_tokens = 32, 1, 8, 16
+    if args.quick:  # smaller defaults; values given on the command line still win
+        for key, value in {"decode_tokens": 32, "repeats": 1, "streams": 8, "output_tokens": 16}.items():
+            if getattr(args, key) == ap.get_default(key):
+                setattr(args, key, value)
     today = dt.date.today().isoformat()
     out_dir = Path(args.out or REPO / "benchmarks" / "results" / f"quant_cpu-{today}")
     out_dir.mkdir(parents=True, exist_ok=True)
