@@ -171,6 +171,42 @@ def test_attention_kit_reads_caches_in_each_declared_kv_dtype():
         kit(AttentionConformance, fp32_only, **small).test_kv_cache_in_declared_dtypes()
 
 
+class ScalesOfTheWrongHead(torch_attention.TorchAttention):
+    """Applies the KV heads' scales in reverse head order (a per-head indexing bug)."""
+
+    def decode(self, q, k_cache, v_cache, meta, *, scale, sliding_window, k_scale=None, v_scale=None):
+        return super().decode(
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            scale=scale,
+            sliding_window=sliding_window,
+            k_scale=k_scale.flip(0),
+            v_scale=v_scale.flip(0),
+        )
+
+
+def test_attention_kit_checks_scaled_fp8_caches_per_head():
+    wrong = replace(
+        WRONG_ATTENTION,
+        factory=lambda o, c: ScalesOfTheWrongHead(),
+        capabilities={
+            **WRONG_ATTENTION.capabilities,
+            "head_dims": (64,),
+            "kv_cache_dtypes": ("float8_e4m3fn",),
+        },
+    )
+    small = {"block_sizes": (4,), "gqa_ratios": (2,), "max_len": 40}
+    with pytest.raises(AssertionError, match=r"over a scaled torch.float8_e4m3fn cache"):
+        kit(AttentionConformance, wrong, **small).test_scaled_fp8_kv_cache()
+    right = replace(wrong, factory=lambda o, c: torch_attention.TorchAttention())
+    kit(AttentionConformance, right, **small).test_scaled_fp8_kv_cache()
+    no_fp8 = replace(right, capabilities={**right.capabilities, "kv_cache_dtypes": ("float32",)})
+    with pytest.raises(pytest.skip.Exception, match="declares no float8 KV-cache dtype"):
+        kit(AttentionConformance, no_fp8, **small).test_scaled_fp8_kv_cache()
+
+
 def test_attention_phases_come_from_the_declaration():
     decode_only = kit(AttentionConformance, WRONG_ATTENTION)
     with pytest.raises(pytest.skip.Exception, match="no prefill phase"):

@@ -212,6 +212,18 @@ def test_quantizer_kv_dtype_against_kernel_names_both():
     assert "installed ones that fit: torch" in msg
 
 
+def test_fp8_kv_cache_spelling_and_a_kernel_that_cannot_read_it():
+    assert resolved({"quant": {"kv_cache": "fp8_e4m3"}}).kv_cache_dtype is torch.float8_e4m3fn
+    assert resolved({"quant": {"kv_cache": "float8_e4m3fn"}}).kv_cache_dtype is torch.float8_e4m3fn
+    strict = comp(
+        "bf16-only", "attention", dist="lmstack-bf16", capabilities={"kv_cache_dtypes": ("bfloat16",)}
+    )
+    msg = conflict({"quant": {"kv_cache": "fp8_e4m3"}, "attention": "bf16-only"}, strict)
+    assert "prefill kernel 'bf16-only' (lmstack-bf16 1.0) reads KV caches in bfloat16 only" in msg
+    assert "quant.kv_cache: float8_e4m3fn" in msg
+    assert "set quant.kv_cache to one of bfloat16" in msg and "fit: torch" in msg
+
+
 # ---------------------------------------------------------------------------------------------
 # Capability conflicts: each names both sides and the way out
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from lmstack.roles import NAMED_SECTIONS, ROLE
 # Names the stack accepts for dtypes; each is an attribute of `torch` (`torch.bfloat16`, ...).
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = (*MODEL_DTYPES, "float8_e4m3fn", "float8_e5m2")
+# Other spellings `quant.kv_cache` accepts (the names quantization tools and issues use).
+KV_CACHE_ALIASES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 # `quant.kv_cache`: "auto" follows the weights quantizer (or the model dtype); "none" means no
 # KV-cache quantization, i.e. the model dtype, whatever the quantizer would pick.
@@ -206,8 +208,8 @@ def _quant_section(value: Any) -> dict[str, Any]:
     kv = section.get("kv_cache", KV_CACHE_AUTO)
     if kv is None:  # YAML `kv_cache: null` / `~`
         kv = KV_CACHE_NONE
-    _check_choice(kv, (KV_CACHE_AUTO, KV_CACHE_NONE, *KV_CACHE_DTYPES), "quant.kv_cache")
-    section["kv_cache"] = kv
+    _check_choice(kv, (KV_CACHE_AUTO, KV_CACHE_NONE, *KV_CACHE_DTYPES, *KV_CACHE_ALIASES), "quant.kv_cache")
+    section["kv_cache"] = KV_CACHE_ALIASES.get(kv, kv)
     return section
 
 

@@ -264,6 +264,12 @@ class AttentionBackend(ABC):
     [num_blocks, block_size, num_kv_heads, head_dim]; token slot s lives at
     (s // block_size, s % block_size). New tokens' K/V are written with `write_kv` before
     `prefill` / `decode` run, so kernels may read the whole context from the cache.
+
+    Scaled float8 caches (`lmstack.kv_quant`): a backend that declares `float8_e4m3fn` or
+    `float8_e5m2` in its `kv_cache_dtypes` capability receives keyword arguments `k_scale` and
+    `v_scale` (fp32 [num_kv_heads], this layer's, fixed for the engine's life) in `write_kv`,
+    `prefill` and `decode`: the cache holds value / scale, so attention reads
+    stored x scale. Backends that declare no float8 dtype are never passed them.
     """
 
     def write_kv(
@@ -273,8 +279,17 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """k, v: [T, Hkv, D]; slot_mapping: [T] int64."""
+        if k_scale is not None:
+            from lmstack.kv_quant import quantize_kv
+
+            k, v = quantize_kv(k, k_scale, k_cache.dtype), quantize_kv(v, v_scale, v_cache.dtype)
+            # index_copy_ has no float8 CPU kernel: copy the bytes.
+            k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

@@ -9,6 +9,7 @@ import torch
 
 from lmstack.batch import AttentionMetadata, ModelInput, ModelOutput, StepPlan
 from lmstack.interfaces import AttentionBackend, Quantizer
+from lmstack.kv_quant import calibrate_kv_scales, is_scaled
 from lmstack.model.architecture import ModelArchitecture
 from lmstack.model.checkpoint import CheckpointTensor
 from lmstack.model.config import ModelConfig
@@ -27,9 +28,11 @@ class ForwardContext:
         decode: AttentionBackend,
         scale: float,
         sliding_window: int | None,
+        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.meta = meta
         self.kv_caches = kv_caches
+        self.kv_scales = kv_scales  # per layer (k_scale, v_scale) for a scaled float8 cache
         self.prefill_backend, self.decode_backend = prefill, decode
         self.scale, self.sliding_window = scale, sliding_window
         nd = meta.num_decode_seqs
@@ -40,8 +43,12 @@ class ForwardContext:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
         meta, nd = self.meta, self.num_decode
-        self.prefill_backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        kw = {"scale": self.scale, "sliding_window": self.sliding_window}
+        # Scales reach only backends that declare a float8 KV dtype (resolution checked it).
+        kv_kw = {}
+        if self.kv_scales is not None:
+            kv_kw = dict(zip(("k_scale", "v_scale"), self.kv_scales[layer], strict=True))
+        self.prefill_backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, **kv_kw)
+        kw = {"scale": self.scale, "sliding_window": self.sliding_window, **kv_kw}
         if nd == meta.num_seqs:
             return self.decode_backend.decode(q, k_cache, v_cache, meta, **kw)
         if nd == 0:
@@ -90,6 +97,12 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.scale = config.head_dim**-0.5
+        # A float8 KV cache stores K/V divided by per-layer, per-KV-head scales fixed here.
+        self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if is_scaled(kv_cache_dtype):
+            self.kv_scales = calibrate_kv_scales(
+                self.model, config.vocab_size, config.num_layers, kv_cache_dtype, device
+            )
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
@@ -182,6 +195,7 @@ class ModelRunner:
             self.decode_backend,
             self.scale,
             self.config.sliding_window,
+            self.kv_scales,
         )
         stage_kw = {} if hidden_in is None else {"hidden_in": hidden_in}
         logits, hidden = self.model(

@@ -50,8 +50,30 @@ def grouped_attention(
     return torch.matmul(probs, v)
 
 
+def _dequantize(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A gathered cache in `dtype`; a scaled float8 cache's values times `scale` (shaped to
+    broadcast: one scale per KV head). (Folding the K scale into q instead would be cheaper but, in fp16, pushes
+    the query into the subnormal range and the raw fp8 dot products past its max.)"""
+    if scale is None:
+        return stored.to(dtype)
+    return (stored.float() * scale).to(dtype)  # one rounding, as `lmstack.kv_quant.dequantize_kv`
+
+
 class TorchAttention(AttentionBackend):
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window):
+    def prefill(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        *,
+        scale,
+        sliding_window,
+        k_scale=None,
+        v_scale=None,
+    ):
         hq, d = q.shape[1], q.shape[2]
         hkv = k_cache.shape[2]
         g = hq // hkv
@@ -60,13 +82,14 @@ class TorchAttention(AttentionBackend):
         for i, (ql, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu, strict=True)):
             s = starts[i]
             total = ctx + ql
-            if ctx == 0:
+            if ctx == 0 and k_scale is None:  # a scaled cache is read back, as stored
                 ki, vi = k[s : s + ql], v[s : s + ql]
             else:
                 ki = gather_kv(k_cache, meta.block_tables[i], total)
                 vi = gather_kv(v_cache, meta.block_tables[i], total)
-            ki = ki.to(q.dtype).permute(1, 0, 2)  # [Hkv, total, D]
-            vi = vi.to(q.dtype).permute(1, 0, 2)
+            ki = _dequantize(ki, None if k_scale is None else k_scale.view(-1, 1), q.dtype)
+            vi = _dequantize(vi, None if v_scale is None else v_scale.view(-1, 1), q.dtype)
+            ki, vi = ki.permute(1, 0, 2), vi.permute(1, 0, 2)  # [Hkv, total, D]
             k_pos = torch.arange(total, device=q.device)
             for t0 in range(0, ql, _QUERY_TILE):
                 t1 = min(ql, t0 + _QUERY_TILE)
@@ -82,10 +105,22 @@ class TorchAttention(AttentionBackend):
                 out[s + t0 : s + t1] = o.view(hkv, g, rows, d).permute(2, 0, 1, 3).reshape(rows, hq, d)
         return out
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window):
+    def decode(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        *,
+        scale,
+        sliding_window,
+        k_scale=None,
+        v_scale=None,
+    ):
         b, hq, d = q.shape
         hkv = k_cache.shape[2]
         g = hq // hkv
+        kv_scales = (k_scale, v_scale)
         groups = meta.scratch.get("torch.decode")
         if groups is None:  # the same for every layer of the step
             token_bytes = 2 * hkv * d * k_cache.element_size()  # K + V of one token
@@ -98,14 +133,14 @@ class TorchAttention(AttentionBackend):
         eye = torch.eye(hkv, dtype=q.dtype, device=q.device).view(1, hkv, 1, hkv, 1)
         qb = (q.view(b, hkv, g, 1, d) * eye).reshape(b, hkv * g, hkv * d)
         if len(groups) == 1:
-            return self._decode_group(qb, k_cache, v_cache, groups[0], scale).reshape(b, hq, d)
+            return self._decode_group(qb, k_cache, v_cache, groups[0], scale, kv_scales).reshape(b, hq, d)
         out = torch.empty(b, hkv, g, d, dtype=q.dtype, device=q.device)
         for group in groups:
-            out[group.rows] = self._decode_group(qb[group.rows], k_cache, v_cache, group, scale)
+            out[group.rows] = self._decode_group(qb[group.rows], k_cache, v_cache, group, scale, kv_scales)
         return out.reshape(b, hq, d)
 
     @staticmethod
-    def _decode_group(qb, k_cache, v_cache, group, scale) -> torch.Tensor:
+    def _decode_group(qb, k_cache, v_cache, group, scale, kv_scales=(None, None)) -> torch.Tensor:
         """qb [b, Hkv*G, Hkv*D] -> [b, Hkv, G, D] for one group of similar-length sequences."""
         b, hkv, d = qb.shape[0], k_cache.shape[2], k_cache.shape[3]
         g = qb.shape[1] // hkv
@@ -113,7 +148,10 @@ class TorchAttention(AttentionBackend):
         # 32 x 15 blocks: 60 vs 243 us), and this copy was a quarter of a batch-32 decode step.
         keys = k_cache.index_select(0, group.flat_tables).view(b, -1, hkv * d)[:, : group.length]
         values = v_cache.index_select(0, group.flat_tables).view(b, -1, hkv * d)[:, : group.length]
-        if keys.dtype != qb.dtype:
+        if kv_scales[0] is not None:  # [b, L, Hkv*D]: one scale per D-wide run of columns
+            k_scale, v_scale = (s.repeat_interleave(d) for s in kv_scales)
+            keys, values = _dequantize(keys, k_scale, qb.dtype), _dequantize(values, v_scale, qb.dtype)
+        elif keys.dtype != qb.dtype:
             keys, values = keys.to(qb.dtype), values.to(qb.dtype)
         scores = torch.matmul(qb, keys.transpose(1, 2)).float() * scale  # [b, Hkv*G, L]
         if group.mask is not None:
@@ -195,7 +233,7 @@ COMPONENT = Component(
     capabilities={
         "devices": ("cpu", "cuda", "mps"),
         "dtypes": ("float32", "float16", "bfloat16"),
-        "kv_cache_dtypes": ("float32", "float16", "bfloat16"),
+        "kv_cache_dtypes": ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
         "phases": ("prefill", "decode"),
         "sliding_window": True,
         "chunked_context": True,

@@ -12,6 +12,7 @@ import torch
 
 from lmstack.batch import AttentionMetadata
 from lmstack.interfaces import AttentionBackend
+from lmstack.kv_quant import FP8_KV_DTYPES, HEADROOM, dequantize_kv, quantize_kv
 from lmstack.testing.kit import ComponentKit
 
 
@@ -88,6 +89,18 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_FP8 = {str(d).removeprefix("torch."): d for d in FP8_KV_DTYPES}
+
+
+def random_kv_scales(
+    rng: random.Random, num_kv_heads: int, kv_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, magnitudes) per head, as calibration would pick scales for heads of very different magnitudes:
+    head h's values are ~N(0, mag_h^2), mag_h = 2^U(-4, 4); scale_h maps HEADROOM x mag_h x
+    U(0.5, 2) (a calibration that over- or underestimated) to the format's max."""
+    mags = [2.0 ** rng.uniform(-4, 4) for _ in range(num_kv_heads)]
+    limit = torch.finfo(kv_dtype).max
+    return torch.tensor([m * HEADROOM * rng.uniform(0.5, 2) / limit for m in mags]), torch.tensor(mags)
 
 
 class AttentionConformance(ComponentKit):
@@ -175,10 +188,15 @@ class AttentionConformance(ComponentKit):
 
     # --- building a random paged batch ---------------------------------------------------------
 
-    def _batch(self, rng: random.Random, dtype, head_dim, block_size, ratio, spans, kv_dtype=None):
+    def _batch(
+        self, rng: random.Random, dtype, head_dim, block_size, ratio, spans, kv_dtype=None, scales=None
+    ):
         """spans: [(context_len, query_len)] per sequence. Writes every token's K/V into a
         shuffled paged cache (in `kv_dtype`, default `dtype`); returns q, k_new, v_new, caches,
-        metadata and the dense K/V (as stored, in `dtype`)."""
+        metadata and the dense K/V (as stored, in `dtype`). `scales`: (k_scale, v_scale,
+        magnitudes) of a scaled float8 cache (see `random_kv_scales`): head h's values are drawn
+        at magnitude magnitudes[h] and stored divided by the scale; the dense K/V are the
+        stored values times the scale."""
         kv_dtype = kv_dtype or dtype
         hkv, hq = self.num_kv_heads, self.num_kv_heads * ratio
         dev = self.device
@@ -187,18 +205,27 @@ class AttentionConformance(ComponentKit):
         perm = list(range(num_blocks))
         rng.shuffle(perm)
         k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, device=dev).to(kv_dtype)  # garbage
-        v_cache = torch.randn_like(k_cache)
+        v_cache = torch.randn(k_cache.shape, device=dev).to(kv_dtype)
         tables, dense, qs, ks, vs = [], [], [], [], []
         for (c, ql), nb in zip(spans, blocks_per_seq, strict=True):
             table = [perm.pop() for _ in range(nb)]
             tables.append(table)
-            k = torch.randn(c + ql, hkv, head_dim, device=dev).to(kv_dtype)
-            v = torch.randn(c + ql, hkv, head_dim, device=dev).to(kv_dtype)
+            if scales is None:
+                k = torch.randn(c + ql, hkv, head_dim, device=dev).to(kv_dtype)
+                v = torch.randn(c + ql, hkv, head_dim, device=dev).to(kv_dtype)
+            else:
+                k_scale, v_scale, mags = (t.to(dev) for t in scales)
+                k = torch.randn(c + ql, hkv, head_dim, device=dev) * mags.view(-1, 1)
+                v = torch.randn(c + ql, hkv, head_dim, device=dev) * mags.view(-1, 1)
+                k, v = quantize_kv(k, k_scale, kv_dtype), quantize_kv(v, v_scale, kv_dtype)
             pos = torch.arange(c + ql, device=dev)  # every position into its (block, offset)
             blocks = torch.tensor(table, dtype=torch.long, device=dev)[pos // block_size]
             k_cache[blocks, pos % block_size] = k
             v_cache[blocks, pos % block_size] = v
-            k, v = k.to(dtype), v.to(dtype)  # the stored values, as the model's dtype sees them
+            if scales is None:
+                k, v = k.to(dtype), v.to(dtype)  # the stored values, as the model's dtype sees them
+            else:
+                k, v = dequantize_kv(k, k_scale, dtype), dequantize_kv(v, v_scale, dtype)
             dense.append((k, v))
             qs.append(torch.randn(ql, hq, head_dim, device=dev).to(dtype))
             ks.append(k[c:])
@@ -345,6 +372,80 @@ class AttentionConformance(ComponentKit):
                 q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans, kv_dtype)
                 out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
                 self._check(out, qs, dense, spans, hd**-0.5, dtype, case=case)
+
+    def test_scaled_fp8_kv_cache(self):
+        """Each declared float8 KV dtype, stored scaled per KV head (k_scale / v_scale passed as
+        the model runner passes them): prefill (over cached context when declared) and decode
+        on fresh random odd-length batches, every GQA ratio, against the reference over the
+        dequantized cache. Heads differ in magnitude by up to 2^8, so a scale applied to the
+        wrong head fails."""
+        m = self.matrix()
+        declared = [_FP8[n] for n in self.capabilities().get("kv_cache_dtypes", ()) if n in _FP8]
+        fp8 = [d for d in declared if self.kv_cache_dtypes is None or d in self.kv_cache_dtypes]
+        if not fp8:
+            pytest.skip("the backend declares no float8 KV-cache dtype")
+        backend, rng = self.backend(), random.Random()
+        combos = list(itertools.product(fp8, self.gqa_ratios, m.dtypes))
+        if self.cases is not None:  # a slow backend: every value of each axis at least once
+            axes = [
+                fp8,
+                rng.sample(list(self.gqa_ratios), len(self.gqa_ratios)),
+                rng.sample(m.dtypes, len(m.dtypes)),
+            ]
+            n = max(len(a) for a in axes)
+            combos = [tuple(a[i % len(a)] for a in axes) for i in range(n)]
+        for kv_dtype, ratio, dtype in combos:
+            hd, bs = rng.choice(m.head_dims), rng.choice(m.block_sizes)
+            case = (f"{dtype} over a scaled {kv_dtype} cache", hd, bs, ratio)
+            k_scale, mags = random_kv_scales(rng, self.num_kv_heads, kv_dtype)
+            v_scale = k_scale * rng.uniform(0.5, 2)
+            scales = (k_scale, v_scale, mags)
+            kw = {"k_scale": k_scale.to(self.device), "v_scale": v_scale.to(self.device)}
+            if "prefill" in m.phases:
+                context = (lambda: rng.randint(1, self.max_len // 2)) if m.chunked_context else (lambda: 0)
+                spans = [(context(), rng.randint(1, 40)), (0, rng.randint(1, 40))]
+                q, k, v, kc, vc, meta, dense, qs = self._batch(
+                    rng, dtype, hd, bs, ratio, spans, kv_dtype, scales
+                )
+                out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=None, **kw)
+                self._check(out, qs, dense, spans, hd**-0.5, dtype, case=case)
+            if "decode" in m.phases:
+                spans = [(rng.randint(0, self.max_len), 1) for _ in range(3)]
+                q, k, v, kc, vc, meta, dense, qs = self._batch(
+                    rng, dtype, hd, bs, ratio, spans, kv_dtype, scales
+                )
+                out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None, **kw)
+                self._check(out, qs, dense, spans, hd**-0.5, dtype, case=case)
+
+    def test_write_kv_scaled_fp8(self):
+        """write_kv with scales stores value / scale per head, clamped to the format's range."""
+        m, backend = self.matrix(), self.backend()
+        declared = [_FP8[n] for n in self.capabilities().get("kv_cache_dtypes", ()) if n in _FP8]
+        if not declared:
+            pytest.skip("the backend declares no float8 KV-cache dtype")
+        rng = random.Random()
+        hd, bs = m.head_dims[0], m.block_sizes[-1]
+        spans = [(rng.randint(0, 40), rng.randint(1, 20)) for _ in range(3)]
+        for kv_dtype in declared:
+            q, k, v, kc, vc, meta, dense, qs = self._batch(rng, torch.float32, hd, bs, 1, spans)
+            k_scale, _ = random_kv_scales(rng, self.num_kv_heads, kv_dtype)
+            v_scale = k_scale * 3
+            k = k * 1e4  # far past HEADROOM: must saturate, not turn into NaN
+            kc8, vc8 = torch.zeros_like(kc, dtype=kv_dtype), torch.zeros_like(vc, dtype=kv_dtype)
+            backend.write_kv(
+                k,
+                v,
+                kc8,
+                vc8,
+                meta.slot_mapping,
+                k_scale=k_scale.to(kc.device),
+                v_scale=v_scale.to(kc.device),
+            )
+            stored_k = kc8.view(-1, *kc8.shape[2:])[meta.slot_mapping].float()
+            stored_v = vc8.view(-1, *vc8.shape[2:])[meta.slot_mapping].float()
+            assert torch.isfinite(stored_k).all()
+            assert torch.equal(stored_k, quantize_kv(k, k_scale.to(k.device), kv_dtype).float())
+            assert torch.equal(stored_v, quantize_kv(v, v_scale.to(v.device), kv_dtype).float())
 
     def test_write_kv_uses_slot_mapping(self):
         m, backend = self.matrix(), self.backend()

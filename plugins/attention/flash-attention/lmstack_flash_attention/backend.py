@@ -23,13 +23,37 @@ class FlashAttention(AttentionBackend):
 
         self._flash_prefill = flash_prefill
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window):
-        return self._attend(q, k_cache, v_cache, meta, scale, sliding_window)
+    def prefill(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        *,
+        scale,
+        sliding_window,
+        k_scale=None,
+        v_scale=None,
+    ):
+        return self._attend(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window):
-        return self._attend(q, k_cache, v_cache, meta, scale, sliding_window)
+    def decode(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        *,
+        scale,
+        sliding_window,
+        k_scale=None,
+        v_scale=None,
+    ):
+        return self._attend(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
 
-    def _attend(self, q, k_cache, v_cache, meta, scale, sliding_window) -> torch.Tensor:
+    def _attend(self, q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale) -> torch.Tensor:
         return self._flash_prefill(
             q,
             k_cache,
@@ -41,4 +65,6 @@ class FlashAttention(AttentionBackend):
             scale=scale,
             sliding_window=sliding_window,
             interpret=self.interpret,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

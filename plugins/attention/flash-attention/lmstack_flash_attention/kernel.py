@@ -39,6 +39,8 @@ def _prefill_kernel(
     block_tables,
     query_start_loc,
     seq_lens,
+    K_scale,  # [Hkv] fp32: a scaled float8 cache holds K / K_scale, V / V_scale (HAS_KV_SCALE)
+    V_scale,
     scale_log2,  # softmax scale * log2(e): scores are kept in base 2
     window,  # sliding window in tokens (read only with HAS_WINDOW)
     stride_qt,
@@ -59,12 +61,17 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,  # query rows per program: (BLOCK_M // GROUP) tokens x GROUP heads
     BLOCK_N: tl.constexpr,  # keys per step
     HAS_WINDOW: tl.constexpr,
+    HAS_KV_SCALE: tl.constexpr,
     UPCAST: tl.constexpr,  # compute in fp32 (the interpreter's bf16 arithmetic is wrong)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
+    if HAS_KV_SCALE:
+        # One KV head per program, so its scales are scalars: K's folds into the score scale,
+        # V's multiplies the output once; the tiles are only cast (float8 -> q's dtype).
+        scale_log2 = scale_log2 * tl.load(K_scale + kv_head)
     TOKENS: tl.constexpr = BLOCK_M // GROUP
 
     q_start = tl.load(query_start_loc + seq)
@@ -139,6 +146,8 @@ def _prefill_kernel(
             m_i = m_new
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if HAS_KV_SCALE:
+        acc = acc * tl.load(V_scale + kv_head)
     tl.store(
         Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
         acc.to(Out.dtype.element_ty),
@@ -200,6 +209,8 @@ def flash_prefill(
     interpret: bool = False,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens to all its cached tokens.
 
@@ -207,7 +218,9 @@ def flash_prefill(
     seq_lens[i] - query_len .. seq_lens[i] - 1); k_cache, v_cache [num_blocks, block_size, Hkv, D]
     already holding every position < seq_lens[i]; block_tables [B, max_blocks] int32.
     `max_query_len` comes from the host (no device sync). `config` overrides the tile sizes
-    (BLOCK_M, BLOCK_N, num_warps, num_stages; for benchmarks). Returns [T, Hq, D] in q's dtype."""
+    (BLOCK_M, BLOCK_N, num_warps, num_stages; for benchmarks). `k_scale`, `v_scale` ([Hkv]
+    fp32): the caches hold K / k_scale and V / v_scale (a scaled float8 cache).
+    Returns [T, Hq, D] in q's dtype."""
     check_inputs(q, k_cache, v_cache, interpret)
     t, hq, head_dim = q.shape
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -228,6 +241,8 @@ def flash_prefill(
         block_tables,
         query_start_loc,
         seq_lens,
+        q if k_scale is None else k_scale,  # a placeholder pointer when unscaled (never read)
+        q if v_scale is None else v_scale,
         scale * math.log2(math.e),
         sliding_window or 0,
         *q.stride(),
@@ -239,6 +254,7 @@ def flash_prefill(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)),
         HAS_WINDOW=sliding_window is not None,
+        HAS_KV_SCALE=k_scale is not None,
         UPCAST=interpret and q.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **cfg,

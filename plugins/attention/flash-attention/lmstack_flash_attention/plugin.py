@@ -21,7 +21,8 @@ NAME = "flash-attention"
 CAPABILITIES: dict[str, Any] = {
     "devices": ("cuda",),
     "dtypes": ("float32", "float16", "bfloat16"),
-    "kv_cache_dtypes": ("float32", "float16", "bfloat16"),
+    # float8: a scaled cache (k_scale / v_scale per KV head), dequantized in the kernel.
+    "kv_cache_dtypes": ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
     "head_dims": (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256),
     "block_sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256),
     "phases": ("prefill", "decode"),

@@ -25,12 +25,25 @@ class FlashDecoding(AttentionBackend):
 
         self._flash_decode = flash_decode
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window):
+    def prefill(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window, **kv_scales
+    ):
         raise NotImplementedError(
             "flash-decoding handles decode only; pick a prefill kernel with attention.prefill"
         )
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window) -> torch.Tensor:
+    def decode(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        *,
+        scale,
+        sliding_window,
+        k_scale=None,
+        v_scale=None,
+    ) -> torch.Tensor:
         return self._flash_decode(
             q,
             k_cache,
@@ -42,4 +55,6 @@ class FlashDecoding(AttentionBackend):
             sliding_window=sliding_window,
             interpret=self.interpret,
             num_splits=self.num_splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

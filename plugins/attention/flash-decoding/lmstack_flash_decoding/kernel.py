@@ -38,6 +38,8 @@ def _split_kernel(
     seq_lens,
     Out,  # [B, Hq, S, D] fp32 partials, or the final [B, Hq, D] output when S == 1 (stride_os 0)
     Lse,  # [B, Hq, S] fp32 (unused when S == 1)
+    K_scale,  # [Hkv] fp32: a scaled float8 cache holds K / K_scale, V / V_scale (HAS_KV_SCALE)
+    V_scale,
     scale_log2,
     window,
     chunk,  # keys per split, a multiple of BLOCK_N
@@ -64,12 +66,17 @@ def _split_kernel(
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    HAS_KV_SCALE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if HAS_KV_SCALE:
+        # One KV head per program: K's scale folds into the score scale, V's multiplies the
+        # (normalised) partial output, which the merge combines linearly.
+        scale_log2 = scale_log2 * tl.load(K_scale + kv_head)
 
     seq_len = tl.load(seq_lens + seq)
     if HAS_WINDOW:
@@ -120,6 +127,8 @@ def _split_kernel(
     # An empty split (past a short sequence's end) leaves l = 0: lse = -inf, weight 0 in the merge.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_safe[:, None]
+    if HAS_KV_SCALE:
+        acc = acc * tl.load(V_scale + kv_head)
     rows = seq.to(tl.int64) * stride_ob + head * stride_oh + split * stride_os
     tl.store(
         Out + rows[:, None] + d[None, :] * stride_od,
@@ -297,13 +306,16 @@ def flash_decode(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its seq_lens[i] cached tokens.
 
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
     int32; `max_seq_len` = max(seq_lens) from the host (no device sync). `num_splits` fixes the
     split count; `config` overrides the tile size (BLOCK_N, num_warps, num_stages; for
-    benchmarks). Returns [B, Hq, D]."""
+    benchmarks). `k_scale`, `v_scale` ([Hkv] fp32): the caches hold K / k_scale and V / v_scale
+    (a scaled float8 cache). Returns [B, Hq, D]."""
     check_inputs(q, k_cache, v_cache, interpret)
     batch, hq, head_dim = q.shape
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -332,6 +344,8 @@ def flash_decode(
         seq_lens,
         partial,
         lse,
+        q if k_scale is None else k_scale,  # a placeholder pointer when unscaled (never read)
+        q if v_scale is None else v_scale,
         scale * math.log2(math.e),
         sliding_window or 0,
         plan.chunk,
@@ -347,6 +361,7 @@ def flash_decode(
         BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None,
         WRITE_LSE=plan.num_splits > 1,
+        HAS_KV_SCALE=k_scale is not None,
         UPCAST=interpret and q.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **cfg,
