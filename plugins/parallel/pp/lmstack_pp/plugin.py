@@ -52,6 +52,13 @@ def build(options: PipelineOptions, ctx: BuildContext) -> PipelineLayout:
             "parallel.pp",
         )
     check_tensor_parallel(options.tp, ctx.model_config, ctx.components.get("quantizer"))
+    if ctx.kv_cache_dtype.is_floating_point and ctx.kv_cache_dtype.itemsize == 1:
+        # Scales come from a calibration forward over the whole model, which no stage holds.
+        raise ConfigError(
+            f"pp does not support a scaled {ctx.kv_cache_dtype} KV cache yet; "
+            "set quant.kv_cache to the model dtype, or use tp",
+            "quant.kv_cache",
+        )
     return PipelineLayout(options)
 
 
