@@ -11,6 +11,7 @@ from test_oracle import _stack, prompts  # noqa: F401  (`prompts` is a fixture)
 
 from lmstack import SamplingParams
 from lmstack.engine import LLMEngine
+from lmstack.llm import LLM
 from lmstack.plugins import build_registry, make_plugin_manager
 
 NEW_TOKENS = 10  # modest: the pipeline's share of the suite's time
@@ -35,3 +36,17 @@ def test_pp2_greedy_equals_single_process(shared_llm, prompts):  # noqa: F811
     llm = shared_llm(_stack(parallel={"name": "pp", "pp": 2}))
     assert llm.engine.executor.world_size == 2
     assert _greedy(llm.engine, prompts) == single
+
+
+@pytest.mark.slow
+def test_tp3_x_pp2_greedy_equals_single_process(shared_llm, prompts):  # noqa: F811
+    """Both splits at once: two stages of three tensor-parallel ranks each (six processes)."""
+    if "pp" not in build_registry(make_plugin_manager()).names("parallel"):
+        pytest.skip("the lmstack-pp plugin is not installed")
+    single = _greedy(shared_llm(_stack()).engine, prompts)
+    llm = LLM(_stack(parallel={"name": "pp", "pp": 2, "tp": 3}))
+    try:
+        assert llm.engine.executor.world_size == 6
+        assert _greedy(llm.engine, prompts) == single
+    finally:
+        llm.engine.shutdown()
