@@ -1,0 +1,64 @@
+"""CPU int4 matmul through PyTorch's `_weight_int4pack_mm_for_cpu` (the kernel gpt-fast and
+torchao use on the CPU).
+
+It wants the codes re-laid out by `_convert_weight_to_int4pack_for_cpu` (done once; the result
+replaces the layer's nibble buffer, same size) and, per group of `gk` input columns, a
+(scale, offset) pair with w = (code - 8) * scale + offset; our w = (code - zero) * scale gives
+offset = (8 - zero) * scale. The op needs out % 16 == 0, in % 32 == 0 and gk in {32, 64, 128,
+256} dividing `in`: a checkpoint group of 128 over 576 inputs (4.5 groups) is served as nine
+groups of 64, each carrying its 128-group's scale, which is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmstack_awq.int4_math import expand_groups, unpack_nibbles
+
+INNER_K_TILES = 2
+_GK = (256, 128, 64, 32)
+
+
+def kernel_group(in_features: int, group_size: int) -> int | None:
+    """The largest op group size that divides both the checkpoint's groups and the input."""
+    for gk in _GK:
+        if group_size % gk == 0 and in_features % gk == 0:
+            return gk
+    return None
+
+
+class CpuInt4Pack:
+    @staticmethod
+    def supports(layer) -> bool:
+        return (
+            layer.out_features % 16 == 0
+            and layer.in_features % (16 * INNER_K_TILES) == 0
+            and kernel_group(layer.in_features, layer.group_size) is not None
+        )
+
+    def __init__(self, layer) -> None:
+        k = layer.in_features
+        self.gk = kernel_group(k, layer.group_size)
+        codes = unpack_nibbles(layer.packed, k).to(torch.int32)
+        layer.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES)
+        # Per op group: the scale / zero of the checkpoint group its first column belongs to.
+        scale = expand_groups(layer.scales.float(), k, layer.group_size)[:, :: self.gk]
+        zero = expand_groups(layer.zeros.float(), k, layer.group_size)[:, :: self.gk]
+        self.scale_zero32 = torch.stack([scale.t(), ((8 - zero) * scale).t()], dim=-1).contiguous()
+        self._by_dtype: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale_zero32}
+
+    def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
+        sz = self._by_dtype.get(x.dtype)
+        if sz is None:
+            sz = self._by_dtype[x.dtype] = self.scale_zero32.to(x.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), layer.packed, self.gk, sz)
+
+    def codes(self, layer) -> torch.Tensor:
+        """The codes back: multiply the identity (exact in fp32) and undo scale and offset."""
+        k = layer.in_features
+        eye = torch.eye(k, dtype=torch.float32)
+        w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, self.gk, self.scale_zero32).t()
+        scale = self.scale_zero32[..., 0].t().repeat_interleave(self.gk, 1)
+        offset = self.scale_zero32[..., 1].t().repeat_interleave(self.gk, 1)
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        return ((w - offset) / safe + 8).round().clamp(0, 15).to(torch.uint8)

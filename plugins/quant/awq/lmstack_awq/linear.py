@@ -1,0 +1,208 @@
+"""`Int4Linear`: a linear layer whose weight stays int4 in memory.
+
+Storage (this rank's shard): `packed` uint8 [out, ceil(in / 8) * 4] (two codes per byte, even
+column in the low nibble: `int4_math.pack_nibbles`), `scales` float16 [out, groups], `zeros` uint8
+[out, groups]; w = (code - zero) * scale. A kernel may re-lay `packed` out once before its first
+use (`lmstack_awq.kernels`), so the module never holds two copies of the weight.
+
+The weight loaders take whatever the checkpoint stores and write rows of these buffers:
+
+- "dense" (rtn-int4): `weight` as a dense or GGUF tensor, quantized on arrival;
+- "ct": compressed-tensors `weight_packed` / `weight_scale` / `weight_zero_point` / `weight_shape`;
+- "autoawq": AutoAWQ GEMM `qweight` / `qzeros` / `scales`.
+
+Each loader's parameter is an empty placeholder whose only job is to carry the loader, so the
+model's completeness check names a missing tensor (e.g. `weight_scale`) before serving.
+Under tensor parallelism the loaders receive whole tensors and keep this rank's rows (column)
+or input columns (row; the split must fall on group boundaries).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lmstack.interfaces import LinearSpec
+from lmstack.model.checkpoint import CheckpointTensor, to_dense
+from lmstack.model.weight_loader import set_weight_loader
+from lmstack_awq import kernels
+from lmstack_awq.autoawq import unpack_autoawq
+from lmstack_awq.int4_format import SCALE_DTYPE, decode_ct_codes, decode_ct_zero
+from lmstack_awq.int4_math import SYMMETRIC_ZERO, Int4Scheme, num_groups, pack_nibbles, quantize_int4
+
+Source = Literal["dense", "ct", "autoawq"]
+
+_SOURCE_PARAMS: dict[str, tuple[str, ...]] = {
+    "dense": ("weight",),
+    "ct": ("weight_packed", "weight_scale", "weight_shape"),
+    "autoawq": ("qweight", "qzeros", "scales"),
+}
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, spec: LinearSpec, scheme: Int4Scheme, source: Source) -> None:
+        super().__init__()
+        self.spec, self.scheme, self.source = spec, scheme, source
+        self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
+        self.group_size = scheme.effective_group(spec.in_features)
+        if spec.parallel == "row" and spec.tp_size > 1 and self.in_features % self.group_size:
+            raise ValueError(
+                f"linear {spec.name}: a row split of {spec.in_features} inputs over tp={spec.tp_size} "
+                f"cuts int4 groups of {self.group_size}"
+            )
+        self.groups = num_groups(self.in_features, self.group_size)
+        out = self.out_features
+        self.register_buffer("packed", torch.zeros(out, -(-self.in_features // 8) * 4, dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(out, self.groups, dtype=SCALE_DTYPE))
+        self.register_buffer("zeros", torch.full((out, self.groups), SYMMETRIC_ZERO, dtype=torch.uint8))
+        names = _SOURCE_PARAMS[source]
+        if source == "ct" and not scheme.symmetric:
+            names = (*names, "weight_zero_point")
+        for name in names:
+            param = nn.Parameter(torch.empty(0), requires_grad=False)
+            setattr(self, name, param)
+            set_weight_loader(param, self._loader(name), num_shards=len(spec.output_sizes))
+        self.bias: nn.Parameter | None = None
+        if spec.bias:
+            self.bias = nn.Parameter(torch.zeros(out, dtype=spec.params_dtype), requires_grad=False)
+            set_weight_loader(self.bias, self._bias_loader(), num_shards=len(spec.output_sizes))
+        self.kernel: kernels.Int4Kernel | None = None
+
+    # --- where a part's rows and this rank's columns are ----------------------------------------
+
+    def _rows(self, shard_id: int | None) -> tuple[int, int, int, int]:
+        """(first row in the checkpoint part, rows kept, first local row, part's full rows)."""
+        spec = self.spec
+        part = 0 if shard_id is None else shard_id
+        if shard_id is None and len(spec.output_sizes) > 1:
+            full = spec.out_features  # a whole fused tensor in one piece
+            return 0, self.out_features, 0, full
+        full, local = spec.output_sizes[part], spec.local_output_sizes[part]
+        start = spec.tp_rank * local if spec.parallel == "column" and spec.tp_size > 1 else 0
+        return start, local, sum(spec.local_output_sizes[:part]), full
+
+    def _col_start(self) -> int:
+        spec = self.spec
+        return spec.tp_rank * self.in_features if spec.parallel == "row" and spec.tp_size > 1 else 0
+
+    def _put(self, buffer: torch.Tensor, shard_id: int | None, value: torch.Tensor, per: int) -> None:
+        """Write `value` (a whole checkpoint part, [part rows, columns]) into `buffer`'s rows of
+        that part, keeping this rank's rows and columns; `per` input columns per value column
+        (1 for codes, group_size for scales and zeros)."""
+        src, rows, dst, full = self._rows(shard_id)
+        if value.shape[0] != full:
+            raise ValueError(f"expected {full} output rows, got {value.shape[0]}")
+        col0 = self._col_start() // per
+        width = buffer.shape[1] if per > 1 else self.in_features
+        value = value[src : src + rows, col0 : col0 + width]
+        if per == 1:
+            value = pack_nibbles(value)
+        buffer[dst : dst + rows].copy_(value.to(buffer.device, buffer.dtype))
+
+    def _store_quantized(self, shard_id: int | None, codes, scale, zero) -> None:
+        total_groups = num_groups(self.spec.in_features, self.group_size)
+        if codes.shape[1] != self.spec.in_features or scale.shape[1] != total_groups:
+            raise ValueError(
+                f"expected [*, {self.spec.in_features}] weights in {total_groups} groups, "
+                f"got {tuple(codes.shape)} with {scale.shape[1]} groups"
+            )
+        self._put(self.packed, shard_id, codes, 1)
+        self._put(self.scales, shard_id, scale, self.group_size)
+        self._put(self.zeros, shard_id, zero, self.group_size)
+
+    # --- loaders ----------------------------------------------------------------------------------
+
+    def _loader(self, name: str):
+        def load(param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None = None) -> None:
+            self.kernel = None  # new data: any re-laid copy is stale
+            if name == "weight":
+                w = to_dense(loaded, torch.float32)
+                if w.dim() != 2:
+                    raise ValueError(f"expected a 2-D weight, got shape {tuple(w.shape)}")
+                qw = quantize_int4(w, self.scheme, SCALE_DTYPE)
+                self._store_quantized(shard_id, qw.q, qw.scale, qw.zero)
+            elif name in ("qweight", "qzeros", "scales"):
+                self._load_autoawq(name, loaded, shard_id)
+            else:
+                self._load_ct(name, loaded, shard_id)
+
+        return load
+
+    def _load_ct(self, name: str, loaded: CheckpointTensor, shard_id: int | None) -> None:
+        t = to_dense(loaded, torch.float32) if name == "weight_scale" else loaded
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a safetensors tensor")
+        _, _, _, full = self._rows(shard_id)
+        total_groups = num_groups(self.spec.in_features, self.group_size)
+        if name == "weight_shape":
+            want = [full, self.spec.in_features]
+            if t.tolist() != want:
+                raise ValueError(f"weight_shape {t.tolist()} does not match config.json's {want}")
+        elif name == "weight_packed":
+            words = -(-self.spec.in_features // 8)
+            if t.dtype != torch.int32 or tuple(t.shape) != (full, words):
+                raise ValueError(f"expected int32 [{full}, {words}], got {t.dtype} {list(t.shape)}")
+            self._put(self.packed, shard_id, decode_ct_codes(t, (full, self.spec.in_features)), 1)
+        elif name == "weight_scale":
+            if tuple(t.shape) != (full, total_groups):
+                raise ValueError(
+                    f"expected [{full}, {total_groups}] (group {self.group_size}), got {list(t.shape)}"
+                )
+            self._put(self.scales, shard_id, t, self.group_size)
+        elif name == "weight_zero_point":
+            if t.dtype != torch.int32 or tuple(t.shape) != (-(-full // 8), total_groups):
+                raise ValueError(
+                    f"expected int32 [{-(-full // 8)}, {total_groups}], got {t.dtype} {list(t.shape)}"
+                )
+            self._put(self.zeros, shard_id, decode_ct_zero(t, full, total_groups), self.group_size)
+
+    def _load_autoawq(self, name: str, loaded: CheckpointTensor, shard_id: int | None) -> None:
+        if not isinstance(loaded, torch.Tensor):
+            raise ValueError(f"{name} must be a safetensors tensor")
+        _, _, _, full = self._rows(shard_id)
+        codes, per = unpack_autoawq(name, loaded, full, self.spec.in_features, self.group_size)
+        buffer = {"qweight": self.packed, "qzeros": self.zeros, "scales": self.scales}[name]
+        self._put(buffer, shard_id, codes, per)
+
+    def _bias_loader(self):
+        def load(param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None = None) -> None:
+            spec = self.spec
+            if spec.parallel == "row" and spec.tp_size > 1 and spec.tp_rank != 0:
+                return  # the sum over ranks adds rank 0's bias once; the others keep zeros
+            value = to_dense(loaded, param.dtype).reshape(-1)
+            src, rows, dst, full = self._rows(shard_id)
+            if value.shape[0] != full:
+                raise ValueError(f"expected {full} bias values, got {value.shape[0]}")
+            param.data[dst : dst + rows].copy_(value[src : src + rows].to(param.device))
+
+        return load
+
+    # --- compute ----------------------------------------------------------------------------------
+
+    def codes(self) -> torch.Tensor:
+        """uint8 codes [out, in] of this rank's shard (from whatever layout the kernel keeps)."""
+        if self.kernel is not None:
+            return self.kernel.codes(self)
+        return kernels.unpack_codes(self.packed, self.in_features)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from lmstack_awq.int4_math import dequantize_int4
+
+        return dequantize_int4(self.codes(), self.scales, self.zeros, self.group_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            self.kernel = kernels.select(self, x)
+        lead = x.shape[:-1]
+        out = self.kernel(self, x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, group={self.group_size}, "
+            f"symmetric={self.scheme.symmetric}, source={self.source}"
+        )

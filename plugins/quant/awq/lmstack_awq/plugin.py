@@ -1,0 +1,77 @@
+"""Registers quantizers `awq` and `rtn-int4`: options, capabilities, factories.
+
+Imported whenever lmstack loads plugins, so it imports neither Triton nor compressed-tensors;
+the quantizer module is imported when a stack builds one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from lmstack.hookspecs import hookimpl
+from lmstack.quant_format import AUTOAWQ_GEMM, CT_PACK_QUANTIZED, DENSE, GGUF
+from lmstack.registry import Component
+
+HeadMode = Literal["int8", "int4", "dense"]
+
+
+class RtnInt4Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    group_size: int = 128  # input columns per scale; 0: one scale per output row
+    symmetric: bool = False
+    # How the tied embedding / LM head is held: int8 per row (default: meets <= 0.3x bf16 at
+    # the least perplexity cost), int4 (group_size groups) or dense (the serving dtype).
+    lm_head: HeadMode = "int8"
+
+
+class AwqOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    lm_head: HeadMode = "int8"
+
+
+def _common_caps(formats: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        "devices": ("cpu", "cuda"),
+        "dtypes": ("float32", "float16", "bfloat16"),
+        "kv_cache_dtype": None,
+        "checkpoint_formats": formats,
+    }
+
+
+def build_rtn(options: RtnInt4Options, ctx):
+    from lmstack_awq.quantizer import RtnInt4Quantizer
+
+    return RtnInt4Quantizer(options, ctx)
+
+
+def build_awq(options: AwqOptions, ctx):
+    from lmstack_awq.quantizer import AwqQuantizer
+
+    return AwqQuantizer(options, ctx)
+
+
+RTN_INT4 = Component(
+    name="rtn-int4",
+    kind="quantizer",
+    factory=build_rtn,
+    options_type=RtnInt4Options,
+    capabilities=_common_caps((DENSE, GGUF)),
+    api=">=1.0,<2",
+    description="Round-to-nearest int4 weights (group scales, zero points) made at load from a dense or GGUF checkpoint, kept packed.",
+)
+
+AWQ = Component(
+    name="awq",
+    kind="quantizer",
+    factory=build_awq,
+    options_type=AwqOptions,
+    capabilities=_common_caps((CT_PACK_QUANTIZED, AUTOAWQ_GEMM)),
+    api=">=1.0,<2",
+    description="int4 AWQ checkpoints (compressed-tensors pack-quantized, AutoAWQ GEMM) served packed: W4A16.",
+)
+
+
+@hookimpl
+def lmstack_register_quantizers(register) -> None:
+    register(RTN_INT4)
+    register(AWQ)
