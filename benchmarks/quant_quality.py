@@ -43,7 +43,10 @@ RUNS: dict[str, tuple[str | None, dict, float | None]] = {
     "nvfp4": ("nvfp4", {}, 0.15),
     "kv-fp8_e4m3": (None, {"kv_cache": "fp8_e4m3"}, 0.01),
 }
-GROUP_SIZE = {"awq": 128, "rtn-int4": 128}
+GROUP_SIZE = {"rtn-int4": 128}  # awq writes group 128 (its default; it takes no option)
+# The quantizer that serves a folder a method wrote: rtn-int4 quantizes at load only, and its
+# compressed-tensors folders are read by `awq` (what `quant: {weights: auto}` picks).
+SERVE = {"rtn-int4": "awq"}
 
 
 def cpu_name() -> str:
@@ -128,7 +131,7 @@ def main() -> int:
             model = str(folder)
         estack = work / f"{name}-eval.yaml"
         # The quantized folder is served by the quantizer that wrote it.
-        weights = {"weights": method} if method is not None else {}
+        weights = {"weights": SERVE.get(method, method)} if method is not None else {}
         estack.write_text(stack_yaml(model, weights | quant), encoding="utf-8")
         cmd = [*lmstack, "eval", "perplexity", "--stack", str(estack), "--text", str(HELDOUT), "--json"]
         if args.max_tokens:

@@ -373,7 +373,9 @@ def build_weight_format(
     stack: Any, method: str, group_size: int | None, model_config: ModelConfig
 ) -> tuple[WeightFormat, Any]:
     """The `WeightFormat` of quantizer `method`, built through the registry with the stack's
-    device and dtype (and `group_size` as its option when given)."""
+    device and dtype. Its options: those of the stack's `quant` section when that names the
+    same quantizer (e.g. `quant: {weights: rtn-int4, symmetric: true}`), and `group_size`
+    when given."""
     import msgspec
 
     from lmstack.build import _blame
@@ -382,6 +384,8 @@ def build_weight_format(
     from lmstack.resolve import resolve
 
     quant: dict[str, Any] = {"weights": method, "kv_cache": "none"}
+    if stack.quant.get("weights") == method:
+        quant |= {k: v for k, v in stack.quant.items() if k not in ("weights", "kv_cache")}
     if group_size is not None:
         quant["group_size"] = group_size
     resolved = resolve(msgspec.structs.replace(stack, quant=quant), default_registry())

@@ -22,4 +22,6 @@ class AwqQuantizer(Quantizer):
         self.options = options
 
     def weight_format(self) -> WeightFormat:
-        return Int4WeightFormat("awq", Int4Scheme(128, False))
+        from lmstack_awq.search import AwqWeightFormat  # the AWQ search runs before encoding
+
+        return AwqWeightFormat(Int4Scheme(128, False))

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 
 from lmstack.quant_format import WeightFormat
+from lmstack_awq.int4_format import Int4WeightFormat
+from lmstack_awq.int4_math import Int4Scheme
 
 
 @dataclass
@@ -50,6 +52,8 @@ def _group_size(fmt: WeightFormat, in_features: int) -> int:
     """The format's group along the input (`group_size` attribute); a whole row when it has
     none (per-channel scales)."""
     g = getattr(fmt, "group_size", None)
+    if g is None and (scheme := getattr(fmt, "scheme", None)) is not None:
+        g = scheme.effective_group(in_features)  # lmstack_awq.int4_format.Int4WeightFormat
     return int(g) if g else in_features
 
 
@@ -175,3 +179,12 @@ class AWQCalibration:
             "propagation": "quantized",
             "layers": cfg.history,
         }
+
+
+class AwqWeightFormat(AWQCalibration, Int4WeightFormat):
+    """What `lmstack quantize --method awq` writes: compressed-tensors pack-quantized int4, after
+    the AWQ search (`Calibrated`)."""
+
+    def __init__(self, scheme: Int4Scheme | None = None, config: AWQConfig | None = None) -> None:
+        super().__init__("awq", scheme)
+        self.awq = config or AWQConfig()
