@@ -52,6 +52,9 @@ def test_models(client, server):
     stack = json.loads(body)
     assert status == 200 and stack["model"] == MODEL
     assert stack["stack"]["components"]["scheduler"]["name"] == "continuous"
+    # quant.weights: auto on a GGUF checkpoint: the built-in quantizer reads it.
+    assert stack["stack"]["checkpoint_format"] == "gguf"
+    assert stack["stack"]["components"]["quantizer"]["name"] == "none"
     assert stack["engine"]["max_model_len"] == 1024
 
 

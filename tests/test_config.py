@@ -68,7 +68,7 @@ def test_empty_stack_gives_the_defaults():
         assert stack.scheduler == {"name": "continuous"}
         assert stack.allocator == {"name": "paged"}
         assert stack.attention == {"prefill": {"name": "torch"}, "decode": {"name": "torch"}}
-        assert stack.quant == {"weights": "none", "kv_cache": KV_CACHE_AUTO}
+        assert stack.quant == {"weights": "auto", "kv_cache": KV_CACHE_AUTO}
         assert stack.speculator == {"name": "none"}
         assert stack.parallel == {"name": "single"}
         assert stack.cache == {"name": "none"}
@@ -136,7 +136,7 @@ def test_named_section_short_forms():
 def test_quant_forms():
     assert load_stack({"quant": "fp8"}).quant == {"weights": "fp8", "kv_cache": "auto"}
     assert load_stack({"quant": {"kv_cache": "float8_e4m3fn"}}).quant == {
-        "weights": "none",
+        "weights": "auto",
         "kv_cache": "float8_e4m3fn",
     }
     assert load_stack({"quant": {"weights": "awq", "group_size": 128}}).quant == {

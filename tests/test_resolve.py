@@ -448,3 +448,39 @@ def test_the_builtin_defaults_resolve(monkeypatch):
     }
     assert all(s.component.distribution == "lmstack" for s in r.roles().values())
     json.dumps(r.describe())
+
+
+# --- quant.weights: auto and checkpoint formats ----------------------------------------------
+
+
+def test_auto_quantizer_picks_the_reader_of_the_checkpoint_format():
+    from lmstack.quant_format import CT_PACK_QUANTIZED, DENSE, GGUF
+    from lmstack.resolve import auto_quantizer
+
+    reader = Component(
+        name="int4-reader",
+        kind="quantizer",
+        factory=lambda o, c: None,
+        capabilities={"checkpoint_formats": (CT_PACK_QUANTIZED,)},
+    )
+    reg = registry(reader)
+    assert auto_quantizer(reg, DENSE) == "none"
+    assert auto_quantizer(reg, GGUF) == "none"
+    assert auto_quantizer(reg, CT_PACK_QUANTIZED) == "int4-reader"
+    with pytest.raises(ResolutionError, match="no installed quantizer reads compressed-tensors/nvfp4"):
+        auto_quantizer(reg, "compressed-tensors/nvfp4-pack-quantized")
+
+
+def test_a_quantizer_that_cannot_read_the_checkpoint_is_a_resolution_error(tiny_model_path):
+    import dataclasses
+
+    from lmstack.model.source import open_model_source
+
+    resolved = resolve(load_stack({"model": str(tiny_model_path), "quant": "none"}), registry())
+    config = open_model_source(tiny_model_path).config
+    check_model(resolved, config)  # dense: fine
+    ct = dataclasses.replace(
+        config, quantization={"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    )
+    with pytest.raises(ResolutionError, match="is a compressed-tensors/pack-quantized checkpoint"):
+        check_model(resolved, ct)

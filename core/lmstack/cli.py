@@ -418,6 +418,8 @@ def _print_check(
         )
     print(f"device    {resolved.device}")
     print(f"dtype     {DTYPE_NAMES[resolved.dtype]} (KV cache {DTYPE_NAMES.get(resolved.kv_cache_dtype)})")
+    fmt = resolved.checkpoint_format or "-"
+    print(f"weights   {fmt} checkpoint, quantizer {resolved.quantizer.name}")
     print()
     rows = []
     for role, sel in resolved.roles().items():

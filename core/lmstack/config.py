@@ -28,6 +28,8 @@ KV_CACHE_DTYPES = (*MODEL_DTYPES, "float8_e4m3fn", "float8_e5m2")
 # KV-cache quantization, i.e. the model dtype, whatever the quantizer would pick.
 KV_CACHE_AUTO = "auto"
 KV_CACHE_NONE = "none"
+# `quant.weights`: "auto" picks the installed quantizer that reads the checkpoint's format.
+QUANT_AUTO = "auto"
 
 DEFAULT_ATTENTION = ROLE["attention_prefill"].default
 ATTENTION_PHASES = ("prefill", "decode")
@@ -45,7 +47,7 @@ def _default_attention() -> dict[str, dict[str, Any]]:
 
 
 def _default_quant() -> dict[str, Any]:
-    return {"weights": ROLE["quantizer"].default, "kv_cache": KV_CACHE_AUTO}
+    return {"weights": QUANT_AUTO, "kv_cache": KV_CACHE_AUTO}
 
 
 # The fields of StackConfig, in file order. Component sections come from the role table
@@ -200,7 +202,7 @@ def _quant_section(value: Any) -> dict[str, Any]:
     elif isinstance(value, str):
         value = {"weights": value}
     section = _mapping(value, "quant")
-    section["weights"] = _check_name(section.get("weights", ROLE["quantizer"].default), "quant.weights")
+    section["weights"] = _check_name(section.get("weights", QUANT_AUTO), "quant.weights")
     kv = section.get("kv_cache", KV_CACHE_AUTO)
     if kv is None:  # YAML `kv_cache: null` / `~`
         kv = KV_CACHE_NONE

@@ -32,12 +32,14 @@ from lmstack.config import (
     EXTRA,
     KV_CACHE_AUTO,
     KV_CACHE_NONE,
+    QUANT_AUTO,
     StackConfig,
     convert,
     stack_from_mapping,
 )
 from lmstack.errors import ConfigError, ResolutionError
 from lmstack.model.config import ModelConfig
+from lmstack.quant_format import DENSE, GGUF, checkpoint_format_id
 from lmstack.registry import Component, Registry
 from lmstack.roles import ROLE_NAMES, check_capabilities
 from lmstack.roles import ROLES as ROLE_TABLE
@@ -122,6 +124,8 @@ class ResolvedStack:
     sections: Mapping[str, msgspec.Struct]
     # How each section shows itself to readers (secrets left out); name -> public(value).
     section_views: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    # The model's checkpoint format (`lmstack.quant_format` id) as read at resolution.
+    checkpoint_format: str | None = None
 
     def __getattr__(self, name: str) -> Selected:
         # Only reached when normal lookup fails: the role attributes.
@@ -155,6 +159,7 @@ class ResolvedStack:
             "device": str(self.device),
             "dtype": DTYPE_NAMES[self.dtype],
             "kv_cache_dtype": DTYPE_NAMES.get(self.kv_cache_dtype, str(self.kv_cache_dtype)),
+            "checkpoint_format": self.checkpoint_format,
             "max_model_len": self.config.max_model_len,
             "seed": self.config.seed,
             "components": {role: sel.describe() for role, sel in self.roles().items()},
@@ -180,6 +185,9 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
     quant = dict(stack.quant)
     quant_name = quant.pop("weights")
     quant.pop("kv_cache")
+    checkpoint_format = _checkpoint_format(stack.model)
+    if quant_name == QUANT_AUTO:
+        quant_name = auto_quantizer(registry, checkpoint_format)
 
     quantizer = _select(registry, "quantizer", quant_name, quant, "quant", name_key="quant.weights")
     selected = {
@@ -207,6 +215,7 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
         selected=selected,
         sections=sections,
         section_views=views,
+        checkpoint_format=checkpoint_format,
     )
     for check in (
         _check_components,
@@ -251,6 +260,51 @@ def _convert_sections(
         if spec.public is not None:
             views[name] = spec.public
     return sections, views
+
+
+def reads_formats(component: Component) -> tuple[str, ...]:
+    """The checkpoint formats a quantizer declares it reads (undeclared: dense and GGUF)."""
+    return tuple(component.capabilities.get("checkpoint_formats") or (DENSE, GGUF))
+
+
+def _checkpoint_format(model: str) -> str:
+    """The model's checkpoint format id from its metadata (no weights read); "dense" when the
+    model cannot be opened here (then loading reports that)."""
+    from lmstack.model.hf_loader import read_json
+    from lmstack.model.source import resolve_model_path
+
+    try:
+        path = resolve_model_path(model)
+        if path.is_file():
+            return GGUF  # a .gguf file (its metadata need not be read to know that)
+        return checkpoint_format_id(read_json(path / "config.json").get("quantization_config"))
+    except Exception:
+        return DENSE
+
+
+def auto_quantizer(registry: Registry, checkpoint_format: str) -> str:
+    """`quant.weights: auto`: the first installed quantizer (`none`, then by name) that reads
+    `checkpoint_format`."""
+    names = registry.names("quantizer")
+    order = [n for n in ("none",) if n in names] + sorted(n for n in names if n != "none")
+    for name in order:
+        if checkpoint_format in reads_formats(registry.get("quantizer", name)):
+            return name
+    raise ResolutionError(
+        f"quant.weights: auto: no installed quantizer reads {checkpoint_format} checkpoints "
+        f"(installed: {', '.join(order) or 'none'}); install a quantizer plugin that declares it"
+    )
+
+
+def _check_checkpoint_format(r: ResolvedStack, model_config: ModelConfig) -> None:
+    fmt = checkpoint_format_id(model_config.quantization)
+    sel = r.quantizer
+    if fmt in reads_formats(sel.component):
+        return
+    raise ResolutionError(
+        f"{_who('quantizer', sel)} reads {_list(reads_formats(sel.component))} checkpoints, but model "
+        f"{r.model!r} is a {fmt} checkpoint; set quant.weights: auto or a quantizer that reads {fmt}"
+    )
 
 
 def _select_section(registry: Registry, kind: str, section: Mapping[str, Any], path: str) -> Selected:
@@ -525,6 +579,7 @@ def check_model(resolved: ResolvedStack, model_config: ModelConfig) -> None:
                 f"with {ROLE_KEY[role]}"
             )
     _check_block_size(r)
+    _check_checkpoint_format(r, model_config)
     limit = model_config.max_position_embeddings
     if (
         r.config.max_model_len is not None

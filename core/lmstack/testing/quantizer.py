@@ -7,13 +7,20 @@ The layer check feeds the layer what an unquantized Hugging Face checkpoint hold
 weight loaders, as the model loader does. A quantizer that quantizes on load is tested as is;
 one that only reads pre-quantized tensors (e.g. GPTQ's `qweight`) needs checkpoints this kit
 does not make.
+
+A quantizer with a `weight_format()` is also checked against it: its layers compute what the
+format's `fake_quantize` says (on fresh random shapes), and tensors its `encode` writes, loaded
+by the quantizer that reads that checkpoint format (`reader`), compute the same. With
+`tensor_parallel = True` the kit checks that layers built for tp_size=2 hold the rows (column)
+or input columns (row) of the whole layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -58,6 +65,12 @@ class QuantizerConformance(ComponentKit):
     dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
     quantization_error: ClassVar[float] = 0.0
     probability_tolerance: ClassVar[float | None] = None
+    # The quantizer (name or Component) that serves checkpoints `weight_format()` writes, with
+    # its options; None: this one. Layers of both must compute the same from the same weights.
+    reader: ClassVar[Any] = None
+    reader_options: ClassVar[dict[str, Any]] = {}
+    # Check tensor-parallel shards (LinearSpec.tp_rank / tp_size) against the whole layer.
+    tensor_parallel: ClassVar[bool] = False
 
     def quantizer(self, dtype: torch.dtype = torch.float32) -> Quantizer:
         return self.build(dtype=dtype)
@@ -129,6 +142,132 @@ class QuantizerConformance(ComponentKit):
                 if dtype == torch.float32:
                     bound += 1e-6  # summation order
                 assert err <= bound, f"{where}: relative error {err:.2e} > {bound:.2e}"
+
+    # --- against the quantizer's own weight format --------------------------------------------------
+
+    def _random_shapes(self, rng: random.Random) -> list[tuple[int, tuple[int, ...], bool]]:
+        """Three fresh shapes per run (odd sizes included) besides the fixed ones."""
+        shapes = list(LINEAR_SHAPES)
+        for _ in range(3):
+            parts = tuple(rng.randint(1, 80) for _ in range(rng.choice((1, 2, 3))))
+            shapes.append((rng.randint(1, 300), parts, rng.random() < 0.5))
+        return shapes
+
+    def _fill(self, layer: nn.Module, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> None:
+        fused = len(weights) > 1
+        self._load(layer, weights, "weight", fused)
+        if biases:
+            self._load(layer, biases, "bias", fused)
+
+    def test_linear_matches_weight_format(self) -> None:
+        """Each layer computes x @ fake_quantize(W)^T (+ b), up to the rounding of the serving
+        dtype, on fixed and fresh random shapes."""
+        fmt = self.quantizer().weight_format()
+        if fmt is None:
+            pytest.skip("the quantizer writes no checkpoint format")
+        rng = random.Random()
+        for dtype in self.kit_dtypes():
+            make = self.quantizer(dtype).linear_factory()
+            for n, (in_features, sizes, bias) in enumerate(self._random_shapes(rng)):
+                spec = LinearSpec(
+                    in_features, sum(sizes), bias, f"layers.{n}.kit_proj", sizes, "column", dtype
+                )
+                weights = [torch.randn(s, in_features) * in_features**-0.5 for s in sizes]
+                biases = [torch.randn(s) for s in sizes] if bias else []
+                layer = make(spec)
+                self._fill(layer, weights, biases)
+                x = torch.randn(rng.randint(1, 40), in_features)
+                w = torch.cat([fmt.fake_quantize(p) for p in weights])
+                b = torch.cat(biases) if bias else None
+                with torch.no_grad():
+                    out = layer(x.to(dtype))
+                    ref = nn.functional.linear(x, w, b)
+                    plain = nn.functional.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+                err = rel_error(out, ref)
+                bound = 2 * rel_error(plain, ref) + torch.finfo(dtype).eps / 4 + 1e-6
+                where = f"{dtype} linear {in_features} -> {sizes} (bias={bias})"
+                assert err <= bound, f"{where}: relative error {err:.2e} vs fake_quantize > {bound:.2e}"
+
+    def test_written_tensors_load_back(self) -> None:
+        """`encode`'s tensors, fed to the reader's layer as a checkpoint of `quantization_config`,
+        compute exactly what this quantizer's layer computes from the dense weights."""
+        from lmstack.testing.components import TINY_MODEL_CONFIG, build_component
+
+        fmt = self.quantizer().weight_format()
+        if fmt is None:
+            pytest.skip("the quantizer writes no checkpoint format")
+        config = dataclasses.replace(TINY_MODEL_CONFIG, quantization=fmt.quantization_config([]))
+        reader = self.reader if self.reader is not None else self.registered()
+        read = build_component(reader, "quantizer", self.reader_options, model_config=config).linear_factory()
+        make = self.quantizer().linear_factory()
+        rng = random.Random()
+        for n, (in_features, sizes, bias) in enumerate(self._random_shapes(rng)):
+            spec = LinearSpec(in_features, sum(sizes), bias, f"layers.{n}.kit_proj", sizes, "column")
+            weights = [torch.randn(s, in_features) * in_features**-0.5 for s in sizes]
+            biases = [torch.randn(s) for s in sizes] if bias else []
+            direct, loaded = make(spec), read(spec)
+            self._fill(direct, weights, biases)
+            params = dict(loaded.named_parameters())
+            for i, w in enumerate(weights):
+                for suffix, tensor in fmt.encode(f"kit.{n}", w).items():
+                    assert suffix in params, (
+                        f"the reader's layer has no parameter {suffix!r} (has {sorted(params)})"
+                    )
+                    params[suffix].weight_loader(params[suffix], tensor, i if len(sizes) > 1 else None)
+            if bias:
+                self._load(loaded, biases, "bias", len(sizes) > 1)
+            x = torch.randn(rng.randint(1, 9), in_features)
+            with torch.no_grad():
+                a, b = direct(x), loaded(x)
+            err = rel_error(b, a)
+            assert err <= 1e-5, f"linear {in_features} -> {sizes}: written and reloaded differs by {err:.2e}"
+
+    def test_tensor_parallel_shards_match_whole(self) -> None:
+        """tp_size=2: a column layer's ranks give the whole layer's outputs of their rows of
+        each part; a row layer's ranks, given their input columns, sum to the whole's output."""
+        if not self.tensor_parallel:
+            pytest.skip("tensor_parallel = False")
+        quantizer = self.quantizer()
+        make = quantizer.linear_factory()
+        rng = random.Random()
+        for parallel in ("column", "row"):
+            for n in range(3):
+                probe = LinearSpec(64, 64, False, f"layers.{n}.kit_proj", (64,), parallel)
+                align = quantizer.shard_alignment(probe)
+                sizes = tuple(2 * rng.randint(1, 40) for _ in range(rng.choice((1, 3))))
+                in_features = rng.randint(1, 200)
+                if parallel == "column":
+                    sizes = tuple(s * align for s in sizes)
+                else:
+                    in_features = 2 * align * rng.randint(1, 3)
+                bias = rng.random() < 0.5
+                weights = [torch.randn(s, in_features) * in_features**-0.5 for s in sizes]
+                biases = [torch.randn(s) for s in sizes] if bias else []
+                x = torch.randn(rng.randint(1, 9), in_features)
+                args = (in_features, sum(sizes), bias, f"layers.{n}.kit_proj", sizes, parallel)
+                whole = make(LinearSpec(*args))
+                self._fill(whole, weights, biases)
+                with torch.no_grad():
+                    want = whole(x)
+                    outs = []
+                    for rank in range(2):
+                        layer = make(LinearSpec(*args, tp_rank=rank, tp_size=2))
+                        self._fill(layer, weights, biases)
+                        xs = x.chunk(2, dim=1)[rank] if parallel == "row" else x
+                        outs.append(layer(xs))
+                where = f"tp=2 {parallel} linear {in_features} -> {sizes} (bias={bias})"
+                if parallel == "row":
+                    got = outs[0] + outs[1]
+                else:
+                    parts = [o.split([s // 2 for s in sizes], dim=1) for o in outs]
+                    got = torch.cat(
+                        [torch.cat([parts[0][i], parts[1][i]], dim=1) for i in range(len(sizes))], dim=1
+                    )
+                assert tuple(got.shape) == tuple(want.shape), (
+                    f"{where}: shapes {tuple(got.shape)} vs {tuple(want.shape)}"
+                )
+                err = rel_error(got, want)
+                assert err <= 1e-5, f"{where}: shards differ from the whole layer by {err:.2e}"
 
     # --- the tiny model served with the quantizer -----------------------------------------------
 

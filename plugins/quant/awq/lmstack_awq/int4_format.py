@@ -57,8 +57,12 @@ def decode_ct_codes(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tenso
 
 def decode_ct_zero(zero_point: torch.Tensor, out: int, groups: int) -> torch.Tensor:
     """`weight_zero_point` -> uint8 zeros [out, groups] (0..15)."""
-    signed = unpack_from_int32(zero_point, 4, torch.Size((out, groups)), packed_dim=0)
-    return (signed.to(torch.int16) + SYMMETRIC_ZERO).to(torch.uint8)
+    # Unpacked along dim 1 of the transpose, copied into fresh strides: compressed-tensors'
+    # own packed_dim=0 path views a transposed [1, groups] tensor as bytes and fails.
+    words = torch.empty(zero_point.shape[1], zero_point.shape[0], dtype=torch.int32)
+    words.copy_(zero_point.t())
+    signed = unpack_from_int32(words, 4, torch.Size((groups, out)))
+    return (signed.t().to(torch.int16) + SYMMETRIC_ZERO).to(torch.uint8)
 
 
 def ct_packed_as_nibbles(packed: torch.Tensor) -> torch.Tensor:

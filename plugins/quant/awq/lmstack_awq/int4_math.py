@@ -87,8 +87,10 @@ def group_params(
         zero = torch.full_like(scale, SYMMETRIC_ZERO)
         scale = scale.to(scale_dtype).float()
     else:
-        wmax = torch.where(mask, grouped, -big).amax(dim=-1)
-        wmin = torch.where(mask, grouped, big).amin(dim=-1)
+        # The range always includes 0 (as compressed-tensors' observers do): zero is then
+        # exactly representable and a one-valued group is not degenerate.
+        wmax = torch.where(mask, grouped, -big).amax(dim=-1).clamp(min=0)
+        wmin = torch.where(mask, grouped, big).amin(dim=-1).clamp(max=0)
         scale = ((wmax - wmin) / QMAX).clamp(min=1e-6).to(scale_dtype).float()
         zero = (-wmin / scale).round().clamp(0, QMAX)
     return scale, zero.to(torch.uint8)

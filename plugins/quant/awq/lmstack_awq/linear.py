@@ -1,8 +1,8 @@
 """`Int4Linear`: a linear layer whose weight stays int4 in memory.
 
-Storage (this rank's shard): `packed` uint8 [out, ceil(in / 8) * 4] (two codes per byte, even
-column in the low nibble: `int4_math.pack_nibbles`), `scales` float16 [out, groups], `zeros` uint8
-[out, groups]; w = (code - zero) * scale. A kernel may re-lay `packed` out once before its first
+Storage (this rank's shard): `w_packed` uint8 [out, ceil(in / 8) * 4] (two codes per byte, even
+column in the low nibble: `int4_math.pack_nibbles`), `w_scales` float16 [out, groups], `w_zeros` uint8
+[out, groups]; w = (code - zero) * scale. A kernel may re-lay `w_packed` out once before its first
 use (`lmstack_awq.kernels`), so the module never holds two copies of the weight.
 
 The weight loaders take whatever the checkpoint stores and write rows of these buffers:
@@ -54,9 +54,9 @@ class Int4Linear(nn.Module):
             )
         self.groups = num_groups(self.in_features, self.group_size)
         out = self.out_features
-        self.register_buffer("packed", torch.zeros(out, -(-self.in_features // 8) * 4, dtype=torch.uint8))
-        self.register_buffer("scales", torch.zeros(out, self.groups, dtype=SCALE_DTYPE))
-        self.register_buffer("zeros", torch.full((out, self.groups), SYMMETRIC_ZERO, dtype=torch.uint8))
+        self.register_buffer("w_packed", torch.zeros(out, -(-self.in_features // 8) * 4, dtype=torch.uint8))
+        self.register_buffer("w_scales", torch.zeros(out, self.groups, dtype=SCALE_DTYPE))
+        self.register_buffer("w_zeros", torch.full((out, self.groups), SYMMETRIC_ZERO, dtype=torch.uint8))
         names = _SOURCE_PARAMS[source]
         if source == "ct" and not scheme.symmetric:
             names = (*names, "weight_zero_point")
@@ -108,9 +108,9 @@ class Int4Linear(nn.Module):
                 f"expected [*, {self.spec.in_features}] weights in {total_groups} groups, "
                 f"got {tuple(codes.shape)} with {scale.shape[1]} groups"
             )
-        self._put(self.packed, shard_id, codes, 1)
-        self._put(self.scales, shard_id, scale, self.group_size)
-        self._put(self.zeros, shard_id, zero, self.group_size)
+        self._put(self.w_packed, shard_id, codes, 1)
+        self._put(self.w_scales, shard_id, scale, self.group_size)
+        self._put(self.w_zeros, shard_id, zero, self.group_size)
 
     # --- loaders ----------------------------------------------------------------------------------
 
@@ -144,26 +144,26 @@ class Int4Linear(nn.Module):
             words = -(-self.spec.in_features // 8)
             if t.dtype != torch.int32 or tuple(t.shape) != (full, words):
                 raise ValueError(f"expected int32 [{full}, {words}], got {t.dtype} {list(t.shape)}")
-            self._put(self.packed, shard_id, decode_ct_codes(t, (full, self.spec.in_features)), 1)
+            self._put(self.w_packed, shard_id, decode_ct_codes(t, (full, self.spec.in_features)), 1)
         elif name == "weight_scale":
             if tuple(t.shape) != (full, total_groups):
                 raise ValueError(
                     f"expected [{full}, {total_groups}] (group {self.group_size}), got {list(t.shape)}"
                 )
-            self._put(self.scales, shard_id, t, self.group_size)
+            self._put(self.w_scales, shard_id, t, self.group_size)
         elif name == "weight_zero_point":
             if t.dtype != torch.int32 or tuple(t.shape) != (-(-full // 8), total_groups):
                 raise ValueError(
                     f"expected int32 [{-(-full // 8)}, {total_groups}], got {t.dtype} {list(t.shape)}"
                 )
-            self._put(self.zeros, shard_id, decode_ct_zero(t, full, total_groups), self.group_size)
+            self._put(self.w_zeros, shard_id, decode_ct_zero(t, full, total_groups), self.group_size)
 
     def _load_autoawq(self, name: str, loaded: CheckpointTensor, shard_id: int | None) -> None:
         if not isinstance(loaded, torch.Tensor):
             raise ValueError(f"{name} must be a safetensors tensor")
         _, _, _, full = self._rows(shard_id)
         codes, per = unpack_autoawq(name, loaded, full, self.spec.in_features, self.group_size)
-        buffer = {"qweight": self.packed, "qzeros": self.zeros, "scales": self.scales}[name]
+        buffer = {"qweight": self.w_packed, "qzeros": self.w_zeros, "scales": self.w_scales}[name]
         self._put(buffer, shard_id, codes, per)
 
     def _bias_loader(self):
@@ -185,12 +185,20 @@ class Int4Linear(nn.Module):
         """uint8 codes [out, in] of this rank's shard (from whatever layout the kernel keeps)."""
         if self.kernel is not None:
             return self.kernel.codes(self)
-        return kernels.unpack_codes(self.packed, self.in_features)
+        return kernels.unpack_codes(self.w_packed, self.in_features)
+
+    def row_codes(self, ids: torch.Tensor) -> torch.Tensor:
+        """uint8 codes [len(ids), in] of output rows `ids` (the embedding lookup of an int4 head)."""
+        if self.kernel is None:
+            self.kernel = kernels.select(self, torch.empty(0, device=self.w_packed.device))
+        if hasattr(self.kernel, "row_codes"):
+            return self.kernel.row_codes(self, ids)
+        return kernels.unpack_codes(self.w_packed[ids], self.in_features)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from lmstack_awq.int4_math import dequantize_int4
 
-        return dequantize_int4(self.codes(), self.scales, self.zeros, self.group_size, dtype)
+        return dequantize_int4(self.codes(), self.w_scales, self.w_zeros, self.group_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:

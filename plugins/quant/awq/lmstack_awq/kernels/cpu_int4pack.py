@@ -31,7 +31,7 @@ class CpuInt4Pack:
     @staticmethod
     def supports(layer) -> bool:
         return (
-            layer.out_features % 16 == 0
+            layer.out_features % BLOCK_ROWS == 0
             and layer.in_features % (16 * INNER_K_TILES) == 0
             and kernel_group(layer.in_features, layer.group_size) is not None
         )
@@ -39,26 +39,61 @@ class CpuInt4Pack:
     def __init__(self, layer) -> None:
         k = layer.in_features
         self.gk = kernel_group(k, layer.group_size)
-        codes = unpack_nibbles(layer.packed, k).to(torch.int32)
-        layer.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES)
+        codes = unpack_nibbles(layer.w_packed, k).to(torch.int32)
+        layer.w_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES)
         # Per op group: the scale / zero of the checkpoint group its first column belongs to.
-        scale = expand_groups(layer.scales.float(), k, layer.group_size)[:, :: self.gk]
-        zero = expand_groups(layer.zeros.float(), k, layer.group_size)[:, :: self.gk]
+        scale = expand_groups(layer.w_scales.float(), k, layer.group_size)[:, :: self.gk]
+        zero = expand_groups(layer.w_zeros.float(), k, layer.group_size)[:, :: self.gk]
         self.scale_zero32 = torch.stack([scale.t(), ((8 - zero) * scale).t()], dim=-1).contiguous()
         self._by_dtype: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale_zero32}
+        self._map: torch.Tensor | None = None
 
     def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
         sz = self._by_dtype.get(x.dtype)
         if sz is None:
             sz = self._by_dtype[x.dtype] = self.scale_zero32.to(x.dtype)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), layer.packed, self.gk, sz)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), layer.w_packed, self.gk, sz)
+
+    def row_codes(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        """uint8 codes [len(ids), in] of output rows `ids`, read straight from the packed layout
+        (the embedding lookup of a tied int4 head)."""
+        k = layer.in_features
+        if self._map is None:
+            self._map = block_nibble_map(k)
+        where = self._map[ids % BLOCK_ROWS]  # [T, in] nibble positions inside the row's block
+        blocks = layer.w_packed.view(-1, BLOCK_ROWS * k // 2)
+        byte = blocks[(ids // BLOCK_ROWS)[:, None], where // 2]
+        return (byte >> (4 * (where % 2)).to(torch.uint8)) & 15
 
     def codes(self, layer) -> torch.Tensor:
         """The codes back: multiply the identity (exact in fp32) and undo scale and offset."""
         k = layer.in_features
         eye = torch.eye(k, dtype=torch.float32)
-        w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, self.gk, self.scale_zero32).t()
+        w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.w_packed, self.gk, self.scale_zero32).t()
         scale = self.scale_zero32[..., 0].t().repeat_interleave(self.gk, 1)
         offset = self.scale_zero32[..., 1].t().repeat_interleave(self.gk, 1)
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)
         return ((w - offset) / safe + 8).round().clamp(0, 15).to(torch.uint8)
+
+
+BLOCK_ROWS = 32  # the packed layout keeps each block of 32 output rows to itself
+
+
+def block_nibble_map(in_features: int) -> torch.Tensor:
+    """int64 [32, in]: where (row i, column c) of a 32-row block sits in that block's packed
+    bytes, as nibble position 2 * byte + (1 for the high nibble). Found by packing probe blocks
+    whose codes spell each position's index in base 16, one digit per probe, so it follows the
+    op's layout rather than re-deriving it."""
+    n = BLOCK_ROWS * in_features
+    index = torch.arange(n, dtype=torch.int64).view(BLOCK_ROWS, in_features)
+    source = torch.zeros(n, dtype=torch.int64)
+    digit = 0
+    while 16**digit < n:
+        probe = ((index >> (4 * digit)) & 15).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, INNER_K_TILES)
+        nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(-1).to(torch.int64)
+        source |= nibbles << (4 * digit)
+        digit += 1
+    position = torch.empty(n, dtype=torch.int64)
+    position[source] = torch.arange(n, dtype=torch.int64)
+    return position.view(BLOCK_ROWS, in_features)

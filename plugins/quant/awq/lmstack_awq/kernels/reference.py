@@ -8,8 +8,8 @@ from lmstack_awq.int4_math import dequantize_int4, unpack_nibbles
 
 
 def dequantize_layer(layer, dtype: torch.dtype) -> torch.Tensor:
-    codes = unpack_nibbles(layer.packed, layer.in_features)
-    return dequantize_int4(codes, layer.scales, layer.zeros, layer.group_size, dtype)
+    codes = unpack_nibbles(layer.w_packed, layer.in_features)
+    return dequantize_int4(codes, layer.w_scales, layer.w_zeros, layer.group_size, dtype)
 
 
 class ReferenceKernel:
@@ -17,4 +17,4 @@ class ReferenceKernel:
         return x @ dequantize_layer(layer, x.dtype).t()
 
     def codes(self, layer) -> torch.Tensor:
-        return unpack_nibbles(layer.packed, layer.in_features)
+        return unpack_nibbles(layer.w_packed, layer.in_features)

@@ -128,9 +128,9 @@ class TritonW4A16:
     def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
         return w4a16_matmul(
             x,
-            layer.packed,
-            layer.scales,
-            layer.zeros,
+            layer.w_packed,
+            layer.w_scales,
+            layer.w_zeros,
             layer.in_features,
             layer.group_size,
             interpret=self.interpret,
@@ -139,4 +139,4 @@ class TritonW4A16:
     def codes(self, layer) -> torch.Tensor:
         from lmstack_awq.int4_math import unpack_nibbles
 
-        return unpack_nibbles(layer.packed, layer.in_features)
+        return unpack_nibbles(layer.w_packed, layer.in_features)

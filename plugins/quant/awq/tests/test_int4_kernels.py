@@ -1,0 +1,79 @@
+"""The int4 kernels against the dequantized reference: the Triton W4A16 kernel in the Triton
+interpreter (fresh random shapes, odd sizes, partial last groups), the CPU int4pack kernel, and
+the int4pack layout's row gather used by the int4 embedding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lmstack.interfaces import LinearSpec
+from lmstack.testing.attention import rel_error
+from lmstack_awq.int4_math import Int4Scheme, pack_nibbles, quantize_int4
+from lmstack_awq.kernels.cpu_int4pack import CpuInt4Pack, block_nibble_map
+from lmstack_awq.linear import Int4Linear
+
+
+def _layer(out: int, k: int, group: int, symmetric: bool = False) -> tuple[Int4Linear, torch.Tensor]:
+    w = torch.randn(out, k) * k**-0.5
+    layer = Int4Linear(LinearSpec(k, out, False, "kit"), Int4Scheme(group, symmetric), "dense")
+    layer.weight.weight_loader(layer.weight, w, None)
+    return layer, quantize_int4(w, Int4Scheme(group, symmetric)).dequantize()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_w4a16_matches_dequantized_reference(dtype):
+    from lmstack_awq.kernels.triton_w4a16 import w4a16_matmul
+
+    rng = random.Random()
+    # 576 = 4.5 groups of 128 (SmolLM2's hidden size); the rest are fresh and odd.
+    shapes = [
+        (1, 40, 576, 128),
+        (rng.randint(1, 40), rng.randint(1, 90), rng.randint(1, 200), rng.choice((32, 64, 128))),
+    ]
+    for m, n, k, group in shapes:
+        layer, w = _layer(n, k, group, symmetric=rng.random() < 0.5)
+        x = torch.randn(m, k)
+        out = w4a16_matmul(
+            x.to(dtype), layer.w_packed, layer.w_scales, layer.w_zeros, k, group, interpret=True
+        )
+        ref = x @ w.t()
+        plain = (x.to(dtype) @ w.to(dtype).t()).float()
+        bound = 2 * rel_error(plain, ref) + torch.finfo(dtype).eps + 1e-6
+        assert out.dtype == dtype and out.shape == (m, n)
+        assert rel_error(out.float(), ref) <= bound, f"{(m, n, k, group)} {dtype}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int4pack_matches_reference_and_gives_codes_back(dtype):
+    layer, w = _layer(96, 576, 128)
+    assert CpuInt4Pack.supports(layer)
+    codes = layer.codes().clone()
+    x = torch.randn(7, 576)
+    out = layer(x.to(dtype))
+    assert isinstance(layer.kernel, CpuInt4Pack)
+    ref = x @ w.t()
+    plain = (x.to(dtype) @ w.to(dtype).t()).float()
+    assert rel_error(out.float(), ref) <= 2 * rel_error(plain, ref) + torch.finfo(dtype).eps + 1e-6
+    assert torch.equal(layer.codes(), codes)  # recovered from the re-laid buffer
+    ids = torch.tensor([0, 95, 31, 32, 64, 7])
+    assert torch.equal(layer.row_codes(ids), codes[ids])
+
+
+def test_block_nibble_map_is_a_permutation_of_the_block():
+    where = block_nibble_map(64)
+    assert sorted(where.reshape(-1).tolist()) == list(range(32 * 64))
+    q = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2).reshape(-1)
+    nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(-1)
+    assert torch.equal(nibbles[where], q)
+
+
+def test_nibble_packing_is_compressed_tensors_byte_order():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    q = torch.randint(0, 16, (5, 37), dtype=torch.uint8)
+    words = pack_to_int32((q.to(torch.int16) - 8).to(torch.int8), 4)
+    assert torch.equal(words.view(torch.uint8), pack_nibbles(q))
