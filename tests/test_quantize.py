@@ -33,11 +33,12 @@ def _hf(folder):
 
 
 def _served_logprobs(folder, quantizer: str, ids: torch.Tensor) -> torch.Tensor:
-    """lmstack's log-probabilities of each next prompt token, served from `folder` in fp32."""
+    """lmstack's log-probabilities of each next prompt token, served from `folder` in fp32 (the
+    embedding and head kept dense, as transformers does)."""
     from lmstack.llm import LLM
     from lmstack.sampling_params import SamplingParams
 
-    llm = LLM({"model": str(folder), "dtype": "float32", "quant": {"weights": quantizer}})
+    llm = LLM({"model": str(folder), "dtype": "float32", "quant": {"weights": quantizer, "lm_head": "dense"}})
     out = llm.generate(ids[0].tolist(), SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     llm.engine.shutdown()
     toks = ids[0, 1:].tolist()
@@ -92,16 +93,12 @@ def test_folder_layout(rtn_folder, tiny_model_path):
 
 
 def test_transformers_loads_our_folder(rtn_folder):
-    """transformers (through compressed-tensors) and lmstack's reference of the same quantized
-    weights agree: ours dequantized with our format equals theirs decompressed."""
-    from lmstack_awq.int4_format import Int4WeightFormat
-    from lmstack_awq.int4_math import Int4Scheme
-
+    """transformers (decompressing through compressed-tensors) and lmstack serving the folder we
+    wrote give the same next-token log-probabilities."""
     ids = _ids(1)
-    with torch.no_grad():
-        theirs = _hf(rtn_folder)(ids).logits
-    dense = CalibrationModel.load(open_model_source(str(rtn_folder.parent.parent / "unused")))  # noqa
-    del dense
+    theirs = _hf_logprobs(_hf(rtn_folder), ids)
+    ours = _served_logprobs(rtn_folder, "awq", ids)
+    torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3)
 
 
 def test_out_folder_must_be_new(rtn_folder, tiny_model_path, tmp_path, capsys):
@@ -138,7 +135,9 @@ def write_with_compressed_tensors(tiny_model_path, out, group_size: int = 32):
     reference = _hf(tiny_model_path)
     args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=group_size)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
     ref_modules = dict(reference.named_modules())
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -165,3 +164,18 @@ def test_lmstack_loads_a_compressed_tensors_folder(tiny_model_path, tmp_path):
     ids = _ids(2)
     ours = _served_logprobs(tmp_path / "ct", "awq", ids)
     torch.testing.assert_close(ours, _hf_logprobs(reference, ids), rtol=1e-3, atol=1e-3)
+
+
+def test_awq_command_records_its_calibration(tiny_model_path, tmp_path):
+    stack = tmp_path / "stack.yaml"
+    stack.write_text(f"model: {tiny_model_path}\ndtype: float32\n", encoding="utf-8")
+    text = tmp_path / "calibration.txt"
+    text.write_text("The keeper climbed the stairs and trimmed the wick. " * 40, encoding="utf-8")
+    out = tmp_path / "awq"
+    args = ["quantize", "--stack", str(stack), "--method", "awq", "--out", str(out)]
+    assert main([*args, "--calibration", str(text), "--num-samples", "4", "--seq-len", "32"]) == 0
+    record = json.loads((out / "lmstack_quantize.json").read_text())
+    assert record["calibration"]["source"] == str(text) and record["calibration"]["num_samples"] == 4
+    assert record["search"]["algorithm"] == "awq" and len(record["search"]["layers"]) == 2
+    lps = _served_logprobs(out, "awq", _ids(3))
+    assert torch.isfinite(lps).all()
