@@ -350,7 +350,9 @@ def _add_eval_parser(sub: Any) -> None:
     ppl.add_argument("--stack", required=True, metavar="FILE", help="path to a stack YAML file")
     ppl.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file")
     ppl.add_argument("--model", default=None, metavar="M", help="serve this model instead of the stack's")
-    ppl.add_argument("--max-tokens", type=_positive_int, default=None, metavar="N", help="read at most N tokens")
+    ppl.add_argument(
+        "--max-tokens", type=_positive_int, default=None, metavar="N", help="read at most N tokens"
+    )
     ppl.add_argument("--window", type=_positive_int, default=512, metavar="W", help="tokens per window")
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     ppl.set_defaults(handler=_cmd_eval_perplexity)
@@ -366,10 +368,16 @@ def _add_quantize_parser(sub: Any) -> None:
         "calibrate (awq) run their search on calibration text first.",
     )
     q.add_argument("--stack", required=True, metavar="FILE", help="path to a stack YAML file")
-    q.add_argument("--method", required=True, metavar="NAME", help="a quantizer: awq, rtn-int4, fp8, nvfp4, ...")
-    q.add_argument("--out", required=True, metavar="DIR", help="the folder to write (must not exist or be empty)")
+    q.add_argument(
+        "--method", required=True, metavar="NAME", help="a quantizer: awq, rtn-int4, fp8, nvfp4, ..."
+    )
+    q.add_argument(
+        "--out", required=True, metavar="DIR", help="the folder to write (must not exist or be empty)"
+    )
     q.add_argument("--model", default=None, metavar="M", help="quantize this model instead of the stack's")
-    q.add_argument("--group-size", type=_positive_int, default=None, metavar="N", help="the quantizer's group size")
+    q.add_argument(
+        "--group-size", type=_positive_int, default=None, metavar="N", help="the quantizer's group size"
+    )
     q.add_argument(
         "--calibration",
         default=None,

@@ -73,7 +73,7 @@ def test_scale_fold_keeps_the_dense_model(outlier_model):
 
 def test_awq_beats_round_to_nearest(outlier_model):
     fmt = FakeInt4(32)
-    fmt.awq = AWQConfig(grid=20)
+    fmt.awq = AWQConfig(grid=10, clip_grid=10)
     held_out = _samples(2)
     dense = outlier_model.logits(held_out)
     rtn_err = (_quantized(outlier_model, fmt).logits(held_out) - dense).pow(2).mean()
