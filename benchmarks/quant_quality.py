@@ -9,10 +9,10 @@ skipped with the reason; the rest still run. Writes benchmarks/results/quant_qua
 results.json (numbers, targets, pass/fail, CPU, the exact commands), commands.sh, a plot
 (quant_quality.png, when matplotlib is installed) and each command's stderr log.
 
-Calibration for awq: benchmarks/data/calibration_smollm2.txt, SmolLM2-135M-Instruct's own
-sampled answers to `lmstack.quantize.SELF_PROMPTS` (made by `lmstack quantize --calibration
-self`, see benchmarks/data/README.md). Held-out text: benchmarks/data/heldout_gpl3.txt (the GNU
-GPL v3 text, which its licence lets anyone copy verbatim), never seen by the calibration.
+Calibration for awq: benchmarks/data/calibration_docs.txt, this project's own README.md and
+docs/*.md concatenated (a snapshot: text the project ships). Held-out text:
+benchmarks/data/heldout_gpl3.txt (the GNU GPL v3 text, which its licence lets anyone copy
+verbatim), never seen by the calibration.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data"
 HELDOUT = DATA / "heldout_gpl3.txt"
-CALIBRATION = DATA / "calibration_smollm2.txt"
+CALIBRATION = DATA / "calibration_docs.txt"
 
 # name -> (quantize method or None, extra quant settings for eval, target: max relative increase
 # vs the unquantized model or None)
@@ -42,6 +42,10 @@ RUNS: dict[str, tuple[str | None, dict, float | None]] = {
     "rtn-int4-g128": ("rtn-int4", {}, None),
     "nvfp4": ("nvfp4", {}, 0.15),
     "kv-fp8_e4m3": (None, {"kv_cache": "fp8_e4m3"}, 0.01),
+    # The same int4 folders served with the embedding / head dense (lmstack-awq's default holds
+    # them as int4 g32 for the size target): what the int4 linears alone cost.
+    "awq-g128-dense-head": ("awq", {"lm_head": "dense"}, None),
+    "rtn-int4-g128-dense-head": ("rtn-int4", {"lm_head": "dense"}, None),
 }
 GROUP_SIZE = {"rtn-int4": 128}  # awq writes group 128 (its default; it takes no option)
 # The quantizer that serves a folder a method wrote: rtn-int4 quantizes at load only, and its
@@ -111,7 +115,10 @@ def main() -> int:
             continue
         model = args.model
         started = time.perf_counter()
-        if method is not None:
+        base_run = name.removesuffix("-dense-head")
+        if method is not None and base_run != name and (work / base_run).is_dir():
+            model = str(work / base_run)  # reuse the folder the plain run wrote
+        elif method is not None:
             folder = work / name
             qstack = work / f"{name}-quantize.yaml"
             qstack.write_text(stack_yaml(args.model, {"weights": "none"}), encoding="utf-8")
