@@ -321,6 +321,8 @@ def test_serve_and_bench_come_from_their_distributions():
         "check",
         "plugins",
         "generate",
+        "eval",
+        "quantize",
         "new-plugin",
     }
     args = parser.parse_args(["bench", "serve", "--help"])

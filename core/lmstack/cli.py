@@ -176,6 +176,9 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
     generate.add_argument("prompt", metavar="PROMPT")
     generate.set_defaults(handler=_cmd_generate)
 
+    _add_eval_parser(sub)
+    _add_quantize_parser(sub)
+
     from lmstack.roles import KIND_NAMES
 
     new_plugin = sub.add_parser(
@@ -330,6 +333,73 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from lmstack import cli_generate
 
     return int(cli_generate.run(args) or 0)
+
+
+def _add_eval_parser(sub: Any) -> None:
+    evaluate = sub.add_parser(
+        "eval", help="measure the served model", description="Measure the model a stack serves."
+    )
+    what = evaluate.add_subparsers(dest="what", required=True, metavar="WHAT")
+    ppl = what.add_parser(
+        "perplexity",
+        help="windowed perplexity over a text file",
+        description="Perplexity of the model the stack serves (its quantizer and KV-cache dtype "
+        "apply) over a text file, in non-overlapping windows of W predicted tokens, each run "
+        "through the engine as one request.",
+    )
+    ppl.add_argument("--stack", required=True, metavar="FILE", help="path to a stack YAML file")
+    ppl.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file")
+    ppl.add_argument("--model", default=None, metavar="M", help="serve this model instead of the stack's")
+    ppl.add_argument(
+        "--max-tokens", type=_positive_int, default=None, metavar="N", help="read at most N tokens"
+    )
+    ppl.add_argument("--window", type=_positive_int, default=512, metavar="W", help="tokens per window")
+    ppl.add_argument("--json", action="store_true", help="print one JSON object")
+    ppl.set_defaults(handler=_cmd_eval_perplexity)
+
+
+def _add_quantize_parser(sub: Any) -> None:
+    q = sub.add_parser(
+        "quantize",
+        help="write a quantized Hugging Face folder of the stack's model",
+        description="Quantize the stack's model (dequantized to fp32) with a quantizer plugin's "
+        "checkpoint format and write a Hugging Face folder (compressed-tensors config.json, "
+        "safetensors, tokenizer, chat template) that `model: DIR` serves. Methods that "
+        "calibrate (awq) run their search on calibration text first.",
+    )
+    q.add_argument("--stack", required=True, metavar="FILE", help="path to a stack YAML file")
+    q.add_argument(
+        "--method", required=True, metavar="NAME", help="a quantizer: awq, rtn-int4, fp8, nvfp4, ..."
+    )
+    q.add_argument(
+        "--out", required=True, metavar="DIR", help="the folder to write (must not exist or be empty)"
+    )
+    q.add_argument("--model", default=None, metavar="M", help="quantize this model instead of the stack's")
+    q.add_argument(
+        "--group-size", type=_positive_int, default=None, metavar="N", help="the quantizer's group size"
+    )
+    q.add_argument(
+        "--calibration",
+        default=None,
+        metavar="SOURCE",
+        help="a text file, or `self` (the default: the model's own sampled answers to built-in "
+        "prompts, saved as calibration.txt in the output folder)",
+    )
+    q.add_argument("--num-samples", type=_positive_int, default=32, metavar="N", help="calibration samples")
+    q.add_argument("--seq-len", type=_positive_int, default=512, metavar="L", help="tokens per sample")
+    q.set_defaults(handler=_cmd_quantize)
+
+
+def _cmd_eval_perplexity(args: argparse.Namespace) -> int:
+    from lmstack.evaluate import run_cli
+
+    return run_cli(args)
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from lmstack.quantize import run_cli
+
+    return run_cli(args)
 
 
 def _cmd_new_plugin(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ linear weight through `encode`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -71,3 +71,21 @@ class WeightFormat(ABC):
     def quantization_config(self, ignore: list[str]) -> dict[str, Any]:
         """config.json's `quantization_config` for a checkpoint of this format; `ignore` lists
         the modules left dense (e.g. "lm_head")."""
+
+
+@runtime_checkable
+class Calibrated(Protocol):
+    """A `WeightFormat` whose method searches on calibration data before `encode` (AWQ).
+
+    `lmstack quantize` calls `calibrate(model, samples)` once, before any `encode`: `model` is a
+    `lmstack.quantize.CalibrationModel` (the dense fp32 weights by Hugging Face name, the
+    decoder layers' forward pieces and, per layer, the `ScaleGroup`s of linears that share an
+    input), `samples` the calibration token ids [num_samples, seq_len]. It may rewrite any
+    weight in `model.weights` as long as the model's function is kept up to quantization error
+    (AWQ folds per-channel scales into the previous op and clips weights); the writer then
+    encodes the rewritten linears. `calibration_record()` goes into the folder's
+    `lmstack_quantize.json` (the search's settings and results)."""
+
+    def calibrate(self, model: Any, samples: torch.Tensor, progress: Any = None) -> None: ...
+
+    def calibration_record(self) -> dict[str, Any]: ...

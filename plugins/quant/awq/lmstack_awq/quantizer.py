@@ -146,3 +146,8 @@ class AwqQuantizer(Int4Quantizer):
         raise ConfigError(
             f"awq reads compressed-tensors pack-quantized int4 and AutoAWQ GEMM checkpoints; this one is {fmt}"
         )
+
+    def weight_format(self) -> WeightFormat:
+        from lmstack_awq.search import AwqWeightFormat  # the AWQ search runs before encoding
+
+        return AwqWeightFormat(self.scheme)

@@ -1,0 +1,216 @@
+"""The quantization acceptance numbers (issue 11), in one run: perplexity on a held-out text of
+the unquantized model and of fp8, awq g128, rtn-int4 g128, nvfp4 weights and an fp8_e4m3 KV
+cache, all with fp32 compute, through the CLI (`lmstack quantize` + `lmstack eval perplexity`).
+
+    .venv/bin/python benchmarks/quant_quality.py [--model smollm2-135m-instruct] [--max-tokens N]
+
+A method whose quantizer is not installed (or whose quantize / eval fails) is recorded as
+skipped with the reason; the rest still run. Writes benchmarks/results/quant_quality-<date>/:
+results.json (numbers, targets, pass/fail, CPU, the exact commands), commands.sh, a plot
+(quant_quality.png, when matplotlib is installed) and each command's stderr log.
+
+Calibration for awq: benchmarks/data/calibration_docs.txt, this project's own README.md and
+docs/*.md concatenated (a snapshot: text the project ships). Held-out text:
+benchmarks/data/heldout_gpl3.txt (the GNU GPL v3 text, which its licence lets anyone copy
+verbatim), never seen by the calibration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "benchmarks" / "data"
+HELDOUT = DATA / "heldout_gpl3.txt"
+CALIBRATION = DATA / "calibration_docs.txt"
+
+# name -> (quantize method or None, extra quant settings for eval, target: max relative increase
+# vs the unquantized model or None)
+RUNS: dict[str, tuple[str | None, dict, float | None]] = {
+    "unquantized": (None, {}, None),
+    "fp8": ("fp8", {}, 0.01),
+    "awq-g128": ("awq", {}, 0.12),
+    "rtn-int4-g128": ("rtn-int4", {}, None),
+    "nvfp4": ("nvfp4", {}, 0.15),
+    "kv-fp8_e4m3": (None, {"kv_cache": "fp8_e4m3"}, 0.01),
+    # The same int4 folders served with the embedding / head dense (lmstack-awq's default holds
+    # them as int4 g32 for the size target): what the int4 linears alone cost.
+    "awq-g128-dense-head": ("awq", {"lm_head": "dense"}, None),
+    "rtn-int4-g128-dense-head": ("rtn-int4", {"lm_head": "dense"}, None),
+}
+GROUP_SIZE = {"rtn-int4": 128}  # awq writes group 128 (its default; it takes no option)
+# The quantizer that serves a folder a method wrote: rtn-int4 quantizes at load only, and its
+# compressed-tensors folders are read by `awq` (what `quant: {weights: auto}` picks).
+SERVE = {"rtn-int4": "awq"}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def stack_yaml(model: str, quant: dict) -> str:
+    q = {"weights": "none", "kv_cache": "none"} | quant
+    return (
+        f"model: {model}\ndtype: float32\ndevice: cpu\n"
+        "scheduler: {name: continuous, max_num_seqs: 16, max_num_batched_tokens: 2048}\n"
+        "allocator: {name: paged, block_size: 16, kv_cache_memory: 1GiB}\n"
+        "attention: {prefill: torch, decode: torch}\n"
+        f"quant: {json.dumps(q)}\n"
+    )
+
+
+def run(cmd: list[str], log: Path) -> tuple[int, str]:
+    with log.open("w") as err:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
+    return proc.returncode, proc.stdout
+
+
+def installed_quantizers(lmstack: list[str]) -> set[str]:
+    proc = subprocess.run([*lmstack, "plugins", "--json"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"none"}
+    return {c["name"] for c in json.loads(proc.stdout) if c["kind"] == "quantizer"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--max-tokens", type=int, default=None, help="held-out tokens to read (default: all)")
+    ap.add_argument("--num-samples", type=int, default=32)
+    ap.add_argument("--only", nargs="*", default=None, help="run only these names")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"quant_quality-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    lmstack = [sys.executable, "-m", "lmstack.cli"]
+    have = installed_quantizers(lmstack)
+    work = Path(tempfile.mkdtemp(prefix="quant_quality-"))
+    results: dict[str, dict] = {}
+    commands: list[str] = []
+    for name, (method, quant, target) in RUNS.items():
+        if args.only and name not in args.only:
+            continue
+        entry: dict = {"method": method, "quant": quant, "target_rel": target}
+        results[name] = entry
+        if method is not None and method not in have:
+            entry["skipped"] = f"quantizer {method!r} is not installed"
+            print(f"{name}: skipped ({entry['skipped']})", file=sys.stderr)
+            continue
+        model = args.model
+        started = time.perf_counter()
+        base_run = name.removesuffix("-dense-head")
+        if method is not None and base_run != name and (work / base_run).is_dir():
+            model = str(work / base_run)  # reuse the folder the plain run wrote
+        elif method is not None:
+            folder = work / name
+            qstack = work / f"{name}-quantize.yaml"
+            qstack.write_text(stack_yaml(args.model, {"weights": "none"}), encoding="utf-8")
+            cmd = [*lmstack, "quantize", "--stack", str(qstack), "--method", method, "--out", str(folder)]
+            if method in GROUP_SIZE:
+                cmd += ["--group-size", str(GROUP_SIZE[method])]
+            if method == "awq":
+                cmd += ["--calibration", str(CALIBRATION), "--num-samples", str(args.num_samples)]
+            commands.append(shlex.join(cmd))
+            rc, _ = run(cmd, out / f"{name}-quantize.log")
+            if rc != 0:
+                entry["skipped"] = f"quantize failed (exit {rc}): see {name}-quantize.log"
+                print(f"{name}: {entry['skipped']}", file=sys.stderr)
+                continue
+            entry["quantize_seconds"] = round(time.perf_counter() - started, 1)
+            entry["folder_bytes"] = sum(f.stat().st_size for f in folder.iterdir())
+            model = str(folder)
+        estack = work / f"{name}-eval.yaml"
+        # The quantized folder is served by the quantizer that wrote it.
+        weights = {"weights": SERVE.get(method, method)} if method is not None else {}
+        estack.write_text(stack_yaml(model, weights | quant), encoding="utf-8")
+        cmd = [*lmstack, "eval", "perplexity", "--stack", str(estack), "--text", str(HELDOUT), "--json"]
+        if args.max_tokens:
+            cmd += ["--max-tokens", str(args.max_tokens)]
+        commands.append(shlex.join(cmd))
+        rc, stdout = run(cmd, out / f"{name}-eval.log")
+        if rc != 0:
+            entry["skipped"] = f"eval failed (exit {rc}): see {name}-eval.log"
+            print(f"{name}: {entry['skipped']}", file=sys.stderr)
+            continue
+        entry |= json.loads(stdout.strip().splitlines()[-1])
+        print(f"{name}: perplexity {entry['perplexity']:.3f}", file=sys.stderr)
+
+    base = results.get("unquantized", {}).get("perplexity")
+    for entry in results.values():
+        if base and "perplexity" in entry:
+            entry["rel_increase"] = entry["perplexity"] / base - 1
+            if entry["target_rel"] is not None:
+                entry["meets_target"] = entry["rel_increase"] <= entry["target_rel"]
+    awq, rtn = results.get("awq-g128", {}), results.get("rtn-int4-g128", {})
+    if "perplexity" in awq and "perplexity" in rtn:
+        awq["better_than_rtn"] = awq["perplexity"] < rtn["perplexity"]
+        awq["meets_target"] = awq.get("meets_target", False) and awq["better_than_rtn"]
+    summary = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "cpu": cpu_name(),
+        "model": args.model,
+        "heldout": str(HELDOUT.relative_to(ROOT)),
+        "calibration": str(CALIBRATION.relative_to(ROOT)),
+        "compute": "float32",
+        "note": "timings are noisy (shared machine); perplexities are deterministic",
+        "results": results,
+        "commands": commands,
+    }
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    (out / "commands.sh").write_text("\n".join(commands) + "\n", encoding="utf-8")
+    _plot(results, base, out / "quant_quality.png")
+    print(json.dumps({k: v.get("perplexity", v.get("skipped")) for k, v in results.items()}, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _plot(results: dict[str, dict], base: float | None, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = [n for n, e in results.items() if "perplexity" in e]
+    if not names:
+        return
+    values = [results[n]["perplexity"] for n in names]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars = ax.bar(names, values, color=["tab:gray" if n == "unquantized" else "tab:blue" for n in names])
+    for bar, name in zip(bars, names, strict=True):
+        rel = results[name].get("rel_increase")
+        label = f"{results[name]['perplexity']:.2f}" + (
+            f"\n{rel:+.1%}" if rel is not None and name != "unquantized" else ""
+        )
+        ax.annotate(
+            label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8
+        )
+    if base:
+        ax.axhline(base, color="tab:gray", linestyle="--", linewidth=0.8)
+    ax.set_ylabel("perplexity (held-out text, fp32 compute)")
+    ax.set_title("SmolLM2-135M-Instruct: quantization quality")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
