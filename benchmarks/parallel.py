@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/parallel.py                       # tiny model, every installed layout
     .venv/bin/python benchmarks/parallel.py --model tiny --model smollm2-135m-instruct --layouts single,tp3,pp2
+    .venv/bin/python benchmarks/parallel.py --model tiny-moe --layouts single,ep2,ep2xtp2
     .venv/bin/python benchmarks/parallel.py --device cuda --dtype bfloat16   # GPU section (NCCL)
 
 For each layout it builds an engine on the model, prefills `--batch` prompts, runs `--warmup`
@@ -46,6 +47,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp3": {"name": "tp", "tp": 3},
     "pp2": {"name": "pp", "pp": 2},
     "tp2xpp2": {"name": "pp", "pp": 2, "tp": 2},
+    "tp3xpp2": {"name": "pp", "pp": 2, "tp": 3},
     "ep2": {"name": "ep", "ep": 2},
     "ep2xtp2": {"name": "ep", "ep": 2, "tp": 2},
 }
@@ -165,7 +167,9 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--model", action="append", help="model name or path (repeatable); default: the tiny test model"
+        "--model",
+        action="append",
+        help="model name or path (repeatable; `tiny`, `tiny-moe`: the random-weight test models); default: tiny",
     )
     ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma list of {', '.join(LAYOUTS)}")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -190,6 +194,11 @@ def main() -> int:
 
             model = str(write_tiny_model(Path(tempfile.mkdtemp(prefix="lmstack-bench-tiny-"))))
             labels[model] = "tiny"
+        elif model == "tiny-moe":  # the random-weight mixture-of-experts test model (for ep)
+            from lmstack.testing.tiny_moe import write_tiny_moe
+
+            model = str(write_tiny_moe(Path(tempfile.mkdtemp(prefix="lmstack-bench-tiny-moe-"))))
+            labels[model] = "tiny-moe"
         models.append(model)
     load_before = os.getloadavg()
     results = []

@@ -193,8 +193,10 @@ class MoEModel(LlamaModel):
         local = set(config.local_experts(self.ranks))
         shared_here = self.ranks.ep_rank == 0
 
+        stage = self.stage  # a pipeline stage skips other stages' tensors
+
         def name_map(name: str) -> tuple[str, ShardId | None] | None:
-            target = moe_checkpoint_name(name, config)
+            target = stage.param_name(moe_checkpoint_name(name, config), tied=config.tie_word_embeddings)
             if target is None:
                 return None
             if (m := _EXPERT_PARAM.match(target[0])) and int(m.group(1)) not in local:
