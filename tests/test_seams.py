@@ -261,6 +261,18 @@ class Fp8KV:
             )
         )
 
+    @hookimpl
+    def lmstack_register_attention(self, register):
+        # A kernel that reads 16-bit caches only (the built-in `torch` also reads float8).
+        register(
+            Component(
+                name="half-only",
+                kind="attention",
+                factory=lambda o, c: None,
+                capabilities={"kv_cache_dtypes": ("float16", "bfloat16"), "phases": ("prefill", "decode")},
+            )
+        )
+
 
 def test_incompatible_stack_is_rejected_before_the_model_is_opened(monkeypatch):
     from lmstack import engine as engine_module
@@ -272,6 +284,9 @@ def test_incompatible_stack_is_rejected_before_the_model_is_opened(monkeypatch):
     monkeypatch.setattr(engine_module, "open_model_source", no_model)
     pm = make_plugin_manager(autoload=False, extra_plugins=[Fp8KV()])
     with pytest.raises(ResolutionError) as e:
-        LLMEngine({"quant": {"weights": "kv-fp8"}}, plugin_manager=pm)
+        LLMEngine(
+            {"quant": {"weights": "kv-fp8"}, "attention": {"prefill": "half-only", "decode": "half-only"}},
+            plugin_manager=pm,
+        )
     msg = str(e.value)
-    assert "kv-fp8" in msg and "'torch'" in msg
+    assert "kv-fp8" in msg and "'half-only'" in msg

@@ -29,7 +29,7 @@ Everything else in lmstack is internal and may change in any release.
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"
 """The plugin API this lmstack provides; see the module docstring for when it changes."""
 
 PUBLIC_API: dict[str, tuple[str, ...]] = {
@@ -94,6 +94,43 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.components.none_quantizer": ("NoQuantizer", "COMPONENT"),
     "lmstack.components.none_speculator": ("NoSpeculator", "COMPONENT"),
     "lmstack.components.none_cache": ("NoCache", "COMPONENT"),
+    # 1.1: what quantizers and parallel layouts build on (issues 11 and 14).
+    "lmstack.model.checkpoint": ("CheckpointTensor", "GGUFTensor", "to_dense"),
+    "lmstack.model.weight_loader": (
+        "default_weight_loader",
+        "fused_weight_loader",
+        "set_weight_loader",
+        "load_named_weights",
+        "take_rows",
+        "take_columns",
+        "column_parallel_loader",
+        "row_parallel_loader",
+    ),
+    "lmstack.model.linear": ("default_linear", "dense_parameter"),
+    "lmstack.model.tp_shard": ("part_rows", "input_columns", "keeps_bias"),
+    "lmstack.quant_format": (
+        "DENSE",
+        "GGUF",
+        "CT_PACK_QUANTIZED",
+        "CT_FLOAT_QUANTIZED",
+        "CT_NVFP4",
+        "AUTOAWQ_GEMM",
+        "checkpoint_format_id",
+        "WeightFormat",
+        "Calibrated",
+    ),
+    "lmstack.distributed": (
+        "ParallelRanks",
+        "ParallelState",
+        "get_parallel",
+        "init_parallel",
+        "layer_range",
+        "tp_all_reduce",
+        "tp_all_gather",
+        "moe_all_reduce",
+    ),
+    "lmstack.parallel_layout": ("ShardedLayout", "check_tensor_parallel"),
+    "lmstack.multiproc": ("MultiprocExecutor",),
     "lmstack.content_hash": ("CacheGeometry", "block_hash", "config_digest", "hash_hex", "request_key"),
 }
 """Module -> the names in it that plugins may import (everything else is internal)."""

@@ -118,10 +118,15 @@ def prefill(
     *,
     scale: float,
     sliding_window: int | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q [T, Hq, D]; k, v [T, Hkv, D] (already in the cache); each sequence also attends to its
-    # `meta.context_lens` earlier cached tokens. Returns [T, Hq, D].
-    return super().prefill(q, k, v, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window)
+    # `meta.context_lens` earlier cached tokens. Returns [T, Hq, D]. k_scale / v_scale [Hkv]:
+    # per-KV-head scales of a float8 cache (None otherwise; drop float8 from the declared
+    # kv_cache_dtypes if your kernel does not read them).
+    kw = {"scale": scale, "sliding_window": sliding_window, "k_scale": k_scale, "v_scale": v_scale}
+    return super().prefill(q, k, v, k_cache, v_cache, meta, **kw)
 
 def decode(
     self,
@@ -132,9 +137,12 @@ def decode(
     *,
     scale: float,
     sliding_window: int | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q [B, Hq, D]: one query per sequence over its `meta.seq_lens` cached tokens. Returns [B, Hq, D].
-    return super().decode(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window)
+    kw = {"scale": scale, "sliding_window": sliding_window, "k_scale": k_scale, "v_scale": v_scale}
+    return super().decode(q, k_cache, v_cache, meta, **kw)
 ''',
         build="""
 return $Camel$suffix()

@@ -16,5 +16,7 @@ class TestFp8W8A8(QuantizerConformance):
     # The W8A8 arithmetic of the CUDA kernel (activations rounded per token), on the CPU.
     component = "fp8"
     options = {"kernel": "emulate"}
+    reader_options = {"kernel": "emulate"}  # read back with the same arithmetic
+    weight_only = False
     dtypes = (float32,)
     quantization_error = 0.06
