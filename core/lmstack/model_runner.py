@@ -4,6 +4,7 @@ owns the KV-cache tensors, applies block copies and splits attention into decode
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -26,15 +27,15 @@ class ForwardContext:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         prefill: AttentionBackend,
         decode: AttentionBackend,
-        scale: float,
-        sliding_window: int | None,
-        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        layer_kwargs: list[tuple[dict[str, Any], dict[str, Any]]],
     ) -> None:
+        """`layer_kwargs[layer]`: the keywords of that layer's `write_kv` and of its kernels
+        (`scale`, `sliding_window`, and a scaled float8 cache's `k_scale` / `v_scale`), made once
+        by the model runner."""
         self.meta = meta
         self.kv_caches = kv_caches
-        self.kv_scales = kv_scales  # per layer (k_scale, v_scale) for a scaled float8 cache
+        self.layer_kwargs = layer_kwargs
         self.prefill_backend, self.decode_backend = prefill, decode
-        self.scale, self.sliding_window = scale, sliding_window
         nd = meta.num_decode_seqs
         self.num_decode = nd
         self.decode_meta = meta.select(0, nd) if 0 < nd < meta.num_seqs else meta
@@ -43,12 +44,8 @@ class ForwardContext:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
         meta, nd = self.meta, self.num_decode
-        # Scales reach only backends that declare a float8 KV dtype (resolution checked it).
-        kv_kw = {}
-        if self.kv_scales is not None:
-            kv_kw = dict(zip(("k_scale", "v_scale"), self.kv_scales[layer], strict=True))
-        self.prefill_backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, **kv_kw)
-        kw = {"scale": self.scale, "sliding_window": self.sliding_window, **kv_kw}
+        write_kw, kw = self.layer_kwargs[layer]
+        self.prefill_backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, **write_kw)
         if nd == meta.num_seqs:
             return self.decode_backend.decode(q, k_cache, v_cache, meta, **kw)
         if nd == 0:
@@ -103,6 +100,14 @@ class ModelRunner:
             self.kv_scales = calibrate_kv_scales(
                 self.model, config.vocab_size, config.num_layers, kv_cache_dtype, device
             )
+        # Each layer's kernel keywords, made once rather than per layer per step. Scales reach
+        # only backends that declare a float8 KV dtype (resolution checked it).
+        self.layer_kwargs: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        for layer in range(config.num_layers):
+            scales = self.kv_scales[layer] if self.kv_scales is not None else None
+            write_kw = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
+            kernel_kw = {"scale": self.scale, "sliding_window": config.sliding_window, **write_kw}
+            self.layer_kwargs.append((write_kw, kernel_kw))
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
@@ -193,9 +198,7 @@ class ModelRunner:
             self.kv_caches,
             self.prefill_backend,
             self.decode_backend,
-            self.scale,
-            self.config.sliding_window,
-            self.kv_scales,
+            self.layer_kwargs,
         )
         stage_kw = {} if hidden_in is None else {"hidden_in": hidden_in}
         logits, hidden = self.model(
