@@ -107,7 +107,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "row_parallel_loader",
     ),
     "lmstack.model.linear": ("default_linear", "dense_parameter"),
-    "lmstack.model.tp_shard": ("part_rows", "input_columns", "keeps_bias"),
+    "lmstack.model.tp_shard": ("part_rows", "input_columns", "keeps_bias", "bias_rows"),
     "lmstack.quant_format": (
         "DENSE",
         "GGUF",

@@ -8,6 +8,8 @@ columns, scale groups) by dividing by its alignment.
 
 from __future__ import annotations
 
+import torch
+
 from lmstack.interfaces import LinearSpec
 
 
@@ -34,3 +36,11 @@ def input_columns(spec: LinearSpec) -> tuple[int, int]:
 def keeps_bias(spec: LinearSpec) -> bool:
     """A row-parallel layer's outputs are summed over ranks, so only rank 0 adds the bias."""
     return not (spec.parallel == "row" and spec.tp_size > 1 and spec.tp_rank != 0)
+
+
+def bias_rows(spec: LinearSpec, bias: torch.Tensor, size: int, start: int, rows: int) -> torch.Tensor:
+    """This rank's rows [start, start + rows) of one part's whole bias (`size` values), or zeros
+    where another rank adds the bias (`keeps_bias`); ValueError on a wrong shape."""
+    if tuple(bias.shape) != (size,):
+        raise ValueError(f"expected shape {(size,)}, got {tuple(bias.shape)}")
+    return bias[start : start + rows] if keeps_bias(spec) else torch.zeros(rows, dtype=bias.dtype)

@@ -23,7 +23,7 @@ from torch import nn
 
 from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
-from lmstack.model.tp_shard import input_columns, keeps_bias, part_rows
+from lmstack.model.tp_shard import bias_rows, input_columns, part_rows
 from lmstack.model.weight_loader import set_weight_loader
 from lmstack_fp8 import fp8
 from lmstack_fp8.scheme import Fp8Scheme
@@ -102,11 +102,9 @@ class Fp8Linear(nn.Module):
 
     def _load_bias(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
         offset, start, rows, size = self._part(shard_id)
-        bias = to_dense(loaded, param.dtype)
-        if tuple(bias.shape) != (size,):
-            raise ValueError(f"expected shape {(size,)}, got {tuple(bias.shape)}")
-        value = bias[start : start + rows] if keeps_bias(self.spec) else torch.zeros(rows, dtype=param.dtype)
-        param.data[offset : offset + rows] = value
+        param.data[offset : offset + rows] = bias_rows(
+            self.spec, to_dense(loaded, param.dtype), size, start, rows
+        )
 
     # --- computing ----------------------------------------------------------------------------
 
