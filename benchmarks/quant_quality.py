@@ -22,6 +22,7 @@ import datetime as dt
 import json
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,12 @@ def main() -> int:
     ap.add_argument("--num-samples", type=int, default=32)
     ap.add_argument("--only", nargs="*", default=None, help="run only these names")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--folders",
+        default=str(Path.home() / ".cache" / "lmstack" / "quantized"),
+        help="where the quantized folders are written (<model>-<method>, replaced on each run; "
+        "benchmarks/quant_cpu.py reuses them)",
+    )
     args = ap.parse_args()
 
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
@@ -102,6 +109,9 @@ def main() -> int:
     lmstack = [sys.executable, "-m", "lmstack.cli"]
     have = installed_quantizers(lmstack)
     work = Path(tempfile.mkdtemp(prefix="quant_quality-"))
+    folders = Path(args.folders)
+    folders.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
     results: dict[str, dict] = {}
     commands: list[str] = []
     for name, (method, quant, target) in RUNS.items():
@@ -116,10 +126,12 @@ def main() -> int:
         model = args.model
         started = time.perf_counter()
         base_run = name.removesuffix("-dense-head")
-        if method is not None and base_run != name and (work / base_run).is_dir():
-            model = str(work / base_run)  # reuse the folder the plain run wrote
+        if method is not None and base_run != name and base_run in written:
+            model = str(written[base_run])  # reuse the folder the plain run wrote
         elif method is not None:
-            folder = work / name
+            folder = folders / f"{Path(args.model).name}-{method}"
+            shutil.rmtree(folder, ignore_errors=True)
+            written[name] = folder
             qstack = work / f"{name}-quantize.yaml"
             qstack.write_text(stack_yaml(args.model, {"weights": "none"}), encoding="utf-8")
             cmd = [*lmstack, "quantize", "--stack", str(qstack), "--method", method, "--out", str(folder)]

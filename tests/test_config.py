@@ -63,7 +63,7 @@ def test_empty_stack_gives_the_defaults():
     for stack in (load_stack({}), parse_stack(""), parse_stack("# only a comment\n")):
         assert stack == StackConfig()
         assert stack.model == "smollm2-135m-instruct"
-        assert stack.dtype == "bfloat16"
+        assert stack.dtype == "auto"
         assert stack.device == "cpu"
         assert stack.scheduler == {"name": "continuous"}
         assert stack.allocator == {"name": "paged"}

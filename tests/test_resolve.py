@@ -10,6 +10,7 @@ import torch
 
 from lmstack.config import StackConfig, load_stack
 from lmstack.errors import ConfigError, ResolutionError
+from lmstack.hardware import auto_dtype
 from lmstack.model.config import ModelConfig
 from lmstack.plugins import build_registry, make_plugin_manager
 from lmstack.registry import Component, Registry
@@ -96,7 +97,8 @@ def test_default_stack_resolves():
     r = resolved({})
     assert r.model == "smollm2-135m-instruct"
     assert r.device == torch.device("cpu")
-    assert r.dtype is torch.bfloat16 and r.kv_cache_dtype is torch.bfloat16
+    # dtype: auto (the default): whatever this CPU computes best, and the KV cache follows it.
+    assert r.dtype is auto_dtype(torch.device("cpu")).dtype and r.kv_cache_dtype is r.dtype
     assert r.scheduler.component.name == "continuous"
     assert r.scheduler.options == SchedOptions()
     assert r.attention_prefill.name == r.attention_decode.name == "torch"
@@ -197,7 +199,8 @@ FP8 = comp("fp8", "quantizer", dist="lmstack-fp8", capabilities={"kv_cache_dtype
 def test_kv_cache_dtype_follows_the_quantizer_unless_overridden():
     assert resolved({"quant": "fp8"}, FP8).kv_cache_dtype is torch.float8_e4m3fn
     assert resolved({"quant": {"weights": "fp8", "kv_cache": "float16"}}, FP8).kv_cache_dtype is torch.float16
-    assert resolved({"quant": {"weights": "fp8", "kv_cache": "none"}}, FP8).kv_cache_dtype is torch.bfloat16
+    none = {"dtype": "bfloat16", "quant": {"weights": "fp8", "kv_cache": "none"}}
+    assert resolved(none, FP8).kv_cache_dtype is torch.bfloat16
     assert resolved({"dtype": "float16"}).kv_cache_dtype is torch.float16
 
 
@@ -281,8 +284,15 @@ def test_a_component_check_speaks_first_and_in_its_own_words():
 
 def test_model_dtype_conflict():
     fp16 = comp("fp16-kernel", "attention", capabilities={"dtypes": ("float16",)})
-    msg = conflict({"attention": "fp16-kernel"}, fp16)
+    msg = conflict({"attention": "fp16-kernel", "dtype": "bfloat16"}, fp16)
     assert "'fp16-kernel'" in msg and "dtype: bfloat16" in msg and "float16" in msg
+
+
+def test_auto_dtype_takes_the_next_best_dtype_the_components_accept():
+    fp16 = comp("fp16-kernel", "attention", capabilities={"dtypes": ("float16",)})
+    r = resolved({"attention": "fp16-kernel"}, fp16)
+    assert r.dtype is torch.float16
+    assert "fp16-kernel does not take" in r.dtype_reason and r.dtype_reason.startswith("auto:")
     assert (
         resolved({"attention": "fp16-kernel", "dtype": "float16"}, fp16).attention_prefill.name
         == "fp16-kernel"

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from lmstack.content_hash import CacheGeometry, config_digest
 from lmstack.errors import BuildError
 from lmstack.executor import ExecutorSpec
+from lmstack.hardware import usable_cpus
 from lmstack.interfaces import BuildContext, EngineLimits, Executor
 from lmstack.model.architecture import ModelRegistry
 from lmstack.model.config import ModelConfig
@@ -147,6 +151,9 @@ class _Builder:
 def build_stack(stack: ResolvedStack, model_config: ModelConfig, models: ModelRegistry) -> BuiltStack:
     """Build every role's component, the executor (weights loaded) and the KV cache. Raises
     `BuildError` when a factory or the model load fails."""
+    if stack.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # The cores this process may use (a cpuset or taskset), not the machine's count.
+        torch.set_num_threads(usable_cpus())
     builder = _Builder(stack, model_config, models)
     components = builder.run()
     assert builder.executor is not None and builder.limits is not None  # set by the stages above

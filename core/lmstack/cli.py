@@ -426,6 +426,7 @@ def _print_check(
         )
     print(f"device    {resolved.device}")
     print(f"dtype     {DTYPE_NAMES[resolved.dtype]} (KV cache {DTYPE_NAMES.get(resolved.kv_cache_dtype)})")
+    print(f"          {resolved.dtype_reason}")
     fmt = resolved.checkpoint_format or "-"
     print(f"weights   {fmt} checkpoint, quantizer {resolved.quantizer.name}")
     print()
@@ -443,6 +444,11 @@ def _print_check(
         )
     print(_table(["ROLE", "COMPONENT", "DISTRIBUTION", "VERSION", "OPTIONS"], rows))
     print()
+    from lmstack.hardware import dtype_warning
+
+    slow = dtype_warning(resolved.device, resolved.dtype) if resolved.config.dtype != "auto" else None
+    if slow:
+        print(f"warning: {slow}", file=sys.stderr)
     checked = "fits the model" if model_config is not None else "resolves (model not opened)"
     if built:
         checked += " and every component builds"

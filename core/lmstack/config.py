@@ -22,6 +22,7 @@ from lmstack.roles import NAMED_SECTIONS, ROLE
 
 # Names the stack accepts for dtypes; each is an attribute of `torch` (`torch.bfloat16`, ...).
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_AUTO = "auto"  # the default: `lmstack.hardware.auto_dtype` picks per device
 KV_CACHE_DTYPES = (*MODEL_DTYPES, "float8_e4m3fn", "float8_e5m2")
 # Other spellings `quant.kv_cache` accepts (the names quantization tools and issues use).
 KV_CACHE_ALIASES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -57,7 +58,8 @@ def _default_quant() -> dict[str, Any]:
 # per phase) and `quant` (weights and KV cache) have shapes of their own.
 _SCALAR_FIELDS: list[tuple[str, Any, Any]] = [
     ("model", str, "smollm2-135m-instruct"),
-    ("dtype", Literal["float32", "float16", "bfloat16"], "bfloat16"),
+    # "auto": what this device computes best (`lmstack.hardware.auto_dtype`).
+    ("dtype", Literal["auto", "float32", "float16", "bfloat16"], DTYPE_AUTO),
     ("device", str, "cpu"),
     ("max_model_len", PositiveInt | None, None),
     ("seed", NonNegativeInt, 0),
@@ -139,7 +141,7 @@ def stack_from_mapping(data: Mapping[str, Any]) -> StackConfig:
     if "quant" in raw:
         raw["quant"] = _quant_section(raw["quant"])
     if "dtype" in raw:
-        _check_choice(raw["dtype"], MODEL_DTYPES, "dtype")
+        _check_choice(raw["dtype"], (DTYPE_AUTO, *MODEL_DTYPES), "dtype")
     extra = dict(raw.pop(EXTRA, None) or {})  # a StackConfig turned back into a mapping
     for key in [k for k in raw if k not in CORE_KEYS]:
         extra[key] = raw.pop(key)

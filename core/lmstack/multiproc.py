@@ -157,11 +157,12 @@ def _rank_executor(rank: int, spec: ExecutorSpec) -> InProcessExecutor:
     ranks = getattr(spec, "parallel", None)  # a layout's ParallelRanks, when it sets one
     if ranks is not None:
         from lmstack.distributed import init_parallel
+        from lmstack.hardware import usable_cpus
 
         init_parallel(ranks.with_rank(rank))
         # torch read OMP_NUM_THREADS at import: share the host's cores between the ranks
         # instead of each rank's threads fighting over all of them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.world_size))
+        torch.set_num_threads(max(1, usable_cpus() // ranks.world_size))
     # A layout may build each rank's executor itself (a pipeline stage's).
     return (spec.rank_executor or InProcessExecutor)(spec)
 

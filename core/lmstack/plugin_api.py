@@ -29,7 +29,7 @@ Everything else in lmstack is internal and may change in any release.
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.1"
+PLUGIN_API_VERSION = "1.2"
 """The plugin API this lmstack provides; see the module docstring for when it changes."""
 
 PUBLIC_API: dict[str, tuple[str, ...]] = {
@@ -119,6 +119,9 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "WeightFormat",
         "Calibrated",
     ),
+    # 1.2: the AWQ search any quantizer's format can use (issue 11).
+    "lmstack.awq_search": ("AWQConfig", "AWQCalibration", "awq_calibrate", "search_scales", "search_clip"),
+    "lmstack.quantize": ("CalibrationModel", "ScaleGroup"),
     "lmstack.distributed": (
         "ParallelRanks",
         "ParallelState",

@@ -65,7 +65,7 @@ class ScaleGroup:
     search: `linears` (weight names, [out, in] each) read `input` (a key of the layer's captured
     inputs); dividing `prev`'s output channels by s (an RMSNorm weight, or the rows of the linear
     that produced the input) and multiplying the linears' input columns by s leaves the function
-    unchanged. `prev` None: no exact fold exists (e.g. o_proj under grouped-query attention);
+    unchanged. `prev` None: no exact fold exists (e.g. an input produced by a non-linear op);
     search nothing. `inspect(x, weights)` is the block whose output error the search minimises,
     given the input and replacement weights for some linears."""
 
@@ -74,6 +74,23 @@ class ScaleGroup:
     prev: str | None
     inspect: Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
     clip: list[str] = field(default_factory=list)  # the linears whose clipping is searched
+    # `prev`'s output channels feed `share` input channels each (o_proj under grouped-query
+    # attention: one V head serves `share` query heads): a scale is searched per `prev`
+    # channel and repeated over the query heads, which keeps the fold exact.
+    share: int = 1
+    share_width: int = 0  # channels per shared unit (the head dimension); 0 when share == 1
+
+    def expand(self, s: torch.Tensor) -> torch.Tensor:
+        """A scale over `prev`'s channels -> the linears' input channels."""
+        if self.share == 1:
+            return s
+        return s.view(-1, 1, self.share_width).expand(-1, self.share, -1).reshape(-1)
+
+    def reduce(self, stat: torch.Tensor) -> torch.Tensor:
+        """A per-input-channel statistic -> one per `prev` channel (the mean over shares)."""
+        if self.share == 1:
+            return stat
+        return stat.view(-1, self.share, self.share_width).mean(1)
 
 
 class CalibrationModel:
@@ -189,17 +206,20 @@ class CalibrationModel:
         def linear_block(name: str) -> Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]:
             return lambda x, w: self._linear(x, name, w)
 
-        # o_proj's input channels are v_proj's output rows only when no V head is shared
-        # (num_heads == num_kv_heads); under GQA a per-channel scale cannot fold exactly.
-        o_prev = a + "v_proj.weight" if c.num_heads == c.num_kv_heads else None
+        # o_proj's input channel (query head j, dim d) is a mix of v_proj's row (KV head
+        # j // rep, dim d): a scale per v_proj row, repeated over the rep query heads of its
+        # KV head, folds exactly (AutoAWQ skips o_proj under GQA instead).
+        rep = c.num_heads // c.num_kv_heads
+        o_share = {"share": rep, "share_width": c.head_dim} if rep > 1 else {}
         return [
             ScaleGroup("attn_in", qkv, p + "input_layernorm.weight", attn_block, clip=[a + "v_proj.weight"]),
             ScaleGroup(
                 "o_in",
                 [a + "o_proj.weight"],
-                o_prev,
+                a + "v_proj.weight",
                 linear_block(a + "o_proj.weight"),
                 clip=[a + "o_proj.weight"],
+                **o_share,
             ),
             ScaleGroup("mlp_in", gate_up, p + "post_attention_layernorm.weight", mlp_block, clip=gate_up),
             ScaleGroup(

@@ -29,6 +29,7 @@ import torch
 
 from lmstack.config import (
     CORE_KEYS,
+    DTYPE_AUTO,
     EXTRA,
     KV_CACHE_AUTO,
     KV_CACHE_NONE,
@@ -38,6 +39,7 @@ from lmstack.config import (
     stack_from_mapping,
 )
 from lmstack.errors import ConfigError, ResolutionError
+from lmstack.hardware import auto_dtype
 from lmstack.model.config import ModelConfig
 from lmstack.quant_format import DENSE, GGUF, checkpoint_format_id
 from lmstack.registry import Component, Registry
@@ -126,6 +128,8 @@ class ResolvedStack:
     section_views: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
     # The model's checkpoint format (`lmstack.quant_format` id) as read at resolution.
     checkpoint_format: str | None = None
+    # Why `dtype` is what it is: "set in the stack", or what `dtype: auto` saw.
+    dtype_reason: str = "set in the stack"
 
     def __getattr__(self, name: str) -> Selected:
         # Only reached when normal lookup fails: the role attributes.
@@ -158,6 +162,7 @@ class ResolvedStack:
             "model": self.model,
             "device": str(self.device),
             "dtype": DTYPE_NAMES[self.dtype],
+            "dtype_reason": self.dtype_reason,
             "kv_cache_dtype": DTYPE_NAMES.get(self.kv_cache_dtype, str(self.kv_cache_dtype)),
             "checkpoint_format": self.checkpoint_format,
             "max_model_len": self.config.max_model_len,
@@ -181,7 +186,6 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
     # Re-normalise: a StackConfig built in code (not by load_stack) may use the short forms.
     stack = stack_from_mapping(msgspec.to_builtins(stack))
     device = torch.device(stack.device)
-    dtype = DTYPES[stack.dtype]
     quant = dict(stack.quant)
     quant_name = quant.pop("weights")
     quant.pop("kv_cache")
@@ -205,12 +209,17 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
         if role.name not in selected:
             section = getattr(stack, role.section)
             selected[role.name] = _select_section(registry, role.kind, section, role.section)
+    if stack.dtype == DTYPE_AUTO:
+        dtype, dtype_reason = _auto_dtype(device, selected)
+    else:
+        dtype, dtype_reason = DTYPES[stack.dtype], "set in the stack"
     sections, views = _convert_sections(stack, registry)
     resolved = ResolvedStack(
         config=stack,
         model=stack.model,
         device=device,
         dtype=dtype,
+        dtype_reason=dtype_reason,
         kv_cache_dtype=_kv_cache_dtype(stack, quantizer, dtype),
         selected=selected,
         sections=sections,
@@ -423,6 +432,32 @@ def _check_phases(r: ResolvedStack, registry: Registry) -> None:
             )
 
 
+def _auto_dtype(device: torch.device, selected: Mapping[str, Selected]) -> tuple[torch.dtype, str]:
+    """`dtype: auto`: the device's best dtype, or the next best that every component whose
+    `dtypes` capability is declared accepts (none does: the best, and `_check_dtypes` says why)."""
+    choice = auto_dtype(device)
+    limits = [
+        (sel, sel.capabilities["dtypes"])
+        for role, sel in selected.items()
+        if role in ("attention_prefill", "attention_decode", "quantizer") and sel.capabilities.get("dtypes")
+    ]
+    for dtype in (choice.dtype, *choice.fallbacks):
+        if all(DTYPE_NAMES[dtype] in dtypes for _, dtypes in limits):
+            if dtype == choice.dtype:
+                return dtype, choice.reason
+            refuse = sorted({sel.name for sel, dtypes in limits if DTYPE_NAMES[choice.dtype] not in dtypes})
+            return dtype, (
+                f"{choice.reason}; but {', '.join(refuse)} does not take {DTYPE_NAMES[choice.dtype]}, "
+                f"so {DTYPE_NAMES[dtype]}"
+            )
+    return choice.dtype, choice.reason
+
+
+def _dtype_setting(r: ResolvedStack) -> str:
+    name = DTYPE_NAMES[r.dtype]
+    return f"auto ({name} on this machine)" if r.config.dtype == DTYPE_AUTO else name
+
+
 def _check_dtypes(r: ResolvedStack, registry: Registry) -> None:
     dtype = DTYPE_NAMES[r.dtype]
     for role in ("attention_prefill", "attention_decode", "quantizer"):
@@ -432,7 +467,7 @@ def _check_dtypes(r: ResolvedStack, registry: Registry) -> None:
             fits = _alternatives(registry, role, lambda c: dtype in c.capabilities.get("dtypes", (dtype,)))
             raise ResolutionError(
                 f"{_who(role, sel)} supports model dtypes {_list(dtypes)}, but the stack sets "
-                f"dtype: {dtype}; change dtype, or pick another {ROLE_LABEL[role]} with "
+                f"dtype: {_dtype_setting(r)}; change dtype, or pick another {ROLE_LABEL[role]} with "
                 f"{ROLE_KEY[role]}{fits}"
             )
 

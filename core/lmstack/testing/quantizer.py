@@ -77,6 +77,10 @@ class QuantizerConformance(ComponentKit):
     # False for kernels that also quantize activations (W8A8): the layer then does not compute
     # x @ fake_quantize(W)^T, and that check is skipped (the model-level check still runs).
     weight_only: ClassVar[bool] = True
+    # Serving dtype -> the precision its activations may be rounded to inside a kernel (int4 on
+    # the CPU runs fp32 activations through the op's bf16 path): the layer checks then allow
+    # that dtype's rounding. Empty: activations are computed in the serving dtype.
+    activation_dtypes: ClassVar[dict[torch.dtype, torch.dtype]] = {}
 
     def quantizer(self, dtype: torch.dtype = torch.float32) -> Quantizer:
         return self.build(dtype=dtype)
@@ -139,15 +143,24 @@ class QuantizerConformance(ComponentKit):
                 with torch.no_grad():
                     out = layer(x.to(dtype))
                     ref = nn.functional.linear(x, w, b)
-                    plain = nn.functional.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+                    plain = self._plain(x, w, b, dtype)
                 where = f"{dtype} linear {spec.name} ({in_features} -> {sizes}, bias={bias})"
                 assert tuple(out.shape) == tuple(ref.shape), f"{where}: output shape {tuple(out.shape)}"
                 assert out.dtype == dtype, f"{where}: output dtype {out.dtype}"
                 err = rel_error(out, ref)
-                bound = 2 * rel_error(plain, ref) + torch.finfo(dtype).eps / 4 + self.quantization_error
+                compute = self.activation_dtypes.get(dtype, dtype)
+                bound = 2 * rel_error(plain, ref) + torch.finfo(compute).eps / 4 + self.quantization_error
                 if dtype == torch.float32:
                     bound += 1e-6  # summation order
                 assert err <= bound, f"{where}: relative error {err:.2e} > {bound:.2e}"
+
+    def _plain(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The dense layer in `dtype`, its activations rounded as `activation_dtypes` says."""
+        compute = self.activation_dtypes.get(dtype, dtype)
+        out = nn.functional.linear(x.to(compute), w.to(compute), None if b is None else b.to(compute))
+        return out.to(dtype)
 
     # --- against the quantizer's own weight format --------------------------------------------------
 
@@ -190,9 +203,10 @@ class QuantizerConformance(ComponentKit):
                 with torch.no_grad():
                     out = layer(x.to(dtype))
                     ref = nn.functional.linear(x, w, b)
-                    plain = nn.functional.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+                    plain = self._plain(x, w, b, dtype)
                 err = rel_error(out, ref)
-                bound = 2 * rel_error(plain, ref) + torch.finfo(dtype).eps / 4 + 1e-6
+                compute = self.activation_dtypes.get(dtype, dtype)
+                bound = 2 * rel_error(plain, ref) + torch.finfo(compute).eps / 4 + 1e-6
                 where = f"{dtype} linear {in_features} -> {sizes} (bias={bias})"
                 assert err <= bound, f"{where}: relative error {err:.2e} vs fake_quantize > {bound:.2e}"
 

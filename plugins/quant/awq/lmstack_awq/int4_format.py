@@ -78,14 +78,28 @@ class Int4WeightFormat(WeightFormat):
     def __init__(self, method: str = "rtn-int4", scheme: Int4Scheme | None = None) -> None:
         self.method = method
         self.scheme = scheme or Int4Scheme()
+        # Linears a calibrating search already rounded (GPTQ): module name -> its codes and
+        # group parameters, which `encode` writes as they are (re-deriving the parameters from
+        # the rounded weight would not give them back).
+        self.rounded: dict[str, Int4Quantized] = {}
 
     def quantize(self, weight: torch.Tensor) -> Int4Quantized:
         return quantize_int4(weight, self.scheme, SCALE_DTYPE)
 
+    def gptq(self, name: str, weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Round linear `name` by GPTQ against input second moment `h` [in, in]; keep the
+        result for `encode` and return the rounded weight (fp32)."""
+        from lmstack_awq.gptq import gptq_int4
+
+        qw = gptq_int4(weight, h, self.scheme, SCALE_DTYPE)
+        self.rounded[name] = qw
+        return qw.dequantize(torch.float32)
+
     def encode(self, name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         if weight.dim() != 2:
             raise ConfigError(f"{name}: int4 encodes 2-D linear weights, got shape {tuple(weight.shape)}")
-        return encode_ct(self.quantize(weight), self.scheme.symmetric)
+        qw = self.rounded.get(name)
+        return encode_ct(qw if qw is not None else self.quantize(weight), self.scheme.symmetric)
 
     def fake_quantize(self, weight: torch.Tensor) -> torch.Tensor:
         return self.quantize(weight).dequantize(torch.float32)

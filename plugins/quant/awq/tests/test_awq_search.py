@@ -68,6 +68,10 @@ def test_scale_fold_keeps_the_dense_model(outlier_model):
     assert any(rec["attn_in"]["alpha"] > 0 for rec in fmt.awq.history)  # some scale was applied
     changed = [n for n in model.weights if not torch.equal(model.weights[n], outlier_model.weights[n])]
     assert any("layernorm" in n for n in changed)
+    # The tiny model has grouped-query attention (4 query heads, 2 KV heads): o_proj's scale
+    # folds into v_proj's rows, one per row repeated over the query heads that share it.
+    assert model.config.num_heads > model.config.num_kv_heads
+    assert any("v_proj" in n for n in changed) and any("o_proj" in n for n in changed)
     torch.testing.assert_close(model.logits(ids), before, rtol=1e-4, atol=1e-4)
 
 
@@ -83,3 +87,37 @@ def test_awq_beats_round_to_nearest(outlier_model):
     assert awq_err < 0.7 * rtn_err
     record = fmt.calibration_record()
     assert record["algorithm"] == "awq" and len(record["layers"]) == model.num_layers
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_gptq_rounding_beats_round_to_nearest_on_the_layer_output(symmetric):
+    from lmstack_awq.gptq import gptq_int4
+    from lmstack_awq.int4_math import Int4Scheme, quantize_int4
+
+    gen = torch.Generator().manual_seed(4)
+    in_f = int(torch.randint(70, 200, (1,), generator=gen))  # odd sizes: a partial last group
+    w = torch.randn(48, in_f, generator=gen)
+    mix = torch.randn(in_f, in_f, generator=gen) * 0.3
+    x = torch.randn(3000, in_f, generator=gen) @ mix + torch.randn(3000, in_f, generator=gen)
+    h = x.t() @ x / x.shape[0]
+    scheme = Int4Scheme(32, symmetric)
+    gptq, rtn = gptq_int4(w, h, scheme, torch.float16), quantize_int4(w, scheme)
+    assert gptq.q.max() <= 15 and gptq.scale.shape == rtn.scale.shape
+    err = [(x @ (q.dequantize() - w).t()).pow(2).mean() for q in (gptq, rtn)]
+    assert err[0] < 0.8 * err[1]
+
+
+def test_gptq_rounded_linears_are_written_as_rounded():
+    from lmstack_awq.int4_format import Int4WeightFormat, decode_ct_codes, decode_ct_zero
+    from lmstack_awq.int4_math import Int4Scheme, dequantize_int4
+
+    fmt = Int4WeightFormat("awq", Int4Scheme(64, False))
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 200, generator=gen)
+    x = torch.randn(500, 200, generator=gen)
+    rounded = fmt.gptq("layers.0.proj", w, x.t() @ x / 500)
+    t = fmt.encode("layers.0.proj", w)
+    codes = decode_ct_codes(t["weight_packed"], (40, 200))
+    zero = decode_ct_zero(t["weight_zero_point"], 40, t["weight_scale"].shape[1])
+    back = dequantize_int4(codes, t["weight_scale"].float(), zero, 64, torch.float32)
+    torch.testing.assert_close(back, rounded, rtol=0, atol=0)

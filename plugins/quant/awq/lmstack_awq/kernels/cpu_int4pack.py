@@ -16,9 +16,11 @@ import torch
 from lmstack_awq.int4_math import expand_groups, unpack_nibbles
 
 INNER_K_TILES = 2
-# fp32 activations: the op is slow beyond a few rows (qkv at M = 32: ~300 ms against ~40 ms for
-# dequantize + matmul, README); from this many rows, dequantize the weight and do a dense matmul.
-FP32_DEQUANT_MIN_ROWS = 8
+# fp32 activations: the op's fp32 path is a slow one (qkv at M = 1: ~1.3 ms against ~0.1 ms in
+# bf16, README), so a few rows go through it in bf16 (rounding the activations to bf16, which
+# the int4 weights' own error dwarfs) and come back as fp32; from this many rows (prefill) the
+# weight is decoded once per call and multiplied densely in fp32, which wins there.
+FP32_DEQUANT_MIN_ROWS = 64
 _GK = (256, 128, 64, 32)
 
 
@@ -52,8 +54,10 @@ class CpuInt4Pack:
         self._map: torch.Tensor | None = None
 
     def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.shape[0] >= FP32_DEQUANT_MIN_ROWS:
-            return x @ self.dequantized(layer).t()
+        if x.dtype == torch.float32:
+            if x.shape[0] >= FP32_DEQUANT_MIN_ROWS:
+                return x @ self.dequantized(layer).t()
+            return self(layer, x.to(torch.bfloat16)).float()
         sz = self._by_dtype.get(x.dtype)
         if sz is None:
             sz = self._by_dtype[x.dtype] = self.scale_zero32.to(x.dtype)
@@ -63,7 +67,14 @@ class CpuInt4Pack:
         """The fp32 weight [out, in], decoded from the packed layout (not kept)."""
         from lmstack_awq.int4_math import dequantize_int4
 
-        codes = self.row_codes(layer, torch.arange(layer.out_features))
+        k = layer.in_features
+        if self._map is None:
+            self._map = block_nibble_map(k)
+        # Every block of 32 rows has the same layout: one gather of its nibbles puts them back
+        # in (row, column) order.
+        blocks = layer.w_packed.view(-1, BLOCK_ROWS * k // 2)
+        nibbles = torch.stack((blocks & 15, blocks >> 4), dim=-1).view(blocks.shape[0], -1)
+        codes = nibbles.index_select(1, self._map.view(-1)).view(-1, k)
         return dequantize_int4(codes, layer.w_scales, layer.w_zeros, layer.group_size, torch.float32)
 
     def row_codes(self, layer, ids: torch.Tensor) -> torch.Tensor:
