@@ -9,7 +9,7 @@ skipped with the reason; the rest still run. Writes benchmarks/results/quant_qua
 results.json (numbers, targets, pass/fail, CPU, the exact commands), commands.sh, a plot
 (quant_quality.png, when matplotlib is installed) and each command's stderr log.
 
-Calibration for awq: benchmarks/data/calibration_docs.txt, this project's own README.md and
+Calibration for awq and nvfp4 (both run the AWQ search): benchmarks/data/calibration_docs.txt, this project's own README.md and
 docs/*.md concatenated (a snapshot: text the project ships). Held-out text:
 benchmarks/data/heldout_gpl3.txt (the GNU GPL v3 text, which its licence lets anyone copy
 verbatim), never seen by the calibration.
@@ -48,6 +48,7 @@ RUNS: dict[str, tuple[str | None, dict, float | None]] = {
     "awq-g128-dense-head": ("awq", {"lm_head": "dense"}, None),
     "rtn-int4-g128-dense-head": ("rtn-int4", {"lm_head": "dense"}, None),
 }
+CALIBRATED = ("awq", "nvfp4")  # methods whose quantize runs the AWQ search on calibration text
 GROUP_SIZE = {"rtn-int4": 128}  # awq writes group 128 (its default; it takes no option)
 # The quantizer that serves a folder a method wrote: rtn-int4 quantizes at load only, and its
 # compressed-tensors folders are read by `awq` (what `quant: {weights: auto}` picks).
@@ -137,7 +138,7 @@ def main() -> int:
             cmd = [*lmstack, "quantize", "--stack", str(qstack), "--method", method, "--out", str(folder)]
             if method in GROUP_SIZE:
                 cmd += ["--group-size", str(GROUP_SIZE[method])]
-            if method == "awq":
+            if method in CALIBRATED:
                 cmd += ["--calibration", str(CALIBRATION), "--num-samples", str(args.num_samples)]
             commands.append(shlex.join(cmd))
             rc, _ = run(cmd, out / f"{name}-quantize.log")

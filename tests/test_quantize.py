@@ -38,7 +38,13 @@ def _served_logprobs(folder, quantizer: str, ids: torch.Tensor) -> torch.Tensor:
     from lmstack.llm import LLM
     from lmstack.sampling_params import SamplingParams
 
-    llm = LLM({"model": str(folder), "dtype": "float32", "quant": {"weights": quantizer, "lm_head": "dense"}})
+    llm = LLM(
+        {
+            "model": str(folder),
+            "dtype": "float32",
+            "quant": {"weights": quantizer, "lm_head": "dense", "fp32_activations": "exact"},
+        }
+    )
     out = llm.generate(ids[0].tolist(), SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     llm.engine.shutdown()
     toks = ids[0, 1:].tolist()

@@ -69,6 +69,9 @@ class Int4Linear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out, dtype=spec.params_dtype), requires_grad=False)
             set_weight_loader(self.bias, self._bias_loader(), num_shards=len(spec.output_sizes))
         self.kernel: kernels.Int4Kernel | None = None
+        # fp32 activations on the CPU computed exactly (else small batches run the op in bf16):
+        # the quantizer's `fp32_activations` option.
+        self.exact_fp32 = False
 
     # --- where a part's rows and this rank's columns are ----------------------------------------
 

@@ -15,6 +15,7 @@ from lmstack.quant_format import AUTOAWQ_GEMM, CT_PACK_QUANTIZED, DENSE, GGUF
 from lmstack.registry import Component
 
 HeadMode = Literal["int8", "int4", "dense"]
+Fp32Mode = Literal["bf16", "exact"]
 
 
 class RtnInt4Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -25,11 +26,16 @@ class RtnInt4Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # scale per row) or dense (the serving dtype).
     lm_head: HeadMode = "int4"
     lm_head_group_size: int = 32
+    # fp32 stacks on the CPU: decode-sized batches (< 64 rows) run the int4 op in bf16 and
+    # return fp32 ("bf16", fast: the op's fp32 path is ~10x slower), or every batch decodes the
+    # weight and multiplies in fp32 ("exact": bit-for-bit what the dequantized model computes).
+    fp32_activations: Fp32Mode = "bf16"
 
 
 class AwqOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     lm_head: HeadMode = "int4"
     lm_head_group_size: int = 32
+    fp32_activations: Fp32Mode = "bf16"
 
 
 def _common_caps(formats: tuple[str, ...]) -> dict[str, Any]:

@@ -62,6 +62,12 @@ def test_cpu_int4pack_matches_reference_and_gives_codes_back(dtype):
         plain = (x.to(compute) @ w.to(compute).t()).float()
         bound = 2 * rel_error(plain, ref) + torch.finfo(compute).eps + 1e-6
         assert rel_error(out.float(), ref) <= bound, (rows, dtype)
+    if dtype == torch.float32:  # fp32_activations: exact
+        layer.exact_fp32 = True
+        x = torch.randn(3, 576)
+        ref = x @ w.t()
+        assert rel_error(layer(x), ref) <= 2 * rel_error(x @ w.t(), ref) + 1e-6
+        layer.exact_fp32 = False
     assert torch.equal(layer.codes(), codes)  # recovered from the re-laid buffer
     ids = torch.tensor([0, 95, 31, 32, 64, 7])
     assert torch.equal(layer.row_codes(ids), codes[ids])

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lmstack.awq_search import AWQCalibration, AWQConfig
 from lmstack.errors import ConfigError
 from lmstack.quant_format import CT_NVFP4, WeightFormat
 from lmstack_nvfp4 import nvfp4
@@ -49,14 +50,20 @@ def parse_scheme(quantization: dict[str, Any]) -> bool:
     return acts is not None
 
 
-class Nvfp4WeightFormat(WeightFormat):
+class Nvfp4WeightFormat(AWQCalibration, WeightFormat):
     """NVFP4A16: e2m1 weights, e4m3 scales per 16 inputs (searched per group), a global fp32
-    scale per tensor; activations stay in the model dtype."""
+    scale per tensor; activations stay in the model dtype. `Calibrated`: `lmstack quantize
+    --method nvfp4` first runs the core's AWQ search against this format (activation-aware
+    per-channel scales folded into the previous op, and a clipping search measured on the
+    layer's output rather than the weights' squared error); quantizing at load stays plain."""
 
     method = "nvfp4"
+    group_size = nvfp4.GROUP  # what the clipping search groups by
 
-    def __init__(self, search: tuple[float, ...] = SCALE_SEARCH) -> None:
+    def __init__(self, search: tuple[float, ...] = SCALE_SEARCH, awq: AWQConfig | None = None) -> None:
         self.search = search
+        # NVFP4 is symmetric (no zero point) and has no GPTQ rounding here.
+        self.awq = awq or AWQConfig(asymmetric_clip=False, gptq=False)
 
     def encode(self, name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         out, inp = weight.shape

@@ -55,7 +55,7 @@ class CpuInt4Pack:
 
     def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            if x.shape[0] >= FP32_DEQUANT_MIN_ROWS:
+            if x.shape[0] >= FP32_DEQUANT_MIN_ROWS or layer.exact_fp32:
                 return x @ self.dequantized(layer).t()
             return self(layer, x.to(torch.bfloat16)).float()
         sz = self._by_dtype.get(x.dtype)
