@@ -235,7 +235,7 @@ class AttentionConformance(ComponentKit):
         )
         return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, dense, qs
 
-    def _check(self, out, qs, dense, spans, scale, dtype, window=None, case=None):
+    def _check(self, out, qs, dense, spans, scale, dtype, window=None, case=None, extra_slack=0.0):
         assert out.shape == torch.cat(qs).shape
         assert torch.isfinite(out.float()).all()
         starts = [0]
@@ -247,11 +247,11 @@ class AttentionConformance(ComponentKit):
             plain = 0.0
             if dtype != torch.float32:
                 plain = rel_error(plain_attention(qs[i], k, v, c, scale, window).cpu(), ref.cpu())
-            bound = self.reference_factor * plain + self.slack[dtype]
+            bound = self.reference_factor * plain + self.slack[dtype] + extra_slack
             where = "" if case is None else "{} head_dim {} block_size {} gqa {}: ".format(*case)
             assert err <= bound, (
                 f"{where}seq {i} (context {c}, query {qs[i].shape[0]}): rel error {err:.2e} > "
-                f"{self.reference_factor} x plain {dtype} attention's {plain:.2e} + {self.slack[dtype]:.1e}"
+                f"{self.reference_factor} x plain {dtype} attention's {plain:.2e} + {self.slack[dtype] + extra_slack:.1e}"
             )
 
     def _cases(self, m: _Matrix):
@@ -397,6 +397,11 @@ class AttentionConformance(ComponentKit):
         for kv_dtype, ratio, dtype in combos:
             hd, bs = rng.choice(m.head_dims), rng.choice(m.block_sizes)
             case = (f"{dtype} over a scaled {kv_dtype} cache", hd, bs, ratio)
+            # Dequantizing (code x scale) may round once more in the kernel than in the
+            # reference (e.g. the product formed in the low dtype): with one or two keys the
+            # plain error is ~0, so allow one epsilon of the model dtype on top (measured: a
+            # single-key bf16 decode 4.8e-3 relative, 0.6 eps).
+            extra = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
             k_scale, mags = random_kv_scales(rng, self.num_kv_heads, kv_dtype)
             v_scale = k_scale * rng.uniform(0.5, 2)
             scales = (k_scale, v_scale, mags)
@@ -408,14 +413,14 @@ class AttentionConformance(ComponentKit):
                     rng, dtype, hd, bs, ratio, spans, kv_dtype, scales
                 )
                 out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=None, **kw)
-                self._check(out, qs, dense, spans, hd**-0.5, dtype, case=case)
+                self._check(out, qs, dense, spans, hd**-0.5, dtype, case=case, extra_slack=extra)
             if "decode" in m.phases:
                 spans = [(rng.randint(0, self.max_len), 1) for _ in range(3)]
                 q, k, v, kc, vc, meta, dense, qs = self._batch(
                     rng, dtype, hd, bs, ratio, spans, kv_dtype, scales
                 )
                 out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=None, **kw)
-                self._check(out, qs, dense, spans, hd**-0.5, dtype, case=case)
+                self._check(out, qs, dense, spans, hd**-0.5, dtype, case=case, extra_slack=extra)
 
     def test_write_kv_scaled_fp8(self):
         """write_kv with scales stores value / scale per head, clamped to the format's range."""
