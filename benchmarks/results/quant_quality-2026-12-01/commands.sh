@@ -1,0 +1,10 @@
+/work/main/.venv/bin/python -m lmstack.cli eval perplexity --stack /tmp/quant_quality-pwp55jcd/unquantized-eval.yaml --text /work/main/benchmarks/data/heldout_gpl3.txt --json
+/work/main/.venv/bin/python -m lmstack.cli quantize --stack /tmp/quant_quality-pwp55jcd/fp8-quantize.yaml --method fp8 --out /root/.cache/lmstack/quantized/smollm2-135m-instruct-fp8
+/work/main/.venv/bin/python -m lmstack.cli eval perplexity --stack /tmp/quant_quality-pwp55jcd/fp8-eval.yaml --text /work/main/benchmarks/data/heldout_gpl3.txt --json
+/work/main/.venv/bin/python -m lmstack.cli quantize --stack /tmp/quant_quality-pwp55jcd/awq-g128-quantize.yaml --method awq --out /root/.cache/lmstack/quantized/smollm2-135m-instruct-awq --calibration /work/main/benchmarks/data/calibration_docs.txt --num-samples 16
+/work/main/.venv/bin/python -m lmstack.cli eval perplexity --stack /tmp/quant_quality-pwp55jcd/awq-g128-eval.yaml --text /work/main/benchmarks/data/heldout_gpl3.txt --json
+/work/main/.venv/bin/python -m lmstack.cli quantize --stack /tmp/quant_quality-pwp55jcd/rtn-int4-g128-quantize.yaml --method rtn-int4 --out /root/.cache/lmstack/quantized/smollm2-135m-instruct-rtn-int4 --group-size 128
+/work/main/.venv/bin/python -m lmstack.cli eval perplexity --stack /tmp/quant_quality-pwp55jcd/rtn-int4-g128-eval.yaml --text /work/main/benchmarks/data/heldout_gpl3.txt --json
+/work/main/.venv/bin/python -m lmstack.cli quantize --stack /tmp/quant_quality-pwp55jcd/nvfp4-quantize.yaml --method nvfp4 --out /root/.cache/lmstack/quantized/smollm2-135m-instruct-nvfp4 --calibration /work/main/benchmarks/data/calibration_docs.txt --num-samples 16
+/work/main/.venv/bin/python -m lmstack.cli eval perplexity --stack /tmp/quant_quality-pwp55jcd/nvfp4-eval.yaml --text /work/main/benchmarks/data/heldout_gpl3.txt --json
+/work/main/.venv/bin/python -m lmstack.cli eval perplexity --stack /tmp/quant_quality-pwp55jcd/awq-g128-dense-head-eval.yaml --text /work/main/benchmarks/data/heldout_gpl3.txt --json
