@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import httpx
 import pytest
 import torch
 
@@ -185,3 +186,25 @@ def test_awq_command_records_its_calibration(tiny_model_path, tmp_path):
     assert record["search"]["algorithm"] == "awq" and len(record["search"]["layers"]) == 2
     lps = _served_logprobs(out, "awq", _ids(3))
     assert torch.isfinite(lps).all()
+
+
+@pytest.mark.slow
+def test_http_serves_the_folder_and_names_its_format(rtn_folder):
+    """`lmstack serve` with `model: DIR` (quant.weights: auto picks `awq` for the folder):
+    /v1/stack shows the quantizer and the checkpoint format, and a completion comes back."""
+    from lmstack_api.testing import ServerProcess
+
+    stack = {"model": str(rtn_folder), "dtype": "float32", "max_model_len": 256}
+    server = ServerProcess(stack).start()
+    try:
+        status, body = server.get("/v1/stack")
+        described = json.loads(body)["stack"]
+        assert status == 200
+        assert described["checkpoint_format"] == "compressed-tensors/pack-quantized"
+        assert described["components"]["quantizer"]["name"] == "awq"
+        model_id = json.loads(server.get("/v1/models")[1])["data"][0]["id"]
+        request = {"model": model_id, "prompt": "hello", "max_tokens": 3, "temperature": 0}
+        reply = httpx.post(server.base_url + "/v1/completions", json=request, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        server.__exit__(None, None, None)
