@@ -290,7 +290,11 @@ class QuantizerConformance(ComponentKit):
                     f"{where}: shapes {tuple(got.shape)} vs {tuple(want.shape)}"
                 )
                 err = rel_error(got, want)
-                assert err <= 1e-5, f"{where}: shards differ from the whole layer by {err:.2e}"
+                # A kernel that rounds fp32 activations (`activation_dtypes`) also rounds each
+                # shard's partial sum: allow that dtype's epsilon.
+                compute = self.activation_dtypes.get(torch.float32, torch.float32)
+                bound = 1e-5 + (torch.finfo(compute).eps if compute != torch.float32 else 0.0)
+                assert err <= bound, f"{where}: shards differ from the whole layer by {err:.2e}"
 
     # --- the tiny model served with the quantizer -----------------------------------------------
 
