@@ -31,7 +31,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import random
 import shlex
 import shutil
@@ -41,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from lmstack.hardware import cpu_name  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -55,16 +56,6 @@ WORDS = (
     "the committee met on tuesday to review the budget while rain fell over the harbour and "
     "boats returned one by one as modern processors execute several instructions in parallel"
 ).split()
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # ---------------------------------------------------------------------------------------------

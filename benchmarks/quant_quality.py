@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
 import shlex
 import shutil
 import subprocess
@@ -28,6 +27,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from lmstack.hardware import cpu_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data"
@@ -53,16 +54,6 @@ GROUP_SIZE = {"rtn-int4": 128}  # awq writes group 128 (its default; it takes no
 # The quantizer that serves a folder a method wrote: rtn-int4 quantizes at load only, and its
 # compressed-tensors folders are read by `awq` (what `quant: {weights: auto}` picks).
 SERVE = {"rtn-int4": "awq"}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def stack_yaml(model: str, quant: dict) -> str:
