@@ -16,6 +16,7 @@ from lmstack.registry import Component
 
 HeadMode = Literal["int8", "int4", "dense"]
 Fp32Mode = Literal["bf16", "exact"]
+Rounding = Literal["gptq", "nearest"]
 
 
 class RtnInt4Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -36,6 +37,9 @@ class AwqOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     lm_head: HeadMode = "int4"
     lm_head_group_size: int = 32
     fp32_activations: Fp32Mode = "bf16"
+    # `lmstack quantize --method awq` only: after the AWQ scales and clipping, round with GPTQ
+    # (error-compensating, against the calibration inputs) or to nearest (the AWQ paper).
+    rounding: Rounding = "gptq"
 
 
 def _common_caps(formats: tuple[str, ...]) -> dict[str, Any]:

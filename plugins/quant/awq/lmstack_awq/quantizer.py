@@ -150,6 +150,6 @@ class AwqQuantizer(Int4Quantizer):
         )
 
     def weight_format(self) -> WeightFormat:
-        from lmstack_awq.search import AwqWeightFormat  # the AWQ search runs before encoding
+        from lmstack_awq.search import AWQConfig, AwqWeightFormat  # the AWQ search runs before encoding
 
-        return AwqWeightFormat(self.scheme)
+        return AwqWeightFormat(self.scheme, AWQConfig(gptq=self.options.rounding == "gptq"))
