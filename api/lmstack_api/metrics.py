@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from lmstack.outputs import EngineStats
@@ -74,6 +74,29 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "lmstack:spec_decode_num_accepted_tokens", "Draft tokens accepted", s.num_accepted_tokens
         )
+        yield _accepted_length_histogram(s.spec_decode_accepted_lengths)
+        yield GaugeMetricFamily(
+            "lmstack:spec_decode_draft_length",
+            "Mean number of drafts allowed per decoding sequence in the last step (adaptive)",
+            s.spec_decode_draft_length,
+        )
+
+
+def _accepted_length_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
+    """Drafts accepted per verification, one bucket per length seen (le = 0, 1, ..., +Inf)."""
+    top = max(counts, default=0)
+    buckets, running = [], 0
+    for length in range(top + 1):
+        running += counts.get(length, 0)
+        buckets.append((str(length), running))
+    buckets.append(("+Inf", running))
+    total = sum(length * n for length, n in counts.items())
+    return HistogramMetricFamily(
+        "lmstack:spec_decode_accepted_length",
+        "Draft tokens accepted per verified draft",
+        buckets=buckets,
+        sum_value=total,
+    )
 
 
 class Metrics:

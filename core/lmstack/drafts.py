@@ -1,33 +1,58 @@
-"""The drafts in flight: what the speculator proposed for each decoding sequence, trimmed to
-what the request may still emit, kept until the step that verifies it."""
+"""The drafts in flight: how many drafts each decoding sequence may have this step (the
+adaptive draft length, `lmstack.draft_policy`), what the speculator proposed, trimmed to what
+the request may still emit, kept until the step that verifies it; then what became of them,
+back to the policy and the speculator."""
 
 from __future__ import annotations
 
-from lmstack.interfaces import Speculator
+from collections import Counter
+
+import torch
+
+from lmstack.draft_policy import DraftLengthPolicy
+from lmstack.interfaces import DraftFeedback, Speculator
 from lmstack.output_processor import OutputProcessor
 from lmstack.sequence import Sequence
 from lmstack.verification import Draft
 
 
 class DraftBook:
-    def __init__(self, outputs: OutputProcessor) -> None:
+    def __init__(self, outputs: OutputProcessor, speculator: Speculator | None = None) -> None:
         self.outputs = outputs
         self._drafts: dict[int, Draft] = {}  # seq_id -> the proposal behind seq.draft_token_ids
+        k = speculator.num_draft_tokens if speculator is not None else 0
+        self.policy = DraftLengthPolicy(k, adaptive=bool(getattr(speculator, "adaptive", True)))
+        self.feedback: list[DraftFeedback] = []  # this step's, for Speculator.observe
+        # Verifications by number of drafts accepted (a metric: the accepted-length histogram).
+        self.accepted_lengths: Counter[int] = Counter()
 
     def propose(self, speculator: Speculator, running: list[Sequence]) -> None:
-        """Ask for drafts for the sequences in decode; each becomes `seq.draft_token_ids`, which
-        the scheduler schedules as a multi-token query."""
+        """Ask for drafts for the sequences in decode that the policy allows some; each becomes
+        `seq.draft_token_ids`, which the scheduler schedules as a multi-token query."""
         if not speculator.num_draft_tokens:
             return
+        # Read each step: the engine's speculator may be swapped (tests, a reconfigured engine).
+        self.policy.max_draft_tokens = speculator.num_draft_tokens
+        self.policy.adaptive = bool(getattr(speculator, "adaptive", True))
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
         if not decoding:
+            self.policy.last_mean_limit = 0.0
             return
-        proposals = speculator.propose(decoding)
+        prefill_tokens = sum(s.num_uncomputed_tokens for s in running if s.num_uncomputed_tokens > 1)
+        limits = self.policy.limits([s.seq_id for s in decoding], prefill_tokens)
+        asked = []
         for seq in decoding:
-            got = proposals.get(seq.seq_id, [])
-            draft = got if isinstance(got, Draft) else Draft(list(got))
             # Never draft past max_tokens or the context: the step adds one token of its own.
-            draft = draft.truncated(self.outputs.room(seq) - 1)
+            seq.draft_limit = max(0, min(limits[seq.seq_id], self.outputs.room(seq) - 1))
+            seq.draft_token_ids = []
+            if seq.draft_limit:
+                asked.append(seq)
+        if not asked:
+            return
+        proposals = speculator.propose(asked)
+        for seq in asked:
+            got = proposals.get(seq.seq_id, [])
+            draft = (got if isinstance(got, Draft) else Draft(list(got))).truncated(seq.draft_limit)
             seq.draft_token_ids = list(draft.token_ids)
             self._drafts[seq.seq_id] = draft
 
@@ -37,5 +62,28 @@ class DraftBook:
         draft = self._drafts.pop(seq.seq_id, None)
         return draft if draft is not None and draft.token_ids == scheduled else Draft(list(scheduled))
 
+    def verified(
+        self,
+        seq: Sequence,
+        num_drafted: int,
+        num_accepted: int,
+        new_token_ids: list[int],
+        hidden_states: dict[int, torch.Tensor],
+    ) -> None:
+        """Record one sampled sequence's outcome (drafted or not) for this step's feedback."""
+        if num_drafted:
+            self.policy.record_verification(seq.seq_id, num_drafted, num_accepted)
+            self.accepted_lengths[num_accepted] += 1
+        self.feedback.append(DraftFeedback(seq, num_drafted, num_accepted, new_token_ids, hidden_states))
+
+    def step_done(self, speculator: Speculator, num_tokens: int, seconds: float) -> None:
+        """The step ran `num_tokens` query tokens in `seconds`: feed the policy's cost model and
+        hand the speculator its feedback."""
+        self.policy.record_step(num_tokens, seconds)
+        feedback, self.feedback = self.feedback, []
+        if feedback and speculator.num_draft_tokens:
+            speculator.observe(feedback)
+
     def drop(self, seq: Sequence) -> None:
         self._drafts.pop(seq.seq_id, None)
+        self.policy.forget(seq.seq_id)

@@ -75,9 +75,9 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.step_sampler = StepSampler(self.sampler, RejectionSampler(self.sampler))
-        self.drafts = DraftBook(self.output_processor)
+        self.drafts = DraftBook(self.output_processor, self.speculator)
         # Target layers whose outputs each step returns at the sampled rows (a drafter that
-        # conditions on target hidden states asks for them).
+        # conditions on target hidden states asks for them; `Speculator.observe` gets them).
         self.hidden_state_layers: tuple[int, ...] = tuple(getattr(self.speculator, "hidden_state_layers", ()))
         self._seq_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
@@ -138,6 +138,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs of requests that changed."""
+        started = time.perf_counter()
         self.drafts.propose(self.speculator, self.scheduler.running_seqs())
         sched = self.scheduler.schedule()
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -165,8 +166,12 @@ class LLMEngine:
             rows = result.logits[r.logits_index : r.logits_index + r.count]
             self.output_processor.record_prompt_logprobs(r.request, rows, r.position)
         touched: dict[str, Request] = {}
-        self._sample(planned.samples, result.logits, touched)
+        self._sample(planned.samples, result.logits, result.hidden_states, touched)
+        self.drafts.step_done(
+            self.speculator, sum(item.num_tokens for item in sched.scheduled), time.perf_counter() - started
+        )
         self.stats.num_steps += 1
+        self.stats.spec_decode_draft_length = self.drafts.policy.last_mean_limit
         done = time.monotonic()
         for req in touched.values():
             if req.is_finished and req.finished_time is None:
@@ -178,7 +183,13 @@ class LLMEngine:
         self.pm.hook.lmstack_step_finished(engine=self, stats=self.get_stats())
         return outputs
 
-    def _sample(self, rows: list[SampleRows], logits: torch.Tensor, touched: dict[str, Request]) -> None:
+    def _sample(
+        self,
+        rows: list[SampleRows],
+        logits: torch.Tensor,
+        hidden: dict[int, torch.Tensor],
+        touched: dict[str, Request],
+    ) -> None:
         choices: list[Choice] = []
         for row in rows:
             seq, req = row.seq, row.seq.request
@@ -199,17 +210,25 @@ class LLMEngine:
             if result.error is not None:
                 self._fail(seq, result.error, touched)
                 continue
+            drafted = len(choice.draft) if choice.draft else 0
             if choice.draft:
                 # The KV of rejected drafts is dropped: the cache keeps the tokens before the
                 # first rejection (accepted drafts included); the final token is computed next step.
                 seq.num_computed_tokens = seq.num_tokens + result.num_accepted
                 self.allocator.truncate(seq, seq.num_computed_tokens)
                 seq.draft_token_ids = []
-                self.stats.num_draft_tokens += len(choice.draft)
+                self.stats.num_draft_tokens += drafted
                 self.stats.num_accepted_tokens += result.num_accepted
-            self._append(seq, result.tokens, touched)
+                self.stats.spec_decode_accepted_lengths[result.num_accepted] = (
+                    self.stats.spec_decode_accepted_lengths.get(result.num_accepted, 0) + 1
+                )
+            appended = self._append(seq, result.tokens, touched)
+            first = choice.logits_index
+            states = {layer: h[first : first + result.num_accepted + 1] for layer, h in hidden.items()}
+            self.drafts.verified(seq, drafted, result.num_accepted, appended, states)
 
-    def _append(self, seq: Sequence, sampled: list[Sampled], touched: dict[str, Request]) -> None:
+    def _append(self, seq: Sequence, sampled: list[Sampled], touched: dict[str, Request]) -> list[int]:
+        """Append the step's tokens (a stop may keep fewer); returns those appended."""
         req = seq.request
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
@@ -219,6 +238,7 @@ class LLMEngine:
         self.stats.generation_tokens += seq.num_tokens - before
         if reason is not None:
             self._finish(seq, reason)
+        return seq.token_ids[before:]
 
     def _fail(self, seq: Sequence, error: str, touched: dict[str, Request]) -> None:
         req = seq.request

@@ -441,17 +441,48 @@ class Quantizer(ABC):
 # ---------------------------------------------------------------------------------------------
 
 
-class Speculator(ABC):
-    """Proposes draft tokens; the core verifies them (lossless)."""
+@dataclass
+class DraftFeedback:
+    """What became of one sequence's step, for `Speculator.observe`: the drafts verified (0
+    for a plain decode or a prompt's last chunk) and how many were accepted, the tokens the
+    step appended (`seq.token_ids` already ends with them), and the target's hidden states
+    where the speculator asked for them (`hidden_state_layers`)."""
 
-    num_draft_tokens: int = 0
+    seq: Sequence
+    num_drafted: int
+    num_accepted: int
+    new_token_ids: list[int]
+    # layer -> [num_accepted + 1, hidden]: the target's states at the positions whose logits
+    # produced `new_token_ids` (the newest token before the step, then each accepted draft).
+    # Layer num_layers is the final norm's output. Empty unless asked for.
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Speculator(ABC):
+    """Proposes draft tokens; the core verifies them (lossless).
+
+    The core decides each step how many drafts each sequence may have
+    (`lmstack.draft_policy`: measured acceptance against the step's measured cost, so drafting
+    stops when the batch is compute-bound and resumes when it is not); `propose` is asked only
+    for sequences allowed at least one, each with `seq.draft_limit` set, and longer drafts are
+    cut. `adaptive = False` keeps the limit at `num_draft_tokens`."""
+
+    num_draft_tokens: int = 0  # the most drafts per sequence per step; 0: never asked
+    adaptive: bool = True
+    # Target layers whose outputs `observe` receives (num_layers: after the final norm).
+    hidden_state_layers: tuple[int, ...] = ()
 
     @abstractmethod
     def propose(self, seqs: list[Sequence]) -> dict[int, list[int] | Draft]:
-        """seq_id -> draft tokens (may be empty) for sequences in decode. A drafter that samples
-        its tokens returns `lmstack.verification.Draft(tokens, probs)` with the [k, vocab]
-        distributions it drew them from, so verification can correct for them; plain token
-        lists are verified as deterministic drafts."""
+        """seq_id -> draft tokens (may be empty; at most `seq.draft_limit`) for sequences in
+        decode. A drafter that samples its tokens returns `lmstack.verification.Draft(tokens,
+        probs)` with the [k, vocab] distributions it drew them from, so verification can correct
+        for them; plain token lists are verified as deterministic drafts."""
+
+    def observe(self, feedback: list[DraftFeedback]) -> None:
+        """After each step, for every sequence that sampled in it (drafted or not). A sequence
+        absent from later steps finished, was aborted or was preempted (it comes back with
+        its prompt and output recomputed)."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,6 +76,9 @@ class EngineStats:
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     num_draft_tokens: int = 0  # speculative decoding: proposed
     num_accepted_tokens: int = 0  # and accepted
+    # Verifications by the number of drafts accepted (0..num_draft_tokens): the histogram.
+    spec_decode_accepted_lengths: dict[int, int] = field(default_factory=dict)
+    spec_decode_draft_length: float = 0.0  # the mean draft limit of the last step (adaptive)
 
     def snapshot(self) -> EngineStats:
         """A copy that shares nothing mutable with this one: cheap enough to take every step

@@ -29,7 +29,7 @@ Everything else in lmstack is internal and may change in any release.
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.2"
+PLUGIN_API_VERSION = "1.3"
 """The plugin API this lmstack provides; see the module docstring for when it changes."""
 
 PUBLIC_API: dict[str, tuple[str, ...]] = {
@@ -45,6 +45,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "LinearSpec",
         "Quantizer",
         "Speculator",
+        "DraftFeedback",
         "Executor",
         "ParallelLayout",
     ),
@@ -135,5 +136,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.parallel_layout": ("ShardedLayout", "check_tensor_parallel"),
     "lmstack.multiproc": ("MultiprocExecutor",),
     "lmstack.content_hash": ("CacheGeometry", "block_hash", "config_digest", "hash_hex", "request_key"),
+    # 1.3: speculation (issue 12): feedback to the drafter, the adaptive draft length.
+    "lmstack.draft_policy": ("DraftLengthPolicy",),
 }
 """Module -> the names in it that plugins may import (everything else is internal)."""

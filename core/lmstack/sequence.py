@@ -44,6 +44,8 @@ class Sequence:
     num_preemptions: int = 0
     # Tokens proposed by a speculator, verified in the next step (empty without one).
     draft_token_ids: list[int] = field(default_factory=list)
+    # How many drafts the speculator may propose this step (set before it is asked).
+    draft_limit: int = 0
 
     @property
     def prompt_len(self) -> int:

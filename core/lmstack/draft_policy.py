@@ -1,0 +1,142 @@
+"""How many draft tokens each sequence gets this step: the adaptive draft length.
+
+A drafted token costs a query token in the verifying step and pays only when it is accepted.
+While a step is memory-bound (the weights are read once whatever the batch; small batches on
+any device) an extra query token costs almost nothing and every accepted draft is a token for
+free; once the step is compute-bound (large batches) an extra token costs what a plain decode
+token costs, and a draft accepted with probability g < 1 loses. Two things are measured:
+
+- the step's cost: t(T) = a + b * T seconds for T query tokens, fitted by least squares over
+  the mean time of the steps seen in each power-of-two bucket of T (buckets remember sizes the
+  engine has stopped visiting, so the fit survives a quiet spell); until two buckets are
+  known the step is assumed memory-bound (b = 0), so drafting starts on and is measured;
+- acceptance: each draft token is accepted with probability alpha (chain drafts stop at the
+  first rejection), estimated per sequence from its own verifications, shrunk towards the
+  engine-wide rate (pseudo-counts) and decaying, so a sequence that stopped drafting drifts
+  back to the global rate and is tried again.
+
+The k-th draft of a sequence is accepted (and so emits a token) with probability alpha**k.
+Tokens are granted greedily, best expected gain first, while the gain exceeds what the same
+time would produce otherwise: with N expected tokens from a step of T query tokens, one more
+query token is worth it when gain > N * b / (a + b * T). Memory-bound (b ~ 0): every draft up
+to `num_draft_tokens`. Compute-bound (a ~ 0): the threshold is N / T ~ 1, so none.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+PRIOR_ACCEPTANCE = 0.6  # before anything is measured
+PSEUDO_COUNTS = 4.0  # weight of the engine-wide rate in a sequence's own estimate
+DECAY = 0.98  # per verification: a sequence's and the engine's counts fade (recent text counts)
+STEP_EMA = 0.2  # weight of a new step time in its bucket's mean
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        self.accepted = self.accepted * DECAY + num_accepted
+        self.rejected = self.rejected * DECAY + (1 if num_accepted < num_drafted else 0)
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    seconds: float
+    samples: int = 1
+
+
+@dataclass
+class DraftLengthPolicy:
+    """Per step: `limits(seq_ids, other_tokens)` -> drafts allowed per sequence; fed with
+    `record_step` (every step's tokens and time) and `record_verification`."""
+
+    max_draft_tokens: int
+    adaptive: bool = True
+    _global: _Acceptance = field(default_factory=_Acceptance)
+    _seqs: dict[int, _Acceptance] = field(default_factory=dict)
+    _buckets: dict[int, _Bucket] = field(default_factory=dict)
+    last_mean_limit: float = 0.0  # the mean limit of the last step (a metric)
+
+    # --- measurements ------------------------------------------------------------------------
+
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        key = int(math.log2(num_tokens))
+        b = self._buckets.get(key)
+        if b is None:
+            self._buckets[key] = _Bucket(float(num_tokens), seconds)
+        elif b.samples == 1:  # the first step of a size warms up (kernels, caches): replace it
+            self._buckets[key] = _Bucket(float(num_tokens), seconds, 2)
+        else:
+            b.tokens += STEP_EMA * (num_tokens - b.tokens)
+            b.seconds += STEP_EMA * (seconds - b.seconds)
+
+    def record_verification(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted <= 0:
+            return
+        self._global.add(num_drafted, num_accepted)
+        self._seqs.setdefault(seq_id, _Acceptance()).add(num_drafted, num_accepted)
+
+    def forget(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    # --- the model ---------------------------------------------------------------------------
+
+    def acceptance(self, seq_id: int | None = None) -> float:
+        """alpha: the probability that a draft token is accepted given the ones before it were."""
+        g = self._global
+        total = g.accepted + g.rejected
+        engine = (g.accepted + PRIOR_ACCEPTANCE * PSEUDO_COUNTS) / (total + PSEUDO_COUNTS)
+        own = self._seqs.get(seq_id) if seq_id is not None else None
+        if own is None:
+            return engine
+        return (own.accepted + engine * PSEUDO_COUNTS) / (own.accepted + own.rejected + PSEUDO_COUNTS)
+
+    def step_cost(self) -> tuple[float, float]:
+        """(a, b) of t(T) = a + b * T; b = 0 until two sizes of step were measured."""
+        pts = [p for p in self._buckets.values() if p.samples > 1] or list(self._buckets.values())[:1]
+        if len(pts) < 2:
+            return (pts[0].seconds if pts else 1.0), 0.0
+        n = len(pts)
+        mx = sum(p.tokens for p in pts) / n
+        my = sum(p.seconds for p in pts) / n
+        sxx = sum((p.tokens - mx) ** 2 for p in pts)
+        b = sum((p.tokens - mx) * (p.seconds - my) for p in pts) / sxx if sxx > 0 else 0.0
+        b = max(b, 0.0)
+        a = max(my - b * mx, 1e-6)
+        return a, b
+
+    # --- the decision ------------------------------------------------------------------------
+
+    def limits(self, seq_ids: list[int], other_tokens: int = 0) -> dict[int, int]:
+        """Drafts allowed per sequence in decode this step (each also runs its own newest
+        token); `other_tokens`: query tokens of the step's other work (prefill chunks), if known."""
+        k_max = self.max_draft_tokens
+        if not self.adaptive or k_max <= 0:
+            self.last_mean_limit = float(k_max if seq_ids else 0)
+            return dict.fromkeys(seq_ids, k_max)
+        a, b = self.step_cost()
+        limits = dict.fromkeys(seq_ids, 0)
+        tokens = len(seq_ids) + other_tokens
+        expected = float(len(seq_ids))  # tokens the step emits: one per sequence, plus gains
+        # Candidate (gain, seq) for every draft slot; gains fall along a chain, so taking them
+        # best first respects each chain's order.
+        candidates = []
+        for sid in seq_ids:
+            alpha = self.acceptance(sid)
+            candidates += [(alpha**k, sid) for k in range(1, k_max + 1)]
+        candidates.sort(key=lambda c: -c[0])
+        for gain, sid in candidates:
+            if gain <= expected * b / (a + b * tokens):
+                break
+            limits[sid] += 1
+            tokens += 1
+            expected += gain
+        self.last_mean_limit = sum(limits.values()) / len(limits) if limits else 0.0
+        return limits
