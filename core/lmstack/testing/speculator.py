@@ -7,7 +7,10 @@ between the emitted first tokens' frequencies and p must stay under 0.05 (its ex
 this sample size is ~0.02; a sampler that accepts every draft lands at TV(p, q) = 0.35).
 Deterministic under the seed. End to end, on the tiny model, greedy decoding with the speculator
 gives exactly the tokens of decoding without one, for prompts that include repetitive text, and
-every proposal is sane: at most `num_draft_tokens` drafts of valid token ids.
+every proposal is sane: at most `num_draft_tokens` drafts of valid token ids; the same holds
+under chunked prefill, preemption and requests arriving into a running batch (no KV block
+leaks), with per-token logprobs (equal to plain decoding's), stop strings and `max_tokens`
+landing inside a draft, and n = 2.
 """
 
 from __future__ import annotations
@@ -131,4 +134,64 @@ class SpeculatorConformance(ComponentKit):
         assert 0 <= self.stats.num_accepted_tokens <= self.stats.num_draft_tokens
         if not spec.num_draft_tokens:
             assert self.stats.num_draft_tokens == 0
+        llm.engine.shutdown()
+
+    def test_greedy_identity_under_chunked_prefill_preemption_and_arrivals(self, tiny_model_path) -> None:
+        """More requests than the batch holds (arrivals into a running batch), prompt chunks of
+        8 tokens, and a KV cache too small for all of them (preemption and recompute): greedy
+        tokens still equal plain decoding's under the same stack, and no block leaks."""
+        sections = {
+            "allocator": {"name": "paged", "block_size": 4, "num_blocks": 40},
+            "scheduler": {"name": "continuous", "max_num_seqs": 4, "max_num_batched_tokens": 8},
+        }
+        prompts = [*self.prompts, *(p[::-1] for p in self.prompts)]
+        ref_llm = reference_llm(tiny_stack(tiny_model_path, **sections))
+        preempted = ref_llm.get_stats().num_preemptions
+        theirs = greedy(ref_llm, prompts, self.max_tokens)
+        assert ref_llm.get_stats().num_preemptions > preempted, "kit: this stack should preempt"
+        llm = kit_llm(self, tiny_model_path, **sections)
+        ours = greedy(llm, prompts, self.max_tokens)
+        for prompt, a, b in zip(prompts, ours, theirs, strict=True):
+            assert a.token_ids == b.token_ids, (
+                f"prompt {prompt!r} under preemption and chunked prefill: greedy tokens with the "
+                f"speculator {a.token_ids} differ from plain decoding's {b.token_ids}"
+            )
+        alloc = llm.engine.allocator
+        assert alloc.num_free_blocks() == alloc.num_blocks, "KV blocks leaked"
+        llm.engine.shutdown()
+
+    def test_logprobs_stops_and_samples_compose(self, tiny_model_path) -> None:
+        """Per-token logprobs equal plain decoding's; a stop string and a max_tokens that land
+        inside a draft end the output where plain decoding ends it; n = 2 greedy samples both
+        equal plain decoding's."""
+        llm = kit_llm(self, tiny_model_path)
+        ref = reference_llm(tiny_stack(tiny_model_path))
+        prompts = list(self.prompts)
+        ours = greedy(llm, prompts, self.max_tokens, logprobs=2)
+        theirs = greedy(ref, prompts, self.max_tokens, logprobs=2)
+        for prompt, a, b in zip(prompts, ours, theirs, strict=True):
+            assert a.token_ids == b.token_ids, f"prompt {prompt!r}: tokens differ with logprobs on"
+            for pos, (la, lb) in enumerate(zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True)):
+                assert la.keys() == lb.keys(), f"prompt {prompt!r}, token {pos}: top logprobs differ"
+                for tok in la:
+                    assert abs(la[tok] - lb[tok]) < 1e-4, (
+                        f"prompt {prompt!r}, token {pos}: logprob of {tok} {la[tok]} != {lb[tok]}"
+                    )
+        for prompt, plain in zip(prompts, theirs, strict=True):
+            text = plain.text
+            stop = text[len(text) // 2 : len(text) // 2 + 3]
+            if len(stop.strip()) < 2:
+                continue
+            a = greedy(llm, [prompt], self.max_tokens, stop=[stop])[0]
+            b = greedy(ref, [prompt], self.max_tokens, stop=[stop])[0]
+            assert (a.text, a.finish_reason) == (b.text, b.finish_reason), f"stop {stop!r} on {prompt!r}"
+            odd = greedy(llm, [prompt], 7)[0]
+            assert odd.token_ids == plain.token_ids[:7], f"max_tokens=7 on {prompt!r}"
+        from lmstack.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, n=2, ignore_eos=True)
+        (pair,) = generate(llm, prompts[-1:], params)
+        assert len(pair.outputs) == 2
+        for sample in pair.outputs:
+            assert sample.token_ids == theirs[-1].token_ids, "n = 2 greedy samples differ from plain decoding"
         llm.engine.shutdown()

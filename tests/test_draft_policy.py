@@ -1,0 +1,121 @@
+"""The adaptive draft length (`lmstack.draft_policy`) on synthetic step costs and acceptance,
+and the feedback the engine gives a speculator (`Speculator.observe`)."""
+
+from __future__ import annotations
+
+import torch
+
+from lmstack import LLM, SamplingParams
+from lmstack.draft_policy import DraftLengthPolicy
+from lmstack.interfaces import DraftFeedback, Speculator
+
+pytest_plugins = ["lmstack.testing.fixtures"]
+
+
+def measured(a: float, b: float, k: int = 4) -> DraftLengthPolicy:
+    """A policy that has seen steps costing a + b * T seconds for T = 1 .. 512 (twice each size:
+    the first of a size is warm-up)."""
+    policy = DraftLengthPolicy(k)
+    for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+        policy.record_step(t, 5 * (a + b * t))  # a warm-up outlier, replaced
+        policy.record_step(t, a + b * t)
+    return policy
+
+
+def test_memory_bound_steps_draft_everything():
+    policy = measured(a=0.05, b=0.0)
+    assert policy.limits(list(range(32))) == dict.fromkeys(range(32), 4)
+
+
+def test_compute_bound_steps_draft_nothing():
+    policy = measured(a=0.0005, b=0.002)
+    assert policy.limits([0]) == {0: 0}
+    assert set(policy.limits(list(range(32))).values()) == {0}
+
+
+def test_drafts_shrink_as_the_batch_grows_and_come_back():
+    policy = measured(a=0.040, b=0.0004)  # memory-bound up to ~100 tokens
+    means = []
+    for batch in (1, 8, 32, 512, 1):
+        limits = policy.limits(list(range(batch)))
+        means.append(sum(limits.values()) / batch)
+    assert means[0] == 4
+    assert means[0] > means[2] > means[3]
+    assert means[3] == 0  # 512 query tokens: compute-bound, a 0.6 draft loses
+    assert means[4] == means[0]  # the load dropped: full drafts again
+
+
+def test_sequences_that_accept_more_get_more():
+    policy = measured(a=0.040, b=0.0004)
+    for _ in range(20):
+        policy.record_verification(1, 4, 4)  # seq 1: everything accepted
+        policy.record_verification(2, 4, 0)  # seq 2: nothing
+    limits = policy.limits(list(range(48)))
+    assert limits[1] > limits[2]
+    assert policy.acceptance(1) > 0.9 > 0.2 > policy.acceptance(2)
+
+
+def test_rejected_sequences_drift_back_to_the_engine_rate():
+    policy = DraftLengthPolicy(4)
+    for _ in range(20):
+        policy.record_verification(7, 4, 0)
+    low = policy.acceptance(7)
+    for _ in range(200):
+        policy.record_verification(8, 4, 4)  # others keep accepting
+    assert policy.acceptance(7) > low
+
+
+def test_before_any_measurement_drafting_is_on_and_not_adaptive_is_fixed():
+    assert DraftLengthPolicy(3).limits([1, 2]) == {1: 3, 2: 3}
+    fixed = measured(a=0.0005, b=0.002, k=3)
+    fixed.adaptive = False
+    assert fixed.limits([1, 2]) == {1: 3, 2: 3}
+
+
+class Recording(Speculator):
+    """Drafts a fixed continuation guess (the sequence's last token repeated) and records the
+    feedback, asking for the final-norm hidden states."""
+
+    num_draft_tokens = 3
+    adaptive = False
+
+    def __init__(self, num_layers: int) -> None:
+        self.hidden_state_layers = (num_layers,)
+        self.feedback: list[DraftFeedback] = []
+        self.limits: list[int] = []
+
+    def propose(self, seqs):
+        self.limits += [s.draft_limit for s in seqs]
+        return {s.seq_id: [s.token_ids[-1]] * s.draft_limit for s in seqs}
+
+    def observe(self, feedback):
+        self.feedback += feedback
+
+
+def test_the_speculator_observes_every_sampled_step_with_hidden_states(tiny_model_path):
+    llm = LLM(
+        {
+            "model": str(tiny_model_path),
+            "dtype": "float32",
+            "allocator": {"name": "paged", "block_size": 4, "kv_cache_memory": "16MiB"},
+        }
+    )
+    eng = llm.engine
+    spec = Recording(eng.model_config.num_layers)
+    eng.speculator = spec
+    eng.hidden_state_layers = spec.hidden_state_layers
+    out = llm.generate([[3, 4, 5, 3, 4, 5, 3]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    tokens = out[0].outputs[0].token_ids
+    assert spec.limits and set(spec.limits) <= {1, 2, 3}  # never past max_tokens - 1 - emitted
+    # Every step's appended tokens, in order, are the output; drafts were verified.
+    assert [t for f in spec.feedback for t in f.new_token_ids] == tokens
+    assert any(f.num_drafted for f in spec.feedback)
+    model = eng.executor.runner.model
+    for f in spec.feedback:
+        assert isinstance(f, DraftFeedback) and 0 <= f.num_accepted <= f.num_drafted
+        assert len(f.new_token_ids) == f.num_accepted + 1
+        (h,) = f.hidden_states.values()
+        assert h.shape == (f.num_accepted + 1, eng.model_config.hidden_size)
+        # The final-norm states are what the LM head read: greedy picked their argmax.
+        with torch.no_grad():
+            assert model.lm_head(h).argmax(-1).tolist() == f.new_token_ids
