@@ -104,7 +104,9 @@ def test_the_speculator_observes_every_sampled_step_with_hidden_states(tiny_mode
     spec = Recording(eng.model_config.num_layers)
     eng.speculator = spec
     eng.hidden_state_layers = spec.hidden_state_layers
-    out = llm.generate([[3, 4, 5, 3, 4, 5, 3]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    out = llm.generate(
+        [[3, 4, 5, 3, 4, 5, 3]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )
     tokens = out[0].outputs[0].token_ids
     assert spec.limits and set(spec.limits) <= {1, 2, 3}  # never past max_tokens - 1 - emitted
     # Every step's appended tokens, in order, are the output; drafts were verified.
