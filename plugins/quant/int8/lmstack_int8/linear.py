@@ -1,0 +1,95 @@
+"""`Int8Linear`: a linear layer holding `weight` as int8 [out, in] (this rank's shard) and
+`weight_scale` fp32 [out], one symmetric scale per output row (`kernel.quantize_rows`).
+
+Its weight loader takes a dense or GGUF checkpoint tensor (one part of a fused projection, or
+a whole one), decodes this rank's rows to fp32 and quantizes them as they arrive, so a
+dense copy of the layer never exists. Scales come from whole rows before a row-parallel rank
+keeps its input columns: every tensor-parallel split holds exactly the whole layer's values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmstack.interfaces import LinearSpec
+from lmstack.model.checkpoint import CheckpointTensor, to_dense
+from lmstack.model.tp_shard import bias_rows, input_columns, part_rows
+from lmstack.model.weight_loader import set_weight_loader, take_rows
+from lmstack_int8.kernel import Int8Matmul, dequantize_rows, quantize_rows
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, spec: LinearSpec, exact_fp32: bool = False) -> None:
+        super().__init__()
+        self.spec = spec
+        self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
+        parts = len(spec.output_sizes)
+        self.weight = nn.Parameter(
+            torch.zeros(self.out_features, self.in_features, dtype=torch.int8), requires_grad=False
+        )
+        set_weight_loader(self.weight, self._load_weight, num_shards=parts)
+        self.register_buffer("weight_scale", torch.zeros(self.out_features, dtype=torch.float32))
+        self.bias: nn.Parameter | None = None
+        if spec.bias:
+            self.bias = nn.Parameter(
+                torch.zeros(self.out_features, dtype=spec.params_dtype), requires_grad=False
+            )
+            set_weight_loader(self.bias, self._load_bias, num_shards=parts)
+        self.matmul = Int8Matmul(exact_fp32)
+
+    # --- loading ------------------------------------------------------------------------------
+
+    def _each_part(self, loaded: CheckpointTensor, shard_id: int | None):
+        """(part index, that part's whole checkpoint tensor) for what one loader call got."""
+        sizes = self.spec.output_sizes
+        if shard_id is not None or len(sizes) == 1:
+            yield (shard_id or 0), loaded
+            return
+        if tuple(loaded.shape)[0] != sum(sizes):  # a whole fused tensor in one piece
+            raise ValueError(f"expected {sum(sizes)} rows, got shape {tuple(loaded.shape)}")
+        start = 0
+        for part, n in enumerate(sizes):
+            yield part, take_rows(loaded, start, n)
+            start += n
+
+    @torch.no_grad()
+    def _load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
+        self.matmul.reset()
+        for part, tensor in self._each_part(loaded, shard_id):
+            offset, start, rows = part_rows(self.spec, part)
+            want = (self.spec.output_sizes[part], self.spec.in_features)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"expected shape {want}, got {tuple(tensor.shape)}")
+            q, scale = quantize_rows(to_dense(take_rows(tensor, start, rows), torch.float32))
+            col, cols = input_columns(self.spec)
+            param.data[offset : offset + rows] = q[:, col : col + cols].to(param.device)
+            self.weight_scale[offset : offset + rows] = scale.to(self.weight_scale.device)
+
+    @torch.no_grad()
+    def _load_bias(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
+        for part, tensor in self._each_part(loaded, shard_id):
+            offset, start, rows = part_rows(self.spec, part)
+            value = to_dense(tensor, param.dtype).reshape(-1)
+            size = self.spec.output_sizes[part]
+            value = bias_rows(self.spec, value, size, start, rows)
+            param.data[offset : offset + rows] = value.to(param.device)
+
+    # --- computing ----------------------------------------------------------------------------
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_rows(self.weight, self.weight_scale, dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Output rows `ids` of the weight, dequantized (the embedding lookup of an int8 table)."""
+        return dequantize_rows(self.weight[ids], self.weight_scale[ids], dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        out = self.matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int8 per-row scales"

@@ -1,0 +1,53 @@
+"""Registers the `int8` quantizer: options, capabilities, factory.
+
+Imported whenever lmstack loads plugins; the quantizer module is imported when a stack builds one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from lmstack.hookspecs import hookimpl
+from lmstack.interfaces import BuildContext
+from lmstack.quant_format import DENSE, GGUF
+from lmstack.registry import Component
+
+
+class Int8Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # The embedding / LM head after loading: int8 rows (one copy when tied; the default, the
+    # only way SmolLM2-135M reads <= 1 byte per weight) or dense (the serving dtype).
+    lm_head: Literal["int8", "dense"] = "int8"
+    # fp32 stacks on the CPU: decode-sized batches run the int8 op in bf16 and return fp32
+    # ("bf16", fast: the op's fp32 path is 5-40x slower), or every batch dequantizes the weight
+    # and multiplies in fp32 ("exact": what the dequantized model computes). README.
+    fp32_activations: Literal["bf16", "exact"] = "bf16"
+
+
+def build(options: Int8Options, ctx: BuildContext):
+    from lmstack_int8.quantizer import Int8Quantizer
+
+    return Int8Quantizer(options, ctx)
+
+
+COMPONENT = Component(
+    name="int8",
+    kind="quantizer",
+    factory=build,
+    options_type=Int8Options,
+    capabilities={
+        "devices": ("cpu", "cuda"),
+        "dtypes": ("float32", "float16", "bfloat16"),
+        "kv_cache_dtype": None,
+        "checkpoint_formats": (DENSE, GGUF),
+    },
+    api=">=1.0,<2",
+    description="int8 weights, one symmetric scale per output row, made at load from a dense or GGUF "
+    "checkpoint (LM head and embedding included); torch's int8 CPU matmul, dequantize + matmul elsewhere.",
+)
+
+
+@hookimpl
+def lmstack_register_quantizers(register) -> None:
+    register(COMPONENT)
