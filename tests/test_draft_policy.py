@@ -121,3 +121,53 @@ def test_the_speculator_observes_every_sampled_step_with_hidden_states(tiny_mode
         # The final-norm states are what the LM head read: greedy picked their argmax.
         with torch.no_grad():
             assert model.lm_head(h).argmax(-1).tolist() == f.new_token_ids
+
+
+class RecordingAll(Recording):
+    hidden_state_positions = "all"
+
+
+def _states_by_position(feedback: list[DraftFeedback], seq_id: int) -> dict[int, torch.Tensor]:
+    out: dict[int, torch.Tensor] = {}
+    for f in feedback:
+        if f.seq.seq_id != seq_id:
+            continue
+        (h,) = f.hidden_states.values()
+        for i in range(h.shape[0]):
+            assert f.first_position + i not in out, "a position's state came back twice"
+            out[f.first_position + i] = h[i]
+    return out
+
+
+def test_all_positions_cover_prompt_chunks_and_kept_drafts(tiny_model_path):
+    """hidden_state_positions = "all": every position the sequence computed and kept comes back
+    once (prompt chunks of 4 tokens included), and each equals the state a single forward over
+    the final tokens computes there."""
+
+    def run(prompt, max_tokens, budget):
+        llm = LLM(
+            {
+                "model": str(tiny_model_path),
+                "dtype": "float32",
+                "allocator": {"name": "paged", "block_size": 4, "kv_cache_memory": "16MiB"},
+                "scheduler": {"name": "continuous", "max_num_seqs": 4, "max_num_batched_tokens": budget},
+            }
+        )
+        eng = llm.engine
+        spec = RecordingAll(eng.model_config.num_layers)
+        eng.speculator = spec
+        eng.hidden_state_layers = spec.hidden_state_layers
+        eng.all_hidden_rows = True
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        out = llm.generate([prompt], params)[0]
+        seq_id = spec.feedback[0].seq.seq_id
+        return out.outputs[0].token_ids, _states_by_position(spec.feedback, seq_id)
+
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 9]
+    tokens, states = run(prompt, 10, budget=4)
+    full = prompt + tokens
+    # Positions 0 .. len(full) - 2 were computed and kept (the last token never enters the cache).
+    assert sorted(states) == list(range(len(full) - 1))
+    _, reference = run(full[:-1], 1, budget=256)
+    for pos in range(len(full) - 1):
+        torch.testing.assert_close(states[pos], reference[pos], atol=1e-4, rtol=1e-4)

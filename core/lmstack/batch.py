@@ -137,6 +137,10 @@ class StepPlan:
     # Return these layers' outputs at `logits_indices` too (layer i = decoder layer i's output,
     # num_layers = after the final norm): what a drafter conditioned on target states reads.
     hidden_state_layers: tuple[int, ...] = ()
+    # Rows of the flattened batch where those layers' outputs come back instead of
+    # `logits_indices` (a drafter that reads every computed position's state); None: at
+    # `logits_indices`.
+    hidden_state_rows: list[int] | None = None
     # A cache's lower tiers: (block id, KV of shape [layers, 2, block_size, heads, dim]) written
     # into device blocks before the step, and block ids whose KV is copied out after it (into
     # `ModelOutput.swapped_out`, same order). Every rank applies them to its own KV tensors.
@@ -161,13 +165,14 @@ class ModelInput:
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [L] int64
     hidden_state_layers: tuple[int, ...] = ()  # return these layers' outputs at logits_indices
+    hidden_state_rows: torch.Tensor | None = None  # ... or at these rows
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [L, vocab] fp32
-    # layer index (num_layers = after the final norm) -> [L, hidden]
+    # layer index (num_layers = after the final norm) -> [L, hidden] (or [len(hidden_state_rows), hidden])
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
     # The KV of `StepPlan.swap_out`'s blocks after the step, on the host: [layers, 2, bs, H, D].
     swapped_out: list[torch.Tensor] = field(default_factory=list)

@@ -69,12 +69,15 @@ class DraftBook:
         num_accepted: int,
         new_token_ids: list[int],
         hidden_states: dict[int, torch.Tensor],
+        first_position: int,
     ) -> None:
         """Record one sampled sequence's outcome (drafted or not) for this step's feedback."""
         if num_drafted:
             self.policy.record_verification(seq.seq_id, num_drafted, num_accepted)
             self.accepted_lengths[num_accepted] += 1
-        self.feedback.append(DraftFeedback(seq, num_drafted, num_accepted, new_token_ids, hidden_states))
+        self.feedback.append(
+            DraftFeedback(seq, num_drafted, num_accepted, new_token_ids, hidden_states, first_position)
+        )
 
     def step_done(self, speculator: Speculator, num_tokens: int, seconds: float) -> None:
         """The step ran `num_tokens` query tokens in `seconds`: feed the policy's cost model and

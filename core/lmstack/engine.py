@@ -24,7 +24,7 @@ from lmstack.model.architecture import build_model_registry
 from lmstack.model.source import open_model_source
 from lmstack.output_processor import OutputProcessor
 from lmstack.outputs import EngineStats, RequestOutput
-from lmstack.planner import SampleRows, plan_step
+from lmstack.planner import PlannedStep, plan_step
 from lmstack.plugins import build_registry, make_plugin_manager
 from lmstack.resolve import ResolvedStack, check_model, resolve
 from lmstack.sampler import Sampled, Sampler
@@ -79,6 +79,7 @@ class LLMEngine:
         # Target layers whose outputs each step returns at the sampled rows (a drafter that
         # conditions on target hidden states asks for them; `Speculator.observe` gets them).
         self.hidden_state_layers: tuple[int, ...] = tuple(getattr(self.speculator, "hidden_state_layers", ()))
+        self.all_hidden_rows = getattr(self.speculator, "hidden_state_positions", "sampled") == "all"
         self._seq_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         blocks = self.allocator.num_blocks
@@ -146,7 +147,11 @@ class LLMEngine:
             return outputs
         now = time.monotonic()
         planned = plan_step(
-            sched.scheduled, sched.blocks_to_copy, self.allocator.block_table, self.hidden_state_layers
+            sched.scheduled,
+            sched.blocks_to_copy,
+            self.allocator.block_table,
+            self.hidden_state_layers,
+            self.all_hidden_rows,
         )
         if self.block_cache is not None:
             planned.plan.swap_in, planned.plan.swap_out = self.block_cache.take_transfers()
@@ -166,7 +171,7 @@ class LLMEngine:
             rows = result.logits[r.logits_index : r.logits_index + r.count]
             self.output_processor.record_prompt_logprobs(r.request, rows, r.position)
         touched: dict[str, Request] = {}
-        self._sample(planned.samples, result.logits, result.hidden_states, touched)
+        self._sample(planned, result.logits, result.hidden_states, touched)
         self.drafts.step_done(
             self.speculator, sum(item.num_tokens for item in sched.scheduled), time.perf_counter() - started
         )
@@ -185,13 +190,14 @@ class LLMEngine:
 
     def _sample(
         self,
-        rows: list[SampleRows],
+        planned: PlannedStep,
         logits: torch.Tensor,
         hidden: dict[int, torch.Tensor],
         touched: dict[str, Request],
     ) -> None:
         choices: list[Choice] = []
-        for row in rows:
+        span_of: dict[int, int] = {}  # a forked sample's seq_id -> the seq_id whose rows it shares
+        for row in planned.samples:
             seq, req = row.seq, row.seq.request
             if row.drafts:
                 choices.append(Choice(seq, row.logits_index, self.drafts.take(seq, row.drafts)))
@@ -199,6 +205,7 @@ class LLMEngine:
             for i in range(len(req.seqs), req.params.n):  # prefill done: fork the other samples now
                 child = self._new_seq(req, list(seq.token_ids), i)
                 child.num_computed_tokens, child.status = seq.num_computed_tokens, SequenceStatus.RUNNING
+                span_of[child.seq_id] = seq.seq_id
                 self.allocator.fork(seq, child)
                 self.scheduler.add(child)
                 choices.append(Choice(child, row.logits_index))
@@ -222,10 +229,28 @@ class LLMEngine:
                 self.stats.spec_decode_accepted_lengths[result.num_accepted] = (
                     self.stats.spec_decode_accepted_lengths.get(result.num_accepted, 0) + 1
                 )
+            start = seq.num_tokens - 1  # the newest token's position, before this step's
             appended = self._append(seq, result.tokens, touched)
-            first = choice.logits_index
-            states = {layer: h[first : first + result.num_accepted + 1] for layer, h in hidden.items()}
-            self.drafts.verified(seq, drafted, result.num_accepted, appended, states)
+            if self.all_hidden_rows:
+                span = planned.spans[span_of.get(seq.seq_id, seq.seq_id)]
+                start = span.position
+                kept = span.num_tokens - drafted + result.num_accepted  # a prompt chunk, or 1 + accepted
+                states = {layer: h[span.row : span.row + kept] for layer, h in hidden.items()}
+            else:
+                first = choice.logits_index
+                states = {layer: h[first : first + result.num_accepted + 1] for layer, h in hidden.items()}
+            self.drafts.verified(seq, drafted, result.num_accepted, appended, states, start)
+        if self.all_hidden_rows and hidden:
+            # Prompt chunks that stop short of the prompt's end sample nothing, but a drafter
+            # reading every position's state still needs theirs.
+            sampled = {row.seq.seq_id for row in planned.samples}
+            for span in planned.spans.values():
+                if span.seq.seq_id in sampled or span.seq.is_finished:
+                    continue
+                rows = slice(span.row, span.row + span.num_tokens)
+                self.drafts.verified(
+                    span.seq, 0, 0, [], {k: h[rows] for k, h in hidden.items()}, span.position
+                )
 
     def _append(self, seq: Sequence, sampled: list[Sampled], touched: dict[str, Request]) -> list[int]:
         """Append the step's tokens (a stop may keep fewer); returns those appended."""

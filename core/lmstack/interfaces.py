@@ -451,11 +451,14 @@ class DraftFeedback:
     seq: Sequence
     num_drafted: int
     num_accepted: int
-    new_token_ids: list[int]
-    # layer -> [num_accepted + 1, hidden]: the target's states at the positions whose logits
-    # produced `new_token_ids` (the newest token before the step, then each accepted draft).
-    # Layer num_layers is the final norm's output. Empty unless asked for.
+    new_token_ids: list[int]  # empty for a prompt chunk that does not reach the prompt's end
+    # layer -> [rows, hidden]: the target's states at consecutive positions from
+    # `first_position` (layer num_layers: the final norm's output); empty unless asked for.
+    # hidden_state_positions "sampled": the num_accepted + 1 positions whose logits produced
+    # `new_token_ids` (the newest token before the step, then each accepted draft);
+    # "all": also every prompt position the step computed.
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    first_position: int = 0
 
 
 class Speculator(ABC):
@@ -471,6 +474,10 @@ class Speculator(ABC):
     adaptive: bool = True
     # Target layers whose outputs `observe` receives (num_layers: after the final norm).
     hidden_state_layers: tuple[int, ...] = ()
+    # Where: "sampled", at the positions whose logits produced the step's new tokens; "all", at
+    # every position the step computed and kept (a prompt chunk's every token too: a draft model
+    # that keeps a KV cache of the target's states, as EAGLE's does, needs them all).
+    hidden_state_positions: Literal["sampled", "all"] = "sampled"
 
     @abstractmethod
     def propose(self, seqs: list[Sequence]) -> dict[int, list[int] | Draft]:

@@ -155,6 +155,7 @@ class ModelRunner:
             attn=attn,
             logits_indices=t(plan.logits_indices),
             hidden_state_layers=tuple(plan.hidden_state_layers),
+            hidden_state_rows=None if plan.hidden_state_rows is None else t(plan.hidden_state_rows),
             blocks_to_copy=list(plan.blocks_to_copy),
         )
 
@@ -200,7 +201,9 @@ class ModelRunner:
             self.decode_backend,
             self.layer_kwargs,
         )
-        stage_kw = {} if hidden_in is None else {"hidden_in": hidden_in}
+        stage_kw: dict[str, torch.Tensor] = {} if hidden_in is None else {"hidden_in": hidden_in}
+        if inp.hidden_state_rows is not None:
+            stage_kw["hidden_rows"] = inp.hidden_state_rows
         logits, hidden = self.model(
             inp.input_ids, inp.positions, ctx, inp.logits_indices, inp.hidden_state_layers, **stage_kw
         )

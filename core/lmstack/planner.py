@@ -35,10 +35,23 @@ class PromptLogprobRows:
 
 
 @dataclass
+class Span:
+    """Where a scheduled sequence's query sits: rows [row, row + num_tokens) of the flattened
+    batch, positions from `position`."""
+
+    seq: Sequence
+    row: int
+    num_tokens: int
+    position: int
+
+
+@dataclass
 class PlannedStep:
     plan: StepPlan
     samples: list[SampleRows]
     prompt_logprobs: list[PromptLogprobRows]
+    # seq_id -> where each scheduled sequence's rows are (hidden states at every position).
+    spans: dict[int, Span] = field(default_factory=dict)
 
 
 def plan_step(
@@ -46,9 +59,11 @@ def plan_step(
     blocks_to_copy: list[tuple[int, int]],
     block_table: Callable[[Sequence], list[int]],
     hidden_state_layers: tuple[int, ...] = (),
+    all_hidden_rows: bool = False,
 ) -> PlannedStep:
     """Lay out one step. A sequence whose query stops short of its newest token (a prefill
-    chunk) does not sample, and drafts it had can no longer be verified: they are dropped."""
+    chunk) does not sample, and drafts it had can no longer be verified: they are dropped.
+    `all_hidden_rows`: the hidden states come back at every row, not only the sampled ones."""
     # Decodes (query length 1) first, so kernels can split the batch.
     order = sorted(scheduled, key=lambda s: s.num_tokens != 1)
     seqs: list[SeqPlan] = []
@@ -56,9 +71,11 @@ def plan_step(
     prompt_rows: list[PromptLogprobRows] = []
     logits_idx: list[int] = []
     base = 0  # the sequence's first row in the flattened batch
+    spans: dict[int, Span] = {}
     for item in order:
         seq, n = item.seq, item.num_tokens
         start = seq.num_computed_tokens
+        spans[seq.seq_id] = Span(seq, base, n, start)
         tokens = seq.token_ids[start : start + n]
         if len(tokens) < n:  # the query runs on into this step's drafts
             tokens += seq.draft_token_ids[: n - len(tokens)]
@@ -81,4 +98,6 @@ def plan_step(
             seq.draft_token_ids = []
         base += n
     plan = StepPlan(seqs, logits_idx, list(blocks_to_copy), tuple(hidden_state_layers))
-    return PlannedStep(plan, samples, prompt_rows)
+    if all_hidden_rows and hidden_state_layers:
+        plan.hidden_state_rows = list(range(base))
+    return PlannedStep(plan, samples, prompt_rows, spans)

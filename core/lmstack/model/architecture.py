@@ -46,7 +46,10 @@ class CausalLM(Protocol):
         logits_indices: torch.Tensor | None = None,
         hidden_state_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """input_ids, positions: [T] -> (logits [L, V] fp32, {layer: hidden [L, H]})."""
+        """input_ids, positions: [T] -> (logits [L, V] fp32, {layer: hidden [L, H]}). A model
+        that serves drafters reading every position's state (`Speculator.hidden_state_positions
+        = "all"`) also takes the keyword `hidden_rows` [R]: the hidden states come back at those
+        rows ([R, H]) instead of at `logits_indices`."""
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Map checkpoint names to parameters and call their weight loaders."""

@@ -192,6 +192,7 @@ class LlamaModel(nn.Module):
         hidden_state_layers: tuple[int, ...] = (),
         *,
         hidden_in: torch.Tensor | None = None,
+        hidden_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """input_ids, positions: [T]. Returns logits [L, V] (fp32) for rows `logits_indices`
         (all rows when None) and the requested layers' outputs at those rows (layer i = output
@@ -199,22 +200,26 @@ class LlamaModel(nn.Module):
 
         A pipeline stage after the first takes the previous stage's output as `hidden_in`
         [T, hidden] instead of embedding `input_ids`; a stage before the last returns its
-        layers' output [T, hidden] (every row: the next stage needs them all) in place of logits."""
+        layers' output [T, hidden] (every row: the next stage needs them all) in place of logits.
+        `hidden_rows`: return the layers' outputs at these rows instead of `logits_indices`."""
         stage = self.stage
         x = hidden_in if hidden_in is not None else self.embed_tokens(input_ids)
         rope = self.rope.tables(positions, x.dtype)
         hidden: dict[int, torch.Tensor] = {}
         want = set(hidden_state_layers)
+        rows = hidden_rows if hidden_rows is not None else logits_indices
         for layer in self.layers[stage.start : stage.end]:
             x = layer(x, rope, attn)
             if layer.index in want:
-                hidden[layer.index] = x if logits_indices is None else x[logits_indices]
+                hidden[layer.index] = x if rows is None else x[rows]
         if self.lm_head is None:
             return x, hidden
+        if hidden_rows is not None and self.config.num_layers in want:
+            hidden[self.config.num_layers] = self.norm(x[hidden_rows])
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x)
-        if self.config.num_layers in want:
+        if self.config.num_layers in want and hidden_rows is None:
             hidden[self.config.num_layers] = x
         return self.lm_head(x).float(), hidden
 

@@ -32,8 +32,15 @@ class Int8Rows(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, cols] @ W^T -> [M, rows] in x's dtype."""
-        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale.to(x.dtype))
+        # torch's CPU int8 op: its bf16 loops step 8 / 16 columns with no tail (a width that is
+        # not a multiple of 16 crashes it on AVX2), and its fp32 path is ~3-60x slower than a
+        # dense fp32 matmul (lmstack-int8's measurements), so fp32 decode rows run it in bf16.
+        if x.device.type == "cpu" and self.q.shape[1] % 16 == 0 and x.dtype in (torch.float32, torch.bfloat16):
+            if x.dtype == torch.bfloat16:
+                return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale.to(x.dtype))
+            if x.shape[0] < 16:
+                xb = x.to(torch.bfloat16).contiguous()
+                return torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale.to(torch.bfloat16)).float()
         # Elsewhere: dequantize a slab of rows at a time (bounded temporary memory).
         out = torch.empty(x.shape[0], self.q.shape[0], dtype=x.dtype, device=x.device)
         step = 8192

@@ -1,0 +1,76 @@
+"""Speculative decoding through the HTTP API: `lmstack serve` with the `ngram` speculator shows
+the drafter in /v1/stack and the spec-decode metrics in /metrics, and a `json_schema` request
+returns valid JSON with the same text as a server without speculation (greedy)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmstack.plugins import build_registry, make_plugin_manager
+
+pytestmark = pytest.mark.slow
+
+STACK = {
+    "model": "smollm2-135m-instruct",
+    "dtype": "float32",
+    "scheduler": {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 512},
+    "allocator": {"name": "paged", "block_size": 16, "num_blocks": 256},
+}
+CODE = "def area(width, height):\n    result = width * height\n    return result\n"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "rivers": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "rivers"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2_path):
+    if "ngram" not in build_registry(make_plugin_manager()).names("speculator"):
+        pytest.skip("lmstack-ngram is not installed")
+    from lmstack_api.testing import ServerProcess
+
+    with ServerProcess({**STACK, "speculator": {"name": "ngram", "adaptive": False}}) as spec:
+        with ServerProcess(STACK) as plain:
+            yield spec, plain
+
+
+def chat(server, content: str, **body) -> dict:
+    status, data, _ = server.post(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 60, **body},
+    )
+    assert status == 200, data
+    return data
+
+
+def test_stack_names_the_drafter_and_metrics_count_drafts(servers):
+    spec, plain = servers
+    status, body = spec.get("/v1/stack")
+    assert status == 200
+    described = json.loads(body)
+    drafter = described["components"]["speculator"]
+    assert drafter["name"] == "ngram" and drafter["options"]["num_draft_tokens"] == 5
+    prompt = f"Repeat this code exactly:\n\n{CODE}"
+    ours, theirs = chat(spec, prompt), chat(plain, prompt)
+    assert ours["choices"][0]["message"]["content"] == theirs["choices"][0]["message"]["content"]
+    drafted = spec.metric("lmstack:spec_decode_num_draft_tokens_total")
+    accepted = spec.metric("lmstack:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0 and 0 < accepted <= drafted
+    assert spec.metric("lmstack:spec_decode_accepted_length_count") > 0
+    assert spec.metric("lmstack:spec_decode_draft_length") >= 0
+    assert plain.metric("lmstack:spec_decode_num_draft_tokens_total") == 0
+
+
+def test_json_schema_with_drafts_is_valid_and_unchanged(servers):
+    spec, plain = servers
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
+    prompt = "Give a country and two of its rivers as JSON, for example France."
+    ours = chat(spec, prompt, response_format=fmt)["choices"][0]["message"]["content"]
+    theirs = chat(plain, prompt, response_format=fmt)["choices"][0]["message"]["content"]
+    assert ours == theirs
+    value = json.loads(ours)
+    assert set(value) == {"name", "rivers"} and all(isinstance(r, str) for r in value["rivers"])
