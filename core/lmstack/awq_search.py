@@ -16,7 +16,7 @@ Per decoder layer, in order:
    block; fold 1/s into the op before (RMSNorm weight, or the rows of up_proj / v_proj) and s
    into the linears' input columns (an exact rewrite of the dense model; under grouped-query
    attention o_proj's scale is one per v_proj row, repeated over the query heads sharing it);
-3. weight clipping: for every linear but q/k (their error passes through the softmax, not a
+3. weight clipping (round-to-nearest only; GPTQ sets ranges as it rounds): for every linear but q/k (their error passes through the softmax, not a
    dot product: AWQ leaves them), for each (output row, input group) shrink the clip range
    [-r max|w|, r max|w|] over a grid of r and keep the r whose quantized weights give the
    smallest output error on the captured inputs; then refine each side of the range on its
@@ -191,6 +191,10 @@ def awq_calibrate(
 ) -> None:
     """Run AWQ over every layer of `model` (a `CalibrationModel`), rewriting its weights in place."""
     weights = model.weights
+    # GPTQ rounds against the scaled weights themselves: a clipped copy would make the clipping
+    # error part of its target (the clipped-off outliers could never come back), and GPTQ sets
+    # each group's range as it walks, so the clipping search is for round-to-nearest only.
+    gptq = cfg.gptq and hasattr(fmt, "gptq")
     x = model.embed(samples)
     loss_n = max(1, min(samples.shape[0], cfg.loss_tokens // samples.shape[1]))
     bar = progress(model.num_layers, "awq", "layers") if progress is not None else None
@@ -209,7 +213,7 @@ def awq_calibrate(
                     weights[name] = weights[name] * s
                 inputs[group.input] = xin = xin / s
                 record[group.input] = chosen
-            if cfg.clip:
+            if cfg.clip and not gptq:
                 flat = xin.reshape(-1, xin.shape[-1])
                 step = max(1, flat.shape[0] // cfg.clip_tokens)
                 flat = flat[::step]
@@ -217,7 +221,7 @@ def awq_calibrate(
                     weights[name], ratio = search_clip(weights[name], flat, fmt, cfg)
                     record.setdefault(group.input, {})[name.rsplit(".", 2)[-2] + "_clip"] = round(ratio, 4)
         rounded: set[str] = set()
-        if cfg.gptq and hasattr(fmt, "gptq"):
+        if gptq:
             # Every scale of the layer is folded by now (o_proj's lands in v_proj's rows), so
             # each linear is rounded once, against its (scaled) captured inputs.
             for group in groups:
@@ -255,7 +259,7 @@ class AWQCalibration:
         return {
             "algorithm": "awq",
             "grid": cfg.grid,
-            "clip": cfg.clip,
+            "clip": cfg.clip and not (cfg.gptq and hasattr(self, "gptq")),
             "clip_grid": cfg.clip_grid,
             "duo": cfg.duo,
             "asymmetric_clip": cfg.asymmetric_clip,
