@@ -280,3 +280,29 @@ def run_all(engine: LLMEngine, prompts, params):
             if o.finished:
                 done[o.request_id] = o
     return [done[i] for i in ids]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("regime", ["chunked-prefill", "arrivals", "preemption"])
+def test_greedy_equals_transformers_with_ngram_speculation(shared_llm, prompts, hf_greedy, regime):
+    """Speculative decoding (prompt lookup, drafts always on) changes no greedy token: the
+    oracle prompts under chunked prefill, mid-run arrivals and preemption."""
+    from lmstack.plugins import build_registry, make_plugin_manager
+
+    if "ngram" not in build_registry(make_plugin_manager()).names("speculator"):
+        pytest.skip("lmstack-ngram is not installed")
+    spec = {"speculator": {"name": "ngram", "adaptive": False, "num_draft_tokens": 4}}
+    if regime == "preemption":
+        engine = shared_llm(
+            _stack(allocator={"num_blocks": 14}, scheduler={"max_num_batched_tokens": 256}, **spec)
+        ).engine
+    else:
+        engine = shared_llm(_stack(**spec)).engine
+    before = engine.get_stats()
+    arrivals = {0: [0, 1, 2], 3: [3, 4], 7: [5, 6], 12: [7]} if regime == "arrivals" else None
+    assert _run(engine, prompts, arrivals) == hf_greedy
+    stats = engine.get_stats()
+    assert stats.num_draft_tokens > before.num_draft_tokens, "no drafts were verified"
+    assert stats.kv_usage == 0.0
+    if regime == "preemption":
+        assert stats.num_preemptions > before.num_preemptions, "the KV budget was meant to force preemption"
