@@ -156,6 +156,14 @@ class LLMEngine:
         if self.block_cache is not None:
             planned.plan.swap_in, planned.plan.swap_out = self.block_cache.take_transfers()
         result = self.executor.execute(planned.plan)
+        if self.all_hidden_rows and result.hidden_states:
+            rows = next(iter(result.hidden_states.values())).shape[0]
+            if rows != planned.plan.num_tokens:
+                raise RuntimeError(
+                    f"the executor returned hidden states at {rows} rows, not at all "
+                    f"{planned.plan.num_tokens} of the step (StepPlan.hidden_state_rows): this "
+                    "parallel layout cannot serve a speculator that reads every position's state"
+                )
         if planned.plan.swap_out:
             self.block_cache.offloaded(planned.plan.swap_out, result.swapped_out)
         for item in sched.scheduled:
