@@ -35,7 +35,11 @@ class Int8Rows(nn.Module):
         # torch's CPU int8 op: its bf16 loops step 8 / 16 columns with no tail (a width that is
         # not a multiple of 16 crashes it on AVX2), and its fp32 path is ~3-60x slower than a
         # dense fp32 matmul (lmstack-int8's measurements), so fp32 decode rows run it in bf16.
-        if x.device.type == "cpu" and self.q.shape[1] % 16 == 0 and x.dtype in (torch.float32, torch.bfloat16):
+        if (
+            x.device.type == "cpu"
+            and self.q.shape[1] % 16 == 0
+            and x.dtype in (torch.float32, torch.bfloat16)
+        ):
             if x.dtype == torch.bfloat16:
                 return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale.to(x.dtype))
             if x.shape[0] < 16:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from lmstack_ngram import NgramIndex
 
 from lmstack import LLM, SamplingParams
 from lmstack.config import load_stack
@@ -17,6 +16,7 @@ from lmstack.errors import ConfigError
 from lmstack.plugins import default_registry
 from lmstack.resolve import resolve
 from lmstack.testing import SpeculatorConformance
+from lmstack_ngram import NgramIndex
 
 pytest_plugins = ["lmstack.testing.fixtures"]
 
