@@ -29,6 +29,9 @@ from lmstack.model.rope import RotaryEmbedding, rotate
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+# lmstack's own addition: the token ids of the head's training text, most frequent first (the
+# `draft_vocab` option drafts only among the first N of them).
+VOCAB_FILE = "draft_vocab.json"
 
 
 @dataclass(frozen=True)
@@ -233,7 +236,9 @@ def load_head(folder: str | Path, dtype: torch.dtype = torch.float32) -> EagleHe
 
     path = Path(folder).expanduser()
     cfg = read_head_config(path)
-    files = sorted(path.glob("*.safetensors"))
+    files = (
+        [path / WEIGHTS_FILE] if (path / WEIGHTS_FILE).is_file() else sorted(path.glob("model*.safetensors"))
+    )
     if not files:
         raise ConfigError(f"EAGLE head {str(folder)!r} has no {WEIGHTS_FILE}", "speculator.head")
     tensors: dict[str, torch.Tensor] = {}
@@ -242,3 +247,19 @@ def load_head(folder: str | Path, dtype: torch.dtype = torch.float32) -> EagleHe
     head = EagleHead(cfg)
     head.load_eagle_state_dict(tensors, f"EAGLE head {str(folder)!r}")
     return head.to(dtype).eval()
+
+
+def save_draft_vocab(folder: str | Path, token_ids: list[int]) -> None:
+    (Path(folder).expanduser() / VOCAB_FILE).write_text(json.dumps([int(t) for t in token_ids]) + "\n")
+
+
+def read_draft_vocab(folder: str | Path, n: int) -> list[int]:
+    """The head's n most frequent training tokens; ConfigError when the folder has no list."""
+    path = Path(folder).expanduser() / VOCAB_FILE
+    if not path.is_file():
+        raise ConfigError(
+            f"draft_vocab needs {VOCAB_FILE} in the head folder (written by `lmstack eagle train`); "
+            f"{str(folder)!r} has none",
+            "speculator.draft_vocab",
+        )
+    return json.loads(path.read_text())[:n]

@@ -19,7 +19,7 @@ import torch
 from lmstack.errors import ConfigError
 from lmstack.interfaces import DraftFeedback, Speculator
 from lmstack.sequence import Sequence
-from lmstack_eagle.head import EagleHead, load_head, read_head_config
+from lmstack_eagle.head import EagleHead, load_head, read_draft_vocab, read_head_config
 
 PURGE_EVERY = 64  # steps between sweeps of finished sequences' caches
 
@@ -32,10 +32,16 @@ class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     num_draft_tokens: int = 4
     # Let the core size the draft per step (lmstack.draft_policy); false: always num_draft_tokens.
     adaptive: bool = True
+    # Draft only among the head's N most frequent training tokens (the folder's
+    # draft_vocab.json): the LM head then costs N / vocab of a full one per draft token; a token
+    # outside is never drafted (verification stays exact). 0: the whole vocabulary.
+    draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 16:
             raise ConfigError(f"must be in 1..16, got {self.num_draft_tokens}", "speculator.num_draft_tokens")
+        if self.draft_vocab < 0:
+            raise ConfigError(f"must be >= 0, got {self.draft_vocab}", "speculator.draft_vocab")
 
 
 @dataclass
@@ -80,6 +86,7 @@ class EagleSpeculator(Speculator):
         num_layers: int,
         options: EagleOptions,
         device: torch.device | str = "cpu",
+        vocab_ids: list[int] | None = None,
     ) -> None:
         self.options = options
         self.head = head
@@ -91,6 +98,13 @@ class EagleSpeculator(Speculator):
         self.device = torch.device(device)
         self.caches: dict[int, DraftCache] = {}
         self._calls = 0
+        # A reduced draft vocabulary: the LM head's rows for these ids (a copy, [N, H]).
+        self.vocab_ids: torch.Tensor | None = None
+        self.vocab_weight: torch.Tensor | None = None
+        weight = getattr(lm_head, "weight", None)
+        if vocab_ids and isinstance(weight, torch.Tensor) and weight.is_floating_point():
+            self.vocab_ids = torch.tensor(vocab_ids, device=self.device)
+            self.vocab_weight = weight.detach()[self.vocab_ids].contiguous()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -164,7 +178,7 @@ class EagleSpeculator(Speculator):
             drafts: list[int] = []
             pos = cache.length  # the newest token's position
             while True:
-                token = int(self.lm_head(feature.to(self.lm_dtype)).argmax(-1)[-1])
+                token = self._argmax(feature)
                 drafts.append(token)
                 if len(drafts) >= limit:
                     break
@@ -179,6 +193,12 @@ class EagleSpeculator(Speculator):
                 pos += 1
             out[seq.seq_id] = drafts
         return out
+
+    def _argmax(self, feature: torch.Tensor) -> int:
+        if self.vocab_weight is not None:
+            logits = torch.nn.functional.linear(feature.to(self.vocab_weight.dtype), self.vocab_weight)
+            return int(self.vocab_ids[int(logits[-1].argmax())])  # type: ignore[index]
+        return int(self.lm_head(feature.to(self.lm_dtype)).argmax(-1)[-1])
 
     @property
     def lm_dtype(self) -> torch.dtype:
@@ -225,5 +245,6 @@ def build(options: EagleOptions, ctx: Any) -> EagleSpeculator:
             "it reuses the target's embedding and LM head",
             "speculator.name",
         )
+    vocab = read_draft_vocab(options.head, options.draft_vocab) if options.draft_vocab else None
     head = load_head(options.head, ctx.dtype).to(ctx.device)
-    return EagleSpeculator(head, embed, lm_head, num_layers, options, ctx.device)
+    return EagleSpeculator(head, embed, lm_head, num_layers, options, ctx.device, vocab)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from lmstack.errors import ConfigError
 from lmstack.progress import Progress
-from lmstack_eagle.head import EagleHead, HeadConfig, save_head
+from lmstack_eagle.head import EagleHead, HeadConfig, save_draft_vocab, save_head
 
 DEFAULT_STACK = {
     "model": "smollm2-135m-instruct",
@@ -203,6 +204,8 @@ def train(
     )
     seconds["train"] = time.perf_counter() - t0
     save_head(head, out, {"eagle_target": source.name, "eagle_train_prompts": len(prompts)})
+    counts = Counter(t for ids in sequences for t in ids)
+    save_draft_vocab(out, [t for t, _ in counts.most_common()])
     return TrainResult(head, losses, seconds)
 
 

@@ -197,3 +197,31 @@ class TestEagleConformance(SpeculatorConformance):
     @pytest.fixture(autouse=True)
     def _head(self, random_head_dir):
         type(self).options = {"head": str(random_head_dir), "num_draft_tokens": 3}
+
+
+def test_reduced_draft_vocabulary(tiny_model_path, trained_head_dir):
+    """draft_vocab N: drafts come only from the head's N most frequent training tokens (the
+    trainer writes draft_vocab.json), and greedy output is still plain decoding's."""
+    vocab = json.loads((trained_head_dir / "draft_vocab.json").read_text())
+    assert len(vocab) == len(set(vocab)) > 20
+    llm = LLM(
+        eagle_stack(tiny_model_path, trained_head_dir, num_draft_tokens=4, adaptive=False, draft_vocab=20)
+    )
+    spec = llm.engine.speculator
+    drafted: set[int] = set()
+    inner = spec.propose
+
+    def recording(seqs):
+        out = inner(seqs)
+        drafted.update(t for d in out.values() for t in d)
+        return out
+
+    spec.propose = recording
+    prompts = chat_ids(llm, TRAIN_PROMPTS)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ours = llm.generate(prompts, params)
+    theirs = LLM(tiny_stack(tiny_model_path)).generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+    assert drafted and drafted <= set(vocab[:20]), f"drafted {sorted(drafted - set(vocab[:20]))} outside"
+    with pytest.raises(LmstackError, match="draft_vocab.json"):
+        LLM(eagle_stack(tiny_model_path, tiny_model_path, draft_vocab=20))
