@@ -11,6 +11,7 @@ is written in the EAGLE folder format (`lmstack_eagle.head`).
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 from collections import Counter
@@ -100,20 +101,22 @@ def eagle_loss(
     gen: torch.Generator,
     noise: float = 0.0,
 ) -> torch.Tensor:
-    """EAGLE-1's loss on one sequence: ids [L], feats [L, H]."""
+    """EAGLE-1's loss on one sequence, ids [L] and feats [L, H]: SmoothL1 between predicted and
+    true next features, plus 0.1 x the cross-entropy of the predicted feature's distribution
+    (through the LM head) against the target's own next-token distribution (soft labels, as
+    EAGLE-1 trains), on up to `ce_positions` random positions."""
     n = ids.shape[0] - 1
     inp = feats[:n]
-    if noise:
-        inp = inp + (torch.rand(inp.shape, generator=gen) * 2 - 1) * noise
+    if noise:  # EAGLE-1's data noise: uniform, on the input features
+        inp = inp + (torch.rand(inp.shape, generator=gen) - 0.5) * (2 * noise)
     emb = F.embedding(ids[1:], target.embedding)
     out, _, _ = head(emb, inp, torch.arange(n))
     reg = F.smooth_l1_loss(out, feats[1:])
-    m = n - 1  # outputs 0..m-1 have a next-next token ids[t + 2]
-    if m <= 0:
-        return reg
-    pick = torch.randperm(m, generator=gen)[:ce_positions] if m > ce_positions else torch.arange(m)
-    logits = F.linear(out[pick], target.lm_head)
-    ce = F.cross_entropy(logits, ids[pick + 2])
+    pick = torch.randperm(n, generator=gen)[:ce_positions] if n > ce_positions else torch.arange(n)
+    with torch.no_grad():
+        p = F.softmax(F.linear(feats[1:][pick], target.lm_head), dim=-1)
+    logp = F.log_softmax(F.linear(out[pick], target.lm_head), dim=-1)
+    ce = -(p * logp).sum(-1).mean()
     return reg + 0.1 * ce
 
 
@@ -171,6 +174,8 @@ def train(
     epochs: int = 3,
     seed: int = 0,
     lr: float = 1e-3,
+    noise: float = 0.1,
+    data: str | Path | None = None,
     plugin_manager: Any = None,
     progress: bool = True,
 ) -> TrainResult:
@@ -181,8 +186,15 @@ def train(
     t0 = time.perf_counter()
     kw = {"plugin_manager": plugin_manager} if plugin_manager is not None else {}
     llm = LLM(stack, **kw)
-    sequences = generate_answers(llm, prompts, max_tokens)
     source = llm.engine.source
+    cached = Path(data).expanduser() if data else None
+    if cached is not None and cached.is_file():
+        sequences = json.loads(cached.read_text())
+    else:
+        sequences = generate_answers(llm, prompts, max_tokens)
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            cached.write_text(json.dumps(sequences))
     llm.engine.shutdown()
     del llm
     seconds["generate"] = time.perf_counter() - t0
@@ -200,7 +212,7 @@ def train(
     t0 = time.perf_counter()
     config = HeadConfig.for_target(source.config)
     head, losses = train_head(
-        target, config, sequences, features, epochs=epochs, lr=lr, seed=seed, progress=progress
+        target, config, sequences, features, epochs=epochs, lr=lr, seed=seed, noise=noise, progress=progress
     )
     seconds["train"] = time.perf_counter() - t0
     save_head(head, out, {"eagle_target": source.name, "eagle_train_prompts": len(prompts)})
@@ -234,6 +246,15 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--epochs", type=int, default=3)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--noise", type=float, default=0.1, help="uniform noise on the input features (EAGLE-1: 0.1)"
+    )
+    t.add_argument(
+        "--data",
+        default=None,
+        help="a JSON file of the target's token sequences: read if it exists (no generation), "
+        "else written after generating (retrain with other epochs without regenerating)",
+    )
     t.set_defaults(handler=_cmd_train)
 
 
@@ -252,7 +273,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     stack: Any = args.stack if args.stack else dict(DEFAULT_STACK)
     started = time.perf_counter()
     result = train(
-        stack, args.out, prompts, max_tokens=args.max_tokens, epochs=args.epochs, seed=args.seed, lr=args.lr
+        stack,
+        args.out,
+        prompts,
+        max_tokens=args.max_tokens,
+        epochs=args.epochs,
+        seed=args.seed,
+        lr=args.lr,
+        noise=args.noise,
+        data=args.data,
     )
     per_epoch = ", ".join(f"{x:.3f}" for x in result.losses)
     parts = ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items())

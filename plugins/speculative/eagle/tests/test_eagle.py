@@ -56,7 +56,16 @@ def random_head_dir(tiny_config, tmp_path_factory):
 def trained_head_dir(tiny_model_path, tmp_path_factory):
     """A head overfit on the tiny model's own greedy answers to TRAIN_PROMPTS (seconds)."""
     out = tmp_path_factory.mktemp("trained-head")
-    train(tiny_stack(tiny_model_path), out, TRAIN_PROMPTS, max_tokens=40, epochs=30, lr=2e-3, progress=False)
+    train(
+        tiny_stack(tiny_model_path),
+        out,
+        TRAIN_PROMPTS,
+        max_tokens=40,
+        epochs=30,
+        lr=2e-3,
+        noise=0.0,
+        progress=False,
+    )
     return out
 
 
@@ -73,6 +82,7 @@ def test_greedy_identity_through_the_engine(tiny_model_path, random_head_dir, tr
     were proposed and verified (a trained head's are accepted)."""
     ref = LLM(tiny_stack(tiny_model_path))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    rates = {}
     for head in (random_head_dir, trained_head_dir):
         llm = LLM(eagle_stack(tiny_model_path, head, num_draft_tokens=4, adaptive=False))
         prompts = [*chat_ids(llm, TRAIN_PROMPTS), "an untemplated prompt, repeated, repeated"]
@@ -81,12 +91,11 @@ def test_greedy_identity_through_the_engine(tiny_model_path, random_head_dir, tr
             assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"head {head}, prompt {p!r}"
         stats = llm.get_stats()
         assert stats.num_draft_tokens > 0, f"head {head}: nothing drafted"
-        if head == trained_head_dir:
-            assert stats.num_accepted_tokens > stats.num_draft_tokens // 4, (
-                f"trained head: {stats.num_accepted_tokens} of {stats.num_draft_tokens} drafts accepted"
-            )
+        rates[head] = stats.num_accepted_tokens / stats.num_draft_tokens
         assert not llm.engine.speculator.caches, "draft caches of finished sequences were not freed"
         llm.engine.shutdown()
+    # The trained head's drafts are accepted far more often than a random head's.
+    assert rates[trained_head_dir] > max(0.15, 2 * rates[random_head_dir]), f"acceptance rates {rates}"
 
 
 def test_draft_cache_rolls_back_to_the_committed_length(tiny_model_path, trained_head_dir):
