@@ -28,6 +28,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--fixed", action="store_true", help="adaptive: false (always num_draft_tokens)")
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="also run eagle with draft_vocab N (the head's N most frequent tokens)",
+    )
     args = ap.parse_args()
 
     from lmstack import LLM, SamplingParams
@@ -65,10 +71,22 @@ def main() -> None:
                     rates[name].append((n - 1) / (m.finished_time - m.first_token_time))
                 if r == 0:
                     outputs[name].append(list(out.token_ids))
-    stats = llms["eagle"].get_stats()
-    hist = dict(sorted(stats.spec_decode_accepted_lengths.items()))
-    verifications = sum(hist.values())
     tok_s = {n: statistics.median(v) for n, v in rates.items()}
+    systems = {}
+    for name in list(llms)[1:]:
+        stats = llms[name].get_stats()
+        hist = dict(sorted(stats.spec_decode_accepted_lengths.items()))
+        verifications = sum(hist.values())
+        systems[name] = {
+            "decode_tok_s": tok_s[name],
+            "speedup": tok_s[name] / tok_s["plain"],
+            "identical_outputs": outputs["plain"] == outputs[name],
+            "drafted": stats.num_draft_tokens,
+            "accepted": stats.num_accepted_tokens,
+            "acceptance_rate": stats.num_accepted_tokens / max(stats.num_draft_tokens, 1),
+            "mean_accepted_per_verification": stats.num_accepted_tokens / max(verifications, 1),
+            "accepted_length_histogram": hist,
+        }
     print(
         json.dumps(
             {
@@ -78,15 +96,10 @@ def main() -> None:
                 "prompts": len(prompts),
                 "max_tokens": args.max_tokens,
                 "repeats": args.repeats,
-                "decode_tok_s": tok_s,
-                "speedup": tok_s["eagle"] / tok_s["plain"],
-                "identical_outputs": outputs["plain"] == outputs["eagle"],
-                "drafted": stats.num_draft_tokens,
-                "accepted": stats.num_accepted_tokens,
-                "acceptance_rate": stats.num_accepted_tokens / max(stats.num_draft_tokens, 1),
-                "mean_accepted_per_verification": stats.num_accepted_tokens / max(verifications, 1),
-                "mean_tokens_per_verification_step": 1 + stats.num_accepted_tokens / max(verifications, 1),
-                "accepted_length_histogram": hist,
+                "num_draft_tokens": args.num_draft_tokens,
+                "adaptive": not args.fixed,
+                "plain_decode_tok_s": tok_s["plain"],
+                "systems": systems,
             },
             indent=1,
         )
