@@ -57,6 +57,9 @@ def main() -> None:
         "plain": LLM({**base, "speculator": {"name": "none"}}),
         "eagle": LLM({**base, "speculator": spec}),
     }
+    if args.draft_vocab:
+        vocab_spec = {**spec, "draft_vocab": args.draft_vocab}
+        llms[f"eagle-vocab{args.draft_vocab}"] = LLM({**base, "speculator": vocab_spec})
     tok = llms["plain"].tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in bundled_prompts("prompts_eval.txt")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
