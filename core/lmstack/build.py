@@ -103,6 +103,7 @@ class _Builder:
         )
         with _blame("parallel", self.stack.parallel, what=f"failed to load the model {self.stack.model!r}"):
             self.executor.load_model()
+        self.ctx.executor = self.executor
 
     def _after_cache(self) -> None:
         cache = self.ctx.components["cache"]

@@ -58,6 +58,10 @@ class BuildContext:
     # The cache component the allocator reports full blocks to; None: no reuse (cache `none`).
     block_cache: BlockCache | None = None
     components: dict[str, Any] = field(default_factory=dict)
+    # The executor, its weights loaded (set after the parallel layout; None under
+    # `lmstack check --build`). A draft model that shares the target's embedding or LM head
+    # reaches them here (`executor.runner.model` for the in-process executor).
+    executor: Any = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,113 @@
+"""EAGLE-1 speculative decoding on this machine: plain greedy decoding vs the `eagle` speculator
+(a head trained by `lmstack eagle train`), batch 1, on the held-out prompts bundled with
+lmstack-eagle (`prompts_eval.txt`, disjoint from the training prompts).
+
+    lmstack eagle train --out ~/.cache/lmstack/eagle/smollm2-135m-instruct
+    .venv/bin/python benchmarks/eagle.py [--head DIR] [--max-tokens 128] [--repeats 2]
+
+Chat template applied, greedy, EOS respected. Each prompt runs alone on each system, the
+systems alternating prompt by prompt in one process; decode tok/s = (output tokens - 1) /
+(finish - first token), median over prompts x repeats. Also: whether every output equals plain
+decoding's (it must), drafts proposed / accepted and the mean accepted drafts per verification.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--head", default=str(Path("~/.cache/lmstack/eagle/smollm2-135m-instruct").expanduser()))
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--fixed", action="store_true", help="adaptive: false (always num_draft_tokens)")
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="also run eagle with draft_vocab N (the head's N most frequent tokens)",
+    )
+    args = ap.parse_args()
+
+    from lmstack import LLM, SamplingParams
+    from lmstack.hardware import cpu_name
+    from lmstack_eagle.train import bundled_prompts
+
+    base = {
+        "model": args.model,
+        "dtype": "auto",
+        "device": "cpu",
+        "scheduler": {"name": "continuous", "max_num_seqs": 1, "max_num_batched_tokens": 2048},
+        "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "1GiB"},
+    }
+    spec = {
+        "name": "eagle",
+        "head": args.head,
+        "num_draft_tokens": args.num_draft_tokens,
+        "adaptive": not args.fixed,
+    }
+    llms = {
+        "plain": LLM({**base, "speculator": {"name": "none"}}),
+        "eagle": LLM({**base, "speculator": spec}),
+    }
+    if args.draft_vocab:
+        vocab_spec = {**spec, "draft_vocab": args.draft_vocab}
+        llms[f"eagle-vocab{args.draft_vocab}"] = LLM({**base, "speculator": vocab_spec})
+    tok = llms["plain"].tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in bundled_prompts("prompts_eval.txt")]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    rates: dict[str, list[float]] = {n: [] for n in llms}
+    outputs: dict[str, list[list[int]]] = {n: [] for n in llms}
+    for r in range(args.repeats):
+        for p in prompts:
+            for name in list(llms) if r % 2 == 0 else list(llms)[::-1]:
+                out = llms[name].generate([p], params)[0]
+                m, n = out.metrics, len(out.token_ids)
+                if n > 1 and m.first_token_time is not None and m.finished_time is not None:
+                    rates[name].append((n - 1) / (m.finished_time - m.first_token_time))
+                if r == 0:
+                    outputs[name].append(list(out.token_ids))
+    tok_s = {n: statistics.median(v) for n, v in rates.items()}
+    systems = {}
+    for name in list(llms)[1:]:
+        stats = llms[name].get_stats()
+        hist = dict(sorted(stats.spec_decode_accepted_lengths.items()))
+        verifications = sum(hist.values())
+        systems[name] = {
+            "decode_tok_s": tok_s[name],
+            "speedup": tok_s[name] / tok_s["plain"],
+            "identical_outputs": outputs["plain"] == outputs[name],
+            "drafted": stats.num_draft_tokens,
+            "accepted": stats.num_accepted_tokens,
+            "acceptance_rate": stats.num_accepted_tokens / max(stats.num_draft_tokens, 1),
+            "mean_accepted_per_verification": stats.num_accepted_tokens / max(verifications, 1),
+            "accepted_length_histogram": hist,
+        }
+    print(
+        json.dumps(
+            {
+                "cpu": cpu_name(),
+                "model": args.model,
+                "head": args.head,
+                "prompts": len(prompts),
+                "max_tokens": args.max_tokens,
+                "repeats": args.repeats,
+                "num_draft_tokens": args.num_draft_tokens,
+                "adaptive": not args.fixed,
+                "plain_decode_tok_s": tok_s["plain"],
+                "systems": systems,
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""The `eagle` speculator: an EAGLE-1 draft head over the target's final hidden states.
+
+Per sequence the speculator keeps the head's KV cache as contiguous tensors (`DraftCache`).
+`observe` truncates it to the committed positions (speculative rows from the last `propose` are
+dropped), then runs the head over the positions the target just computed, entering
+(f_t, token_{t+1}) for each; the output of the newest entry predicts the feature of the newest
+token's position. `propose` turns that into the first draft through the target's LM head, then
+feeds (predicted feature, drafted token) back, greedily, up to `seq.draft_limit` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+
+from lmstack.errors import ConfigError
+from lmstack.interfaces import DraftFeedback, Speculator
+from lmstack.sequence import Sequence
+from lmstack_eagle.head import EagleHead, load_head, read_draft_vocab, read_head_config
+
+PURGE_EVERY = 64  # steps between sweeps of finished sequences' caches
+
+
+class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # The head folder (config.json + model.safetensors, EAGLE-1 tensor names);
+    # `lmstack eagle train --stack STACK --out DIR` builds one.
+    head: str = ""
+    # The most drafts per sequence per step.
+    num_draft_tokens: int = 4
+    # Let the core size the draft per step (lmstack.draft_policy); false: always num_draft_tokens.
+    adaptive: bool = True
+    # Draft only among the head's N most frequent training tokens (the folder's
+    # draft_vocab.json): the LM head then costs N / vocab of a full one per draft token; a token
+    # outside is never drafted (verification stays exact). 0: the whole vocabulary.
+    draft_vocab: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= 16:
+            raise ConfigError(f"must be in 1..16, got {self.num_draft_tokens}", "speculator.num_draft_tokens")
+        if self.draft_vocab < 0:
+            raise ConfigError(f"must be >= 0, got {self.draft_vocab}", "speculator.draft_vocab")
+
+
+@dataclass
+class DraftCache:
+    """One sequence's head KV: rows [0, length) are positions 0.. in order."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+    # The head's output at the newest committed entry: the predicted feature of the position
+    # after it (None until the first entry).
+    next_feature: torch.Tensor | None = None
+    # True when positions were skipped (a prompt prefix served from a cache): no drafts.
+    broken: bool = False
+    seq: Any = field(default=None, repr=False)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        need = self.length + k.shape[0]
+        if need > self.k.shape[0]:
+            cap = max(need, 2 * self.k.shape[0])
+            grow = (cap - self.k.shape[0], *self.k.shape[1:])
+            self.k = torch.cat((self.k, self.k.new_empty(grow)))
+            self.v = torch.cat((self.v, self.v.new_empty(grow)))
+        self.k[self.length : need] = k
+        self.v[self.length : need] = v
+        self.length = need
+
+    def past(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.length:
+            return None, None
+        return self.k[: self.length], self.v[: self.length]
+
+
+class EagleSpeculator(Speculator):
+    hidden_state_positions = "all"
+
+    def __init__(
+        self,
+        head: EagleHead | None,
+        embed: Any,
+        lm_head: Any,
+        num_layers: int,
+        options: EagleOptions,
+        device: torch.device | str = "cpu",
+        vocab_ids: list[int] | None = None,
+    ) -> None:
+        self.options = options
+        self.head = head
+        self.embed, self.lm_head = embed, lm_head
+        self.num_draft_tokens = options.num_draft_tokens if head is not None else 0
+        self.adaptive = options.adaptive
+        self.hidden_state_layers = (num_layers,)
+        self.layer = num_layers
+        self.device = torch.device(device)
+        self.caches: dict[int, DraftCache] = {}
+        self._calls = 0
+        # A reduced draft vocabulary: the LM head's rows for these ids (a copy, [N, H]).
+        self.vocab_ids: torch.Tensor | None = None
+        self.vocab_weight: torch.Tensor | None = None
+        weight = getattr(lm_head, "weight", None)
+        if vocab_ids and isinstance(weight, torch.Tensor) and weight.is_floating_point():
+            self.vocab_ids = torch.tensor(vocab_ids, device=self.device)
+            self.vocab_weight = weight.detach()[self.vocab_ids].contiguous()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        assert self.head is not None
+        return self.head.fc.weight.dtype
+
+    def _new_cache(self, seq: Sequence) -> DraftCache:
+        c = self.head.cfg  # type: ignore[union-attr]
+        shape = (max(64, seq.num_tokens * 2), c.num_key_value_heads, c.head_dim)
+        z = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return DraftCache(z, torch.empty_like(z), seq=seq)
+
+    def sweep(self) -> None:
+        """Free the caches of finished sequences."""
+        self.caches = {k: c for k, c in self.caches.items() if not c.seq.is_finished}
+
+    # -- the seam -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def observe(self, feedback: list[DraftFeedback]) -> None:
+        if self.head is None:
+            return
+        for fb in feedback:
+            seq = fb.seq
+            if seq.is_finished:
+                self.caches.pop(seq.seq_id, None)
+                continue
+            states = fb.hidden_states.get(self.layer)
+            if states is None or not states.shape[0]:
+                continue
+            cache = self.caches.get(seq.seq_id)
+            if cache is None:
+                cache = self.caches[seq.seq_id] = self._new_cache(seq)
+            start = fb.first_position
+            if start < cache.length or start == 0:
+                # Rollback: the draft rows past the committed positions (or everything, for a
+                # sequence preempted and recomputed from position 0).
+                cache.length = start
+                cache.broken = False
+                cache.next_feature = None
+            if start > cache.length:  # positions the target never showed us
+                cache.broken = True
+                continue
+            # Entry t reads (f_t, token_{t+1}); every row here has its next token.
+            rows = min(states.shape[0], seq.num_tokens - 1 - start)
+            if rows <= 0:
+                continue
+            positions = torch.arange(start, start + rows, device=self.device)
+            ids = torch.tensor(seq.token_ids[start + 1 : start + 1 + rows], device=self.device)
+            feats = states[:rows].to(self.device, self.dtype)
+            out, k, v = self.head(self.embed(ids).to(self.dtype), feats, positions, *cache.past())
+            cache.append(k, v)
+            cache.next_feature = out[-1:]
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        self._calls += 1
+        if self._calls % PURGE_EVERY == 0:
+            self.sweep()
+        out: dict[int, list[int]] = {}
+        if self.head is None:
+            return out
+        for seq in seqs:
+            cache = self.caches.get(seq.seq_id)
+            if cache is None or cache.broken or cache.next_feature is None:
+                continue
+            if cache.length != seq.num_tokens - 1:
+                continue  # the cache does not end right before the newest token
+            limit = min(seq.draft_limit or self.num_draft_tokens, self.num_draft_tokens)
+            feature = cache.next_feature
+            drafts: list[int] = []
+            pos = cache.length  # the newest token's position
+            while True:
+                token = self._argmax(feature)
+                drafts.append(token)
+                if len(drafts) >= limit:
+                    break
+                ids = torch.tensor([token], device=self.device)
+                feature, k, v = self.head(
+                    self.embed(ids).to(self.dtype),
+                    feature,
+                    torch.tensor([pos], device=self.device),
+                    *cache.past(),
+                )
+                cache.append(k, v)  # speculative: the next observe truncates it
+                pos += 1
+            out[seq.seq_id] = drafts
+        return out
+
+    def _argmax(self, feature: torch.Tensor) -> int:
+        if self.vocab_weight is not None:
+            logits = torch.nn.functional.linear(feature.to(self.vocab_weight.dtype), self.vocab_weight)
+            return int(self.vocab_ids[int(logits[-1].argmax())])  # type: ignore[index]
+        return int(self.lm_head(feature.to(self.lm_dtype)).argmax(-1)[-1])
+
+    @property
+    def lm_dtype(self) -> torch.dtype:
+        w = getattr(self.lm_head, "weight", None)
+        return w.dtype if isinstance(w, torch.Tensor) and w.is_floating_point() else self.dtype
+
+    def committed_length(self, seq_id: int) -> int:
+        """The draft cache's length (for tests: the committed positions after an observe)."""
+        cache = self.caches.get(seq_id)
+        return cache.length if cache is not None else 0
+
+
+def check_head(options: EagleOptions, mc: Any) -> None:
+    """One-line ConfigErrors for a missing head or one that does not fit the target."""
+    if not options.head:
+        raise ConfigError(
+            "the eagle speculator needs `head: PATH`, a trained EAGLE head folder; build one with "
+            "`lmstack eagle train --stack STACK --out DIR`",
+            "speculator.head",
+        )
+    cfg = read_head_config(options.head)
+    if mc is None:
+        return
+    if cfg.hidden_size != mc.hidden_size or cfg.vocab_size != mc.vocab_size:
+        raise ConfigError(
+            f"EAGLE head {options.head!r} has hidden size {cfg.hidden_size} and vocab {cfg.vocab_size}, "
+            f"but the target model has hidden size {mc.hidden_size} and vocab {mc.vocab_size}",
+            "speculator.head",
+        )
+
+
+def build(options: EagleOptions, ctx: Any) -> EagleSpeculator:
+    mc = ctx.model_config
+    check_head(options, mc)
+    num_layers = mc.num_layers if mc is not None else 0
+    executor = getattr(ctx, "executor", None)
+    if executor is None:  # lmstack check --build: no weights
+        return EagleSpeculator(None, None, None, num_layers, options, ctx.device)
+    model = getattr(getattr(executor, "runner", None), "model", None)
+    embed, lm_head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    if embed is None or lm_head is None:
+        raise ConfigError(
+            "the eagle speculator needs the target model in this process (parallel: single): "
+            "it reuses the target's embedding and LM head",
+            "speculator.name",
+        )
+    vocab = read_draft_vocab(options.head, options.draft_vocab) if options.draft_vocab else None
+    head = load_head(options.head, ctx.dtype).to(ctx.device)
+    return EagleSpeculator(head, embed, lm_head, num_layers, options, ctx.device, vocab)

@@ -1,0 +1,236 @@
+"""The `eagle` speculator: greedy identity through the engine, the conformance kit, draft KV
+rollback, the EAGLE head folder format, build-time errors and the trainer.
+
+    python -m pytest plugins/speculative/eagle/tests
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmstack import LLM, SamplingParams
+from lmstack.errors import LmstackError
+from lmstack.model.source import open_model_source
+from lmstack.quantize import CalibrationModel
+from lmstack.testing import SpeculatorConformance
+from lmstack.testing.kit import tiny_stack
+from lmstack_eagle.head import EagleHead, HeadConfig, load_head, save_head
+from lmstack_eagle.train import Target, train, train_head
+
+pytest_plugins = ["lmstack.testing.fixtures"]
+
+TRAIN_PROMPTS = ["hello world", "the cat sat on the mat", "one two three four five", "abc abc abc"]
+EAGLE_NAMES = {
+    "fc.weight",
+    "fc.bias",
+    *(f"layers.0.self_attn.{n}_proj.weight" for n in "qkvo"),
+    *(f"layers.0.mlp.{n}_proj.weight" for n in ("gate", "up", "down")),
+    "layers.0.post_attention_layernorm.weight",
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tiny_model_path):
+    return open_model_source(str(tiny_model_path)).config
+
+
+@pytest.fixture(scope="session")
+def random_head_dir(tiny_config, tmp_path_factory):
+    torch.manual_seed(1)
+    return save_head(EagleHead(HeadConfig.for_target(tiny_config)), tmp_path_factory.mktemp("random-head"))
+
+
+@pytest.fixture(scope="session")
+def trained_head_dir(tiny_model_path, tmp_path_factory):
+    """A head overfit on the tiny model's own greedy answers to TRAIN_PROMPTS (seconds)."""
+    out = tmp_path_factory.mktemp("trained-head")
+    train(
+        tiny_stack(tiny_model_path),
+        out,
+        TRAIN_PROMPTS,
+        max_tokens=40,
+        epochs=30,
+        lr=2e-3,
+        noise=0.0,
+        progress=False,
+    )
+    return out
+
+
+def eagle_stack(model, head, **options):
+    return tiny_stack(model, speculator={"name": "eagle", "head": str(head), **options})
+
+
+def chat_ids(llm, prompts):
+    return [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+
+
+def test_greedy_identity_through_the_engine(tiny_model_path, random_head_dir, trained_head_dir):
+    """Whatever the head (random or trained), greedy output equals plain decoding's, and drafts
+    were proposed and verified (a trained head's are accepted)."""
+    ref = LLM(tiny_stack(tiny_model_path))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    rates = {}
+    for head in (random_head_dir, trained_head_dir):
+        llm = LLM(eagle_stack(tiny_model_path, head, num_draft_tokens=4, adaptive=False))
+        prompts = [*chat_ids(llm, TRAIN_PROMPTS), "an untemplated prompt, repeated, repeated"]
+        ours, theirs = llm.generate(prompts, params), ref.generate(prompts, params)
+        for p, a, b in zip(prompts, ours, theirs, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"head {head}, prompt {p!r}"
+        stats = llm.get_stats()
+        assert stats.num_draft_tokens > 0, f"head {head}: nothing drafted"
+        rates[head] = stats.num_accepted_tokens / stats.num_draft_tokens
+        assert not llm.engine.speculator.caches, "draft caches of finished sequences were not freed"
+        llm.engine.shutdown()
+    # The trained head's drafts are accepted far more often than a random head's.
+    assert rates[trained_head_dir] > max(0.15, 2 * rates[random_head_dir]), f"acceptance rates {rates}"
+
+
+def test_draft_cache_rolls_back_to_the_committed_length(tiny_model_path, trained_head_dir):
+    """After every step, each live sequence's draft cache holds exactly its committed positions
+    (every token but the newest): speculative rows from propose are gone, accepted or not."""
+    llm = LLM(eagle_stack(tiny_model_path, trained_head_dir, num_draft_tokens=4, adaptive=False))
+    spec = llm.engine.speculator
+    seen = {"rejections": 0, "accepted": 0, "checked": 0}
+    inner = spec.observe
+
+    def checking(feedback):
+        inner(feedback)
+        for fb in feedback:
+            if fb.seq.is_finished or not fb.new_token_ids:
+                continue
+            seen["checked"] += 1
+            seen["rejections"] += fb.num_accepted < fb.num_drafted
+            seen["accepted"] += fb.num_accepted
+            assert spec.committed_length(fb.seq.seq_id) == fb.seq.num_tokens - 1 == fb.seq.num_computed_tokens
+
+    spec.observe = checking
+    prompts = [*chat_ids(llm, TRAIN_PROMPTS), *chat_ids(llm, ["something else entirely", "zebra"])]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert seen["rejections"] > 0 and seen["accepted"] > 0, f"the run must both accept and reject: {seen}"
+    llm.engine.shutdown()
+
+
+def test_head_folder_round_trip_with_eagle_names(tiny_config, tmp_path):
+    torch.manual_seed(3)
+    head = EagleHead(HeadConfig.for_target(tiny_config))
+    save_head(head, tmp_path)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert set(tensors) == EAGLE_NAMES
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["hidden_size"] == tiny_config.hidden_size
+    loaded = load_head(tmp_path)
+    for name, t in head.eagle_state_dict().items():
+        assert torch.equal(loaded.eagle_state_dict()[name], t), name
+    x = torch.randn(5, tiny_config.hidden_size)
+    assert torch.equal(loaded(x, x, torch.arange(5))[0], head.eval()(x, x, torch.arange(5))[0])
+    # The `model.`-prefixed names some exports use load too.
+    from safetensors.torch import save_file
+
+    save_file({f"model.{k}": v for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    assert torch.equal(load_head(tmp_path).fc.weight, head.fc.weight)
+
+
+def test_incremental_forward_matches_the_full_forward(tiny_config):
+    """The draft cache path (past keys/values, one row at a time) equals one causal pass."""
+    torch.manual_seed(4)
+    head = EagleHead(HeadConfig.for_target(tiny_config)).eval()
+    e, f = torch.randn(7, tiny_config.hidden_size), torch.randn(7, tiny_config.hidden_size)
+    with torch.no_grad():
+        full, _, _ = head(e, f, torch.arange(7))
+        out, k, v = head(e[:3], f[:3], torch.arange(3))
+        rows = [out]
+        for t in range(3, 7):
+            o, k1, v1 = head(e[t : t + 1], f[t : t + 1], torch.tensor([t]), k, v)
+            k, v = torch.cat((k, k1)), torch.cat((v, v1))
+            rows.append(o)
+    assert torch.allclose(torch.cat(rows), full, atol=1e-5)
+
+
+def test_mismatched_or_missing_head_is_a_one_line_error(tiny_model_path, tiny_config, tmp_path):
+    cfg = HeadConfig.for_target(tiny_config)
+    bad = HeadConfig(**{**cfg.__dict__, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8})
+    save_head(EagleHead(bad), tmp_path / "bad")
+    with pytest.raises(LmstackError) as err:
+        LLM(eagle_stack(tiny_model_path, tmp_path / "bad"))
+    msg = str(err.value)
+    assert "hidden size 32" in msg and f"hidden size {tiny_config.hidden_size}" in msg and "\n" not in msg
+    with pytest.raises(LmstackError, match="lmstack eagle train"):
+        LLM(tiny_stack(tiny_model_path, speculator={"name": "eagle"}))
+    with pytest.raises(LmstackError, match="lmstack eagle train"):
+        LLM(eagle_stack(tiny_model_path, tmp_path / "nowhere"))
+
+
+def test_trainer_loss_decreases(tiny_model_path, tiny_config):
+    cm = CalibrationModel.load(open_model_source(str(tiny_model_path)))
+    target = Target(cm)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, tiny_config.vocab_size, (24,), generator=gen).tolist() for _ in range(6)]
+    feats = [target.features(s) for s in seqs]
+    # Target.features is the full model's final norm output: its LM head gives the model's logits.
+    logits = F.linear(feats[0], target.lm_head)
+    assert torch.allclose(logits, cm.logits(torch.tensor([seqs[0]]))[0], atol=1e-4)
+    _, losses = train_head(
+        target, HeadConfig.for_target(tiny_config), seqs, feats, epochs=10, lr=3e-3, progress=False
+    )
+    assert losses[-1] < 0.8 * losses[0], f"loss per epoch {losses}"
+
+
+def test_the_command_is_registered():
+    from lmstack.cli import build_parser
+    from lmstack.plugins import make_plugin_manager
+
+    args = build_parser(make_plugin_manager()).parse_args(
+        ["eagle", "train", "--out", "x", "--num-prompts", "3"]
+    )
+    assert args.out == "x" and args.num_prompts == 3 and callable(args.handler)
+
+
+class TestEagleConformance(SpeculatorConformance):
+    component = "eagle"
+
+    @pytest.fixture(autouse=True)
+    def _head(self, random_head_dir):
+        type(self).options = {"head": str(random_head_dir), "num_draft_tokens": 3}
+
+
+def test_reduced_draft_vocabulary(tiny_model_path, trained_head_dir):
+    """draft_vocab N: drafts come only from the head's N most frequent training tokens (the
+    trainer writes draft_vocab.json), and greedy output is still plain decoding's."""
+    vocab = json.loads((trained_head_dir / "draft_vocab.json").read_text())
+    assert len(vocab) == len(set(vocab)) > 20
+    llm = LLM(
+        eagle_stack(tiny_model_path, trained_head_dir, num_draft_tokens=4, adaptive=False, draft_vocab=20)
+    )
+    spec = llm.engine.speculator
+    drafted: set[int] = set()
+    inner = spec.propose
+
+    def recording(seqs):
+        out = inner(seqs)
+        drafted.update(t for d in out.values() for t in d)
+        return out
+
+    spec.propose = recording
+    prompts = chat_ids(llm, TRAIN_PROMPTS)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ours = llm.generate(prompts, params)
+    theirs = LLM(tiny_stack(tiny_model_path)).generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+    assert drafted and drafted <= set(vocab[:20]), f"drafted {sorted(drafted - set(vocab[:20]))} outside"
+    with pytest.raises(LmstackError, match="draft_vocab.json"):
+        LLM(eagle_stack(tiny_model_path, tiny_model_path, draft_vocab=20))
