@@ -52,7 +52,7 @@ def test_stack_names_the_drafter_and_metrics_count_drafts(servers):
     status, body = spec.get("/v1/stack")
     assert status == 200
     described = json.loads(body)
-    drafter = described["components"]["speculator"]
+    drafter = described["stack"]["components"]["speculator"]
     assert drafter["name"] == "ngram" and drafter["options"]["num_draft_tokens"] == 5
     prompt = f"Repeat this code exactly:\n\n{CODE}"
     ours, theirs = chat(spec, prompt), chat(plain, prompt)
