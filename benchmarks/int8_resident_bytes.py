@@ -59,7 +59,10 @@ def main() -> None:
         "float32/int8": measure("float32", "int8"),
     }
     base = runs["bfloat16/none"]["weights"]
+    from lmstack.hardware import cpu_name
+
     summary = {
+        "cpu": cpu_name(),
         "command": " ".join(["python", *sys.argv]),
         "runs": runs,
         "weights_ratio_vs_bf16": {k: round(v["weights"] / base, 4) for k, v in runs.items()},

@@ -121,20 +121,11 @@ class EagleHead(nn.Module):
     # -- the EAGLE names ------------------------------------------------------------------------
 
     def eagle_state_dict(self) -> dict[str, torch.Tensor]:
-        out = {"fc.weight": self.fc.weight}
-        if self.fc.bias is not None:
-            out["fc.bias"] = self.fc.bias
-        for n in ("q", "k", "v", "o"):
-            out[f"layers.0.self_attn.{n}_proj.weight"] = getattr(self, f"{n}_proj").weight
-        for n in ("gate", "up", "down"):
-            out[f"layers.0.mlp.{n}_proj.weight"] = getattr(self, f"{n}_proj").weight
-        out["layers.0.post_attention_layernorm.weight"] = self.post_attention_layernorm
-        return {k: v.detach().float().contiguous() for k, v in out.items()}
+        return {k: v.detach().float().contiguous() for k, v in self._targets().items()}
 
     def load_eagle_state_dict(self, tensors: dict[str, torch.Tensor], where: str = "head") -> None:
         tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
-        mine = self.eagle_state_dict()
-        missing = [k for k in mine if k not in tensors]
+        missing = [k for k in self._targets() if k not in tensors]
         if missing:
             raise ConfigError(f"{where}: missing tensors {', '.join(missing)}", "speculator.head")
         with torch.no_grad():
