@@ -6,10 +6,9 @@ any device) an extra query token costs almost nothing and every accepted draft i
 free; once the step is compute-bound (large batches) an extra token costs what a plain decode
 token costs, and a draft accepted with probability g < 1 loses. Two things are measured:
 
-- the step's cost: t(T) = a + b * T seconds for T query tokens, fitted by least squares over
-  the mean time of the steps seen in each power-of-two bucket of T (buckets remember sizes the
-  engine has stopped visiting, so the fit survives a quiet spell); until two buckets are
-  known the step is assumed memory-bound (b = 0), so drafting starts on and is measured;
+- the step's cost: t(T) = a + b * T seconds for T query tokens (`lmstack.step_cost`, shared
+  with the scheduler); until it is known the step is assumed memory-bound (b = 0), so
+  drafting starts on and is measured;
 - acceptance: each draft token is accepted with probability alpha (chain drafts stop at the
   first rejection), estimated per sequence from its own verifications, shrunk towards the
   engine-wide rate (pseudo-counts) and decaying, so a sequence that stopped drafting drifts
@@ -24,13 +23,13 @@ to `num_draft_tokens`. Compute-bound (a ~ 0): the threshold is N / T ~ 1, so non
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from lmstack.step_cost import StepCostModel
 
 PRIOR_ACCEPTANCE = 0.6  # before anything is measured
 PSEUDO_COUNTS = 4.0  # weight of the engine-wide rate in a sequence's own estimate
 DECAY = 0.98  # per verification: a sequence's and the engine's counts fade (recent text counts)
-STEP_EMA = 0.2  # weight of a new step time in its bucket's mean
 
 
 @dataclass
@@ -44,38 +43,22 @@ class _Acceptance:
 
 
 @dataclass
-class _Bucket:
-    tokens: float
-    seconds: float
-    samples: int = 1
-
-
-@dataclass
 class DraftLengthPolicy:
     """Per step: `limits(seq_ids, other_tokens)` -> drafts allowed per sequence; fed with
-    `record_step` (every step's tokens and time) and `record_verification`."""
+    every step's tokens and time (`cost`, the engine's shared model, or `record_step`) and
+    `record_verification`."""
 
     max_draft_tokens: int
     adaptive: bool = True
+    cost: StepCostModel = field(default_factory=StepCostModel)
     _global: _Acceptance = field(default_factory=_Acceptance)
     _seqs: dict[int, _Acceptance] = field(default_factory=dict)
-    _buckets: dict[int, _Bucket] = field(default_factory=dict)
     last_mean_limit: float = 0.0  # the mean limit of the last step (a metric)
 
     # --- measurements ------------------------------------------------------------------------
 
     def record_step(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        key = int(math.log2(num_tokens))
-        b = self._buckets.get(key)
-        if b is None:
-            self._buckets[key] = _Bucket(float(num_tokens), seconds)
-        elif b.samples == 1:  # the first step of a size warms up (kernels, caches): replace it
-            self._buckets[key] = _Bucket(float(num_tokens), seconds, 2)
-        else:
-            b.tokens += STEP_EMA * (num_tokens - b.tokens)
-            b.seconds += STEP_EMA * (seconds - b.seconds)
+        self.cost.record(num_tokens, seconds)
 
     def record_verification(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:
@@ -100,17 +83,7 @@ class DraftLengthPolicy:
 
     def step_cost(self) -> tuple[float, float]:
         """(a, b) of t(T) = a + b * T; b = 0 until two sizes of step were measured."""
-        pts = [p for p in self._buckets.values() if p.samples > 1] or list(self._buckets.values())[:1]
-        if len(pts) < 2:
-            return (pts[0].seconds if pts else 1.0), 0.0
-        n = len(pts)
-        mx = sum(p.tokens for p in pts) / n
-        my = sum(p.seconds for p in pts) / n
-        sxx = sum((p.tokens - mx) ** 2 for p in pts)
-        b = sum((p.tokens - mx) * (p.seconds - my) for p in pts) / sxx if sxx > 0 else 0.0
-        b = max(b, 0.0)
-        a = max(my - b * mx, 1e-6)
-        return a, b
+        return self.cost.fit() or (1.0, 0.0)
 
     # --- the decision ------------------------------------------------------------------------
 

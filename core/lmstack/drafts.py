@@ -13,15 +13,23 @@ from lmstack.draft_policy import DraftLengthPolicy
 from lmstack.interfaces import DraftFeedback, Speculator
 from lmstack.output_processor import OutputProcessor
 from lmstack.sequence import Sequence
+from lmstack.step_cost import StepCostModel
 from lmstack.verification import Draft
 
 
 class DraftBook:
-    def __init__(self, outputs: OutputProcessor, speculator: Speculator | None = None) -> None:
+    def __init__(
+        self,
+        outputs: OutputProcessor,
+        speculator: Speculator | None = None,
+        step_cost: StepCostModel | None = None,
+    ) -> None:
+        """`step_cost`: the engine's measured step cost (it records every step there)."""
         self.outputs = outputs
         self._drafts: dict[int, Draft] = {}  # seq_id -> the proposal behind seq.draft_token_ids
         k = speculator.num_draft_tokens if speculator is not None else 0
-        self.policy = DraftLengthPolicy(k, adaptive=bool(getattr(speculator, "adaptive", True)))
+        adaptive = bool(getattr(speculator, "adaptive", True))
+        self.policy = DraftLengthPolicy(k, adaptive=adaptive, cost=step_cost or StepCostModel())
         self.feedback: list[DraftFeedback] = []  # this step's, for Speculator.observe
         # Verifications by number of drafts accepted (a metric: the accepted-length histogram).
         self.accepted_lengths: Counter[int] = Counter()
@@ -79,10 +87,8 @@ class DraftBook:
             DraftFeedback(seq, num_drafted, num_accepted, new_token_ids, hidden_states, first_position)
         )
 
-    def step_done(self, speculator: Speculator, num_tokens: int, seconds: float) -> None:
-        """The step ran `num_tokens` query tokens in `seconds`: feed the policy's cost model and
-        hand the speculator its feedback."""
-        self.policy.record_step(num_tokens, seconds)
+    def step_done(self, speculator: Speculator) -> None:
+        """The step is over: hand the speculator its feedback."""
         feedback, self.feedback = self.feedback, []
         if feedback and speculator.num_draft_tokens:
             speculator.observe(feedback)

@@ -75,7 +75,10 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.step_sampler = StepSampler(self.sampler, RejectionSampler(self.sampler))
-        self.drafts = DraftBook(self.output_processor, self.speculator)
+        # Every step's query tokens and wall time: the draft policy and the scheduler's
+        # step-time target both read it.
+        self.step_cost = built.ctx.step_cost
+        self.drafts = DraftBook(self.output_processor, self.speculator, self.step_cost)
         # Target layers whose outputs each step returns at the sampled rows (a drafter that
         # conditions on target hidden states asks for them; `Speculator.observe` gets them).
         self.hidden_state_layers: tuple[int, ...] = tuple(getattr(self.speculator, "hidden_state_layers", ()))
@@ -180,9 +183,8 @@ class LLMEngine:
             self.output_processor.record_prompt_logprobs(r.request, rows, r.position)
         touched: dict[str, Request] = {}
         self._sample(planned, result.logits, result.hidden_states, touched)
-        self.drafts.step_done(
-            self.speculator, sum(item.num_tokens for item in sched.scheduled), time.perf_counter() - started
-        )
+        self.step_cost.record(sched.num_batched_tokens, time.perf_counter() - started)
+        self.drafts.step_done(self.speculator)
         self.stats.num_steps += 1
         self.stats.spec_decode_draft_length = self.drafts.policy.last_mean_limit
         done = time.monotonic()

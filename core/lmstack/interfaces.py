@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lmstack.content_hash import CacheGeometry, request_key
+from lmstack.step_cost import StepCostModel
 
 if TYPE_CHECKING:
     from lmstack.batch import AttentionMetadata, ModelOutput, StepPlan
@@ -62,6 +63,9 @@ class BuildContext:
     # `lmstack check --build`). A draft model that shares the target's embedding or LM head
     # reaches them here (`executor.runner.model` for the in-process executor).
     executor: Any = None
+    # The engine's measured step cost (it records every step): a scheduler sizes prefill
+    # chunks against it, the draft policy drafts against it.
+    step_cost: StepCostModel = field(default_factory=StepCostModel)
 
 
 # ---------------------------------------------------------------------------------------------

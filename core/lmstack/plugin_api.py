@@ -29,7 +29,7 @@ Everything else in lmstack is internal and may change in any release.
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.3"
+PLUGIN_API_VERSION = "1.4"
 """The plugin API this lmstack provides; see the module docstring for when it changes."""
 
 PUBLIC_API: dict[str, tuple[str, ...]] = {
@@ -138,5 +138,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.content_hash": ("CacheGeometry", "block_hash", "config_digest", "hash_hex", "request_key"),
     # 1.3: speculation (issue 12): feedback to the drafter, the adaptive draft length.
     "lmstack.draft_policy": ("DraftLengthPolicy",),
+    # 1.4: the engine's measured step cost (issue 15), `BuildContext.step_cost`.
+    "lmstack.step_cost": ("StepCostModel",),
 }
 """Module -> the names in it that plugins may import (everything else is internal)."""

@@ -69,7 +69,7 @@ def waiting_order_key(self, seq: Sequence) -> tuple:
         build="""
 if ctx.allocator is None or ctx.limits is None:
     raise RuntimeError("a scheduler is built after the allocator and the engine limits")
-return $Camel$suffix(options, ctx.allocator, ctx.limits)
+return $Camel$suffix(options, ctx.allocator, ctx.limits, ctx.step_cost)
 """,
     ),
     "allocator": KindTemplate(

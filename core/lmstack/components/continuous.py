@@ -1,6 +1,14 @@
 """`continuous`: iteration-level continuous batching (Orca) with chunked prefill (Sarathi),
 a per-step token budget, a cap on running sequences, and preemption by recompute.
 
+Prefill that does not starve decode: a step that runs prefill chunks beside running decodes
+takes as long as its largest part, so every running stream waits for the chunk. While streams
+are decoding, the prefill tokens of a step are sized from the engine's measured step cost
+(`lmstack.step_cost`, t(T) = a + b * T) so that the step is predicted to take at most
+`max_step_ratio` times what the decodes alone would take (and at most `max_step_ms`, if set).
+Without running decodes, or before two step sizes are measured, prompts get the whole budget.
+A chunk never drops below `MIN_PREFILL_TOKENS`, so new requests always progress.
+
 Order is FCFS by default; subclasses change it by overriding `waiting_order_key` (the example
 priority plugin does), and everything else — budgets, chunking, preemption — comes along.
 """
@@ -20,6 +28,11 @@ from lmstack.interfaces import (
 )
 from lmstack.registry import Component
 from lmstack.sequence import Sequence, SequenceStatus
+from lmstack.step_cost import StepCostModel
+
+# The fewest prefill tokens a step gives prompts while streams decode: below this a prompt's
+# time to first token grows with little gain in the gap between tokens.
+MIN_PREFILL_TOKENS = 16
 
 
 class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -29,6 +42,12 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
     chunked_prefill: bool = True
     # Cap one prompt's chunk so a single long prompt cannot take the whole budget (0: no cap).
     max_prefill_chunk: int = 0
+    # While streams decode, a step carrying prefill is predicted to take at most this many
+    # times the decode-only step (measured step cost; 0: no limit). Bounds the gap between a
+    # stream's tokens (ITL P99) at the price of more steps per prompt (TTFT).
+    max_step_ratio: float = 2.5
+    # An absolute bound on such a step, in milliseconds (0: none).
+    max_step_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -36,11 +55,25 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
                 raise ConfigError(f"must be >= 1, got {getattr(self, name)}", f"scheduler.{name}")
         if self.max_prefill_chunk < 0:
             raise ConfigError("must be >= 0", "scheduler.max_prefill_chunk")
+        if self.max_step_ratio != 0 and self.max_step_ratio < 1:
+            raise ConfigError(
+                f"must be 0 (off) or >= 1, got {self.max_step_ratio}", "scheduler.max_step_ratio"
+            )
+        if self.max_step_ms < 0:
+            raise ConfigError("must be >= 0", "scheduler.max_step_ms")
 
 
 class ContinuousScheduler(Scheduler):
-    def __init__(self, options: ContinuousOptions, allocator: KVAllocator, limits: EngineLimits) -> None:
+    def __init__(
+        self,
+        options: ContinuousOptions,
+        allocator: KVAllocator,
+        limits: EngineLimits,
+        step_cost: StepCostModel | None = None,
+    ) -> None:
+        """`step_cost`: the engine's measured step cost (None: prefill is never sized by time)."""
         self.options = options
+        self.step_cost = step_cost
         self.allocator = allocator
         self.max_num_seqs = options.max_num_seqs
         self.token_budget = options.max_num_batched_tokens
@@ -99,19 +132,44 @@ class ContinuousScheduler(Scheduler):
         req = seq.request
         return req.params.n if len(req.seqs) < req.params.n else 1
 
+    def prefill_allowance(self) -> int:
+        """Prefill tokens this step may carry beside the running decodes (see the module
+        docstring); the token budget when no stream decodes or nothing is measured yet."""
+        decodes = sum(1 + len(s.draft_token_ids) for s in self.running if not s.is_prefill)
+        o = self.options
+        # Without chunking a prompt runs whole or not at all: sizing it would only delay it.
+        timed = o.chunked_prefill and self.step_cost is not None and (o.max_step_ratio or o.max_step_ms)
+        if decodes == 0 or not timed:
+            return self.token_budget
+        fit = self.step_cost.fit()
+        if fit is None or fit[1] <= 0:
+            return self.token_budget
+        a, b = fit
+        limits = []
+        if o.max_step_ratio:
+            limits.append(o.max_step_ratio * (a + b * decodes))
+        if o.max_step_ms:
+            limits.append(o.max_step_ms / 1000.0)
+        tokens = int((min(limits) - a) / b) - decodes
+        return max(MIN_PREFILL_TOKENS, min(tokens, self.token_budget))
+
     # --- the step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.token_budget
         self.running.sort(key=self.waiting_order_key)
+        prefill_left = self.prefill_allowance()
 
         # 1. Running sequences first: decodes and prefill chunks in progress.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.is_prefill and prefill_left <= 0:
+                i += 1  # its next chunk waits for a step with room
+                continue
             want = seq.num_uncomputed_tokens + len(seq.draft_token_ids)
-            n = min(want, budget, self.chunk_cap if seq.is_prefill else want)
+            n = min(want, budget, min(self.chunk_cap, prefill_left) if seq.is_prefill else want)
             if n < want and seq.draft_token_ids:
                 seq.draft_token_ids = []  # no room to verify drafts this step
                 n = min(seq.num_uncomputed_tokens, budget)
@@ -126,19 +184,21 @@ class ContinuousScheduler(Scheduler):
             out.blocks_to_copy += self.allocator.allocate(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            if seq.is_prefill:
+                prefill_left -= n
             i += 1
 
         # 2. Admit waiting sequences, unless this step had to preempt (no room anyway).
         if not out.preempted:
             self.waiting.sort(key=self.waiting_order_key)
-            while self.waiting and budget > 0:
+            while self.waiting and min(budget, prefill_left) > 0:
                 seq = self.waiting[0]
                 if len(self.running) + self._seq_slots(seq) > self.max_num_seqs and self.running:
                     break
                 if seq.num_computed_tokens == 0:
                     seq.num_computed_tokens = self.allocator.attach_cached_prefix(seq)
                 want = seq.num_uncomputed_tokens
-                n = min(want, budget, self.chunk_cap)
+                n = min(want, budget, self.chunk_cap, prefill_left)
                 if (n < want and not self.options.chunked_prefill) or not self.allocator.can_allocate(seq, n):
                     break
                 self.waiting.pop(0)
@@ -147,12 +207,13 @@ class ContinuousScheduler(Scheduler):
                 out.blocks_to_copy += self.allocator.allocate(seq, n)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+                prefill_left -= n
         return out
 
 
 def build(options: ContinuousOptions, ctx: BuildContext) -> ContinuousScheduler:
     assert ctx.allocator is not None and ctx.limits is not None
-    return ContinuousScheduler(options, ctx.allocator, ctx.limits)
+    return ContinuousScheduler(options, ctx.allocator, ctx.limits, ctx.step_cost)
 
 
 COMPONENT = Component(

@@ -17,6 +17,7 @@ from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import BuildContext, EngineLimits, KVAllocator
 from lmstack.registry import Component
 from lmstack.sequence import Sequence
+from lmstack.step_cost import StepCostModel
 
 __all__ = ["PriorityOptions", "PriorityScheduler", "COMPONENT", "lmstack_register_schedulers"]
 
@@ -28,8 +29,14 @@ class PriorityOptions(ContinuousOptions, forbid_unknown_fields=True):
 
 
 class PriorityScheduler(ContinuousScheduler):
-    def __init__(self, options: PriorityOptions, allocator: KVAllocator, limits: EngineLimits) -> None:
-        super().__init__(options, allocator, limits)
+    def __init__(
+        self,
+        options: PriorityOptions,
+        allocator: KVAllocator,
+        limits: EngineLimits,
+        step_cost: StepCostModel | None = None,
+    ) -> None:
+        super().__init__(options, allocator, limits, step_cost)
         self.policy = options.policy
         self.max_model_len = limits.max_model_len
 
@@ -50,7 +57,7 @@ class PriorityScheduler(ContinuousScheduler):
 def build(options: PriorityOptions, ctx: BuildContext) -> PriorityScheduler:
     if ctx.allocator is None or ctx.limits is None:
         raise RuntimeError("the scheduler is built after the allocator and the engine limits")
-    return PriorityScheduler(options, ctx.allocator, ctx.limits)
+    return PriorityScheduler(options, ctx.allocator, ctx.limits, ctx.step_cost)
 
 
 COMPONENT = Component(
@@ -61,7 +68,7 @@ COMPONENT = Component(
     # Inherited from `continuous`; declared so the conformance kit tests them.
     capabilities={"chunked_prefill": True, "preemption": "recompute"},
     description="Continuous batching that admits by request priority or shortest predicted job first.",
-    api=">=1.0,<2",  # the lmstack plugin APIs it is written against (lmstack.plugin_api)
+    api=">=1.4,<2",  # the lmstack plugin APIs it is written against (lmstack.plugin_api)
 )
 
 

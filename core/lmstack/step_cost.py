@@ -1,0 +1,83 @@
+"""What a step costs: t(T) = a + b * T seconds for T query tokens, measured as the engine runs.
+
+Two decisions are made against it each step: how many draft tokens are worth verifying
+(`lmstack.draft_policy`) and how large a prefill chunk may ride along with running decodes
+before it stalls them (the `continuous` scheduler's step-time target). Both need only the
+fixed cost of a step (a: reading the weights, launching ops) and the marginal cost of one more
+query token (b).
+
+The engine records every step's query tokens and wall time (`StepCostModel.record`). Steps are
+grouped into power-of-two buckets of T, each keeping a running mean; the line is fitted by least
+squares over the bucket means, so every size counts once however often it runs, and a size the
+engine stopped visiting is still remembered. A bucket's first step is a warm-up (kernels,
+caches) and is replaced by its second. Until two sizes are measured nothing is known (`fit`
+returns None).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+STEP_EMA = 0.2  # weight of a new step time in its bucket's mean
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    seconds: float
+    samples: int = 1
+
+
+@dataclass
+class StepCostModel:
+    _buckets: dict[int, _Bucket] = field(default_factory=dict)
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        """One step ran `num_tokens` query tokens in `seconds`."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        key = int(math.log2(num_tokens))
+        b = self._buckets.get(key)
+        if b is None:
+            self._buckets[key] = _Bucket(float(num_tokens), seconds)
+        elif b.samples == 1:  # the first step of a size warms up (kernels, caches): replace it
+            self._buckets[key] = _Bucket(float(num_tokens), seconds, 2)
+        else:
+            b.tokens += STEP_EMA * (num_tokens - b.tokens)
+            b.seconds += STEP_EMA * (seconds - b.seconds)
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) of t(T) = a + b * T, or None until two sizes of step were measured past their
+        warm-up. b >= 0 and a > 0 (noise never makes a token free of cost or a step negative)."""
+        pts = [p for p in self._buckets.values() if p.samples > 1]
+        if len(pts) < 2:
+            return None
+        n = len(pts)
+        mx = sum(p.tokens for p in pts) / n
+        my = sum(p.seconds for p in pts) / n
+        sxx = sum((p.tokens - mx) ** 2 for p in pts)
+        b = sum((p.tokens - mx) * (p.seconds - my) for p in pts) / sxx if sxx > 0 else 0.0
+        b = max(b, 0.0)
+        a = max(my - b * mx, 1e-6)
+        return a, b
+
+    def first_seconds(self) -> float | None:
+        """The one step time known before `fit` can answer (None if nothing ran)."""
+        for p in self._buckets.values():
+            return p.seconds
+        return None
+
+    def predict(self, num_tokens: int) -> float | None:
+        """Seconds for a step of `num_tokens` query tokens (None until the fit is known)."""
+        ab = self.fit()
+        return None if ab is None else ab[0] + ab[1] * num_tokens
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """The most query tokens a step can run within `seconds` (None: unknown or unbounded,
+        i.e. no fit yet or tokens measured free)."""
+        ab = self.fit()
+        if ab is None or ab[1] <= 0:
+            return None
+        a, b = ab
+        return max(0, int((seconds - a) / b))

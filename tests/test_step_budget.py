@@ -1,0 +1,153 @@
+"""Prefill that does not starve decode: the measured step cost and the `continuous` scheduler's
+step-time target (`max_step_ratio`, `max_step_ms`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmstack.components.continuous import MIN_PREFILL_TOKENS, ContinuousOptions, ContinuousScheduler
+from lmstack.errors import ConfigError
+from lmstack.interfaces import EngineLimits
+from lmstack.step_cost import StepCostModel
+from lmstack.testing.components import build_component
+from lmstack.testing.fakes import make_seq
+from lmstack.testing.scheduler import simulate
+
+A, B = 0.05, 0.001  # 50 ms a step plus 1 ms a query token: a CPU-like, compute-heavy cost
+
+
+def fitted(a: float = A, b: float = B) -> StepCostModel:
+    cost = StepCostModel()
+    for t in (1, 4, 32, 256):
+        cost.record(t, 7 * (a + b * t))  # a warm-up outlier: replaced by the next sample
+        cost.record(t, a + b * t)
+    return cost
+
+
+def test_cost_model_fits_after_warm_up_and_not_before():
+    cost = StepCostModel()
+    assert cost.fit() is None and cost.tokens_within(1.0) is None
+    cost.record(1, 0.5)
+    cost.record(64, 0.5)
+    assert cost.fit() is None, "first samples of a size are warm-up"
+    a, b = fitted().fit()
+    assert a == pytest.approx(A) and b == pytest.approx(B)
+    assert fitted().tokens_within(A + 100 * B + 1e-9) == 100
+    assert fitted().predict(10) == pytest.approx(A + 10 * B)
+
+
+def scheduler(cost: StepCostModel | None, **options) -> ContinuousScheduler:
+    limits = EngineLimits(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=2048)
+    alloc = build_component("paged", "allocator", {"num_blocks": 2048, "block_size": 16})
+    opts = ContinuousOptions(max_num_seqs=64, max_num_batched_tokens=2048, **options)
+    return ContinuousScheduler(opts, alloc, limits, cost)
+
+
+def decoding(sched: ContinuousScheduler, count: int) -> list:
+    """`count` sequences admitted and past their prompts (the next step decodes them)."""
+    seqs = [make_seq(5, 100) for _ in range(count)]
+    for s in seqs:
+        sched.add(s)
+    while any(s.is_prefill for s in seqs):
+        for it in sched.schedule().scheduled:
+            it.seq.num_computed_tokens += it.num_tokens
+            if it.seq.num_computed_tokens == it.seq.num_tokens:
+                it.seq.token_ids.append(7)
+    return seqs
+
+
+def prompt_tokens_beside(sched: ContinuousScheduler, prompt_len: int = 1500) -> tuple[int, int]:
+    """(decode tokens, tokens given to a new long prompt) in the next step."""
+    long = make_seq(prompt_len, 4)
+    sched.add(long)
+    out = sched.schedule()
+    by_id = {it.seq.seq_id: it.num_tokens for it in out.scheduled}
+    return out.num_batched_tokens - by_id.get(long.seq_id, 0), by_id.get(long.seq_id, 0)
+
+
+@pytest.mark.parametrize("num_decodes", [1, 8, 32])
+def test_prefill_beside_decodes_is_sized_to_the_step_ratio(num_decodes):
+    sched = scheduler(fitted(), max_step_ratio=2.5)
+    decoding(sched, num_decodes)
+    decodes, chunk = prompt_tokens_beside(sched)
+    assert decodes == num_decodes, "every running decode keeps going"
+    expected = int((2.5 * (A + B * num_decodes) - A) / B) - num_decodes
+    assert chunk == max(MIN_PREFILL_TOKENS, expected)
+    # The step is predicted within the target: the gap between a stream's tokens is bounded.
+    assert A + B * (decodes + chunk) <= 2.5 * (A + B * decodes) + 1e-9
+
+
+def test_absolute_target_and_the_floor():
+    sched = scheduler(fitted(), max_step_ratio=0, max_step_ms=150)
+    decoding(sched, 4)
+    assert prompt_tokens_beside(sched)[1] == int((0.150 - A) / B) - 4
+    sched = scheduler(fitted(), max_step_ratio=0, max_step_ms=51)  # room for ~1 token: the floor
+    decoding(sched, 4)
+    assert prompt_tokens_beside(sched)[1] == MIN_PREFILL_TOKENS
+
+
+@pytest.mark.parametrize(
+    "cost, options, decodes",
+    [
+        (fitted(), {}, 0),  # nothing decodes: prompts get the whole budget
+        (StepCostModel(), {}, 4),  # nothing measured yet
+        (None, {}, 4),  # built without a cost model
+        (fitted(), {"max_step_ratio": 0}, 4),  # switched off
+        (fitted(b=0.0), {}, 4),  # tokens measured free (memory-bound): no reason to hold back
+    ],
+)
+def test_whole_budget_when_time_is_not_at_stake(cost, options, decodes):
+    sched = scheduler(cost, **options)
+    decoding(sched, decodes)
+    assert prompt_tokens_beside(sched, prompt_len=3000)[1] == 2048 - decodes
+
+
+def test_without_chunked_prefill_prompts_are_never_sized():
+    sched = scheduler(fitted(), chunked_prefill=False)
+    decoding(sched, 8)
+    assert prompt_tokens_beside(sched, prompt_len=1000)[1] == 1000
+
+
+def test_every_request_finishes_and_every_mixed_step_keeps_to_the_target():
+    """Arrivals while others decode: the run completes (no prompt starves) and no step that
+    carried decodes exceeded the predicted target by more than the floor allows."""
+    cost = fitted()
+    limits = EngineLimits(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=2048)
+    alloc = build_component("paged", "allocator", {"num_blocks": 2048, "block_size": 16})
+    sched = ContinuousScheduler(ContinuousOptions(), alloc, limits, cost)
+    worst: list[float] = []
+    original = sched.schedule
+
+    def watched():
+        decodes = sum(1 + len(s.draft_token_ids) for s in sched.running if not s.is_prefill)
+        out = original()
+        if decodes and out.num_batched_tokens > decodes:
+            target = max(2.5 * (A + B * decodes), A + B * (decodes + MIN_PREFILL_TOKENS))
+            worst.append((A + B * out.num_batched_tokens) / target)
+        return out
+
+    sched.schedule = watched
+    first = [make_seq(300, 40) for _ in range(6)]
+    late = {step: [make_seq(700, 5)] for step in range(3, 60, 7)}
+    done = simulate(sched, alloc, first, limits=limits, arrivals=late)
+    assert len(done) == len(first) + len(late)
+    assert worst and max(worst) <= 1.0 + 1e-9
+
+
+def test_option_values_are_checked():
+    with pytest.raises(ConfigError, match="max_step_ratio"):
+        ContinuousOptions(max_step_ratio=0.5)
+    with pytest.raises(ConfigError, match="max_step_ms"):
+        ContinuousOptions(max_step_ms=-1)
+
+
+def test_the_engine_shares_one_cost_model(tiny_model_path):
+    from lmstack.engine import LLMEngine
+
+    engine = LLMEngine({"model": str(tiny_model_path)})
+    assert engine.scheduler.step_cost is engine.step_cost
+    assert engine.drafts.policy.cost is engine.step_cost
+    engine.enqueue(engine.make_request([1, 2, 3, 4], None))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.step_cost._buckets, "the engine records its steps"
