@@ -286,20 +286,47 @@ static void attend(const float* q, const int* pos, int rows, int d, int k_begin,
   for (int r = 1; r < rows; ++r) min_pos = std::min(min_pos, pos[r]), max_pos = std::max(max_pos, pos[r]);
   const float* kp[KEY_TILE];
   const float* vp[KEY_TILE];
-  for (int t0 = k_begin; t0 < k_end; t0 += KEY_TILE) {
+  // Byte offsets of the keys of this tile and of the next, walked block by block (no division
+  // per key). The next tile's rows are prefetched while this one is computed: its blocks are
+  // scattered over the cache, so the hardware prefetcher, which follows one stride, would stall
+  // at every block boundary, and decode over a context larger than the CPU's caches waits on
+  // memory otherwise.
+  int64_t off[2][KEY_TILE];
+  int cur_blk = k_begin / bs, cur_in = k_begin % bs;
+  auto offsets = [&](int64_t* dst, int n) {
+    for (int j = 0; j < n; ++j) {
+      dst[j] = (int64_t(table[cur_blk]) * stride_blk + int64_t(cur_in) * stride_tok + head_off) * esize;
+      if (++cur_in == bs) cur_in = 0, ++cur_blk;
+    }
+  };
+  const int row_bytes = d * esize;
+  auto prefetch = [&](const int64_t* o, int n) {
+    for (int j = 0; j < n; ++j)
+      for (int b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(kc + o[j] + b);
+        __builtin_prefetch(vc + o[j] + b);
+      }
+  };
+  offsets(off[0], std::min(KEY_TILE, k_end - k_begin));
+  prefetch(off[0], std::min(KEY_TILE, k_end - k_begin));
+  for (int t0 = k_begin, which = 0; t0 < k_end; t0 += KEY_TILE, which ^= 1) {
     const int n = std::min(KEY_TILE, k_end - t0);
+    const int n_next = std::min(KEY_TILE, k_end - t0 - n);
+    if (n_next > 0) {
+      offsets(off[which ^ 1], n_next);
+      prefetch(off[which ^ 1], n_next);
+    }
     // Key and value rows of this tile, in place (fp32) or converted into the scratch tile.
     for (int j = 0; j < n; ++j) {
-      const int t = t0 + j;
-      const int64_t off = (int64_t(table[t / bs]) * stride_blk + int64_t(t % bs) * stride_tok + head_off) * esize;
+      const int64_t o = off[which][j];
       if constexpr (Kind == KV_F32) {
-        kp[j] = reinterpret_cast<const float*>(kc + off);
-        vp[j] = reinterpret_cast<const float*>(vc + off);
+        kp[j] = reinterpret_cast<const float*>(kc + o);
+        vp[j] = reinterpret_cast<const float*>(vc + o);
       } else {
         float* kd = sc.kbuf.data() + size_t(j) * d;
         float* vd = sc.vbuf.data() + size_t(j) * d;
-        load_row<Kind>(kc + off, kd, d, lut);
-        load_row<Kind>(vc + off, vd, d, lut);
+        load_row<Kind>(kc + o, kd, d, lut);
+        load_row<Kind>(vc + o, vd, d, lut);
         kp[j] = kd;
         vp[j] = vd;
       }
