@@ -37,34 +37,14 @@ from pathlib import Path
 
 import torch
 
-from lmstack.batch import AttentionMetadata
 from lmstack.components.torch_attention import TorchAttention
 from lmstack.hardware import auto_dtype, cpu_flags, cpu_name
+from lmstack.testing import paged_batch
 
 REPO = Path(__file__).resolve().parent.parent
 GEOMETRIES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # query heads, KV heads, head dim
 BLOCK = 16
 FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
-
-
-def paged_batch(spans, hq, hkv, d, dtype, seed=0):
-    """q, k, v (this step's tokens), caches and metadata for (context, query) spans."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = [-(-(c + q) // BLOCK) for c, q in spans]
-    order = list(range(sum(blocks)))
-    random.Random(seed).shuffle(order)
-    kc = torch.randn(len(order), BLOCK, hkv, d, generator=g).to(dtype)
-    vc = torch.randn(len(order), BLOCK, hkv, d, generator=g).to(dtype)
-    tables, i = [], 0
-    for n in blocks:
-        tables.append(order[i : i + n])
-        i += n
-    meta = AttentionMetadata.build([q for _, q in spans], [c for c, _ in spans], tables, BLOCK)
-    t = sum(q for _, q in spans)
-    q = torch.randn(t, hq, d, generator=g).to(dtype)
-    k = kc.view(-1, hkv, d)[meta.slot_mapping]
-    v = vc.view(-1, hkv, d)[meta.slot_mapping]
-    return q, k, v, kc, vc, meta
 
 
 def interleaved(calls: dict, reps: int) -> dict[str, float]:
@@ -89,7 +69,9 @@ def kernel_cells(args, backends):
             dtype = getattr(torch, dtype_name)
             for b in args.batches:
                 for ctx in args.contexts:
-                    q, _, _, kc, vc, meta = paged_batch([(ctx - 1, 1)] * b, hq, hkv, d, dtype)
+                    q, _, _, kc, vc, meta, _ = paged_batch(
+                        [(ctx - 1, 1)] * b, hkv, hq // hkv, d, BLOCK, dtype, seed=0
+                    )
                     calls = {
                         name: functools.partial(be.decode, q, kc, vc, meta, scale=scale, sliding_window=None)
                         for name, be in backends.items()
@@ -98,7 +80,7 @@ def kernel_cells(args, backends):
                         _cell("decode", geo, dtype_name, f"b{b} ctx{ctx}", interleaved(calls, args.reps))
                     )
             for label, spans in args.prefills[geo]:
-                q, k, v, kc, vc, meta = paged_batch(spans, hq, hkv, d, dtype)
+                q, k, v, kc, vc, meta, _ = paged_batch(spans, hkv, hq // hkv, d, BLOCK, dtype, seed=0)
                 calls = {
                     name: functools.partial(
                         be.prefill, q, k, v, kc, vc, meta, scale=scale, sliding_window=None

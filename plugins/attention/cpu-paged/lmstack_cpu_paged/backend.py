@@ -23,18 +23,18 @@ class CpuPagedAttention(AttentionBackend):
         self.isa = ISAS[isa]
         self.min_part = min_part
 
-    def _run(self, q, k_cache, v_cache, block_tables, query_start, context_lens, scale, window, ks, vs):
+    def _run(self, q, k_cache, v_cache, meta, rows, scale, window, k_scale, v_scale) -> torch.Tensor:
+        """rows: (query_start [B + 1], context_lens [B]) int32, the batch's query rows."""
         return self._ext.paged_attention(
             q.contiguous(),
             k_cache,
             v_cache,
-            block_tables,
-            query_start,
-            context_lens,
+            meta.block_tables,
+            *rows,
             float(scale),
             0 if window is None else int(window),
-            ks,
-            vs,
+            k_scale,
+            v_scale,
             self.isa,
             self.min_part,
         )
@@ -55,18 +55,8 @@ class CpuPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         # This step's K/V are in the cache already (write_kv ran first): the kernel reads every
         # key from there, so `k` and `v` are not needed.
-        return self._run(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.context_lens,
-            scale,
-            sliding_window,
-            k_scale,
-            v_scale,
-        )
+        rows = (meta.query_start_loc, meta.context_lens)
+        return self._run(q, k_cache, v_cache, meta, rows, scale, sliding_window, k_scale, v_scale)
 
     def decode(
         self,
@@ -82,13 +72,11 @@ class CpuPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         # One query per sequence at position seq_len - 1: the same kernel with query_start
         # 0..B and context seq_len - 1, derived once per step and shared by every layer.
-        derived = meta.scratch.get("cpu-paged.decode")
-        if derived is None:
+        rows = meta.scratch.get("cpu-paged.decode")
+        if rows is None:
             b = q.shape[0]
-            derived = meta.scratch["cpu-paged.decode"] = (
+            rows = meta.scratch["cpu-paged.decode"] = (
                 torch.arange(b + 1, dtype=torch.int32),
                 (meta.seq_lens[:b] - 1).to(torch.int32),
             )
-        return self._run(
-            q, k_cache, v_cache, meta.block_tables, *derived, scale, sliding_window, k_scale, v_scale
-        )
+        return self._run(q, k_cache, v_cache, meta, rows, scale, sliding_window, k_scale, v_scale)

@@ -7,13 +7,10 @@ GQA ratios 1/3/8, fp32 and bf16 queries, bf16 and scaled fp8 caches, sliding win
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from lmstack.batch import AttentionMetadata
-from lmstack.testing import AttentionConformance, reference_attention
+from lmstack.testing import AttentionConformance, paged_batch, reference_attention
 from lmstack.testing.attention import rel_error
 from lmstack_cpu_paged import build as builder
 from lmstack_cpu_paged.plugin import COMPONENT
@@ -39,28 +36,9 @@ class TestCpuPagedScalarConformance(AttentionConformance):
     cases = 6
 
 
-def _batch(spans, hkv, group, head_dim, block_size, dtype=torch.float32, kv_dtype=None):
-    """A paged batch of (context, query) spans; returns q, caches, metadata and the dense K/V."""
-    kv_dtype = kv_dtype or dtype
-    num_blocks = sum(-(-(c + q) // block_size) for c, q in spans) + 2
-    free = list(range(num_blocks))
-    random.shuffle(free)
-    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim).to(kv_dtype)
-    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(kv_dtype)
-    tables, dense = [], []
-    for c, ql in spans:
-        n = c + ql
-        table = [free.pop() for _ in range(-(-n // block_size))]
-        k, v = torch.randn(n, hkv, head_dim).to(kv_dtype), torch.randn(n, hkv, head_dim).to(kv_dtype)
-        pos = torch.arange(n)
-        blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
-        k_cache[blocks, pos % block_size] = k
-        v_cache[blocks, pos % block_size] = v
-        tables.append(table)
-        dense.append((k.to(dtype), v.to(dtype)))
-    meta = AttentionMetadata.build([q for _, q in spans], [c for c, _ in spans], tables, block_size)
-    q = torch.randn(sum(q for _, q in spans), hkv * group, head_dim).to(dtype)
-    return q, k_cache, v_cache, meta, dense
+def _batch(spans, hkv, group, head_dim, block_size, dtype=torch.float32):
+    q, _, _, kc, vc, meta, dense = paged_batch(spans, hkv, group, head_dim, block_size, dtype)
+    return q, kc, vc, meta, dense
 
 
 def _expect(q, meta, dense, scale, window=None):
