@@ -49,8 +49,15 @@ def build_dir() -> Path:
 def _compile() -> ModuleType:
     from torch.utils import cpp_extension
 
-    if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
-        raise BuildError("no C++ compiler found (install g++ or set CXX)")
+    compiler = os.environ.get("CXX", "c++")  # what torch's builder runs
+    if shutil.which(compiler) is None:
+        raise BuildError(f"no C++ compiler found ({compiler!r} is not on PATH; install g++ or set CXX)")
+    try:  # pip's ninja lives in the venv's bin, which is not on PATH unless the venv is activated
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
     try:
         cpp_extension.verify_ninja_availability()
     except RuntimeError:
