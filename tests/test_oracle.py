@@ -73,15 +73,45 @@ def hf_greedy(hf_smollm2, prompts):
     return result
 
 
+# The attention backends the oracle runs under: the torch reference and, where installed and
+# buildable on this machine, the C++ kernels of plugins/attention/cpu-paged.
+ATTENTION = ["torch", "cpu-paged"]
+
+
+def _attention(name: str) -> dict:
+    """The stack's attention section for `name`; skips when that backend is unavailable here."""
+    if name == "torch":
+        return {}
+    from lmstack.plugins import default_registry
+
+    if name not in default_registry().names("attention"):
+        pytest.skip(f"the {name!r} attention plugin is not installed")
+    if name == "cpu-paged":
+        from lmstack_cpu_paged.build import load_error
+
+        if (problem := load_error()) is not None:
+            pytest.skip(f"cpu-paged cannot be built here: {problem}")
+    return {"attention": {"prefill": {"name": name}, "decode": {"name": name}}}
+
+
+@pytest.fixture(params=ATTENTION)
+def attention(request) -> dict:
+    return _attention(request.param)
+
+
 @pytest.fixture
 def engine_fp32(shared_llm):
     return shared_llm(_stack()).engine
 
 
+# The KV budget and token budget of `engine_tight`.
+TIGHT = {"allocator": {"num_blocks": 14}, "scheduler": {"max_num_batched_tokens": 256}}
+
+
 @pytest.fixture
 def engine_tight(shared_llm):
     """14 blocks of 16 tokens: the 8 prompts (~40-150 tokens + 20 new) cannot all fit at once."""
-    return shared_llm(_stack(allocator={"num_blocks": 14}, scheduler={"max_num_batched_tokens": 256})).engine
+    return shared_llm(_stack(**TIGHT)).engine
 
 
 def _run(engine: LLMEngine, prompts, arrivals: dict[int, list[int]] | None = None):
@@ -108,9 +138,10 @@ def test_prompts_cover_the_interesting_lengths(prompts):
     assert lengths[-1] > 64, "one prompt longer than the prefill chunk (token budget 64)"
 
 
-def test_greedy_equals_transformers_with_chunked_prefill(engine_fp32, prompts, hf_greedy):
-    assert _run(engine_fp32, prompts) == hf_greedy
-    stats = engine_fp32.get_stats()
+def test_greedy_equals_transformers_with_chunked_prefill(shared_llm, attention, prompts, hf_greedy):
+    engine = shared_llm(_stack(**attention)).engine
+    assert _run(engine, prompts) == hf_greedy
+    stats = engine.get_stats()
     assert stats.kv_usage == 0.0 and stats.num_running == 0
 
 
@@ -119,7 +150,8 @@ def test_greedy_equals_transformers_with_arrivals_during_decode(engine_fp32, pro
     assert _run(engine_fp32, prompts, arrivals) == hf_greedy
 
 
-def test_greedy_equals_transformers_under_preemption(engine_tight, prompts, hf_greedy):
+def test_greedy_equals_transformers_under_preemption(shared_llm, attention, prompts, hf_greedy):
+    engine_tight = shared_llm(_stack(**TIGHT, **attention)).engine
     before = engine_tight.get_stats().num_preemptions  # the engine is shared: count this run's
     assert _run(engine_tight, prompts) == hf_greedy
     stats = engine_tight.get_stats()
@@ -212,10 +244,10 @@ BF16_TOP1_SLACK = 0.03
 
 
 def test_teacher_forced_bf16_logits_no_worse_than_transformers_bf16(
-    hf_smollm2, hf_smollm2_bf16, prompts, hf_greedy
+    hf_smollm2, hf_smollm2_bf16, prompts, hf_greedy, attention
 ):
     model, _ = hf_smollm2
-    engine = LLMEngine(_stack("bfloat16"))
+    engine = LLMEngine(_stack("bfloat16", **attention))
     ours_diff, theirs_diff, ours_top1, theirs_top1 = [], [], [], []
     for ids, cont in zip(prompts[:4], hf_greedy[:4], strict=True):
         full = ids + cont

@@ -20,7 +20,7 @@ component as the engine would outside a kit: `lmstack.testing.components.build_c
 """
 
 from lmstack.testing.allocator import AllocatorConformance
-from lmstack.testing.attention import AttentionConformance, plain_attention, reference_attention
+from lmstack.testing.attention import AttentionConformance, paged_batch, plain_attention, reference_attention
 from lmstack.testing.cache import CacheConformance
 from lmstack.testing.components import build_component
 from lmstack.testing.fakes import make_seq
@@ -42,6 +42,7 @@ __all__ = [
     "SpeculatorConformance",
     "build_component",
     "make_seq",
+    "paged_batch",
     "plain_attention",
     "reference_attention",
     "simulate",

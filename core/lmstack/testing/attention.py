@@ -74,6 +74,41 @@ def plain_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1).to(q.dtype), vv)
 
 
+def paged_batch(
+    spans: list[tuple[int, int]],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
+    seed: int | None = None,
+):
+    """A random paged batch outside the kit (kernel tests, benchmarks): spans [(context_len,
+    query_len)] per sequence, every token's K/V written into a cache (in `kv_dtype`, default
+    `dtype`) whose blocks are shuffled, as a long-running allocator leaves them. Returns
+    (q [T, Hq, D], k, v [T, Hkv, D] (this step's tokens), k_cache, v_cache, metadata, dense), where
+    dense[i] is sequence i's (k, v) over all its positions as stored, in `dtype`."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31) if seed is None else seed)
+    kv_dtype = kv_dtype or dtype
+    blocks = [-(-(c + q) // block_size) for c, q in spans]
+    order = torch.randperm(sum(blocks) + 2, generator=gen).tolist()  # 2 blocks nobody owns
+    shape = (len(order), block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+    tables = [[order.pop() for _ in range(n)] for n in blocks]
+    meta = AttentionMetadata.build([q for _, q in spans], [c for c, _ in spans], tables, block_size)
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    dense = []
+    for table, (c, q) in zip(tables, spans, strict=True):
+        pos = torch.arange(c + q)
+        slots = torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+        dense.append((flat_k[slots].to(dtype), flat_v[slots].to(dtype)))
+    q = torch.randn(sum(q for _, q in spans), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    k, v = flat_k[meta.slot_mapping].to(dtype), flat_v[meta.slot_mapping].to(dtype)
+    return q, k, v, k_cache, v_cache, meta, dense
+
+
 @dataclass(frozen=True)
 class _Matrix:
     dtypes: tuple[torch.dtype, ...]

@@ -1,0 +1,82 @@
+"""`cpu-paged`: the C++ kernels behind the core's AttentionBackend seam."""
+
+from __future__ import annotations
+
+import torch
+
+from lmstack.batch import AttentionMetadata
+from lmstack.interfaces import AttentionBackend
+from lmstack_cpu_paged.build import load
+
+ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+
+
+class CpuPagedAttention(AttentionBackend):
+    """Prefill and decode in one kernel: decode is the case of one query token per sequence.
+
+    `isa` forces a code path ("scalar", "avx2", "avx512"); "auto" takes the widest the CPU has.
+    `min_part`: the fewest keys a decode split may hold (splits happen only when the batch has
+    too few (sequence, KV head) items to occupy every thread)."""
+
+    def __init__(self, *, isa: str = "auto", min_part: int = 256) -> None:
+        self._ext = load()  # BuildError, one line, if this machine cannot build it
+        self.isa = ISAS[isa]
+        self.min_part = min_part
+
+    def _run(self, q, k_cache, v_cache, meta, rows, scale, window, k_scale, v_scale) -> torch.Tensor:
+        """rows: (query_start [B + 1], context_lens [B]) int32, the batch's query rows."""
+        return self._ext.paged_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            *rows,
+            float(scale),
+            0 if window is None else int(window),
+            k_scale,
+            v_scale,
+            self.isa,
+            self.min_part,
+        )
+
+    def prefill(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        *,
+        scale,
+        sliding_window,
+        k_scale=None,
+        v_scale=None,
+    ) -> torch.Tensor:
+        # This step's K/V are in the cache already (write_kv ran first): the kernel reads every
+        # key from there, so `k` and `v` are not needed.
+        rows = (meta.query_start_loc, meta.context_lens)
+        return self._run(q, k_cache, v_cache, meta, rows, scale, sliding_window, k_scale, v_scale)
+
+    def decode(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        *,
+        scale,
+        sliding_window,
+        k_scale=None,
+        v_scale=None,
+    ) -> torch.Tensor:
+        # One query per sequence at position seq_len - 1: the same kernel with query_start
+        # 0..B and context seq_len - 1, derived once per step and shared by every layer.
+        rows = meta.scratch.get("cpu-paged.decode")
+        if rows is None:
+            b = q.shape[0]
+            rows = meta.scratch["cpu-paged.decode"] = (
+                torch.arange(b + 1, dtype=torch.int32),
+                (meta.seq_lens[:b] - 1).to(torch.int32),
+            )
+        return self._run(q, k_cache, v_cache, meta, rows, scale, sliding_window, k_scale, v_scale)

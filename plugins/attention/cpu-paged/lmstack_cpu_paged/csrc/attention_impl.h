@@ -1,0 +1,370 @@
+// The attention kernel body, written once over a small vector vocabulary and compiled three
+// times by cpu_paged.cpp: inside `#pragma GCC target("avx512f")`, `target("avx2,fma")` and with
+// no target (the scalar fallback). The including file defines exactly one of
+// CPU_PAGED_AVX512 / CPU_PAGED_AVX2 (or neither) and wraps the include in its own namespace,
+// so the three copies never meet. No torch header is used here: the pragma would otherwise
+// recompile torch's inline code for a target the CPU may lack.
+//
+// What one call computes, for one (sequence, KV head, query rows, key range) work item:
+// the rows are the query heads of that KV head (decode: G rows, one token; prefill: a tile of
+// tokens x G heads), the keys are read through the block table straight from the paged cache
+// (no gather of the context into a contiguous copy), and the softmax is online: running max
+// `m`, running sum `l` and an unnormalised accumulator per row, all fp32.
+
+// ---------------------------------------------------------------------------------------------
+// Vector vocabulary: W floats per register.
+// ---------------------------------------------------------------------------------------------
+
+#if defined(CPU_PAGED_AVX512)
+constexpr int W = 16;
+using vf = __m512;
+static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vzero() { return _mm512_setzero_ps(); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
+static inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
+// bf16 -> fp32 is a 16-bit left shift of the bit pattern.
+static inline vf vload_bf16(const uint16_t* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+// fp8 -> fp32 through the 256-entry table of the format (one gather per register).
+static inline vf vload_fp8(const uint8_t* p, const float* lut) {
+  __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_i32gather_ps(idx, lut, 4);
+}
+#elif defined(CPU_PAGED_AVX2)
+constexpr int W = 8;
+using vf = __m256;
+static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+static inline vf vzero() { return _mm256_setzero_ps(); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline float vsum(vf x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline float vhmax(vf x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline vf vload_bf16(const uint16_t* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline vf vload_fp8(const uint8_t* p, const float* lut) {
+  __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_i32gather_ps(lut, idx, 4);
+}
+#endif
+
+static inline float bf16_to_float(uint16_t x) {
+  uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// exp over a row of scores. Scalar expf costs as much as a 64-wide dot product, and decode
+// takes one per (row, key), so the vector paths use their own: 2^n x e^r with n = round(x /
+// ln 2), |r| <= ln2 / 2 and a degree-6 Taylor polynomial (relative error ~1e-7, an fp32 ulp).
+// Anything below -87 (masked keys are -inf) is exactly 0.
+// ---------------------------------------------------------------------------------------------
+
+#if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)
+static inline vf vexp(vf x) {
+  const vf lo = vset1(-87.0f);
+  const vf hi = vset1(88.0f);
+#if defined(CPU_PAGED_AVX512)
+  __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  vf n = _mm512_roundscale_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+#else
+  vf live = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  vf n = _mm256_round_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+  // r = x - n ln2, ln2 split in two so that n ln2 is exact enough.
+  vf r = vfma(n, vset1(-0.693145751953125f), x);
+  r = vfma(n, vset1(-1.428606765330187e-06f), r);
+  vf p = vset1(1.0f / 720);
+  p = vfma(p, r, vset1(1.0f / 120));
+  p = vfma(p, r, vset1(1.0f / 24));
+  p = vfma(p, r, vset1(1.0f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.0f));
+  p = vfma(p, r, vset1(1.0f));
+#if defined(CPU_PAGED_AVX512)
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+#else
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, vmul(p, _mm256_castsi256_ps(e)));
+#endif
+}
+#endif
+
+// p[j] = exp(s[j] - m) for j < n; returns the sum.
+static inline float exp_row(float* s, int n, float m) {
+  int j = 0;
+  float total = 0.0f;
+#if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)
+  vf acc = vzero();
+  const vf mv = vset1(m);
+  for (; j + W <= n; j += W) {
+    vf p = vexp(vadd(vload(s + j), vmul(mv, vset1(-1.0f))));
+    vstore(s + j, p);
+    acc = vadd(acc, p);
+  }
+  total = vsum(acc);
+#endif
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    total += s[j];
+  }
+  return total;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row primitives (D floats).
+// ---------------------------------------------------------------------------------------------
+
+static inline float row_max(const float* s, int n) {
+  float m = -INFINITY;
+  int j = 0;
+#if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)
+  if (n >= W) {
+    vf acc = vload(s);
+    for (j = W; j + W <= n; j += W) acc = vmax(acc, vload(s + j));
+    m = vhmax(acc);
+  }
+#endif
+  for (; j < n; ++j) m = std::max(m, s[j]);
+  return m;
+}
+
+static inline void row_scale(float* x, float a, int d) {
+  int i = 0;
+#if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)
+  const vf av = vset1(a);
+  for (; i + W <= d; i += W) vstore(x + i, vmul(vload(x + i), av));
+#endif
+  for (; i < d; ++i) x[i] *= a;
+}
+
+// Four dot products against one key, the key loaded once per chunk: decode's G query heads and
+// prefill's rows share each key row, which is what makes GQA cheap here.
+static inline void dot4(const float* q0, const float* q1, const float* q2, const float* q3,
+                        const float* k, int d, float* out) {
+  int i = 0;
+  float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)
+  vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  for (; i + W <= d; i += W) {
+    vf kv = vload(k + i);
+    a0 = vfma(vload(q0 + i), kv, a0);
+    a1 = vfma(vload(q1 + i), kv, a1);
+    a2 = vfma(vload(q2 + i), kv, a2);
+    a3 = vfma(vload(q3 + i), kv, a3);
+  }
+  s0 = vsum(a0), s1 = vsum(a1), s2 = vsum(a2), s3 = vsum(a3);
+#endif
+  for (; i < d; ++i) {
+    s0 += q0[i] * k[i];
+    s1 += q1[i] * k[i];
+    s2 += q2[i] * k[i];
+    s3 += q3[i] * k[i];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+static inline float dot1(const float* q, const float* k, int d) {
+  int i = 0;
+  float s = 0;
+#if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)
+  vf a0 = vzero(), a1 = vzero();  // two chains: the FMA latency is longer than its issue rate
+  for (; i + 2 * W <= d; i += 2 * W) {
+    a0 = vfma(vload(q + i), vload(k + i), a0);
+    a1 = vfma(vload(q + i + W), vload(k + i + W), a1);
+  }
+  for (; i + W <= d; i += W) a0 = vfma(vload(q + i), vload(k + i), a0);
+  s = vsum(vadd(a0, a1));
+#endif
+  for (; i < d; ++i) s += q[i] * k[i];
+  return s;
+}
+
+// acc[0:d] += sum_j p[j] * v[j][0:d] over n keys: the accumulator stays in registers across
+// the keys (4 registers of it at a time), each V element is loaded once per row.
+static inline void pv_row(float* acc, const float* p, const float* const* v, int n, int d) {
+  int i = 0;
+#if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)
+  for (; i + 4 * W <= d; i += 4 * W) {
+    vf a0 = vload(acc + i), a1 = vload(acc + i + W), a2 = vload(acc + i + 2 * W), a3 = vload(acc + i + 3 * W);
+    for (int j = 0; j < n; ++j) {
+      const vf pj = vset1(p[j]);
+      const float* vj = v[j] + i;
+      a0 = vfma(pj, vload(vj), a0);
+      a1 = vfma(pj, vload(vj + W), a1);
+      a2 = vfma(pj, vload(vj + 2 * W), a2);
+      a3 = vfma(pj, vload(vj + 3 * W), a3);
+    }
+    vstore(acc + i, a0), vstore(acc + i + W, a1), vstore(acc + i + 2 * W, a2), vstore(acc + i + 3 * W, a3);
+  }
+  for (; i + W <= d; i += W) {
+    vf a0 = vload(acc + i);
+    for (int j = 0; j < n; ++j) a0 = vfma(vset1(p[j]), vload(v[j] + i), a0);
+    vstore(acc + i, a0);
+  }
+#endif
+  for (; i < d; ++i) {
+    float a = acc[i];
+    for (int j = 0; j < n; ++j) a += p[j] * v[j][i];
+    acc[i] = a;
+  }
+}
+
+// One cache row (D values of kind Kind) into fp32. fp32 caches are never converted: the caller
+// points at the cache itself.
+template <int Kind>
+static inline void load_row(const void* src, float* dst, int d, const float* lut) {
+  int i = 0;
+  if constexpr (Kind == KV_BF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+#if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)
+    for (; i + W <= d; i += W) vstore(dst + i, vload_bf16(s + i));
+#endif
+    for (; i < d; ++i) dst[i] = bf16_to_float(s[i]);
+  } else if constexpr (Kind == KV_FP8) {
+    const uint8_t* s = static_cast<const uint8_t*>(src);
+#if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)
+    for (; i + W <= d; i += W) vstore(dst + i, vload_fp8(s + i, lut));
+#endif
+    for (; i < d; ++i) dst[i] = lut[s[i]];
+  } else {
+    std::memcpy(dst, src, sizeof(float) * d);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The work item.
+// ---------------------------------------------------------------------------------------------
+
+// Attend `rows` query rows (fp32, already multiplied by the softmax scale x k_scale, row r at
+// q + r * d, at position pos[r]) to keys [k_begin, k_end) of one KV head, updating the online
+// softmax state m / l / acc (acc row r at acc + r * d). Key t of the sequence lives at
+// cache[table[t / bs]][t % bs][head]; `stride_tok` is the distance between two tokens of a block
+// (Hkv x D elements) and `stride_blk` between two blocks.
+template <int Kind>
+static void attend(const float* q, const int* pos, int rows, int d, int k_begin, int k_end,
+                   int window, const int* table, int bs, const char* kc, const char* vc,
+                   int64_t stride_tok, int64_t stride_blk, int64_t head_off, int esize,
+                   const float* lut, float* m, float* l, float* acc, Scratch& sc) {
+  int min_pos = pos[0], max_pos = pos[0];
+  for (int r = 1; r < rows; ++r) min_pos = std::min(min_pos, pos[r]), max_pos = std::max(max_pos, pos[r]);
+  const float* kp[KEY_TILE];
+  const float* vp[KEY_TILE];
+  // Byte offsets of the keys of this tile and of the next, walked block by block (no division
+  // per key). The next tile's rows are prefetched while this one is computed: its blocks are
+  // scattered over the cache, so the hardware prefetcher, which follows one stride, would stall
+  // at every block boundary, and decode over a context larger than the CPU's caches waits on
+  // memory otherwise.
+  int64_t off[2][KEY_TILE];
+  int cur_blk = k_begin / bs, cur_in = k_begin % bs;
+  auto offsets = [&](int64_t* dst, int n) {
+    for (int j = 0; j < n; ++j) {
+      dst[j] = (int64_t(table[cur_blk]) * stride_blk + int64_t(cur_in) * stride_tok + head_off) * esize;
+      if (++cur_in == bs) cur_in = 0, ++cur_blk;
+    }
+  };
+  const int row_bytes = d * esize;
+  auto prefetch = [&](const int64_t* o, int n) {
+    for (int j = 0; j < n; ++j)
+      for (int b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(kc + o[j] + b);
+        __builtin_prefetch(vc + o[j] + b);
+      }
+  };
+  offsets(off[0], std::min(KEY_TILE, k_end - k_begin));
+  prefetch(off[0], std::min(KEY_TILE, k_end - k_begin));
+  for (int t0 = k_begin, which = 0; t0 < k_end; t0 += KEY_TILE, which ^= 1) {
+    const int n = std::min(KEY_TILE, k_end - t0);
+    const int n_next = std::min(KEY_TILE, k_end - t0 - n);
+    if (n_next > 0) {
+      offsets(off[which ^ 1], n_next);
+      prefetch(off[which ^ 1], n_next);
+    }
+    // Key and value rows of this tile, in place (fp32) or converted into the scratch tile.
+    for (int j = 0; j < n; ++j) {
+      const int64_t o = off[which][j];
+      if constexpr (Kind == KV_F32) {
+        kp[j] = reinterpret_cast<const float*>(kc + o);
+        vp[j] = reinterpret_cast<const float*>(vc + o);
+      } else {
+        float* kd = sc.kbuf.data() + size_t(j) * d;
+        float* vd = sc.vbuf.data() + size_t(j) * d;
+        load_row<Kind>(kc + o, kd, d, lut);
+        load_row<Kind>(vc + o, vd, d, lut);
+        kp[j] = kd;
+        vp[j] = vd;
+      }
+    }
+    // Scores. Rows come in fours against each key (the key row loaded once for all four).
+    float* s = sc.scores.data();
+    int r = 0;
+    float tmp[4];
+    for (; r + 4 <= rows; r += 4) {
+      const float* q0 = q + size_t(r) * d;
+      for (int j = 0; j < n; ++j) {
+        dot4(q0, q0 + d, q0 + 2 * d, q0 + 3 * d, kp[j], d, tmp);
+        for (int u = 0; u < 4; ++u) s[size_t(r + u) * KEY_TILE + j] = tmp[u];
+      }
+    }
+    for (; r < rows; ++r)
+      for (int j = 0; j < n; ++j) s[size_t(r) * KEY_TILE + j] = dot1(q + size_t(r) * d, kp[j], d);
+    // Mask only when some (row, key) pair of the tile is out of bounds: the causal edge of a
+    // prefill tile or the sliding window's start.
+    const bool masked = t0 + n - 1 > min_pos || (window > 0 && t0 <= max_pos - window);
+    for (r = 0; r < rows; ++r) {
+      float* sr = s + size_t(r) * KEY_TILE;
+      if (masked)
+        for (int j = 0; j < n; ++j) {
+          const int t = t0 + j;
+          if (t > pos[r] || (window > 0 && t <= pos[r] - window)) sr[j] = -INFINITY;
+        }
+      const float tile_max = row_max(sr, n);
+      if (tile_max == -INFINITY) continue;  // nothing visible to this row in this tile
+      const float m_new = std::max(m[r], tile_max);
+      if (m_new > m[r]) {  // the running max moved: rescale what was accumulated under it
+        const float alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first tile
+        l[r] *= alpha;
+        row_scale(acc + size_t(r) * d, alpha, d);
+        m[r] = m_new;
+      }
+      l[r] += exp_row(sr, n, m_new);
+      pv_row(acc + size_t(r) * d, sr, vp, n, d);
+    }
+  }
+}

@@ -1,0 +1,331 @@
+// cpu-paged: paged attention on the CPU for lmstack (decode and varlen causal prefill).
+//
+// The KV cache is [num_blocks, block_size, num_kv_heads, head_dim] per layer; every kernel reads
+// K/V rows through the block table where they lie (fp32 rows are used in place, bf16 / fp8 rows
+// are widened to fp32 one 32-key tile at a time), so no step copies a sequence's context into
+// a contiguous tensor the way the torch reference's gather does.
+//
+// Work is cut into items of (sequence, KV head, query rows, key range) and spread over OpenMP
+// threads. The rows of an item are all the query heads of its KV head, so each K/V row is read
+// once per GQA group. Decode items over long contexts are split into key ranges when the batch
+// alone would leave threads idle; their partial softmax states are merged at the end.
+//
+// The inner loops exist three times (attention_impl.h): AVX-512, AVX2+FMA and plain C++, picked
+// at run time from what the CPU reports (or forced by the caller, for tests).
+
+#include <torch/extension.h>
+
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace cpu_paged {
+
+enum KvKind { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
+enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+constexpr int KEY_TILE = 32;  // keys scored together: one max / rescale per row per tile
+
+// Per-thread buffers of the kernels, sized for the largest work item.
+struct Scratch {
+  std::vector<float> kbuf, vbuf, scores;  // a tile of widened K and V rows; rows x tile scores
+  void reserve(int rows, int d) {
+    kbuf.resize(size_t(KEY_TILE) * d);
+    vbuf.resize(size_t(KEY_TILE) * d);
+    scores.resize(size_t(rows) * KEY_TILE);
+  }
+};
+
+namespace scalar {
+#include "attention_impl.h"
+}  // namespace scalar
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#define CPU_PAGED_AVX2
+#include "attention_impl.h"
+#undef CPU_PAGED_AVX2
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+namespace avx512 {
+#define CPU_PAGED_AVX512
+#include "attention_impl.h"
+#undef CPU_PAGED_AVX512
+}  // namespace avx512
+#pragma GCC pop_options
+
+int64_t best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return ISA_AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+  return ISA_SCALAR;
+}
+
+namespace {
+
+// Every fp8 code's value, per format: widening is then one table lookup (a gather in the
+// vector paths), the same code for e4m3 and e5m2.
+struct Fp8Tables {
+  float e4m3[256], e5m2[256];
+  Fp8Tables() {
+    for (int i = 0; i < 256; ++i) {
+      e4m3[i] = float(c10::Float8_e4m3fn(uint8_t(i), c10::Float8_e4m3fn::from_bits()));
+      e5m2[i] = float(c10::Float8_e5m2(uint8_t(i), c10::Float8_e5m2::from_bits()));
+    }
+  }
+};
+const Fp8Tables& fp8_tables() {
+  static const Fp8Tables tables;
+  return tables;
+}
+
+using AttendFn = void (*)(const float*, const int*, int, int, int, int, int, const int*, int, const char*,
+                          const char*, int64_t, int64_t, int64_t, int, const float*, float*, float*, float*,
+                          Scratch&);
+
+// Query rows per prefill item: rows = tokens x G stay within this, so the fp32 query tile and
+// its accumulator (2 x 64 x head_dim floats) sit in L1/L2 while the keys stream past.
+constexpr int PREFILL_ROWS = 64;
+
+struct Item {
+  int seq, head;
+  int tok0, ntok;           // query tokens [tok0, tok0 + ntok) of the batch
+  int pos0;                 // position of token tok0 in its sequence
+  int k_begin, k_end;       // keys attended
+  int slot;                 // -1: write the output; else the partial-state slot to fill
+};
+
+}  // namespace
+
+// q [T, Hq, D] (fp32 or bf16, contiguous); caches [NB, BS, Hkv, D] (fp32, bf16, fp8 e4m3 / e5m2);
+// block_tables [B, max_blocks] int32; query_start [B + 1] int32; context_lens [B] int32 (cached
+// tokens before each sequence's first query token). window <= 0: none. Scales: fp32 [Hkv] for a
+// scaled fp8 cache, else undefined. Returns [T, Hq, D] in q's dtype.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor query_start,
+                              torch::Tensor context_lens, double scale, int64_t window,
+                              std::optional<torch::Tensor> k_scale, std::optional<torch::Tensor> v_scale,
+                              int64_t isa, int64_t min_part) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "cpu-paged: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "cpu-paged: bad shapes");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "cpu-paged: q and the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "cpu-paged: queries must be float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start.scalar_type() == at::kInt &&
+                  context_lens.scalar_type() == at::kInt,
+              "cpu-paged: metadata must be int32");
+  const int T = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int BS = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "cpu-paged: head dims / GQA ratio do not match");
+  const int G = Hq / Hkv;
+  const int B = context_lens.size(0);
+
+  int kind, esize;
+  const float* lut = nullptr;
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: kind = KV_F32, esize = 4; break;
+    case at::kBFloat16: kind = KV_BF16, esize = 2; break;
+    case at::kFloat8_e4m3fn: kind = KV_FP8, esize = 1, lut = fp8_tables().e4m3; break;
+    case at::kFloat8_e5m2: kind = KV_FP8, esize = 1, lut = fp8_tables().e5m2; break;
+    default: TORCH_CHECK(false, "cpu-paged: unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "cpu-paged: K and V caches differ in dtype");
+  std::vector<float> ks(Hkv, 1.0f), vs(Hkv, 1.0f);
+  if (k_scale.has_value() && k_scale->defined()) {
+    TORCH_CHECK(v_scale.has_value() && v_scale->defined(), "cpu-paged: k_scale without v_scale");
+    auto kf = k_scale->to(at::kFloat).contiguous(), vf = v_scale->to(at::kFloat).contiguous();
+    TORCH_CHECK(kf.numel() == Hkv && vf.numel() == Hkv, "cpu-paged: one scale per KV head expected");
+    std::copy(kf.data_ptr<float>(), kf.data_ptr<float>() + Hkv, ks.begin());
+    std::copy(vf.data_ptr<float>(), vf.data_ptr<float>() + Hkv, vs.begin());
+  }
+
+  auto out = torch::empty_like(q);
+  if (T == 0 || B == 0) return out;
+
+  auto tables = block_tables.contiguous();
+  const int max_blocks = tables.size(1);
+  const int* tab = tables.data_ptr<int>();
+  const int* qs = query_start.contiguous().data_ptr<int>();
+  const int* ctx = context_lens.contiguous().data_ptr<int>();
+  const int win = window > 0 ? int(window) : 0;
+
+  // --- work items ------------------------------------------------------------------------
+  std::vector<Item> items;
+  int64_t decode_keys = 0;
+  int num_decode = 0;
+  const int prefill_tok = std::max(1, PREFILL_ROWS / G);
+  for (int b = 0; b < B; ++b) {
+    const int ql = qs[b + 1] - qs[b], c = ctx[b];
+    TORCH_CHECK((c + ql + BS - 1) / BS <= max_blocks, "cpu-paged: block table too short for sequence ", b);
+    for (int t0 = 0; t0 < ql; t0 += prefill_tok) {
+      const int n = std::min(prefill_tok, ql - t0);
+      const int first = c + t0;  // position of the item's first query token
+      const int k_begin = win ? std::max(0, first - win + 1) : 0;
+      for (int h = 0; h < Hkv; ++h) items.push_back({b, h, qs[b] + t0, n, first, k_begin, first + n, -1});
+    }
+    if (ql == 1) decode_keys += int64_t(Hkv) * (c + 1 - (win ? std::max(0, c + 1 - win) : 0)), ++num_decode;
+  }
+
+  // Split decode items along their keys when there are too few items to keep every thread
+  // busy (batch 1 with a handful of KV heads on many cores): aim at 4 items per thread, each
+  // at least `min_part` keys long.
+  const int threads = omp_get_max_threads();
+  int num_slots = 0;
+  if (num_decode && int64_t(items.size()) < 4 * threads) {
+    int64_t part = std::max<int64_t>(min_part, (decode_keys + 4 * threads - 1) / (4 * threads));
+    part = (part + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+    std::vector<Item> split;
+    for (const Item& it : items) {
+      const int keys = it.k_end - it.k_begin;
+      if (it.ntok != 1 || keys <= part) {
+        split.push_back(it);
+        continue;
+      }
+      for (int k0 = it.k_begin; k0 < it.k_end; k0 += part) {
+        Item s = it;
+        s.k_begin = k0, s.k_end = std::min<int64_t>(it.k_end, k0 + part), s.slot = num_slots++;
+        split.push_back(s);
+      }
+    }
+    items.swap(split);
+  }
+  // Partial states: per slot, G x (m, l, acc[D]).
+  std::vector<float> partial(size_t(num_slots) * G * (D + 2));
+
+  // --- run -------------------------------------------------------------------------------
+  if (isa < 0) isa = best_isa();
+  AttendFn attend = nullptr;
+#define CPU_PAGED_PICK(NS) \
+  attend = kind == KV_F32 ? &NS::attend<KV_F32> : kind == KV_BF16 ? &NS::attend<KV_BF16> : &NS::attend<KV_FP8>;
+  if (isa == ISA_AVX512) {
+    CPU_PAGED_PICK(avx512)
+  } else if (isa == ISA_AVX2) {
+    CPU_PAGED_PICK(avx2)
+  } else {
+    CPU_PAGED_PICK(scalar)
+  }
+#undef CPU_PAGED_PICK
+
+  const bool q_bf16 = q.scalar_type() == at::kBFloat16;
+  const char* qp = static_cast<const char*>(q.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const char* kc = static_cast<const char*>(k_cache.data_ptr());
+  const char* vc = static_cast<const char*>(v_cache.data_ptr());
+  const int64_t stride_tok = int64_t(Hkv) * D, stride_blk = int64_t(BS) * Hkv * D;
+  const int max_rows = prefill_tok * G;
+
+  // Row r of an item is (token r / G, query head head * G + r % G).
+  auto store_row = [&](int tok, int qh, const float* acc, float mult) {
+    const int64_t base = (int64_t(tok) * Hq + qh) * D;
+    if (q_bf16) {
+      uint16_t* o = reinterpret_cast<uint16_t*>(op) + base;
+      for (int i = 0; i < D; ++i) o[i] = scalar::float_to_bf16(acc[i] * mult);
+    } else {
+      float* o = reinterpret_cast<float*>(op) + base;
+      for (int i = 0; i < D; ++i) o[i] = acc[i] * mult;
+    }
+  };
+
+#pragma omp parallel
+  {
+    Scratch sc;
+    sc.reserve(max_rows, D);
+    std::vector<float> qbuf(size_t(max_rows) * D), acc(size_t(max_rows) * D), m(max_rows), l(max_rows);
+    std::vector<int> pos(max_rows);
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < items.size(); ++i) {
+      const Item& it = items[i];
+      const int rows = it.ntok * G;
+      // Queries in fp32, pre-multiplied by the softmax scale and this head's K scale: a scaled
+      // cache's stored keys are then used as they are.
+      const float qmul = float(scale) * ks[it.head];
+      for (int r = 0; r < rows; ++r) {
+        const int64_t base = (int64_t(it.tok0 + r / G) * Hq + it.head * G + r % G) * D;
+        float* dst = qbuf.data() + size_t(r) * D;
+        if (q_bf16) {
+          const uint16_t* src = reinterpret_cast<const uint16_t*>(qp) + base;
+          for (int d = 0; d < D; ++d) dst[d] = scalar::bf16_to_float(src[d]) * qmul;
+        } else {
+          const float* src = reinterpret_cast<const float*>(qp) + base;
+          for (int d = 0; d < D; ++d) dst[d] = src[d] * qmul;
+        }
+        pos[r] = it.pos0 + r / G;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+      }
+      std::fill(acc.begin(), acc.begin() + size_t(rows) * D, 0.0f);
+      attend(qbuf.data(), pos.data(), rows, D, it.k_begin, it.k_end, win, tab + int64_t(it.seq) * max_blocks, BS,
+             kc, vc, stride_tok, stride_blk, int64_t(it.head) * D, esize, lut, m.data(), l.data(), acc.data(), sc);
+      if (it.slot < 0) {
+        for (int r = 0; r < rows; ++r)  // l > 0: every query sees at least itself
+          store_row(it.tok0 + r / G, it.head * G + r % G, acc.data() + size_t(r) * D,
+                    l[r] > 0 ? vs[it.head] / l[r] : 0.0f);
+      } else {
+        float* st = partial.data() + size_t(it.slot) * G * (D + 2);
+        for (int g = 0; g < G; ++g) {
+          st[g * (D + 2)] = m[g];
+          st[g * (D + 2) + 1] = l[g];
+          std::memcpy(st + g * (D + 2) + 2, acc.data() + size_t(g) * D, sizeof(float) * D);
+        }
+      }
+    }
+  }
+
+  if (num_slots) {
+    // Merge the key-range parts of each split (sequence, KV head): rescale every part's sum and
+    // accumulator to the largest running max, add, normalise. Parts of one item are adjacent.
+    std::vector<std::pair<int, int>> runs;  // (first item, count) of each split item
+    for (size_t i = 0; i < items.size();) {
+      size_t j = i + 1;
+      if (items[i].slot >= 0)
+        while (j < items.size() && items[j].slot >= 0 && items[j].seq == items[i].seq && items[j].head == items[i].head)
+          ++j;
+      if (items[i].slot >= 0) runs.emplace_back(int(i), int(j - i));
+      i = j;
+    }
+#pragma omp parallel for schedule(static)
+    for (size_t u = 0; u < runs.size(); ++u) {
+      const Item& first = items[runs[u].first];
+      std::vector<float> sum(D);
+      for (int g = 0; g < G; ++g) {
+        float mx = -INFINITY;
+        for (int p = 0; p < runs[u].second; ++p)
+          mx = std::max(mx, partial[(size_t(items[runs[u].first + p].slot) * G + g) * (D + 2)]);
+        float total = 0.0f;
+        std::fill(sum.begin(), sum.end(), 0.0f);
+        for (int p = 0; p < runs[u].second; ++p) {
+          const float* st = partial.data() + (size_t(items[runs[u].first + p].slot) * G + g) * (D + 2);
+          if (st[0] == -INFINITY) continue;  // a part with no visible key (window)
+          const float w = std::exp(st[0] - mx);
+          total += w * st[1];
+          for (int d = 0; d < D; ++d) sum[d] += w * st[2 + d];
+        }
+        store_row(first.tok0, first.head * G + g, sum.data(), total > 0 ? vs[first.head] / total : 0.0f);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace cpu_paged
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lmstack cpu-paged attention kernels";
+  m.def("paged_attention", &cpu_paged::paged_attention, "paged varlen attention (prefill and decode)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("window"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), py::arg("isa") = -1, py::arg("min_part") = 256);
+  m.def("best_isa", &cpu_paged::best_isa, "2: AVX-512, 1: AVX2+FMA, 0: scalar");
+}

@@ -1,0 +1,130 @@
+"""cpu-paged against the conformance kit and the plain torch reference, on every code path this
+CPU can run; the clear refusal where the extension cannot be built.
+
+The kit draws fresh random inputs each run: odd context and query lengths, block sizes 1/4/16,
+GQA ratios 1/3/8, fp32 and bf16 queries, bf16 and scaled fp8 caches, sliding windows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmstack.testing import AttentionConformance, paged_batch, reference_attention
+from lmstack.testing.attention import rel_error
+from lmstack_cpu_paged import build as builder
+from lmstack_cpu_paged.plugin import COMPONENT
+
+if builder.load_error() is not None:
+    pytest.skip(f"cpu-paged cannot be built here: {builder.load_error()}", allow_module_level=True)
+
+BEST = builder.load().best_isa()
+RUNNABLE = [isa for isa, level in (("scalar", 0), ("avx2", 1), ("avx512", 2)) if level <= BEST]
+
+
+class TestCpuPagedConformance(AttentionConformance):
+    component = COMPONENT
+    head_dims = (64, 80, 128)  # 80: a head dim that is not a multiple of the vector width
+
+
+class TestCpuPagedScalarConformance(AttentionConformance):
+    """The plain C++ path (what a CPU without AVX2 runs), on a smaller random matrix."""
+
+    component = COMPONENT
+    options = {"isa": "scalar"}
+    head_dims = (64, 72)
+    cases = 6
+
+
+def _batch(spans, hkv, group, head_dim, block_size, dtype=torch.float32):
+    q, _, _, kc, vc, meta, dense = paged_batch(spans, hkv, group, head_dim, block_size, dtype)
+    return q, kc, vc, meta, dense
+
+
+def _expect(q, meta, dense, scale, window=None):
+    out, start = [], 0
+    for (k, v), c, ql in zip(dense, meta.context_lens_cpu, meta.query_lens_cpu):
+        out.append(reference_attention(q[start : start + ql], k, v, c, scale, window))
+        start += ql
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("min_part", [32, 256])
+def test_decode_split_over_long_contexts(isa, min_part):
+    """Batch 1-2 with long contexts: the kernel splits the keys over threads (min_part 32: many
+    parts, some emptied by the window) and merges the parts' softmax states."""
+    backend = COMPONENT.factory(COMPONENT.options_type(isa=isa, min_part=min_part), None)
+    for window in (None, 50):
+        q, kc, vc, meta, dense = _batch([(1500, 1), (77, 1)], hkv=2, group=4, head_dim=64, block_size=16)
+        out = backend.decode(q, kc, vc, meta, scale=0.125, sliding_window=window)
+        assert rel_error(out, _expect(q, meta, dense, 0.125, window)) < 2e-5
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_prefill_mixed_batch_with_windows(isa):
+    """Decode rows and prefill chunks over cached context in one call, GQA 3, a window."""
+    backend = COMPONENT.factory(COMPONENT.options_type(isa=isa), None)
+    spans = [(0, 1), (40, 1), (0, 130), (333, 67), (5, 1)]
+    spans.sort(key=lambda s: s[1] != 1)  # decode sequences first, as the engine orders them
+    for window in (None, 7):
+        q, kc, vc, meta, dense = _batch(spans, hkv=3, group=3, head_dim=64, block_size=16)
+        out = backend.prefill(q, None, None, kc, vc, meta, scale=0.125, sliding_window=window)
+        assert rel_error(out, _expect(q, meta, dense, 0.125, window)) < 2e-5
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_bf16_queries_over_bf16_cache_match_fp32_math(isa):
+    """bf16 in, bf16 out, fp32 inside: within bf16 output rounding of the fp32 reference."""
+    backend = COMPONENT.factory(COMPONENT.options_type(isa=isa), None)
+    q, kc, vc, meta, dense = _batch([(900, 1), (3, 1), (20, 45)], 1, 8, 128, 16, dtype=torch.bfloat16)
+    out = backend.prefill(q, None, None, kc, vc, meta, scale=128**-0.5, sliding_window=None)
+    assert out.dtype == torch.bfloat16
+    assert rel_error(out, _expect(q, meta, dense, 128**-0.5)) < 4e-3
+
+
+def test_isas_agree():
+    """Every runnable code path gives the same answer to fp32 rounding."""
+    q, kc, vc, meta, dense = _batch([(700, 1), (10, 30)], hkv=2, group=3, head_dim=96, block_size=4)
+    outs = [
+        COMPONENT.factory(COMPONENT.options_type(isa=isa), None).prefill(
+            q, None, None, kc, vc, meta, scale=0.1, sliding_window=None
+        )
+        for isa in RUNNABLE
+    ]
+    for out in outs[1:]:
+        assert rel_error(out, outs[0]) < 1e-5
+
+
+def test_build_failure_is_one_clear_line(monkeypatch):
+    """A machine that cannot build the extension: resolution names the reason in one line and
+    the torch backend still resolves."""
+    from lmstack.config import load_stack
+    from lmstack.errors import ResolutionError
+    from lmstack.plugins import default_registry
+    from lmstack.resolve import resolve
+
+    def no_compiler():
+        raise builder.BuildError("no C++ compiler found (install g++ or set CXX)")
+
+    monkeypatch.setattr(builder, "_compile", no_compiler)
+    builder._load_cached.cache_clear()
+    try:
+        stack = {"model": "smollm2-135m-instruct", "device": "cpu", "attention": "cpu-paged"}
+        with pytest.raises(ResolutionError) as err:
+            resolve(load_stack(stack), default_registry())
+        message = str(err.value)
+        assert "\n" not in message
+        assert "cpu-paged" in message and "no C++ compiler found" in message and "torch" in message
+        with pytest.raises(builder.BuildError, match="no C\\+\\+ compiler"):
+            COMPONENT.factory(COMPONENT.options_type(), None)
+        resolve(load_stack({**stack, "attention": "torch"}), default_registry())
+    finally:
+        builder._load_cached.cache_clear()
+
+
+def test_build_entry_point_never_fails(monkeypatch, capsys):
+    """`python -m lmstack_cpu_paged.build` (run by make install) exits 0 and says why not."""
+    monkeypatch.setattr(builder, "load_error", lambda: "ninja is not installed (pip install ninja)")
+    assert builder.main() == 0
+    assert "NOT built (ninja is not installed" in capsys.readouterr().err
