@@ -693,7 +693,10 @@ def main() -> int:
         "results": {name: res.to_json() for name, res in results.items()},
     }
     write_outputs(report, results, args.out, stem)
-    shutil.rmtree(work, ignore_errors=True)
+    if any(name in unavailable for name in args.servers if name in PEERS):
+        print(f"kept the servers' logs in {work}", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
