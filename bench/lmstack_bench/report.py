@@ -83,7 +83,7 @@ def table(results: Sequence[BenchResult]) -> str:
     """One row per (server, load point): throughput, then median / P99 of each latency (ms)."""
     head = (
         "server", "load", "ok", "fail", "req/s", "out tok/s",
-        "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "E2E p50", "E2E p99", "goodput",
+        "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99", "E2E p50", "E2E p99", "goodput",
     )  # fmt: skip
     rows = [head]
     for res in results:
@@ -101,6 +101,7 @@ def table(results: Sequence[BenchResult]) -> str:
                     _ms(s.ttft, "p99"),
                     _ms(s.tpot, "median"),
                     _ms(s.tpot, "p99"),
+                    _ms(s.itl, "median"),
                     _ms(s.itl, "p99"),
                     _ms(s.e2e, "median"),
                     _ms(s.e2e, "p99"),
