@@ -103,6 +103,13 @@ def op_profile(engine, prompt: list[int], args) -> dict:
     regions = {e.key: e.cpu_time_total / steps / 1e3 for e in events if e.key in labels}
     ops = [e for e in events if e.key not in labels]
     total_ops = sum(e.count for e in ops) / steps
+    # Ops entered from Python (not called by another op): what per-op dispatch overhead scales with.
+    outer = sum(
+        1
+        for e in prof.events()
+        if e.name.startswith("aten::")
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    )
     mm_self = sum(e.self_cpu_time_total for e in ops if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
     top = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
     result = {
@@ -111,6 +118,7 @@ def op_profile(engine, prompt: list[int], args) -> dict:
         "threads": torch.get_num_threads(),
         "decode_steps": steps,
         "aten_ops_per_step": round(total_ops, 1),
+        "outer_aten_ops_per_step": round(outer / steps, 1),
         "matmul_self_ms_per_step": round(mm_self / steps / 1e3, 3),
         "region_ms_per_step": {k: round(v, 3) for k, v in sorted(regions.items())},
         "top_ops_self_us_per_step": {
