@@ -142,6 +142,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
         """logits: [N, V], one row per entry of `rows`."""
         logits = self.process(logits, rows)
+        if all(r.params.greedy and r.params.logprobs is None for r in rows):
+            # The common greedy batch: one argmax over it, no per-row work.
+            return [Sampled(tok, 0.0) for tok in torch.argmax(logits, dim=-1).tolist()]
         greedy = torch.argmax(logits, dim=-1).tolist()
         need_lp = [r.params.logprobs is not None for r in rows]
         logprobs = torch.log_softmax(logits, dim=-1) if any(need_lp) else None

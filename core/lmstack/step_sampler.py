@@ -57,10 +57,19 @@ class StepSampler:
                 rows = logits[c.logits_index : c.logits_index + len(c.draft) + 1]
                 results[i] = self.verifier.verify(rows, c.draft, lambda extra, s=c.seq: self.row(s, extra))
         if plain:
-            idx = torch.tensor([choices[i].logits_index for i in plain], device=logits.device)
+            index = [choices[i].logits_index for i in plain]
             sample_rows = [self.row(choices[i].seq) for i in plain]
-            sampled = self.sampler.sample(logits[idx], sample_rows)
+            sampled = self.sampler.sample(_rows(logits, index), sample_rows)
             for i, s, r in zip(plain, sampled, sample_rows, strict=True):
                 # A request's own processor failing ends only that request.
                 results[i] = Verification([], 0, r.error) if r.error is not None else Verification([s], 0)
         return [r for r in results if r is not None]
+
+
+def _rows(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """logits[index]; a view when the rows are consecutive (a decode batch: all of them), not a
+    copy of [rows, vocab] per step. The sampler never writes into the tensor it is given."""
+    first = index[0]
+    if index == list(range(first, first + len(index))):
+        return logits[first : first + len(index)]
+    return logits[torch.tensor(index, device=logits.device)]

@@ -130,7 +130,10 @@ class TorchAttention(AttentionBackend):
         # Block-diagonal queries: row (h, g) carries q[h, g] in columns of head h and zeros
         # elsewhere, so one contiguous matmul against [L, Hkv*D] keys scores every head without
         # permuting the gathered cache (the permute copy cost more than the 3x extra FLOPs).
-        eye = torch.eye(hkv, dtype=q.dtype, device=q.device).view(1, hkv, 1, hkv, 1)
+        eye = meta.scratch.get("torch.decode.eye")
+        if eye is None:  # made once per step, not per layer
+            eye = torch.eye(hkv, dtype=q.dtype, device=q.device).view(1, hkv, 1, hkv, 1)
+            meta.scratch["torch.decode.eye"] = eye
         qb = (q.view(b, hkv, g, 1, d) * eye).reshape(b, hkv * g, hkv * d)
         if len(groups) == 1:
             return self._decode_group(qb, k_cache, v_cache, groups[0], scale, kv_scales).reshape(b, hq, d)

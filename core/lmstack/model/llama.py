@@ -25,7 +25,7 @@ from lmstack.model.config import ModelConfig
 from lmstack.model.gguf_loader import llama_gguf_tensor, load_gguf_config
 from lmstack.model.hf_loader import parse_llama_config
 from lmstack.model.linear import default_linear, dense_parameter
-from lmstack.model.rope import RotaryEmbedding, rotate
+from lmstack.model.rope import RotaryEmbedding, rotate_
 from lmstack.model.stages import StageLayers
 from lmstack.model.tensor_parallel import (
     ParallelLMHead,
@@ -42,11 +42,24 @@ class RMSNorm(nn.Module):
         self.weight = dense_parameter(dim, dtype=dtype)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as the reference implementation does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The normalised x; with `residual`, first adds it to x in place (x must be a fresh
+        tensor the caller owns, e.g. a projection's output) and returns (normalised, x + residual),
+        the residual stream a decoder layer carries on: one seam for a fused add + norm kernel."""
+        if residual is not None:
+            x = x.add_(residual)
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as the reference implementation
+        # does. In place wherever the tensor is our own temporary (fewer allocations per op);
+        # an fp32 stream skips the no-op casts.
+        xf = x if x.dtype == torch.float32 else x.float()
+        xf = xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return (xf if x.dtype == torch.float32 else xf.to(x.dtype)).mul_(self.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -96,22 +109,31 @@ class DecoderLayer(nn.Module):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The feed-forward block on the normalised residual stream x [T, hidden], summed over
         the tp group."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return tp_all_reduce(self.down_proj(F.silu(gate) * up))
+        return tp_all_reduce(self.down_proj(silu_mul(self.gate_up_proj(x))))
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionFn
     ) -> torch.Tensor:
-        """x [T, hidden]; rope: the step's cos / sin tables [T, 1, D/2]."""
-        t = x.shape[0]
+        """x [T, hidden] (left untouched: a caller may keep it as a layer's hidden state);
+        rope: the step's full-width cos / sin tables (`RotaryEmbedding.tables_full`)."""
+        t, qs, kvs = x.shape[0], self.q_size, self.kv_size
         qkv = self.qkv_proj(self.input_layernorm(x))
-        # Q and K heads sit side by side in the fused projection: rotate them in one go.
-        qk = rotate(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        # Q and K heads sit side by side in the fused projection: rotate them in one go, in place.
+        rotate_(qkv[:, : qs + kvs].view(t, -1, self.head_dim), *rope)
+        q = qkv[:, :qs].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, qs : qs + kvs].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, qs + kvs :].view(t, self.num_kv_heads, self.head_dim)
         o = attn.attend(self.index, q, k, v)
-        x = x + tp_all_reduce(self.o_proj(o.reshape(t, self.q_size)))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The residual add happens in place on o_proj's (fresh) output, inside the norm.
+        h, x = self.post_attention_layernorm(tp_all_reduce(self.o_proj(o.reshape(t, qs))), x)
+        return x + self.mlp(h)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up from the fused [T, 2I] gate/up output, in place in its gate half
+    (two kernels, no allocation; the values are those of `F.silu(gate) * up`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)
 
 
 class LlamaModel(nn.Module):
@@ -204,7 +226,7 @@ class LlamaModel(nn.Module):
         `hidden_rows`: return the layers' outputs at these rows instead of `logits_indices`."""
         stage = self.stage
         x = hidden_in if hidden_in is not None else self.embed_tokens(input_ids)
-        rope = self.rope.tables(positions, x.dtype)
+        rope = self.rope.tables_full(positions, x.dtype)
         hidden: dict[int, torch.Tensor] = {}
         want = set(hidden_state_layers)
         rows = hidden_rows if hidden_rows is not None else logits_indices

@@ -76,8 +76,25 @@ class RotaryEmbedding(torch.nn.Module):
         """cos, sin for these positions: [T, 1, D/2] in `dtype` (once per step, shared by all layers)."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
+    def tables_full(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `rotate_` takes: cos twice and (-sin, sin) side by side, [T, 1, 2, D/2] in `dtype`
+        (once per step: the sign and duplication cost nothing per layer)."""
+        cos, sin = self.tables(positions, dtype)
+        return torch.stack((cos, cos), dim=2), torch.stack((-sin, sin), dim=2)
+
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by cos / sin [T, 1, D/2] (rotate-half convention)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate` in place on x [T, H, D] (any strides with a contiguous last dim), from
+    `RotaryEmbedding.tables_full` cos / sin [T, 1, 2, D/2]: x * cos + swap_halves(x) * (-sin, sin).
+    Four kernels and no concatenation. Bit-identical to `rotate`: a + b * (-s) rounds exactly as
+    a - b * s, and every product is the same product."""
+    halves = x.unflatten(-1, (2, -1))  # [T, H, 2, D/2], a view
+    swapped = halves.flip(-2).mul_(sin)  # (x2, x1) * (-sin, sin), a fresh tensor
+    halves.mul_(cos).add_(swapped)
+    return x
