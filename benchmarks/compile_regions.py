@@ -15,6 +15,7 @@ import time
 import torch
 import torch._dynamo.utils as du
 
+from lmstack.hardware import cpu_description
 from lmstack.interfaces import LinearSpec
 from lmstack.model.linear import default_linear
 from lmstack.model.llama import RMSNorm, silu_mul
@@ -128,4 +129,4 @@ with torch.inference_mode():
             row[f"compiled/eager_T{t}"] = round(statistics.median(c) / statistics.median(e), 3)
         out[name] = row
         print(name, json.dumps(row), flush=True)
-json.dump(out, open(sys.argv[1], "w"), indent=1)
+json.dump({"machine": cpu_description(), **out}, open(sys.argv[1], "w"), indent=1)

@@ -179,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown()
     if args.json and record:
         old = json.loads(args.json.read_text()) if args.json.exists() else []
-        args.json.write_text(json.dumps([*old, {"label": args.label, **record}], indent=1) + "\n")
+        from lmstack.hardware import cpu_description
+
+        entry = {"label": args.label, **cpu_description(), **record}
+        args.json.write_text(json.dumps([*old, entry], indent=1) + "\n")
     return 0
 
 

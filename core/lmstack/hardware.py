@@ -54,6 +54,12 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_description() -> dict[str, object]:
+    """The CPU a measurement ran on, for result files: model name and its vector / matrix flags."""
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx2", "avx512", "amx")))
+    return {"cpu_model": cpu_name(), "cpu_flags": flags}
+
+
 def native_bf16_cpu() -> bool:
     return any(flag in cpu_flags() for flag in NATIVE_BF16_FLAGS)
 
