@@ -2,7 +2,7 @@
 linear, on SmolLM2-135M's linear shapes (qkv 576->960, o 576->576, gate_up 576->3072,
 down 1536->576, LM head 576->49152) at M = 1, 8, 32, 128, 512 rows.
 
-    OMP_NUM_THREADS=1 python benchmarks/int8_cpu_matmul.py [--reps 15] [--threads 1]
+    OMP_NUM_THREADS=1 python benchmarks/int8_cpu_matmul.py [--reps 15] [--threads 1] [--paths A,B]
 
 Paths (W = q * scale[:, None]; q int8 [N, K], scale fp32 [N]):
   dense_fp32       F.linear(x fp32, W fp32)                  the unquantized fp32 model
@@ -14,6 +14,7 @@ Paths (W = q * scale[:, None]; q int8 [N, K], scale fp32 [N]):
   dequant_fp32     W rebuilt in fp32 per call, then F.linear in fp32 (lmstack_int8's
                    `dequant_matmul`: slabs of at most 8 MB in a reused buffer)
   dequant_bf16     the same, the slab cast to bf16 and F.linear in bf16
+  native_fp32      lmstack_int8's C++ kernel (x fp32, int8 rows widened in registers, fp32 sums)
 
 Each call uses the next of several copies of the layer (together at least `--stream-mb` of fp32
 weights, 128 MB by default: more than the CPU's caches), so weights come from memory as they do
@@ -38,8 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lmstack.hardware import cpu_flags, cpu_name
-from lmstack_int8.kernel import dequant_matmul, quantize_rows
+from lmstack.hardware import cpu_description, cpu_flags
+from lmstack_int8.kernel import dequant_matmul, native_kernel, quantize_rows
 
 SHAPES = {  # name: (in K, out N)
     "qkv": (576, 960),
@@ -48,7 +49,7 @@ SHAPES = {  # name: (in K, out N)
     "down": (1536, 576),
     "head": (576, 49152),
 }
-ROWS = (1, 8, 32, 128, 512)
+ROWS = (1, 8, 32, 64, 128, 512)
 PATHS = (
     "dense_fp32",
     "dense_bf16",
@@ -58,6 +59,7 @@ PATHS = (
     "int8pack_bf16_io",
     "dequant_fp32",
     "dequant_bf16",
+    "native_fp32",
 )
 
 
@@ -97,6 +99,13 @@ def make_one(path: str, w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, x
     if path == "dequant_bf16":
         xb = x.to(bf16)
         return lambda: dequant_matmul(xb, q, scale)
+    if path == "native_fp32":
+        ext = native_kernel()
+        if ext is None:
+            raise SystemExit(
+                "native_fp32: lmstack-int8's C++ kernel is not built (python -m lmstack_int8.native)"
+            )
+        return lambda: ext.int8_matmul(x, q, scale)
     raise ValueError(path)
 
 
@@ -122,7 +131,14 @@ def main() -> None:
     ap.add_argument("--skip-s", type=float, default=10.0)
     ap.add_argument("--stream-mb", type=float, default=128.0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--paths", default=",".join(PATHS), help="comma-separated subset (dense_fp32 always runs)"
+    )
     args = ap.parse_args()
+    paths = ["dense_fp32"] + [p for p in args.paths.split(",") if p and p != "dense_fp32"]
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown:
+        ap.error(f"unknown paths {unknown}; choose from {', '.join(PATHS)}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     results = []
@@ -135,7 +151,7 @@ def main() -> None:
                 copies.append((w, *quantize_rows(w)))
             for m in ROWS:
                 x = torch.randn(m, k)
-                for path in PATHS:
+                for path in paths:
                     t = median_s(make_call(path, copies, x), args.reps, args.skip_s)
                     row = {
                         "shape": name,
@@ -149,7 +165,7 @@ def main() -> None:
                     results.append(row)
                     print(json.dumps(row), flush=True)
     summary = {
-        "cpu": cpu_name(),
+        "cpu": cpu_description(),
         "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))),
         "torch": torch.__version__,
         "threads": args.threads,
@@ -168,16 +184,16 @@ def main() -> None:
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
-    print(table(results))
+    print(table(results, paths))
     print(f"wrote {out}")
 
 
-def table(results: list[dict]) -> str:
+def table(results: list[dict], paths: list[str]) -> str:
     """Each path's median over dense_fp32's, per shape and M (None: skipped as too slow)."""
     base = {(r["shape"], r["M"]): r["us"] for r in results if r["path"] == "dense_fp32"}
     lines = [
-        "| shape | M | dense_fp32 µs | " + " | ".join(p for p in PATHS if p != "dense_fp32") + " |",
-        "|---|---|---|" + "---|" * (len(PATHS) - 1),
+        "| shape | M | dense_fp32 µs | " + " | ".join(p for p in paths if p != "dense_fp32") + " |",
+        "|---|---|---|" + "---|" * (len(paths) - 1),
     ]
     cells: dict[tuple[str, int], dict[str, float | None]] = {}
     for r in results:
@@ -185,7 +201,7 @@ def table(results: list[dict]) -> str:
     for (shape, m), row in cells.items():
         ref = base[(shape, m)]
         ratios = [
-            "skipped" if row.get(p) is None else f"{row[p] / ref:.2f}x" for p in PATHS if p != "dense_fp32"
+            "skipped" if row.get(p) is None else f"{row[p] / ref:.2f}x" for p in paths if p != "dense_fp32"
         ]
         lines.append(f"| {shape} | {m} | {ref:.0f} | " + " | ".join(ratios) + " |")
     return "\n".join(lines)

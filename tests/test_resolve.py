@@ -506,3 +506,49 @@ def test_a_quantizer_that_cannot_read_the_checkpoint_is_a_resolution_error(tiny_
     )
     with pytest.raises(ResolutionError, match="is a compressed-tensors/pack-quantized checkpoint"):
         check_model(resolved, ct)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: auto
+# ---------------------------------------------------------------------------------------------
+
+
+def _fast(name: str, rank: int, check=None, **caps) -> Component:
+    capabilities = {"devices": ("cpu",), "phases": ("prefill", "decode"), "auto_rank": {"cpu": rank}, **caps}
+    return comp(name, "attention", capabilities=capabilities, check=check)
+
+
+def test_attention_auto_picks_the_highest_ranked_backend_that_fits():
+    r = resolved(
+        {"attention": "auto"},
+        _fast("fast", 10),
+        _fast("faster", 20),
+        _fast("gpu-only", 99, devices=("cuda",)),
+    )
+    assert r.attention_prefill.name == r.attention_decode.name == "faster"
+    assert r.auto_reasons["attention_decode"] == "auto on cpu (ranked: faster, fast, torch): faster"
+    assert r.describe()["auto_reasons"] == dict(r.auto_reasons)
+    # Only the phase left to auto is chosen; a backend without auto_rank is never picked.
+    r = resolved(
+        {"attention": {"prefill": "torch", "decode": "auto"}}, _fast("fast", 10), comp("plain", "attention")
+    )
+    assert (r.attention_prefill.name, r.attention_decode.name) == ("torch", "fast")
+    assert set(r.auto_reasons) == {"attention_decode"}
+    assert resolved({}).auto_reasons == {}
+
+
+def test_attention_auto_skips_a_backend_that_cannot_run_here_and_says_why():
+    broken = _fast("native", 20, check=lambda options, stack, key: f"cannot be built here; use {key}: torch")
+    r = resolved({"attention": "auto"}, broken, _fast("fp32-only", 10, dtypes=("float32",)))
+    expect = "fp32-only" if r.dtype == torch.float32 else "torch"
+    assert r.attention_prefill.name == expect
+    reason = r.auto_reasons["attention_prefill"]
+    assert "skipped native cannot be built here; use attention.prefill: torch" in reason
+    r = resolved({"attention": "auto", "dtype": "float16"}, _fast("fp32-only", 10, dtypes=("float32",)))
+    assert r.attention_decode.name == "torch"
+    assert r.auto_reasons["attention_decode"].endswith("skipped fp32-only does not take float16")
+
+
+def test_attention_auto_takes_no_options():
+    with pytest.raises(ConfigError, match="auto takes no options \\(got isa\\)"):
+        resolved({"attention": {"prefill": {"name": "auto", "isa": "avx2"}}}, _fast("fast", 10))

@@ -444,6 +444,10 @@ def _print_check(
         )
     print(_table(["ROLE", "COMPONENT", "DISTRIBUTION", "VERSION", "OPTIONS"], rows))
     print()
+    for role, reason in resolved.auto_reasons.items():
+        print(f"{ROLE_LABEL[role]}: {reason}")
+    if resolved.auto_reasons:
+        print()
     from lmstack.hardware import dtype_warning
 
     slow = dtype_warning(resolved.device, resolved.dtype) if resolved.config.dtype != "auto" else None

@@ -35,6 +35,9 @@ KV_CACHE_NONE = "none"
 QUANT_AUTO = "auto"
 
 DEFAULT_ATTENTION = ROLE["attention_prefill"].default
+# `attention.<phase>: auto`: the installed backend ranked best for the device (`auto_rank`
+# capability) that fits this stack and machine, else the reference backend (`lmstack.resolve`).
+ATTENTION_AUTO = "auto"
 ATTENTION_PHASES = ("prefill", "decode")
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]

@@ -28,7 +28,9 @@ import msgspec
 import torch
 
 from lmstack.config import (
+    ATTENTION_AUTO,
     CORE_KEYS,
+    DEFAULT_ATTENTION,
     DTYPE_AUTO,
     EXTRA,
     KV_CACHE_AUTO,
@@ -130,6 +132,8 @@ class ResolvedStack:
     checkpoint_format: str | None = None
     # Why `dtype` is what it is: "set in the stack", or what `dtype: auto` saw.
     dtype_reason: str = "set in the stack"
+    # Roles the stack left to `auto` (attention), and why each got its component.
+    auto_reasons: Mapping[str, str] = field(default_factory=dict)
 
     def __getattr__(self, name: str) -> Selected:
         # Only reached when normal lookup fails: the role attributes.
@@ -168,6 +172,7 @@ class ResolvedStack:
             "max_model_len": self.config.max_model_len,
             "seed": self.config.seed,
             "components": {role: sel.describe() for role, sel in self.roles().items()},
+            "auto_reasons": dict(self.auto_reasons),
             **sections,
         }
 
@@ -194,38 +199,59 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
         quant_name = auto_quantizer(registry, checkpoint_format)
 
     quantizer = _select(registry, "quantizer", quant_name, quant, "quant", name_key="quant.weights")
-    selected = {
-        "quantizer": quantizer,
-        "attention_prefill": _select_section(
-            registry, "attention", stack.attention["prefill"], "attention.prefill"
-        ),
-        "attention_decode": _select_section(
-            registry, "attention", stack.attention["decode"], "attention.decode"
-        ),
-        "parallel": _select_parallel(registry, stack.parallel),
-    }
+    selected = {"quantizer": quantizer, "parallel": _select_parallel(registry, stack.parallel)}
+    # `attention: auto`: candidates best first, tried in turn below (the first one whose check
+    # passes on this machine is kept).
+    auto: dict[str, list[Selected]] = {}
+    for role, phase in (("attention_prefill", "prefill"), ("attention_decode", "decode")):
+        section, path = stack.attention[phase], f"attention.{phase}"
+        if section["name"] == ATTENTION_AUTO:
+            auto[role] = _auto_attention_candidates(registry, device, phase, section, path)
+            selected[role] = auto[role][0]
+        else:
+            selected[role] = _select_section(registry, "attention", section, path)
     # Every other role is a plain {name: ..., **options} section.
     for role in ROLE_TABLE:
         if role.name not in selected:
             section = getattr(stack, role.section)
             selected[role.name] = _select_section(registry, role.kind, section, role.section)
-    if stack.dtype == DTYPE_AUTO:
-        dtype, dtype_reason = _auto_dtype(device, selected)
-    else:
-        dtype, dtype_reason = DTYPES[stack.dtype], "set in the stack"
     sections, views = _convert_sections(stack, registry)
-    resolved = ResolvedStack(
-        config=stack,
-        model=stack.model,
-        device=device,
-        dtype=dtype,
-        dtype_reason=dtype_reason,
-        kv_cache_dtype=_kv_cache_dtype(stack, quantizer, dtype),
-        selected=selected,
-        sections=sections,
-        section_views=views,
-        checkpoint_format=checkpoint_format,
-    )
+
+    def assemble(reasons: Mapping[str, str]) -> ResolvedStack:
+        if stack.dtype == DTYPE_AUTO:
+            dtype, dtype_reason = _auto_dtype(device, selected)
+        else:
+            dtype, dtype_reason = DTYPES[stack.dtype], "set in the stack"
+        return ResolvedStack(
+            config=stack,
+            model=stack.model,
+            device=device,
+            dtype=dtype,
+            dtype_reason=dtype_reason,
+            kv_cache_dtype=_kv_cache_dtype(stack, quantizer, dtype),
+            selected=dict(selected),
+            sections=sections,
+            section_views=views,
+            checkpoint_format=checkpoint_format,
+            auto_reasons=dict(reasons),
+        )
+
+    resolved = assemble({})
+    if auto:
+        reasons = {}
+        for role, candidates in auto.items():
+            skipped = []
+            for i, sel in enumerate(candidates):
+                selected[role] = sel
+                problem = _auto_fit_problem(assemble(reasons), role, sel)
+                if problem is None or i == len(candidates) - 1:
+                    break  # the last (the reference backend) is kept: the checks below explain
+                skipped.append(f"{sel.name} {problem}")
+            ranked = ", ".join(c.name for c in candidates)
+            reasons[role] = f"auto on {device.type} (ranked: {ranked}): {selected[role].name}" + (
+                f"; skipped {'; '.join(skipped)}" if skipped else ""
+            )
+        resolved = assemble(reasons)
     for check in (
         _check_components,
         _check_devices,
@@ -314,6 +340,46 @@ def _check_checkpoint_format(r: ResolvedStack, model_config: ModelConfig) -> Non
         f"{_who('quantizer', sel)} reads {_list(reads_formats(sel.component))} checkpoints, but model "
         f"{r.model!r} is a {fmt} checkpoint; set quant.weights: auto or a quantizer that reads {fmt}"
     )
+
+
+def _auto_attention_candidates(
+    registry: Registry, device: torch.device, phase: str, section: Mapping[str, Any], path: str
+) -> list[Selected]:
+    """`attention: auto` for one phase: the installed backends that declare an `auto_rank` for
+    this device type and run this phase, highest rank first, then the reference backend."""
+    if len(section) > 1:
+        extra = ", ".join(sorted(k for k in section if k != "name"))
+        raise ConfigError(f"auto takes no options (got {extra}); name a backend to set its options", path)
+    ranked = []
+    for name in registry.names("attention"):
+        component = registry.get("attention", name)
+        caps = component.capabilities
+        rank = (caps.get("auto_rank") or {}).get(device.type)
+        if rank is None or name == DEFAULT_ATTENTION:
+            continue
+        if device.type not in caps.get("devices", (device.type,)) or phase not in caps.get(
+            "phases", (phase,)
+        ):
+            continue
+        ranked.append((-rank, name))
+    names = [name for _, name in sorted(ranked)] + [DEFAULT_ATTENTION]
+    return [_select(registry, "attention", name, {}, path, name_key=f"{path}.name") for name in names]
+
+
+def _auto_fit_problem(r: ResolvedStack, role: str, sel: Selected) -> str | None:
+    """Why an `auto` attention candidate does not fit this stack (its own check, the dtype and
+    KV-cache dtype), or None."""
+    if sel.component.check is not None:
+        problem = sel.component.check(sel.options, r, ROLE_KEY[role])
+        if problem:
+            return problem
+    dtypes = sel.capabilities.get("dtypes")
+    if dtypes is not None and DTYPE_NAMES[r.dtype] not in dtypes:
+        return f"does not take {DTYPE_NAMES[r.dtype]}"
+    kv = sel.capabilities.get("kv_cache_dtypes")
+    if kv is not None and DTYPE_NAMES.get(r.kv_cache_dtype) not in kv:
+        return f"cannot read a {DTYPE_NAMES.get(r.kv_cache_dtype)} KV cache"
+    return None
 
 
 def _select_section(registry: Registry, kind: str, section: Mapping[str, Any], path: str) -> Selected:

@@ -54,6 +54,9 @@ class AttentionCapabilities(Capabilities, forbid_unknown_fields=True, frozen=Tru
     # Prefill queries attend to earlier cached tokens: needed by chunked prefill and by
     # speculative verification (multi-token queries over a cached context).
     chunked_context: bool | None = None
+    # `attention: auto` considers the backend on these device types, highest rank first (the
+    # reference `torch` backend is always the last resort); absent: only chosen by name.
+    auto_rank: dict[str, int] | None = None
 
 
 class QuantizerCapabilities(Capabilities, forbid_unknown_fields=True, frozen=True):

@@ -25,6 +25,9 @@ CAPABILITIES: dict[str, Any] = {
     "phases": ("prefill", "decode"),
     "sliding_window": True,
     "chunked_context": True,
+    # `attention: auto` on a CPU picks it over the torch reference where it builds (README:
+    # 2.8-17x faster decode attention, 1.25-1.9x end to end).
+    "auto_rank": {"cpu": 10},
 }
 
 

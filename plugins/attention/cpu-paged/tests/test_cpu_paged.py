@@ -107,8 +107,8 @@ def test_build_failure_is_one_clear_line(monkeypatch):
     def no_compiler():
         raise builder.BuildError("no C++ compiler found (install g++ or set CXX)")
 
-    monkeypatch.setattr(builder, "_compile", no_compiler)
-    builder._load_cached.cache_clear()
+    monkeypatch.setattr(builder.EXTENSION, "_compile", no_compiler)
+    builder.EXTENSION._load_cached.cache_clear()
     try:
         stack = {"model": "smollm2-135m-instruct", "device": "cpu", "attention": "cpu-paged"}
         with pytest.raises(ResolutionError) as err:
@@ -120,7 +120,7 @@ def test_build_failure_is_one_clear_line(monkeypatch):
             COMPONENT.factory(COMPONENT.options_type(), None)
         resolve(load_stack({**stack, "attention": "torch"}), default_registry())
     finally:
-        builder._load_cached.cache_clear()
+        builder.EXTENSION._load_cached.cache_clear()
 
 
 def test_build_entry_point_never_fails(monkeypatch, capsys):

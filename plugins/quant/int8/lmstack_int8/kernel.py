@@ -8,6 +8,9 @@ the same weight: q * scale is exact in fp32 (7 x 8 significant bits).
 `int8_matmul(x [M, K], q, scale)` -> [M, N] in x's dtype picks, per call (measurements in the
 README, `benchmarks/int8_cpu_matmul.py`; an AVX2 CPU, one thread):
 
+- CPU, fp32 activations, at most `NATIVE_MAX_ROWS` rows (decode batches): this plugin's C++ kernel
+  (csrc/int8_matmul.cpp), which widens int8 weights to fp32 in registers, 2-3x faster than
+  the paths below at M = 1 and fp32 throughout; where it cannot be built, the paths below.
 - CPU, bf16 activations: `torch.ops.aten._weight_int8pack_mm` (fp32 accumulation), 2x faster
   than the dense fp32 matmul at M = 1 and 3x faster than the dense bf16 one at M = 512.
 - CPU, fp32 activations: the op's fp32 path is 5-40x slower than the dense matmul, so below
@@ -26,6 +29,9 @@ import torch
 import torch.nn.functional as F
 
 QMAX = 127
+# fp32 activations with at most this many rows go through the C++ kernel (measured crossover with
+# dequantize + fp32 matmul: between 32 and 64 rows for SmolLM2 shapes on an AVX2 CPU, README).
+NATIVE_MAX_ROWS = 32
 # fp32 activations with fewer rows than this run through the op in bf16 (decode batches); the
 # measured crossover with dequantize + fp32 matmul lies between 8 and 32 rows for every
 # SmolLM2 shape (README).
@@ -98,11 +104,25 @@ def dequant_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
     return out
 
 
-class Int8Matmul:
-    """The matmul of one int8 weight, holding the scales in the dtypes the op wants."""
+_native: list = []  # [module or None], filled on first use
 
-    def __init__(self, exact_fp32: bool = False) -> None:
+
+def native_kernel():
+    """The compiled C++ kernel module, or None where it cannot be built (then torch's paths)."""
+    if not _native:
+        from lmstack_int8.native import EXTENSION
+
+        _native.append(None if EXTENSION.load_error() else EXTENSION.load())
+    return _native[0]
+
+
+class Int8Matmul:
+    """The matmul of one int8 weight, holding the scales in the dtypes the op wants.
+    `use_native=False` keeps to torch's ops (A/B measurements)."""
+
+    def __init__(self, exact_fp32: bool = False, use_native: bool = True) -> None:
         self.exact_fp32 = exact_fp32
+        self.use_native = use_native
         self._scales: dict[torch.dtype, torch.Tensor] = {}
 
     def reset(self) -> None:
@@ -115,9 +135,18 @@ class Int8Matmul:
         return s
 
     def path(self, x: torch.Tensor, q: torch.Tensor) -> str:
-        """Which computation x gets: "op" (the int8 op in x's dtype), "op-bf16" (the op in
-        bf16, fp32 in and out) or "dequant"."""
-        if x.device.type != "cpu" or _OP is None or not op_fits(q):
+        """Which computation x gets: "native" (the C++ kernel, fp32), "op" (the int8 op in x's
+        dtype), "op-bf16" (the op in bf16, fp32 in and out) or "dequant"."""
+        if x.device.type != "cpu":
+            return "dequant"
+        if (
+            self.use_native
+            and x.dtype == torch.float32
+            and x.shape[0] <= NATIVE_MAX_ROWS
+            and native_kernel() is not None
+        ):
+            return "native"
+        if _OP is None or not op_fits(q):
             return "dequant"
         if x.dtype == torch.bfloat16:
             return "op"
@@ -127,6 +156,8 @@ class Int8Matmul:
 
     def __call__(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         path = self.path(x, q)
+        if path == "native":
+            return native_kernel().int8_matmul(x if x.stride(-1) == 1 else x.contiguous(), q, scale)
         if path == "op":
             return _OP(aligned(x), q, self.scales_as(scale, x.dtype))
         if path == "op-bf16":

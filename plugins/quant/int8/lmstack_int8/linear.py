@@ -20,7 +20,7 @@ from lmstack_int8.kernel import Int8Matmul, dequantize_rows, quantize_rows
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, spec: LinearSpec, exact_fp32: bool = False) -> None:
+    def __init__(self, spec: LinearSpec, exact_fp32: bool = False, use_native: bool = True) -> None:
         super().__init__()
         self.spec = spec
         self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
@@ -36,7 +36,7 @@ class Int8Linear(nn.Module):
                 torch.zeros(self.out_features, dtype=spec.params_dtype), requires_grad=False
             )
             set_weight_loader(self.bias, self._load_bias, num_shards=parts)
-        self.matmul = Int8Matmul(exact_fp32)
+        self.matmul = Int8Matmul(exact_fp32, use_native)
 
     # --- loading ------------------------------------------------------------------------------
 

@@ -23,6 +23,9 @@ class Int8Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # ("bf16", fast: the op's fp32 path is 5-40x slower), or every batch dequantizes the weight
     # and multiplies in fp32 ("exact": what the dequantized model computes). README.
     fp32_activations: Literal["bf16", "exact"] = "bf16"
+    # "auto": fp32 decode batches run this plugin's C++ kernel (fp32 throughout, so both
+    # fp32_activations settings get it) where it builds; "torch": torch's ops only (A/B).
+    kernel: Literal["auto", "torch"] = "auto"
 
 
 def build(options: Int8Options, ctx: BuildContext):

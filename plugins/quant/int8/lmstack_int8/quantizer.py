@@ -27,16 +27,17 @@ class Int8Quantizer(Quantizer):
                 "(use quant.weights: auto)"
             )
         self.exact_fp32 = options.fp32_activations == "exact"
+        self.use_native = options.kernel == "auto"
 
     def linear_factory(self) -> LinearFactory:
         def make(spec: LinearSpec) -> nn.Module:
-            return Int8Linear(spec, self.exact_fp32)
+            return Int8Linear(spec, self.exact_fp32, self.use_native)
 
         return make
 
     def process_model(self, model: nn.Module) -> None:
         if self.options.lm_head == "int8":
-            quantize_embedding_and_head(model, self.exact_fp32)
+            quantize_embedding_and_head(model, self.exact_fp32, self.use_native)
 
     def shard_alignment(self, spec: LinearSpec) -> int:
         return 1  # one scale per whole output row: splits may fall anywhere

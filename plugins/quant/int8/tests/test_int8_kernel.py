@@ -15,7 +15,7 @@ from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import GGUFTensor
 from lmstack_int8 import kernel
 from lmstack_int8.head import Int8Embedding, quantize_embedding_and_head
-from lmstack_int8.kernel import FP32_DEQUANT_MIN_ROWS, Int8Matmul, quantize_rows
+from lmstack_int8.kernel import FP32_DEQUANT_MIN_ROWS, NATIVE_MAX_ROWS, Int8Matmul, quantize_rows
 from lmstack_int8.linear import Int8Linear
 
 
@@ -43,12 +43,14 @@ def test_quantize_rows_is_symmetric_per_row_within_half_a_step():
         assert torch.all(q[~nonzero] == 0)
 
 
-def _layer(rng: random.Random, dtype: torch.dtype, exact: bool, k: int | None = None):
+def _layer(
+    rng: random.Random, dtype: torch.dtype, exact: bool, k: int | None = None, use_native: bool = True
+):
     k = k or rng.choice((rng.randint(1, 200), 16 * rng.randint(1, 12)))
     sizes = tuple(rng.randint(1, 70) for _ in range(rng.choice((1, 2, 3))))
     bias = rng.random() < 0.5
     spec = LinearSpec(k, sum(sizes), bias, "layers.0.test_proj", sizes, "column", dtype)
-    layer = Int8Linear(spec, exact_fp32=exact)
+    layer = Int8Linear(spec, exact_fp32=exact, use_native=use_native)
     weights = [torch.randn(s, k) for s in sizes]
     for i, w in enumerate(weights):
         layer.weight.weight_loader(layer.weight, w, i if len(sizes) > 1 else None)
@@ -74,13 +76,19 @@ def _reference(
     return out if b is None else out + b.to(dtype)
 
 
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch-ops"])
 @pytest.mark.parametrize("exact", [False, True])
-def test_fp32_layer_matches_dequantized_reference(exact):
+def test_fp32_layer_matches_dequantized_reference(exact, use_native):
     rng = random.Random()
     for _ in range(6):
-        layer, w, b = _layer(rng, torch.float32, exact)
-        # Decode-sized and prefill-sized batches: the op (in bf16) below the threshold.
-        for m in (rng.randint(1, FP32_DEQUANT_MIN_ROWS - 1), rng.randint(FP32_DEQUANT_MIN_ROWS, 80)):
+        layer, w, b = _layer(rng, torch.float32, exact, use_native=use_native)
+        # Decode-sized and prefill-sized batches: the C++ kernel or the op (in bf16) below the
+        # thresholds, dequantize + matmul above.
+        for m in (
+            rng.randint(1, FP32_DEQUANT_MIN_ROWS - 1),
+            rng.randint(FP32_DEQUANT_MIN_ROWS, NATIVE_MAX_ROWS),
+            rng.randint(NATIVE_MAX_ROWS + 1, 80),
+        ):
             x = torch.randn(m, layer.in_features)
             with torch.no_grad():
                 out = layer(x)
@@ -92,6 +100,8 @@ def test_fp32_layer_matches_dequantized_reference(exact):
                 ref = _reference(layer, x.to(torch.bfloat16), None, torch.bfloat16).float()
                 ref = ref if b is None else ref + b
                 bound = torch.finfo(torch.bfloat16).eps / 8
+            elif path == "native":
+                ref, bound = _reference(layer, x, b), 1e-6  # fp32 throughout, sums in another order
             else:
                 assert path == "dequant"
                 ref, bound = _reference(layer, x, b), 1e-6
@@ -103,12 +113,19 @@ def test_fp32_layer_matches_dequantized_reference(exact):
 def test_fp32_paths_are_chosen_as_documented():
     rng = random.Random()
     layer, _, _ = _layer(rng, torch.float32, False, k=64)
+    if kernel.native_kernel() is not None:
+        for m in (1, NATIVE_MAX_ROWS):
+            assert layer.matmul.path(torch.randn(m, 64), layer.weight) == "native"
+            assert Int8Matmul(exact_fp32=True).path(torch.randn(m, 64), layer.weight) == "native"
+        assert layer.matmul.path(torch.randn(NATIVE_MAX_ROWS + 1, 64), layer.weight) == "dequant"
+        assert layer.matmul.path(torch.randn(2, 64, dtype=torch.bfloat16), layer.weight) != "native"
+    layer, _, _ = _layer(rng, torch.float32, False, k=64, use_native=False)
     small, large = torch.randn(FP32_DEQUANT_MIN_ROWS - 1, 64), torch.randn(FP32_DEQUANT_MIN_ROWS, 64)
     expect_op = "op-bf16" if kernel.has_int8pack_op() else "dequant"
     assert layer.matmul.path(small, layer.weight) == expect_op
     assert layer.matmul.path(large, layer.weight) == "dequant"
-    assert Int8Matmul(exact_fp32=True).path(small, layer.weight) == "dequant"
-    odd, _, _ = _layer(rng, torch.float32, False, k=37)  # the op's loops need K % 16 == 0
+    assert Int8Matmul(exact_fp32=True, use_native=False).path(small, layer.weight) == "dequant"
+    odd, _, _ = _layer(rng, torch.float32, False, k=37, use_native=False)  # the op needs K % 16 == 0
     assert odd.matmul.path(torch.randn(2, 37), odd.weight) == "dequant"
 
 

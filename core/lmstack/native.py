@@ -1,0 +1,116 @@
+"""Building a plugin's C++ extension against the torch that is installed.
+
+pip's build isolation would compile against whatever torch it downloads, not the one installed,
+so a plugin's kernels are not built by pip: `NativeExtension.load()` compiles them with
+`torch.utils.cpp_extension.load` into a per-user cache directory keyed by the torch version and a
+hash of the sources and flags (a new torch or an edited kernel builds afresh; an unchanged one
+loads in milliseconds). A plugin's `python -m <its build module>` builds ahead of time (`make
+install` runs it); otherwise the first use builds it. A machine without a C++ compiler, OpenMP or
+ninja gets `ExtensionBuildError` with a one-line reason, and the rest of lmstack is unaffected.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+DEFAULT_FLAGS = ("-O3", "-fopenmp", "-std=c++17")
+
+
+class ExtensionBuildError(RuntimeError):
+    """The extension could not be built or loaded; the message is one line saying why."""
+
+
+class NativeExtension:
+    """One C++ extension: `sources` are compiled, `headers` only hashed (an edit rebuilds)."""
+
+    def __init__(
+        self,
+        name: str,
+        cache_name: str,
+        sources: Sequence[Path],
+        headers: Sequence[Path] = (),
+        flags: Sequence[str] = DEFAULT_FLAGS,
+    ) -> None:
+        self.name = name  # the Python module name of the built extension
+        self.cache_name = cache_name  # its folder under ~/.cache/lmstack
+        self.sources = tuple(Path(p) for p in sources)
+        self.headers = tuple(Path(p) for p in headers)
+        self.flags = tuple(flags)
+        self._load_cached = functools.cache(self._try_compile)
+
+    def source_hash(self) -> str:
+        h = hashlib.sha256()
+        for path in (*self.sources, *self.headers):
+            h.update(path.read_bytes())
+        h.update(" ".join(self.flags).encode())
+        return h.hexdigest()[:12]
+
+    def build_dir(self) -> Path:
+        """~/.cache/lmstack/<cache_name>/<torch version>-<source hash> (XDG_CACHE_HOME honoured)."""
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        return root / "lmstack" / self.cache_name / f"{torch.__version__}-{self.source_hash()}"
+
+    def _compile(self) -> ModuleType:
+        from torch.utils import cpp_extension
+
+        compiler = os.environ.get("CXX", "c++")  # what torch's builder runs
+        if shutil.which(compiler) is None:
+            raise ExtensionBuildError(
+                f"no C++ compiler found ({compiler!r} is not on PATH; install g++ or set CXX)"
+            )
+        try:  # pip's ninja lives in the venv's bin, which is not on PATH unless the venv is active
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+        try:
+            cpp_extension.verify_ninja_availability()
+        except RuntimeError:
+            raise ExtensionBuildError("ninja is not installed (pip install ninja)") from None
+        folder = self.build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            return cpp_extension.load(
+                name=self.name,
+                sources=[str(p) for p in self.sources],
+                extra_cflags=list(self.flags),
+                extra_ldflags=["-fopenmp"] if "-fopenmp" in self.flags else [],
+                build_directory=str(folder),
+                verbose=False,
+            )
+        except Exception as e:  # compiler errors arrive as RuntimeError / CalledProcessError
+            lines = str(e).splitlines() or [type(e).__name__]
+            first = next((line for line in lines if "error" in line.lower()), lines[0])
+            raise ExtensionBuildError(
+                f"compiling the C++ extension in {folder} failed: {first.strip()}"
+            ) from e
+
+    def _try_compile(self) -> ModuleType | ExtensionBuildError:
+        try:
+            return self._compile()
+        except ExtensionBuildError as e:
+            return e  # remembered: a failed build is not retried on every layer or resolution
+
+    def load(self) -> ModuleType:
+        """The compiled extension, built on first use; raises `ExtensionBuildError` (one line) if it cannot be."""
+        result = self._load_cached()
+        if isinstance(result, ExtensionBuildError):
+            raise result
+        return result
+
+    def load_error(self) -> str | None:
+        """Why the extension is unavailable, or None when it loads."""
+        try:
+            self.load()
+        except ExtensionBuildError as e:
+            return str(e)
+        return None

@@ -1,0 +1,168 @@
+// int8 weight-only matmul on the CPU for lmstack-int8: out[M, N] = x[M, K] @ (q[N, K] * scale[N])^T
+// with fp32 activations and fp32 accumulation.
+//
+// Why it exists: torch's `_weight_int8pack_mm` has a fast path for bf16 activations only; an fp32
+// stack (the default where the CPU lacks native bf16) had to round activations to bf16 or
+// dequantize the whole weight per call. Decode is bound by reading weights, so this kernel reads
+// each int8 weight row once per tile of activation rows, widens it to fp32 in registers and
+// multiplies by the fp32 activations: 1 byte per weight from memory, no rounding of x.
+//
+// Layout: a tile is NR consecutive weight rows x MR activation rows, MR * NR vector accumulators;
+// threads split the weight rows (at::parallel_for, so torch's thread count applies). Two
+// implementations: AVX2+FMA (8 lanes) and plain C++, picked at run time from what the CPU
+// reports, or forced by the caller (tests). AVX-512 CPUs run the AVX2 code.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace int8_matmul {
+
+enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1 };
+
+int64_t best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+  return ISA_SCALAR;
+}
+
+struct Problem {
+  const float* x;
+  int64_t ldx;  // row stride of x (elements)
+  const int8_t* q;
+  const float* scale;
+  float* out;
+  int64_t M, N, K;
+};
+
+// Weight rows [n0, n1) for every activation row.
+void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = p.q + n * p.K;
+    for (int64_t m = 0; m < p.M; ++m) {
+      const float* xm = p.x + m * p.ldx;
+      float acc = 0.f;
+      for (int64_t k = 0; k < p.K; ++k) acc += xm[k] * float(w[k]);
+      p.out[m * p.N + n] = acc * p.scale[n];
+    }
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 16
+#endif
+
+inline __m256 widen8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// NR weight rows from n, MR activation rows from m. MR * NR accumulators plus NR widened weight
+// vectors and one activation vector stay within the 16 ymm registers for (MR, NR) = (1, 4),
+// (2, 4) and (1, 1).
+template <int MR, int NR>
+inline void tile(const Problem& p, int64_t m, int64_t n) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int8_t* w[NR];
+  for (int j = 0; j < NR; ++j) w[j] = p.q + (n + j) * p.K;
+  const float* xr[MR];
+  for (int i = 0; i < MR; ++i) xr[i] = p.x + (m + i) * p.ldx;
+  int64_t k = 0;
+  // The weight rows PREFETCH_ROWS ahead, one cache line per 8-byte step (a line is touched 8
+  // times; the repeats are cheap): the hardware prefetcher alone left decode latency-bound.
+  const int8_t* ahead = p.q + (n + PREFETCH_ROWS) * p.K;
+  const int8_t* end = p.q + p.N * p.K;
+  for (; k + 8 <= p.K; k += 8) {
+    if (ahead + NR * p.K <= end)
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * p.K + k), _MM_HINT_T0);
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = widen8(w[j] + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(xr[i] + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t t = k; t < p.K; ++t) s += xr[i][t] * float(w[j][t]);
+      p.out[(m + i) * p.N + n + j] = s * p.scale[n + j];
+    }
+}
+
+void rows(const Problem& p, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    int64_t m = 0;
+    if (p.M >= 4) {
+      for (; m + 4 <= p.M; m += 4) {
+        tile<4, 2>(p, m, n);
+        tile<4, 2>(p, m, n + 2);
+      }
+    }
+    for (; m + 2 <= p.M; m += 2) tile<2, 4>(p, m, n);
+    if (m < p.M) tile<1, 4>(p, m, n);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < p.M; ++m) tile<1, 1>(p, m, n);
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                          int64_t isa) {
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(q.scalar_type() == torch::kInt8, "q must be int8, got ", q.scalar_type());
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32, "scale must be float32, got ", scale.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scale.dim() == 1, "shapes: x [M, K], q [N, K], scale [N]");
+  TORCH_CHECK(x.size(1) == q.size(1), "x has ", x.size(1), " columns, q has ", q.size(1));
+  TORCH_CHECK(scale.size(0) == q.size(0), "scale has ", scale.size(0), " entries for ", q.size(0), " rows");
+  TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
+  TORCH_CHECK(q.is_contiguous() && scale.is_contiguous(), "q and scale must be contiguous");
+  if (isa < 0) isa = best_isa();
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  Problem p{x.data_ptr<float>(), x.stride(0), q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+            out.data_ptr<float>(), M, N, K};
+  // Blocks of 16 weight rows (a multiple of the tile's 4); enough rows per task that a thread
+  // streams whole pages of weights, few enough that two threads share a 576-row layer evenly.
+  constexpr int64_t BLOCK = 16;
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * M));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * BLOCK, n1 = std::min(N, b1 * BLOCK);
+    if (isa >= ISA_AVX2)
+      avx2::rows(p, n0, n1);
+    else
+      rows_scalar(p, n0, n1);
+  });
+  return out;
+}
+
+}  // namespace int8_matmul
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lmstack-int8 CPU kernels";
+  m.def("int8_matmul", &int8_matmul::int8_matmul, "x fp32 [M, K] @ (q int8 [N, K] * scale [N])^T",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("isa") = -1);
+  m.def("best_isa", &int8_matmul::best_isa, "1: AVX2+FMA, 0: scalar");
+}
