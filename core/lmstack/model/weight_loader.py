@@ -208,3 +208,20 @@ def row_parallel_loader(in_features: int, tp_rank: int, tp_size: int, *, bias: b
         param.data.copy_(value)
 
     return load
+
+
+def loaded_parts(
+    output_sizes: Sequence[int], loaded: CheckpointTensor, shard_id: ShardId | None
+) -> Iterable[tuple[ShardId, CheckpointTensor]]:
+    """(part index, that part's whole checkpoint tensor) for what one loader call of a fused
+    projection got: the part `shard_id` names, or each part of a whole fused tensor (as some
+    checkpoints store qkv / gate_up), still in its stored form."""
+    if shard_id is not None or len(output_sizes) == 1:
+        yield (shard_id or 0), loaded
+        return
+    if tuple(loaded.shape)[0] != sum(output_sizes):
+        raise ValueError(f"expected {sum(output_sizes)} rows, got shape {tuple(loaded.shape)}")
+    start = 0
+    for part, n in enumerate(output_sizes):
+        yield part, take_rows(loaded, start, n)
+        start += n

@@ -15,7 +15,7 @@ from torch import nn
 from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, to_dense
 from lmstack.model.tp_shard import bias_rows, input_columns, part_rows
-from lmstack.model.weight_loader import set_weight_loader, take_rows
+from lmstack.model.weight_loader import loaded_parts, set_weight_loader, take_rows
 from lmstack_int8.kernel import Int8Matmul, dequantize_rows, quantize_rows
 
 
@@ -40,23 +40,10 @@ class Int8Linear(nn.Module):
 
     # --- loading ------------------------------------------------------------------------------
 
-    def _each_part(self, loaded: CheckpointTensor, shard_id: int | None):
-        """(part index, that part's whole checkpoint tensor) for what one loader call got."""
-        sizes = self.spec.output_sizes
-        if shard_id is not None or len(sizes) == 1:
-            yield (shard_id or 0), loaded
-            return
-        if tuple(loaded.shape)[0] != sum(sizes):  # a whole fused tensor in one piece
-            raise ValueError(f"expected {sum(sizes)} rows, got shape {tuple(loaded.shape)}")
-        start = 0
-        for part, n in enumerate(sizes):
-            yield part, take_rows(loaded, start, n)
-            start += n
-
     @torch.no_grad()
     def _load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
         self.matmul.reset()
-        for part, tensor in self._each_part(loaded, shard_id):
+        for part, tensor in loaded_parts(self.spec.output_sizes, loaded, shard_id):
             offset, start, rows = part_rows(self.spec, part)
             want = (self.spec.output_sizes[part], self.spec.in_features)
             if tuple(tensor.shape) != want:
@@ -68,7 +55,7 @@ class Int8Linear(nn.Module):
 
     @torch.no_grad()
     def _load_bias(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
-        for part, tensor in self._each_part(loaded, shard_id):
+        for part, tensor in loaded_parts(self.spec.output_sizes, loaded, shard_id):
             offset, start, rows = part_rows(self.spec, part)
             value = to_dense(tensor, param.dtype).reshape(-1)
             size = self.spec.output_sizes[part]

@@ -1,0 +1,121 @@
+"""GGUF blocks: which types are kept, multiplying by them, and rebuilding them.
+
+`block_matmul(x [M, K], blocks, ggml_type)` -> [M, N] fp32:
+
+- fp32 activations, at most `NATIVE_MAX_ROWS` rows (decode batches), kernel built: the C++ kernel
+  (csrc/gguf_matmul.cpp): the blocks are read as stored and widened to fp32 in registers.
+- otherwise (prefill, or no kernel): the blocks are dequantized `SLAB_BYTES` of fp32 at a time
+  into a reused buffer and multiplied densely in fp32 — what the dequantized checkpoint computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+log = logging.getLogger(__name__)
+
+# The GGML types kept as blocks (the C++ kernel's); any other type is dequantized at load.
+KEPT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+QK = 32  # values per block, every kept type
+# fp32 batches of at most this many rows take the C++ kernel (measured crossover with
+# dequantize + fp32 matmul, README).
+NATIVE_MAX_ROWS = 32
+# The largest dequantized slab made at once (a 49152 x 576 head is 113 MB in fp32).
+SLAB_BYTES = 8 << 20
+
+_native: list = []  # [module or None], filled on first use
+
+
+def native_kernel():
+    """The compiled kernels, or None where they cannot be built (then everything dequantizes)."""
+    if not _native:
+        from lmstack_gguf.native import EXTENSION
+
+        problem = EXTENSION.load_error()
+        if problem:
+            log.warning(
+                "lmstack-gguf: the C++ kernels are unavailable (%s); layers dequantize at load", problem
+            )
+        _native.append(None if problem else EXTENSION.load())
+    return _native[0]
+
+
+def block_bytes(ggml_type: int) -> int:
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][1]
+
+
+def dequantize_blocks(
+    blocks: torch.Tensor, ggml_type: int, k: int, into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """uint8 block rows [N, bytes] -> fp32 [N, k] (the C++ kernel, else the gguf package's numpy)."""
+    ext = native_kernel()
+    if ext is not None:
+        return ext.gguf_dequantize(blocks, int(ggml_type), k, into)
+    dense = quants.dequantize(blocks.numpy(), GGMLQuantizationType(ggml_type)).reshape(blocks.shape[0], k)
+    out = torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))
+    return out if into is None else into.copy_(out)
+
+
+_scratch = threading.local()
+
+
+def _slab(rows: int, cols: int) -> torch.Tensor:
+    """A reused fp32 [rows, cols] buffer (one per thread and inference mode: a tensor made under
+    inference mode cannot be written outside it)."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    key = torch.is_inference_mode_enabled()
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < rows * cols:
+        buf = buffers[key] = torch.empty(rows * cols, dtype=torch.float32)
+    return buf[: rows * cols].view(rows, cols)
+
+
+def dequant_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """x @ W^T with W rebuilt in fp32 `SLAB_BYTES` at a time."""
+    n = blocks.shape[0]
+    step = min(n, max(1, SLAB_BYTES // (4 * k)))
+    if step == n:
+        return F.linear(x, dequantize_blocks(blocks, ggml_type, k, _slab(n, k)))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for r in range(0, n, step):
+        rows = min(step, n - r)
+        out[:, r : r + rows] = F.linear(
+            x, dequantize_blocks(blocks[r : r + rows], ggml_type, k, _slab(rows, k))
+        )
+    return out
+
+
+def block_matmul(
+    x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, use_native: bool = True
+) -> torch.Tensor:
+    ext = native_kernel() if use_native else None
+    if ext is not None and x.dtype == torch.float32 and x.shape[0] <= NATIVE_MAX_ROWS:
+        return ext.gguf_matmul(x if x.stride(-1) == 1 else x.contiguous(), blocks, int(ggml_type))
+    return dequant_matmul(x.float(), blocks, ggml_type, k).to(x.dtype)
+
+
+def quantize_q8_0_exact(w: torch.Tensor) -> torch.Tensor | None:
+    """Q8_0 blocks (uint8 [N, K / 32 * 34]) of an fp32 matrix, if they reproduce it exactly;
+    else None. A table dequantized from Q8_0 (a GGUF's embedding) comes back byte for byte, so
+    the tied LM head can be served from blocks without changing a single logit."""
+    n, k = w.shape
+    if k % QK:
+        return None
+    x = w.float().reshape(n, k // QK, QK)
+    d32 = x.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d32 > 0, 1.0 / d32, torch.zeros_like(d32))
+    scaled = x * inv[..., None]
+    q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).clamp_(-127, 127)  # roundf: ties away from 0
+    d16 = d32.half()
+    if not torch.equal(q * d16.float()[..., None], x):
+        return None
+    blocks = torch.empty(n, k // QK, 34, dtype=torch.uint8)
+    blocks[..., :2] = d16.contiguous().view(torch.uint8).view(n, k // QK, 2)
+    blocks[..., 2:] = q.to(torch.int8).view(torch.uint8)
+    return blocks.view(n, -1)

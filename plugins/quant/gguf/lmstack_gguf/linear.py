@@ -1,0 +1,126 @@
+"""`GGUFLinear`: a linear layer that keeps a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 blocks.
+
+`weight` holds this rank's rows as uint8 [out, bytes per row] in the file's encoding once the
+layer is finalized (`ggml_type` set); a layer whose parts came in any other encoding (F32, F16,
+K-quants, parts of different types, a tensor-parallel cut inside a block) is dequantized at load
+into `dense` fp32 [out, in] instead, which is what `quant.weights: none` would serve.
+
+The weight loader keeps each part (q, k, v of a fused qkv; gate, up) as it arrives, cut to this
+rank's rows (whole rows: GGUF blocks run along a row) and input columns (on block boundaries);
+`finalize()`, called by the quantizer after loading, joins them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmstack.interfaces import LinearSpec
+from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
+from lmstack.model.tp_shard import bias_rows, input_columns, part_rows
+from lmstack.model.weight_loader import loaded_parts, set_weight_loader, take_rows
+from lmstack_gguf.kernel import KEPT_TYPES, QK, block_bytes, block_matmul, dequantize_blocks, native_kernel
+
+
+class GGUFLinear(nn.Module):
+    def __init__(self, spec: LinearSpec, use_native: bool = True) -> None:
+        super().__init__()
+        self.spec = spec
+        self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
+        self.use_native = use_native
+        self.weight = nn.Parameter(torch.empty(self.out_features, 0, dtype=torch.uint8), requires_grad=False)
+        set_weight_loader(self.weight, self._load_weight, num_shards=len(spec.output_sizes))
+        self.ggml_type: int | None = None
+        self.register_buffer("dense", None)  # fp32 [out, in] when the blocks are not kept
+        self.bias: nn.Parameter | None = None
+        if spec.bias:
+            self.bias = nn.Parameter(
+                torch.zeros(self.out_features, dtype=spec.params_dtype), requires_grad=False
+            )
+            set_weight_loader(self.bias, self._load_bias, num_shards=len(spec.output_sizes))
+        # part -> (ggml type, uint8 block rows) or (None, fp32 rows), until finalize().
+        self._parts: dict[int, tuple[int | None, torch.Tensor]] = {}
+
+    # --- loading ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
+        for part, tensor in loaded_parts(self.spec.output_sizes, loaded, shard_id):
+            _, start, rows = part_rows(self.spec, part)
+            want = (self.spec.output_sizes[part], self.spec.in_features)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"expected shape {want}, got {tuple(tensor.shape)}")
+            mine = take_rows(tensor, start, rows)
+            col, cols = input_columns(self.spec)
+            kept = isinstance(mine, GGUFTensor) and mine.ggml_type in KEPT_TYPES
+            if kept and col % QK == 0 and cols % QK == 0:
+                per = block_bytes(int(mine.ggml_type))
+                raw = mine.raw()[:, col // QK * per : (col + cols) // QK * per]
+                self._parts[part] = (int(mine.ggml_type), raw.contiguous())
+            else:
+                self._parts[part] = (None, to_dense(mine, torch.float32)[:, col : col + cols].contiguous())
+
+    @torch.no_grad()
+    def _load_bias(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
+        for part, tensor in loaded_parts(self.spec.output_sizes, loaded, shard_id):
+            offset, start, rows = part_rows(self.spec, part)
+            value = to_dense(tensor, param.dtype).reshape(-1)
+            value = bias_rows(self.spec, value, self.spec.output_sizes[part], start, rows)
+            param.data[offset : offset + rows] = value
+
+    def set_blocks(self, ggml_type: int, blocks: torch.Tensor) -> None:
+        """The whole local weight at once, already in blocks (the LM head's table)."""
+        if len(self.spec.output_sizes) != 1:
+            raise ValueError(f"{self.spec.name}: set_blocks takes a layer of one part")
+        self._parts = {0: (int(ggml_type), blocks)}
+        self.finalize()
+
+    @torch.no_grad()
+    def finalize(self) -> None:
+        """Join the loaded parts: one block tensor when every part kept the same type and the
+        kernels are built, else one dense fp32 weight."""
+        if not self._parts:
+            return  # finalized already
+        missing = [i for i in range(len(self.spec.output_sizes)) if i not in self._parts]
+        if missing:
+            raise ValueError(f"{self.spec.name}: weight part(s) {missing} were never loaded")
+        parts = [self._parts[i] for i in range(len(self.spec.output_sizes))]
+        types = {t for t, _ in parts}
+        if len(types) == 1 and None not in types and native_kernel() is not None:
+            self.ggml_type = types.pop()
+            self.weight.data = torch.cat([rows for _, rows in parts]) if len(parts) > 1 else parts[0][1]
+        else:
+            k = self.in_features
+            self.dense = torch.cat(
+                [rows if t is None else dequantize_blocks(rows, t, k) for t, rows in parts]
+            )
+            self.weight.data = torch.empty(self.out_features, 0, dtype=torch.uint8)
+        self._parts = {}
+
+    # --- computing ----------------------------------------------------------------------------
+
+    def dequantized_weight(self) -> torch.Tensor:
+        if self.ggml_type is None:
+            return self.dense
+        return dequantize_blocks(self.weight.data, self.ggml_type, self.in_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Output rows `ids` of the weight in fp32 (the embedding lookup of a block table)."""
+        if self.ggml_type is None:
+            return self.dense[ids]
+        return dequantize_blocks(self.weight.data[ids].contiguous(), self.ggml_type, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.ggml_type is None:
+            out = torch.nn.functional.linear(x2, self.dense.to(x.dtype))
+        else:
+            out = block_matmul(x2, self.weight.data, self.ggml_type, self.in_features, self.use_native)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        kind = "dense fp32" if self.ggml_type is None else f"GGML type {self.ggml_type} blocks"
+        return f"in={self.in_features}, out={self.out_features}, {kind}"

@@ -1,0 +1,55 @@
+"""The GGUF block kernels (csrc/gguf_matmul.cpp), built against the installed torch by
+`lmstack.native` into ~/.cache/lmstack/gguf_matmul/<torch version>-<source hash>.
+
+`python -m lmstack_gguf.native` builds them ahead of time (`make install` runs it); otherwise the
+first stack using `gguf` builds them. Where they cannot be built the quantizer dequantizes each
+layer once at load (what `quant.weights: none` serves) and says so in the log.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from lmstack.native import NativeExtension
+
+EXTENSION = NativeExtension(
+    name="lmstack_gguf_ext",
+    cache_name="gguf_matmul",
+    sources=[Path(__file__).resolve().parent / "csrc" / "gguf_matmul.cpp"],
+)
+ISA_NAMES = {1: "AVX2+FMA+F16C", 0: "scalar"}
+
+
+def load() -> ModuleType:
+    """The compiled kernels, built on first use; raises `ExtensionBuildError` (one line) if they cannot be."""
+    return EXTENSION.load()
+
+
+def load_error() -> str | None:
+    """Why the kernels are unavailable, or None when they load."""
+    return EXTENSION.load_error()
+
+
+def main() -> int:
+    """Build now (run by `make install`). Exit status 0 either way: without the kernels the
+    quantizer still serves, dequantizing at load."""
+    print(f"lmstack-gguf: building the GGUF block kernels against torch {torch.__version__} ...", flush=True)
+    problem = load_error()
+    if problem is None:
+        print(
+            f"lmstack-gguf: ready ({EXTENSION.build_dir()}, kernel for this CPU: {ISA_NAMES[load().best_isa()]})"
+        )
+    else:
+        print(
+            f"lmstack-gguf: kernels NOT built ({problem}); `quant.weights: gguf` will dequantize at load",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

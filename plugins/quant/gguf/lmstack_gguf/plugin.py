@@ -1,0 +1,52 @@
+"""Registers the `gguf` quantizer: options, capabilities, factory.
+
+Imported whenever lmstack loads plugins; the kernels are built when a stack first uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from lmstack.hookspecs import hookimpl
+from lmstack.interfaces import BuildContext
+from lmstack.quant_format import GGUF
+from lmstack.registry import Component
+
+
+class GGUFOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # The embedding / tied LM head: Q8_0 blocks where they reproduce the table exactly (a GGUF's
+    # Q8_0 embedding does), else dense; "dense": always the dense fp32 table.
+    lm_head: Literal["blocks", "dense"] = "blocks"
+    # "auto": decode batches (<= 32 rows) run the C++ kernel where it builds; "torch": every
+    # matmul dequantizes and multiplies densely (A/B runs).
+    kernel: Literal["auto", "torch"] = "auto"
+
+
+def build(options: GGUFOptions, ctx: BuildContext):
+    from lmstack_gguf.quantizer import GGUFQuantizer
+
+    return GGUFQuantizer(options, ctx)
+
+
+COMPONENT = Component(
+    name="gguf",
+    kind="quantizer",
+    factory=build,
+    options_type=GGUFOptions,
+    capabilities={
+        "devices": ("cpu",),
+        "dtypes": ("float32",),
+        "kv_cache_dtype": None,
+        "checkpoint_formats": (GGUF,),
+    },
+    api=">=1.0,<2",
+    description="GGUF Q4_0 / Q4_1 / Q8_0 blocks served as stored (no dequantization at load), with a C++ "
+    "CPU kernel; the Q8_0 embedding / tied head too where exact. Other GGUF types dequantize.",
+)
+
+
+@hookimpl
+def lmstack_register_quantizers(register) -> None:
+    register(COMPONENT)

@@ -1,0 +1,151 @@
+"""The GGUF block kernels against the gguf package's own (numpy) dequantization, each
+implementation (AVX2+FMA+F16C where the CPU has it, plain C++), on fresh random blocks and
+shapes each run: odd N, K of 1-20 blocks, M across the decode paths (1, several, > 16), rows of
+x with a stride; the exact Q8_0 rebuild; `GGUFLinear` loading fused parts, mixed encodings and
+a row-parallel split."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from lmstack.interfaces import LinearSpec
+from lmstack.model.checkpoint import GGUFTensor
+from lmstack_gguf import kernel, native
+from lmstack_gguf.linear import GGUFLinear
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+ext = None if native.load_error() else native.load()
+needs_ext = pytest.mark.skipif(ext is None, reason=f"the kernels did not build: {native.load_error()}")
+
+
+def blocks_of(w: np.ndarray, typ: T) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 block rows, their dequantized values in fp32) of a random fp32 matrix."""
+    raw = np.ascontiguousarray(quants.quantize(w.astype(np.float32), typ))
+    deq = quants.dequantize(raw, typ).reshape(w.shape).astype(np.float32)
+    return torch.from_numpy(raw), torch.from_numpy(deq)
+
+
+def within_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
+    """out vs x @ w^T in float64: each output within a few fp32 ulps of the sum of magnitudes."""
+    ref = x.double() @ w.double().T
+    mag = x.abs().double() @ w.abs().double().T
+    return bool(torch.all((out.double() - ref).abs() <= 8 * (k + 4) * 2**-24 * mag + 1e-30))
+
+
+@needs_ext
+@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("isa", [0, 1], ids=["scalar", "avx2"])
+def test_matmul_matches_the_dequantized_reference(typ, isa):
+    if isa > ext.best_isa():
+        pytest.skip("this CPU has no AVX2+FMA+F16C")
+    rng = random.Random()
+    for m in (1, 2, rng.randint(3, 16), rng.randint(17, 40)):
+        n, k = rng.choice((1, 2, 3)) * rng.randint(1, 40) + rng.randint(0, 1), 32 * rng.randint(1, 20)
+        raw, w = blocks_of(np.random.randn(n, k) * rng.choice((1e-3, 1.0, 50.0)), typ)
+        x = torch.randn(m, k + rng.randint(0, 5))[:, :k]  # rows with a stride
+        out = ext.gguf_matmul(x, raw, int(typ), isa)
+        assert out.shape == (m, n) and within_rounding(out, x, w, k), (
+            f"{typ.name} isa {isa} m={m} n={n} k={k}"
+        )
+
+
+@needs_ext
+@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_the_gguf_package(typ):
+    n, k = 37, 32 * random.randint(1, 12)
+    raw, w = blocks_of(np.random.randn(n, k), typ)
+    out = ext.gguf_dequantize(raw, int(typ), k)
+    # d * q + m in one FMA here, in two roundings there: at most an ulp apart.
+    assert torch.all((out - w).abs() <= 2**-23 * w.abs().clamp_min(2**-20))
+    into = torch.empty(n, k)
+    assert ext.gguf_dequantize(raw, int(typ), k, into).data_ptr() == into.data_ptr()
+    assert torch.equal(into, out)
+
+
+@needs_ext
+def test_bad_inputs_are_one_line_errors():
+    raw, _ = blocks_of(np.random.randn(4, 64), T.Q4_1)
+    with pytest.raises(RuntimeError, match="GGML type 12 is not one of"):
+        ext.gguf_matmul(torch.randn(1, 64), raw, 12)
+    with pytest.raises(RuntimeError, match="K must be a positive multiple of 32"):
+        ext.gguf_matmul(torch.randn(1, 48), raw, int(T.Q4_1))
+    with pytest.raises(RuntimeError, match="w rows hold 40 bytes; K = 96 needs 60"):
+        ext.gguf_matmul(torch.randn(1, 96), raw, int(T.Q4_1))
+
+
+def test_q8_0_rebuild_is_exact_or_refused():
+    raw, w = blocks_of(np.random.randn(50, 96), T.Q8_0)
+    assert torch.equal(kernel.quantize_q8_0_exact(w), raw)  # byte for byte
+    assert kernel.quantize_q8_0_exact(torch.randn(50, 96)) is None  # not Q8_0 values
+    assert kernel.quantize_q8_0_exact(torch.randn(4, 40)) is None  # K not whole blocks
+
+
+def _layer(spec: LinearSpec, parts: list[GGUFTensor | torch.Tensor]) -> GGUFLinear:
+    layer = GGUFLinear(spec)
+    for i, part in enumerate(parts):
+        layer.weight.weight_loader(layer.weight, part, i if len(parts) > 1 else None)
+    layer.finalize()
+    return layer
+
+
+def _gguf(raw: torch.Tensor, typ: T, k: int) -> GGUFTensor:
+    return GGUFTensor(data=raw.numpy(), ggml_type=typ, shape=(raw.shape[0], k))
+
+
+@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+def test_fused_parts_keep_their_blocks(typ):
+    k, sizes = 96, (5, 7, 3)
+    made = [blocks_of(np.random.randn(s, k), typ) for s in sizes]
+    spec = LinearSpec(k, sum(sizes), False, "layers.0.qkv_proj", sizes, "column", torch.float32)
+    layer = _layer(spec, [_gguf(raw, typ, k) for raw, _ in made])
+    w = torch.cat([deq for _, deq in made])
+    assert layer.ggml_type == (int(typ) if kernel.native_kernel() else None)
+    for m in (1, 4, kernel.NATIVE_MAX_ROWS + 3):  # the kernel, and dequantize + matmul
+        x = torch.randn(m, k)
+        assert within_rounding(layer(x), x, w, k)
+    ids = torch.tensor([0, 14, 6])
+    assert torch.allclose(layer.rows(ids), w[ids], rtol=0, atol=1e-6)
+
+
+def test_mixed_encodings_become_one_dense_weight():
+    k = 64
+    q4, w4 = blocks_of(np.random.randn(6, k), T.Q4_1)
+    q8, w8 = blocks_of(np.random.randn(4, k), T.Q8_0)
+    dense = torch.randn(3, k)  # an F32 part
+    spec = LinearSpec(k, 13, False, "layers.0.qkv_proj", (6, 4, 3), "column", torch.float32)
+    layer = _layer(spec, [_gguf(q4, T.Q4_1, k), _gguf(q8, T.Q8_0, k), dense])
+    assert layer.ggml_type is None and layer.dense.shape == (13, k)
+    x = torch.randn(2, k)
+    assert within_rounding(layer(x), x, torch.cat([w4, w8, dense]), k)
+
+
+def test_row_parallel_split_keeps_whole_blocks():
+    k, n = 128, 9
+    raw, w = blocks_of(np.random.randn(n, k), T.Q4_1)
+    outs = []
+    for rank in (0, 1):
+        spec = LinearSpec(k, n, False, "layers.0.o_proj", (n,), "row", torch.float32, tp_rank=rank, tp_size=2)
+        layer = _layer(spec, [_gguf(raw, T.Q4_1, k)])
+        assert layer.in_features == 64
+        x = torch.randn(3, k)
+        outs.append(
+            (
+                layer(x[:, rank * 64 : (rank + 1) * 64]),
+                x[:, rank * 64 : (rank + 1) * 64],
+                w[:, rank * 64 :][:, :64],
+            )
+        )
+    for out, x, part in outs:
+        assert within_rounding(out, x, part, 64)
+
+
+def test_build_entry_point_never_fails(monkeypatch, capsys):
+    monkeypatch.setattr(native, "load_error", lambda: "no C++ compiler found")
+    assert native.main() == 0
+    assert "kernels NOT built (no C++ compiler found)" in capsys.readouterr().err
