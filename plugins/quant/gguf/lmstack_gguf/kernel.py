@@ -91,12 +91,21 @@ def dequant_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int
     return out
 
 
+def kernel_takes(x: torch.Tensor, use_native: bool = True) -> bool:
+    """Whether `block_matmul` runs x through the C++ kernel (else it dequantizes)."""
+    return (
+        use_native
+        and x.dtype == torch.float32
+        and x.shape[0] <= NATIVE_MAX_ROWS
+        and native_kernel() is not None
+    )
+
+
 def block_matmul(
     x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, use_native: bool = True
 ) -> torch.Tensor:
-    ext = native_kernel() if use_native else None
-    if ext is not None and x.dtype == torch.float32 and x.shape[0] <= NATIVE_MAX_ROWS:
-        return ext.gguf_matmul(x if x.stride(-1) == 1 else x.contiguous(), blocks, int(ggml_type))
+    if kernel_takes(x, use_native):
+        return native_kernel().gguf_matmul(x if x.stride(-1) == 1 else x.contiguous(), blocks, int(ggml_type))
     return dequant_matmul(x.float(), blocks, ggml_type, k).to(x.dtype)
 
 

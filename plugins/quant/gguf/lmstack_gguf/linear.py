@@ -19,19 +19,31 @@ from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
 from lmstack.model.tp_shard import bias_rows, input_columns, part_rows
 from lmstack.model.weight_loader import loaded_parts, set_weight_loader, take_rows
-from lmstack_gguf.kernel import KEPT_TYPES, QK, block_bytes, block_matmul, dequantize_blocks, native_kernel
+from lmstack_gguf.kernel import (
+    KEPT_TYPES,
+    QK,
+    block_bytes,
+    block_matmul,
+    dequantize_blocks,
+    kernel_takes,
+    native_kernel,
+)
 
 
 class GGUFLinear(nn.Module):
-    def __init__(self, spec: LinearSpec, use_native: bool = True) -> None:
+    def __init__(self, spec: LinearSpec, use_native: bool = True, dense_copy: bool = False) -> None:
         super().__init__()
         self.spec = spec
         self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
         self.use_native = use_native
+        # Also hold the weight in fp32 for batches the kernel does not take (prefill): no
+        # dequantization per call, for 4 more bytes a weight resident.
+        self.dense_copy = dense_copy
         self.weight = nn.Parameter(torch.empty(self.out_features, 0, dtype=torch.uint8), requires_grad=False)
         set_weight_loader(self.weight, self._load_weight, num_shards=len(spec.output_sizes))
         self.ggml_type: int | None = None
-        self.register_buffer("dense", None)  # fp32 [out, in] when the blocks are not kept
+        # fp32 [out, in]: when the blocks are not kept, or as the dense copy.
+        self.register_buffer("dense", None)
         self.bias: nn.Parameter | None = None
         if spec.bias:
             self.bias = nn.Parameter(
@@ -89,6 +101,8 @@ class GGUFLinear(nn.Module):
         if len(types) == 1 and None not in types and native_kernel() is not None:
             self.ggml_type = types.pop()
             self.weight.data = torch.cat([rows for _, rows in parts]) if len(parts) > 1 else parts[0][1]
+            if self.dense_copy:
+                self.dense = dequantize_blocks(self.weight.data, self.ggml_type, self.in_features)
         else:
             k = self.in_features
             self.dense = torch.cat(
@@ -100,27 +114,28 @@ class GGUFLinear(nn.Module):
     # --- computing ----------------------------------------------------------------------------
 
     def dequantized_weight(self) -> torch.Tensor:
-        if self.ggml_type is None:
+        if self.dense is not None:
             return self.dense
         return dequantize_blocks(self.weight.data, self.ggml_type, self.in_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Output rows `ids` of the weight in fp32 (the embedding lookup of a block table)."""
-        if self.ggml_type is None:
+        if self.dense is not None:
             return self.dense[ids]
         return dequantize_blocks(self.weight.data[ids].contiguous(), self.ggml_type, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.ggml_type is None:
-            out = torch.nn.functional.linear(x2, self.dense.to(x.dtype))
-        else:
+        if self.ggml_type is not None and (self.dense is None or kernel_takes(x2, self.use_native)):
             out = block_matmul(x2, self.weight.data, self.ggml_type, self.in_features, self.use_native)
+        else:
+            out = torch.nn.functional.linear(x2, self.dense.to(x.dtype))
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         kind = "dense fp32" if self.ggml_type is None else f"GGML type {self.ggml_type} blocks"
+        kind += ", fp32 copy for prefill" if self.ggml_type is not None and self.dense is not None else ""
         return f"in={self.in_features}, out={self.out_features}, {kind}"

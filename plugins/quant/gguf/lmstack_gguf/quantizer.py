@@ -27,10 +27,11 @@ class GGUFQuantizer(Quantizer):
                 f"gguf serves GGUF checkpoints as stored; this checkpoint is {fmt} (use quant.weights: auto)"
             )
         self.use_native = options.kernel == "auto"
+        self.dense_copy = options.prefill == "dense-copy"
 
     def linear_factory(self) -> LinearFactory:
         def make(spec: LinearSpec) -> nn.Module:
-            return GGUFLinear(spec, self.use_native)
+            return GGUFLinear(spec, self.use_native, self.dense_copy)
 
         return make
 

@@ -86,8 +86,8 @@ def test_q8_0_rebuild_is_exact_or_refused():
     assert kernel.quantize_q8_0_exact(torch.randn(4, 40)) is None  # K not whole blocks
 
 
-def _layer(spec: LinearSpec, parts: list[GGUFTensor | torch.Tensor]) -> GGUFLinear:
-    layer = GGUFLinear(spec)
+def _layer(spec: LinearSpec, parts: list[GGUFTensor | torch.Tensor], dense_copy: bool = False) -> GGUFLinear:
+    layer = GGUFLinear(spec, dense_copy=dense_copy)
     for i, part in enumerate(parts):
         layer.weight.weight_loader(layer.weight, part, i if len(parts) > 1 else None)
     layer.finalize()
@@ -98,14 +98,16 @@ def _gguf(raw: torch.Tensor, typ: T, k: int) -> GGUFTensor:
     return GGUFTensor(data=raw.numpy(), ggml_type=typ, shape=(raw.shape[0], k))
 
 
+@pytest.mark.parametrize("dense_copy", [False, True], ids=["dequantize", "dense-copy"])
 @pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
-def test_fused_parts_keep_their_blocks(typ):
+def test_fused_parts_keep_their_blocks(typ, dense_copy):
     k, sizes = 96, (5, 7, 3)
     made = [blocks_of(np.random.randn(s, k), typ) for s in sizes]
     spec = LinearSpec(k, sum(sizes), False, "layers.0.qkv_proj", sizes, "column", torch.float32)
-    layer = _layer(spec, [_gguf(raw, typ, k) for raw, _ in made])
+    layer = _layer(spec, [_gguf(raw, typ, k) for raw, _ in made], dense_copy)
     w = torch.cat([deq for _, deq in made])
     assert layer.ggml_type == (int(typ) if kernel.native_kernel() else None)
+    assert (layer.dense is not None) == (dense_copy or layer.ggml_type is None)
     for m in (1, 4, kernel.NATIVE_MAX_ROWS + 3):  # the kernel, and dequantize + matmul
         x = torch.randn(m, k)
         assert within_rounding(layer(x), x, w, k)

@@ -1,0 +1,138 @@
+"""CPU matmul paths for GGUF-block weights (lmstack-gguf) against the dense fp32 linear, on
+SmolLM2-135M's linear shapes in the encodings its GGUF uses (Q4_1 layers, the Q8_0 tied head).
+
+    OMP_NUM_THREADS=2 python benchmarks/gguf_cpu_matmul.py [--threads 2] [--reps 15]
+
+Paths (W = the blocks' values):
+  dense_fp32   F.linear(x fp32, W fp32): what `quant.weights: none` serves (weights dequantized at load)
+  dequant      the blocks dequantized into a reused fp32 slab per call, then F.linear (lmstack-gguf
+               above 32 rows, e.g. prefill)
+  native       lmstack-gguf's C++ kernel on the blocks as stored (decode batches, <= 32 rows)
+
+Each call uses the next of several copies of the layer (together at least `--stream-mb` MB of
+fp32 weights), so weights come from memory as in a whole model. Medians of `--reps` calls.
+Writes JSON naming the CPU to benchmarks/results/gguf_cpu_matmul-<date>/ and prints each path's
+time relative to dense_fp32. Machines are noisy: quote ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+
+from lmstack.hardware import cpu_description
+from lmstack_gguf.kernel import dequant_matmul, native_kernel
+
+SHAPES = {  # name: (in K, out N, encoding)
+    "qkv": (576, 960, GGMLQuantizationType.Q4_1),
+    "o": (576, 576, GGMLQuantizationType.Q4_1),
+    "gate_up": (576, 3072, GGMLQuantizationType.Q4_1),
+    "down": (1536, 576, GGMLQuantizationType.Q4_1),
+    "head": (576, 49152, GGMLQuantizationType.Q8_0),
+}
+ROWS = (1, 8, 32, 128)
+PATHS = ("dense_fp32", "dequant", "native")
+
+
+def make_call(
+    ext, path: str, copies: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, typ: int, k: int
+):
+    """A call running `path` on the next copy (blocks, dense values) each time."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(copies)
+        raw, dense = copies[state["i"]]
+        if path == "dense_fp32":
+            return F.linear(x, dense)
+        if path == "dequant":
+            return dequant_matmul(x, raw, typ, k)
+        return ext.gguf_matmul(x, raw, typ)
+
+    return call
+
+
+def median_us(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--stream-mb", type=float, default=128.0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    ext = native_kernel()
+    if ext is None:
+        raise SystemExit("lmstack-gguf's kernels are not built (python -m lmstack_gguf.native)")
+    torch.set_num_threads(args.threads)
+    results = []
+    with torch.inference_mode():
+        for name, (k, n, typ) in SHAPES.items():
+            count = max(1, min(32, int(args.stream_mb * 2**20 // (4 * n * k))))
+            copies = []
+            for _ in range(count):
+                raw = np.ascontiguousarray(
+                    quants.quantize(np.random.randn(n, k).astype(np.float32) * 0.05, typ)
+                )
+                dense = torch.from_numpy(quants.dequantize(raw, typ).reshape(n, k).astype(np.float32))
+                copies.append((torch.from_numpy(raw), dense))
+            for m in ROWS:
+                x = torch.randn(m, k)
+                for path in PATHS:
+                    call = make_call(ext, path, copies, x, int(typ), k)
+                    us = median_us(call, args.reps if m * n < 32 * 49152 else 5)
+                    row = {
+                        "shape": name,
+                        "in": k,
+                        "out": n,
+                        "type": typ.name,
+                        "M": m,
+                        "path": path,
+                        "us": round(us, 1),
+                    }
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+    summary = {
+        **cpu_description(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "command": " ".join(["python", *sys.argv]),
+        "note": "compare paths within one run (ratios), not absolute times",
+        "results": results,
+    }
+    out = args.out or (
+        Path(__file__).parent
+        / "results"
+        / f"gguf_cpu_matmul-{datetime.date.today()}"
+        / "gguf_cpu_matmul.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1) + "\n")
+    base = {(r["shape"], r["M"]): r["us"] for r in results if r["path"] == "dense_fp32"}
+    print("| shape | M | dense_fp32 µs | dequant | native |\n|---|---|---|---|---|")
+    for (shape, m), ref in base.items():
+        cells = {r["path"]: r["us"] for r in results if r["shape"] == shape and r["M"] == m}
+        print(f"| {shape} | {m} | {ref:.0f} | {cells['dequant'] / ref:.2f}x | {cells['native'] / ref:.2f}x |")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
