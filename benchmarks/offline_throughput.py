@@ -214,8 +214,17 @@ def build_workload(args: argparse.Namespace) -> dict[str, Any]:
 
     prompts = [text_ids(n_tok) for n_tok in lens]
     decode_prompt = text_ids(32)
-    stack = lmstack_stack(args.model, "bfloat16", args.batch_size)
+    stack = lmstack_stack(args.model, args.dtype, args.batch_size)
+    if args.stack:
+        # The components of a stack file (its weights and attention), with this benchmark's model,
+        # dtype and batch sizes, so both systems still run the same model in the same dtype.
+        import yaml
+
+        chosen = yaml.safe_load(Path(args.stack).read_text()) or {}
+        stack.update({key: chosen[key] for key in ("quant", "attention") if key in chosen})
     return {
+        "dtype": args.dtype,
+        "stack_file": args.stack,
         "model": args.model,
         "model_path": str(source.path),
         "model_format": source.format,
@@ -432,7 +441,7 @@ def hf_worker(phase: str, w: dict[str, Any]) -> dict[str, Any]:
         folder, kw = path.parent, {"gguf_file": path.name}
     else:
         folder, kw = path, {}
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **kw).eval()
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, w["dtype"]), **kw).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
     res["load_s"] = time.perf_counter() - t0
     _record_build_peak(res, rss_before)
@@ -848,6 +857,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="batch-1 decode repeats; the median is reported")
     p.add_argument("--throughput-repeats", type=int, default=1, help="repeats of (a); the median is reported")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths and texts")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="both systems' compute dtype (float32 on CPUs without native bf16)",
+    )
+    p.add_argument(
+        "--stack",
+        help="take lmstack's quant and attention sections from this stack file (e.g. examples/stacks/cpu.yaml)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="show a failing worker's traceback")
     p.add_argument("--worker-timeout", type=float, default=3600.0, help="seconds each worker may run")
     # Internal: one worker subprocess.
@@ -958,11 +977,12 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "model": workload["model"],
             "model_path": workload["model_path"],
-            "dtype": "bfloat16",
+            "dtype": workload["dtype"],
             "lmstack_stack": workload["stack"],
+            "lmstack_stack_file": workload["stack_file"],
             "hf": {
                 "class": "LlamaForCausalLM",
-                "dtype": "bfloat16",
+                "dtype": workload["dtype"],
                 "padding_side": "left",
                 "static_batch_size": args.batch_size,
                 "do_sample": False,
