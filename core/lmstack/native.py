@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
-from collections.abc import Sequence
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+log = logging.getLogger(__name__)
 
 DEFAULT_FLAGS = ("-O3", "-fopenmp", "-std=c++17")
 
@@ -98,6 +102,7 @@ class NativeExtension:
         try:
             return self._compile()
         except ExtensionBuildError as e:
+            log.warning("%s is unavailable: %s", self.name, e)
             return e  # remembered: a failed build is not retried on every layer or resolution
 
     def load(self) -> ModuleType:
@@ -114,3 +119,21 @@ class NativeExtension:
         except ExtensionBuildError as e:
             return str(e)
         return None
+
+    def module(self) -> ModuleType | None:
+        """The compiled extension, or None where it cannot be built; cheap after the first call
+        (the outcome is cached), so a per-call kernel choice may ask."""
+        result = self._load_cached()
+        return None if isinstance(result, ExtensionBuildError) else result
+
+    def report_build(self, title: str, what: str, isa_names: Mapping[int, str], without: str) -> int:
+        """Build now and say what came of it: a plugin's `python -m <build module>`, which `make
+        install` runs. Exit status 0 either way (`without`: what still works if it failed)."""
+        print(f"{title}: building the {what} against torch {torch.__version__} ...", flush=True)
+        problem = self.load_error()
+        if problem is None:
+            isa = isa_names[self.load().best_isa()]
+            print(f"{title}: ready ({self.build_dir()}, kernels for this CPU: {isa})")
+        else:
+            print(f"{title}: {what} NOT built ({problem}); {without}", file=sys.stderr)
+        return 0

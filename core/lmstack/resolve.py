@@ -236,22 +236,20 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
             auto_reasons=dict(reasons),
         )
 
-    resolved = assemble({})
-    if auto:
-        reasons = {}
-        for role, candidates in auto.items():
-            skipped = []
-            for i, sel in enumerate(candidates):
-                selected[role] = sel
-                problem = _auto_fit_problem(assemble(reasons), role, sel)
-                if problem is None or i == len(candidates) - 1:
-                    break  # the last (the reference backend) is kept: the checks below explain
-                skipped.append(f"{sel.name} {problem}")
-            ranked = ", ".join(c.name for c in candidates)
-            reasons[role] = f"auto on {device.type} (ranked: {ranked}): {selected[role].name}" + (
-                f"; skipped {'; '.join(skipped)}" if skipped else ""
-            )
-        resolved = assemble(reasons)
+    reasons: dict[str, str] = {}
+    for role, candidates in auto.items():
+        skipped = []
+        for i, sel in enumerate(candidates):
+            selected[role] = sel
+            problem = _auto_fit_problem(assemble(reasons), role, sel)
+            if problem is None or i == len(candidates) - 1:
+                break  # the last (the reference backend) is kept: the checks below explain
+            skipped.append(f"{sel.name} {problem}")
+        ranked = ", ".join(c.name for c in candidates)
+        reasons[role] = f"auto on {device.type} (ranked: {ranked}): {selected[role].name}" + (
+            f"; skipped {'; '.join(skipped)}" if skipped else ""
+        )
+    resolved = assemble(reasons)
     for check in (
         _check_components,
         _check_devices,

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from lmstack.errors import ConfigError
+from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
+from lmstack.model.tp_shard import bias_rows, part_rows
 
 ShardId = int
 """Index of a checkpoint tensor inside a fused parameter's `output_sizes`."""
@@ -225,3 +227,15 @@ def loaded_parts(
     for part, n in enumerate(output_sizes):
         yield part, take_rows(loaded, start, n)
         start += n
+
+
+def load_bias_parts(
+    spec: LinearSpec, param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId | None
+) -> None:
+    """A quantized linear's bias loader (the bias stays dense): each loaded part's rows for this
+    rank go to their place in `param`, zeros where another rank adds the bias (`bias_rows`)."""
+    for part, tensor in loaded_parts(spec.output_sizes, loaded, shard_id):
+        offset, start, rows = part_rows(spec, part)
+        value = to_dense(tensor, param.dtype).reshape(-1)
+        value = bias_rows(spec, value, spec.output_sizes[part], start, rows)
+        param.data[offset : offset + rows] = value.to(param.device)

@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
 from lmstack.native import ExtensionBuildError as BuildError
 from lmstack.native import NativeExtension
 
@@ -39,23 +37,13 @@ def load_error() -> str | None:
 
 
 def main() -> int:
-    """Build now (run by `make install`). Exit status 0 either way: a machine that cannot build
-    keeps every other backend, so this only says what happened."""
-    print(
-        f"lmstack cpu-paged: building the attention extension against torch {torch.__version__} ...",
-        flush=True,
+    """Build now (run by `make install`); a machine that cannot build keeps every other backend."""
+    return EXTENSION.report_build(
+        "lmstack cpu-paged",
+        "attention extension",
+        {2: "AVX-512", 1: "AVX2+FMA", 0: "scalar"},
+        "stacks naming attention cpu-paged will be refused, the torch backend still works",
     )
-    problem = load_error()
-    if problem is None:
-        isa = {2: "AVX-512", 1: "AVX2+FMA", 0: "scalar"}[load().best_isa()]
-        print(f"lmstack cpu-paged: ready ({EXTENSION.build_dir()}, kernels for this CPU: {isa})")
-    else:
-        print(
-            f"lmstack cpu-paged: NOT built ({problem}); stacks naming attention cpu-paged will be "
-            "refused, the torch backend still works",
-            file=sys.stderr,
-        )
-    return 0
 
 
 if __name__ == "__main__":

@@ -125,6 +125,6 @@ def test_build_failure_is_one_clear_line(monkeypatch):
 
 def test_build_entry_point_never_fails(monkeypatch, capsys):
     """`python -m lmstack_cpu_paged.build` (run by make install) exits 0 and says why not."""
-    monkeypatch.setattr(builder, "load_error", lambda: "ninja is not installed (pip install ninja)")
+    monkeypatch.setattr(builder.EXTENSION, "load_error", lambda: "ninja is not installed (pip install ninja)")
     assert builder.main() == 0
     assert "NOT built (ninja is not installed" in capsys.readouterr().err

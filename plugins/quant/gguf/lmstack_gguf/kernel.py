@@ -10,15 +10,12 @@
 
 from __future__ import annotations
 
-import logging
-import threading
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-log = logging.getLogger(__name__)
+from lmstack.scratch import reused_buffer
 
 # The GGML types kept as blocks (the C++ kernel's); any other type is dequantized at load.
 KEPT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
@@ -29,21 +26,13 @@ NATIVE_MAX_ROWS = 32
 # The largest dequantized slab made at once (a 49152 x 576 head is 113 MB in fp32).
 SLAB_BYTES = 8 << 20
 
-_native: list = []  # [module or None], filled on first use
-
 
 def native_kernel():
-    """The compiled kernels, or None where they cannot be built (then everything dequantizes)."""
-    if not _native:
-        from lmstack_gguf.native import EXTENSION
+    """The compiled kernels, or None where they cannot be built (then every layer is dequantized
+    at load; the build's reason is logged once)."""
+    from lmstack_gguf.native import EXTENSION
 
-        problem = EXTENSION.load_error()
-        if problem:
-            log.warning(
-                "lmstack-gguf: the C++ kernels are unavailable (%s); layers dequantize at load", problem
-            )
-        _native.append(None if problem else EXTENSION.load())
-    return _native[0]
+    return EXTENSION.module()
 
 
 def block_bytes(ggml_type: int) -> int:
@@ -62,31 +51,17 @@ def dequantize_blocks(
     return out if into is None else into.copy_(out)
 
 
-_scratch = threading.local()
-
-
-def _slab(rows: int, cols: int) -> torch.Tensor:
-    """A reused fp32 [rows, cols] buffer (one per thread and inference mode: a tensor made under
-    inference mode cannot be written outside it)."""
-    buffers = _scratch.__dict__.setdefault("buffers", {})
-    key = torch.is_inference_mode_enabled()
-    buf = buffers.get(key)
-    if buf is None or buf.numel() < rows * cols:
-        buf = buffers[key] = torch.empty(rows * cols, dtype=torch.float32)
-    return buf[: rows * cols].view(rows, cols)
-
-
 def dequant_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     """x @ W^T with W rebuilt in fp32 `SLAB_BYTES` at a time."""
     n = blocks.shape[0]
     step = min(n, max(1, SLAB_BYTES // (4 * k)))
     if step == n:
-        return F.linear(x, dequantize_blocks(blocks, ggml_type, k, _slab(n, k)))
+        return F.linear(x, dequantize_blocks(blocks, ggml_type, k, reused_buffer(n, k, torch.float32)))
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
     for r in range(0, n, step):
         rows = min(step, n - r)
         out[:, r : r + rows] = F.linear(
-            x, dequantize_blocks(blocks[r : r + rows], ggml_type, k, _slab(rows, k))
+            x, dequantize_blocks(blocks[r : r + rows], ggml_type, k, reused_buffer(rows, k, torch.float32))
         )
     return out
 

@@ -17,8 +17,8 @@ from torch import nn
 
 from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
-from lmstack.model.tp_shard import bias_rows, input_columns, part_rows
-from lmstack.model.weight_loader import loaded_parts, set_weight_loader, take_rows
+from lmstack.model.tp_shard import input_columns, part_rows
+from lmstack.model.weight_loader import load_bias_parts, loaded_parts, set_weight_loader, take_rows
 from lmstack_gguf.kernel import (
     KEPT_TYPES,
     QK,
@@ -74,11 +74,7 @@ class GGUFLinear(nn.Module):
 
     @torch.no_grad()
     def _load_bias(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
-        for part, tensor in loaded_parts(self.spec.output_sizes, loaded, shard_id):
-            offset, start, rows = part_rows(self.spec, part)
-            value = to_dense(tensor, param.dtype).reshape(-1)
-            value = bias_rows(self.spec, value, self.spec.output_sizes[part], start, rows)
-            param.data[offset : offset + rows] = value
+        load_bias_parts(self.spec, param, loaded, shard_id)
 
     def set_blocks(self, ggml_type: int, blocks: torch.Tensor) -> None:
         """The whole local weight at once, already in blocks (the LM head's table)."""
@@ -112,11 +108,6 @@ class GGUFLinear(nn.Module):
         self._parts = {}
 
     # --- computing ----------------------------------------------------------------------------
-
-    def dequantized_weight(self) -> torch.Tensor:
-        if self.dense is not None:
-            return self.dense
-        return dequantize_blocks(self.weight.data, self.ggml_type, self.in_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Output rows `ids` of the weight in fp32 (the embedding lookup of a block table)."""

@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
 from lmstack.native import NativeExtension
 
 EXTENSION = NativeExtension(
@@ -35,20 +33,10 @@ def load_error() -> str | None:
 
 
 def main() -> int:
-    """Build now (run by `make install`). Exit status 0 either way: without the kernels the
-    quantizer still serves, dequantizing at load."""
-    print(f"lmstack-gguf: building the GGUF block kernels against torch {torch.__version__} ...", flush=True)
-    problem = load_error()
-    if problem is None:
-        print(
-            f"lmstack-gguf: ready ({EXTENSION.build_dir()}, kernel for this CPU: {ISA_NAMES[load().best_isa()]})"
-        )
-    else:
-        print(
-            f"lmstack-gguf: kernels NOT built ({problem}); `quant.weights: gguf` will dequantize at load",
-            file=sys.stderr,
-        )
-    return 0
+    """Build now (run by `make install`); without the kernels the quantizer dequantizes at load."""
+    return EXTENSION.report_build(
+        "lmstack-gguf", "kernels", ISA_NAMES, "`quant.weights: gguf` will dequantize at load"
+    )
 
 
 if __name__ == "__main__":

@@ -23,10 +23,10 @@ README, `benchmarks/int8_cpu_matmul.py`; an AVX2 CPU, one thread):
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
+
+from lmstack.scratch import reused_buffer
 
 QMAX = 127
 # fp32 activations with at most this many rows go through the C++ kernel (measured crossover with
@@ -70,28 +70,13 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
-_scratch = threading.local()
-
-
-def _slab(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reused [rows, cols] buffer (one per thread, dtype, device and inference mode: a tensor
-    made under inference mode cannot be written outside it): a fresh allocation of this size
-    costs page faults on every call, more than the dequantization itself."""
-    buffers = _scratch.__dict__.setdefault("buffers", {})
-    key = (dtype, device, torch.is_inference_mode_enabled())
-    buf = buffers.get(key)
-    if buf is None or buf.numel() < rows * cols:
-        buf = buffers[key] = torch.empty(rows * cols, dtype=dtype, device=device)
-    return buf[: rows * cols].view(rows, cols)
-
-
 def dequant_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x @ (q * scale)^T in x's dtype, the weight rebuilt `SLAB_BYTES` at a time."""
     n, k = q.shape
     step = min(n, max(1, SLAB_BYTES // max(1, 4 * k)))
 
     def weight(r: int, rows: int) -> torch.Tensor:
-        w = _slab(rows, k, torch.float32, x.device)
+        w = reused_buffer(rows, k, torch.float32, x.device)
         w.copy_(q[r : r + rows]).mul_(scale[r : r + rows, None])  # exact in fp32
         return w if x.dtype == torch.float32 else w.to(x.dtype)
 
@@ -104,16 +89,11 @@ def dequant_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
     return out
 
 
-_native: list = []  # [module or None], filled on first use
-
-
 def native_kernel():
     """The compiled C++ kernel module, or None where it cannot be built (then torch's paths)."""
-    if not _native:
-        from lmstack_int8.native import EXTENSION
+    from lmstack_int8.native import EXTENSION
 
-        _native.append(None if EXTENSION.load_error() else EXTENSION.load())
-    return _native[0]
+    return EXTENSION.module()
 
 
 class Int8Matmul:

@@ -14,8 +14,8 @@ from torch import nn
 
 from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, to_dense
-from lmstack.model.tp_shard import bias_rows, input_columns, part_rows
-from lmstack.model.weight_loader import loaded_parts, set_weight_loader, take_rows
+from lmstack.model.tp_shard import input_columns, part_rows
+from lmstack.model.weight_loader import load_bias_parts, loaded_parts, set_weight_loader, take_rows
 from lmstack_int8.kernel import Int8Matmul, dequantize_rows, quantize_rows
 
 
@@ -55,12 +55,7 @@ class Int8Linear(nn.Module):
 
     @torch.no_grad()
     def _load_bias(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
-        for part, tensor in loaded_parts(self.spec.output_sizes, loaded, shard_id):
-            offset, start, rows = part_rows(self.spec, part)
-            value = to_dense(tensor, param.dtype).reshape(-1)
-            size = self.spec.output_sizes[part]
-            value = bias_rows(self.spec, value, size, start, rows)
-            param.data[offset : offset + rows] = value.to(param.device)
+        load_bias_parts(self.spec, param, loaded, shard_id)
 
     # --- computing ----------------------------------------------------------------------------
 

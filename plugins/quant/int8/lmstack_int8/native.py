@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
 from lmstack.native import NativeExtension
 
 EXTENSION = NativeExtension(
@@ -35,19 +33,10 @@ def load_error() -> str | None:
 
 
 def main() -> int:
-    """Build now (run by `make install`). Exit status 0 either way: without the kernel the int8
-    quantizer still works through torch's ops."""
-    print(f"lmstack-int8: building the int8 matmul kernel against torch {torch.__version__} ...", flush=True)
-    problem = load_error()
-    if problem is None:
-        isa = ISA_NAMES[load().best_isa()]
-        print(f"lmstack-int8: ready ({EXTENSION.build_dir()}, kernel for this CPU: {isa})")
-    else:
-        print(
-            f"lmstack-int8: kernel NOT built ({problem}); int8 weights still work through torch's ops",
-            file=sys.stderr,
-        )
-    return 0
+    """Build now (run by `make install`); without the kernel the int8 quantizer still works."""
+    return EXTENSION.report_build(
+        "lmstack-int8", "kernel", ISA_NAMES, "int8 weights still work through torch's ops"
+    )
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ inline void block_q(int64_t type, const uint8_t* blk, float* q) {
 struct Problem {
   const float* x;
   int64_t ldx;
-  const float* xsum;  // [M, K / QK]: each block's sum of x
+  const float* xsum;  // [M, K / QK]: each block's sum of x (one-row and scalar paths only)
   const uint8_t* w;
   int64_t row_bytes;
   int64_t type;
@@ -310,10 +310,18 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_
   if (isa < 0) isa = best_isa();
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  // Each block's sum of x (the offset term m * sum(x_block)), once per call.
-  auto xsum = x.reshape({M, K / QK, QK}).sum(-1).contiguous();
-  Problem p{x.data_ptr<float>(), x.stride(0), xsum.data_ptr<float>(), w.data_ptr<uint8_t>(), w.size(1), type,
-            out.data_ptr<float>(), M, N, K};
+  const float* xp = x.data_ptr<float>();
+  // Each block's sum of x, once per call, for the offset term m * sum(x_block) of the one-row
+  // and scalar paths (the several-row vector path folds m into the widened weights instead).
+  std::vector<float> xsum;
+  if (M == 1 || isa < ISA_AVX2) {
+    const int64_t nb = K / QK;
+    xsum.assign(M * nb, 0.f);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int j = 0; j < QK; ++j) xsum[r * nb + b] += xp[r * x.stride(0) + b * QK + j];
+  }
+  Problem p{xp, x.stride(0), xsum.data(), w.data_ptr<uint8_t>(), w.size(1), type, out.data_ptr<float>(), M, N, K};
   const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (isa >= ISA_AVX2) {
