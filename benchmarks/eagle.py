@@ -29,6 +29,12 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--fixed", action="store_true", help="adaptive: false (always num_draft_tokens)")
     ap.add_argument(
+        "--stack",
+        default=None,
+        help="take dtype, quant and attention from this stack file (both systems; default: dtype "
+        "auto, no quantizer, the torch attention)",
+    )
+    ap.add_argument(
         "--draft-vocab",
         type=int,
         default=0,
@@ -37,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from lmstack import LLM, SamplingParams
-    from lmstack.hardware import cpu_name
+    from lmstack.hardware import cpu_description
     from lmstack_eagle.train import bundled_prompts
 
     base = {
@@ -47,6 +53,11 @@ def main() -> None:
         "scheduler": {"name": "continuous", "max_num_seqs": 1, "max_num_batched_tokens": 2048},
         "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "1GiB"},
     }
+    if args.stack:
+        import yaml
+
+        chosen = yaml.safe_load(Path(args.stack).read_text()) or {}
+        base.update({key: chosen[key] for key in ("dtype", "quant", "attention") if key in chosen})
     spec = {
         "name": "eagle",
         "head": args.head,
@@ -88,14 +99,19 @@ def main() -> None:
             "accepted": stats.num_accepted_tokens,
             "acceptance_rate": stats.num_accepted_tokens / max(stats.num_draft_tokens, 1),
             "mean_accepted_per_verification": stats.num_accepted_tokens / max(verifications, 1),
+            # EAGLE's "average acceptance length": tokens per target step that verified drafts
+            # (the accepted drafts plus the target's own next token).
+            "mean_tokens_per_verification": 1 + stats.num_accepted_tokens / max(verifications, 1),
             "accepted_length_histogram": hist,
         }
     print(
         json.dumps(
             {
-                "cpu": cpu_name(),
+                "cpu": cpu_description(),
                 "model": args.model,
                 "head": args.head,
+                "stack_file": args.stack,
+                "stack": base,
                 "prompts": len(prompts),
                 "max_tokens": args.max_tokens,
                 "repeats": args.repeats,

@@ -169,13 +169,9 @@ class EagleHead(nn.Module):
         cache of the P positions before) and causally to each other. Returns the predicted next
         features [T, H] and the new positions' keys and values [T, kv_heads, head_dim]."""
         c = self.cfg
-        x = self.fc(torch.cat((embeds, features), dim=-1))
+        x = self.fuse(embeds, features)
         t = x.shape[0]
-        q = self.q_proj(x).view(t, c.num_attention_heads, c.head_dim)
-        k = self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim)
-        v = self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim)
-        cos, sin = self.rope.tables(positions, x.dtype)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k, v = self.qkv(x, positions)
         keys = k if past_k is None else torch.cat((past_k, k))
         values = v if past_v is None else torch.cat((past_v, v))
         p = keys.shape[0] - t
@@ -187,10 +183,31 @@ class EagleHead(nn.Module):
         else:
             mask = torch.ones(t, p + t, dtype=torch.bool, device=x.device).tril(diagonal=p)
         o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask, scale=c.head_dim**-0.5)
-        x = x + self.o_proj(o.transpose(0, 1).reshape(t, -1))
+        return self.finish(x, o.transpose(0, 1)), k, v
+
+    # The forward's pieces, shared with the trainer's unrolled chain (lmstack_eagle.train).
+
+    def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The layer's input: fc over [embed(token_{t+1}), f_t], [T, H]."""
+        return self.fc(torch.cat((embeds, features), dim=-1))
+
+    def qkv(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys (both rotated) and values of x [T, H]: [T, heads, D], [T, kv_heads, D] x 2."""
+        c = self.cfg
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim)
+        cos, sin = self.rope.tables(positions, x.dtype)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer after attention: attn [T, heads, D] -> the predicted features [T, H]."""
+        x = x + self.o_proj(attn.reshape(attn.shape[0], -1))
         h = self._norm(x)
-        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        return x, k, v
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
 # -- the folder ---------------------------------------------------------------------------------

@@ -101,10 +101,9 @@ class EagleSpeculator(Speculator):
         # A reduced draft vocabulary: the LM head's rows for these ids (a copy, [N, H]).
         self.vocab_ids: torch.Tensor | None = None
         self.vocab_weight: torch.Tensor | None = None
-        weight = getattr(lm_head, "weight", None)
-        if vocab_ids and isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        if vocab_ids and lm_head is not None and head is not None:
             self.vocab_ids = torch.tensor(vocab_ids, device=self.device)
-            self.vocab_weight = weight.detach()[self.vocab_ids].contiguous()
+            self.vocab_weight = lm_head_rows(lm_head, self.vocab_ids, head.cfg.hidden_size, self.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -196,7 +195,7 @@ class EagleSpeculator(Speculator):
 
     def _argmax(self, feature: torch.Tensor) -> int:
         if self.vocab_weight is not None:
-            logits = torch.nn.functional.linear(feature.to(self.vocab_weight.dtype), self.vocab_weight)
+            logits = torch.nn.functional.linear(feature.float(), self.vocab_weight)
             return int(self.vocab_ids[int(logits[-1].argmax())])  # type: ignore[index]
         return int(self.lm_head(feature.to(self.lm_dtype)).argmax(-1)[-1])
 
@@ -209,6 +208,20 @@ class EagleSpeculator(Speculator):
         """The draft cache's length (for tests: the committed positions after an observe)."""
         cache = self.caches.get(seq_id)
         return cache.length if cache is not None else 0
+
+
+@torch.inference_mode()
+def lm_head_rows(lm_head: Any, ids: torch.Tensor, hidden: int, device: torch.device) -> torch.Tensor:
+    """Rows `ids` of the LM head's weight in fp32, [N, hidden]: copied from a plain weight, else
+    read off the module's output for the identity (a quantized head, e.g. GGUF blocks, minus any
+    bias), so that a reduced draft vocabulary works whatever the target's quantization."""
+    weight = getattr(lm_head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2:
+        if tuple(weight.shape[1:]) == (hidden,):
+            return weight.detach()[ids].float().contiguous()
+    eye = torch.eye(hidden, device=device)
+    columns = lm_head(eye).float() - lm_head(torch.zeros(1, hidden, device=device)).float()
+    return columns[:, ids].t().contiguous()
 
 
 def check_head(options: EagleOptions, mc: Any) -> None:

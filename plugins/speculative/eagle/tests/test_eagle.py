@@ -19,11 +19,13 @@ from lmstack.quantize import CalibrationModel
 from lmstack.testing import SpeculatorConformance
 from lmstack.testing.kit import tiny_stack
 from lmstack_eagle.head import EagleHead, HeadConfig, load_head, save_head
-from lmstack_eagle.train import Target, train, train_head
+from lmstack_eagle.speculator import lm_head_rows
+from lmstack_eagle.train import Target, chain_outputs, train, train_head
 
 pytest_plugins = ["lmstack.testing.fixtures"]
 
 TRAIN_PROMPTS = ["hello world", "the cat sat on the mat", "one two three four five", "abc abc abc"]
+HELDOUT_PROMPTS = ["one two three", "the dog sat on the mat"]
 EAGLE_NAMES = {
     "fc.weight",
     "fc.bias",
@@ -60,10 +62,12 @@ def trained_head_dir(tiny_model_path, tmp_path_factory):
         tiny_stack(tiny_model_path),
         out,
         TRAIN_PROMPTS,
+        heldout=HELDOUT_PROMPTS,
         max_tokens=40,
         epochs=30,
         lr=2e-3,
         noise=0.0,
+        batch_size=1,
         progress=False,
     )
     return out
@@ -185,9 +189,90 @@ def test_trainer_loss_decreases(tiny_model_path, tiny_config):
     logits = F.linear(feats[0], target.lm_head)
     assert torch.allclose(logits, cm.logits(torch.tensor([seqs[0]]))[0], atol=1e-4)
     _, losses = train_head(
-        target, HeadConfig.for_target(tiny_config), seqs, feats, epochs=10, lr=3e-3, progress=False
+        target,
+        HeadConfig.for_target(tiny_config),
+        seqs,
+        feats,
+        epochs=10,
+        lr=3e-3,
+        batch_size=2,
+        progress=False,
     )
     assert losses[-1] < 0.8 * losses[0], f"loss per epoch {losses}"
+
+
+def test_the_unrolled_training_chain_is_the_inference_chain():
+    """chain_outputs (training-time test) gives, for every position and draft step, exactly the
+    feature the speculator's chain computes with the head's KV cache, across packed sequences."""
+    torch.manual_seed(0)
+    cfg = HeadConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=40,
+    )
+    head = EagleHead(cfg).double()
+    embedding = torch.randn(40, 32, dtype=torch.double)
+    seqs = [torch.randint(0, 40, (n,)) for n in (7, 13, 2, 5)]
+    feats = [torch.randn(len(s), 32, dtype=torch.double) for s in seqs]
+    steps = chain_outputs(head, embedding, seqs, feats, 3)
+    offset = 0
+    for ids, f in zip(seqs, feats):
+        n = len(ids) - 1
+        out, keys, values = head(F.embedding(ids[1:], embedding), f[:n], torch.arange(n))
+        for t in range(n):
+            past_k, past_v, feature = keys[: t + 1], values[: t + 1], out[t : t + 1]
+            for j in range(1, 4):
+                pred, true, valid = (x[offset + t] for x in steps[j - 1])
+                assert bool(valid) == (t + j <= n)
+                if not valid:
+                    break
+                torch.testing.assert_close(pred, feature[0], rtol=1e-9, atol=1e-9)
+                torch.testing.assert_close(true, f[t + j])
+                feature, k1, v1 = (
+                    head(
+                        F.embedding(ids[t + j + 1 : t + j + 2], embedding),
+                        feature,
+                        torch.tensor([t + j]),
+                        past_k,
+                        past_v,
+                    )
+                    if t + j + 1 < len(ids)
+                    else (feature, None, None)
+                )
+                if k1 is None:
+                    break
+                past_k, past_v = torch.cat((past_k, k1)), torch.cat((past_v, v1))
+        offset += len(ids)
+
+
+def test_the_trainer_measures_the_head_on_heldout_prompts(trained_head_dir):
+    measured = json.loads((trained_head_dir / "config.json").read_text())["eagle_heldout"]
+    assert measured["prompts"] == len(HELDOUT_PROMPTS) and measured["positions"] > 0
+    assert sum(measured["histogram"].values()) == measured["positions"]
+    assert 0 <= measured["mean_accepted_drafts"] <= 4
+
+
+def test_draft_vocab_rows_come_from_any_lm_head():
+    """lm_head_rows reads the rows of a head with no plain weight (as a quantized head is) off its
+    outputs, bias removed, and copies a plain weight's rows."""
+
+    class Opaque(torch.nn.Module):
+        def __init__(self, w, b):
+            super().__init__()
+            self.packed, self.b = w.t().contiguous(), b
+
+        def forward(self, x):
+            return x @ self.packed + self.b
+
+    torch.manual_seed(0)
+    w, b = torch.randn(50, 12), torch.randn(50)
+    ids = torch.tensor([3, 0, 49, 17])
+    torch.testing.assert_close(lm_head_rows(Opaque(w, b), ids, 12, torch.device("cpu")), w[ids])
+    plain = torch.nn.Linear(12, 50, bias=False)
+    torch.testing.assert_close(lm_head_rows(plain, ids, 12, torch.device("cpu")), plain.weight.detach()[ids])
 
 
 def test_the_command_is_registered():
