@@ -1,6 +1,7 @@
 """Speculative decoding through the HTTP API: `lmstack serve` with the `ngram` speculator shows
 the drafter in /v1/stack and the spec-decode metrics in /metrics, and a `json_schema` request
-returns valid JSON with the same text as a server without speculation (greedy)."""
+returns valid JSON with the same text as a server without speculation (greedy); so does one
+with the `eagle` speculator."""
 
 from __future__ import annotations
 
@@ -74,3 +75,36 @@ def test_json_schema_with_drafts_is_valid_and_unchanged(servers):
     assert ours == theirs
     value = json.loads(ours)
     assert set(value) == {"name", "rivers"} and all(isinstance(r, str) for r in value["rivers"])
+
+
+@pytest.fixture(scope="module")
+def eagle_server(smollm2_path, tmp_path_factory):
+    pytest.importorskip("lmstack_eagle")
+    import torch
+
+    from lmstack.model.source import open_model_source
+    from lmstack_api.testing import ServerProcess
+    from lmstack_eagle.head import EagleHead, HeadConfig, save_head
+
+    # An untrained head: its drafts meet the grammar's masks and the target's choices at random,
+    # so most are rejected at some verified position — the path under test.
+    torch.manual_seed(0)
+    config = HeadConfig.for_target(open_model_source("smollm2-135m-instruct").config)
+    head = save_head(EagleHead(config), tmp_path_factory.mktemp("eagle-head"))
+    spec = {"name": "eagle", "head": str(head), "adaptive": False, "num_draft_tokens": 3}
+    with ServerProcess({**STACK, "speculator": spec}) as server:
+        yield server
+
+
+def test_json_schema_with_eagle_drafts_is_valid_and_unchanged(servers, eagle_server):
+    _, plain = servers
+    status, body = eagle_server.get("/v1/stack")
+    assert status == 200 and json.loads(body)["stack"]["components"]["speculator"]["name"] == "eagle"
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
+    prompt = "Give a country and two of its rivers as JSON, for example France."
+    ours = chat(eagle_server, prompt, response_format=fmt)["choices"][0]["message"]["content"]
+    theirs = chat(plain, prompt, response_format=fmt)["choices"][0]["message"]["content"]
+    assert ours == theirs
+    value = json.loads(ours)
+    assert set(value) == {"name", "rivers"} and all(isinstance(r, str) for r in value["rivers"])
+    assert eagle_server.metric("lmstack:spec_decode_num_draft_tokens_total") > 0

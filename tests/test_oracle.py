@@ -338,3 +338,67 @@ def test_greedy_equals_transformers_with_ngram_speculation(shared_llm, prompts, 
     assert stats.kv_usage == 0.0
     if regime == "preemption":
         assert stats.num_preemptions > before.num_preemptions, "the KV budget was meant to force preemption"
+
+
+@pytest.fixture(scope="module")
+def smollm2_eagle_head(prompts, hf_greedy, tmp_path_factory):
+    """An EAGLE head for SmolLM2 fitted (seconds) to the oracle prompts' own greedy answers, so
+    that its drafts are accepted often and the identity below covers accepted drafts, not only
+    rejected ones."""
+    pytest.importorskip("lmstack_eagle")
+    from lmstack.model.source import open_model_source
+    from lmstack.quantize import CalibrationModel
+    from lmstack_eagle.head import HeadConfig, save_head
+    from lmstack_eagle.train import Target, train_head
+
+    source = open_model_source("smollm2-135m-instruct")
+    target = Target(CalibrationModel.load(source))
+    seqs = [list(p) + list(g) for p, g in zip(prompts, hf_greedy, strict=True)]
+    feats = [target.features(s) for s in seqs]
+    torch.manual_seed(0)
+    head, _ = train_head(
+        target,
+        HeadConfig.for_target(source.config),
+        seqs,
+        feats,
+        epochs=40,
+        lr=3e-3,
+        unroll=2,
+        progress=False,
+    )
+    return save_head(head, tmp_path_factory.mktemp("smollm2-eagle"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("regime", ["chunked-prefill", "arrivals", "preemption"])
+def test_greedy_equals_transformers_with_eagle_speculation(
+    shared_llm, prompts, hf_greedy, smollm2_eagle_head, regime
+):
+    """EAGLE drafts (always on, 4 per step) change no greedy token: the oracle prompts under
+    chunked prefill, mid-run arrivals and preemption, with drafts accepted along the way."""
+    spec = {
+        "speculator": {
+            "name": "eagle",
+            "head": str(smollm2_eagle_head),
+            "adaptive": False,
+            "num_draft_tokens": 4,
+        }
+    }
+    if regime == "preemption":
+        engine = shared_llm(
+            _stack(allocator={"num_blocks": 14}, scheduler={"max_num_batched_tokens": 256}, **spec)
+        ).engine
+    else:
+        engine = shared_llm(_stack(**spec)).engine
+    before = engine.get_stats()
+    arrivals = {0: [0, 1, 2], 3: [3, 4], 7: [5, 6], 12: [7]} if regime == "arrivals" else None
+    assert _run(engine, prompts, arrivals) == hf_greedy
+    stats = engine.get_stats()
+    assert stats.num_accepted_tokens > before.num_accepted_tokens, "no draft was accepted"
+    assert (
+        stats.num_draft_tokens - before.num_draft_tokens
+        > stats.num_accepted_tokens - before.num_accepted_tokens
+    )
+    assert stats.kv_usage == 0.0
+    if regime == "preemption":
+        assert stats.num_preemptions > before.num_preemptions, "the KV budget was meant to force preemption"
