@@ -415,7 +415,13 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "'none' to skip)",
     )
     t.add_argument("--epochs", type=int, default=4)
-    t.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step (default 8)")
+    t.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="sequences per optimizer step, packed into one attention (memory grows with the square "
+        "of their total length; default 8)",
+    )
     t.add_argument(
         "--unroll",
         type=int,
