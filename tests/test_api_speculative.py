@@ -48,6 +48,17 @@ def chat(server, content: str, **body) -> dict:
     return data
 
 
+def assert_same_valid_json(spec, plain) -> None:
+    """A json_schema request answers the same text with and without drafts, and it is valid."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
+    prompt = "Give a country and two of its rivers as JSON, for example France."
+    ours = chat(spec, prompt, response_format=fmt)["choices"][0]["message"]["content"]
+    theirs = chat(plain, prompt, response_format=fmt)["choices"][0]["message"]["content"]
+    assert ours == theirs
+    value = json.loads(ours)
+    assert set(value) == {"name", "rivers"} and all(isinstance(r, str) for r in value["rivers"])
+
+
 def test_stack_names_the_drafter_and_metrics_count_drafts(servers):
     spec, plain = servers
     status, body = spec.get("/v1/stack")
@@ -68,13 +79,7 @@ def test_stack_names_the_drafter_and_metrics_count_drafts(servers):
 
 def test_json_schema_with_drafts_is_valid_and_unchanged(servers):
     spec, plain = servers
-    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
-    prompt = "Give a country and two of its rivers as JSON, for example France."
-    ours = chat(spec, prompt, response_format=fmt)["choices"][0]["message"]["content"]
-    theirs = chat(plain, prompt, response_format=fmt)["choices"][0]["message"]["content"]
-    assert ours == theirs
-    value = json.loads(ours)
-    assert set(value) == {"name", "rivers"} and all(isinstance(r, str) for r in value["rivers"])
+    assert_same_valid_json(spec, plain)
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +105,5 @@ def test_json_schema_with_eagle_drafts_is_valid_and_unchanged(servers, eagle_ser
     _, plain = servers
     status, body = eagle_server.get("/v1/stack")
     assert status == 200 and json.loads(body)["stack"]["components"]["speculator"]["name"] == "eagle"
-    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
-    prompt = "Give a country and two of its rivers as JSON, for example France."
-    ours = chat(eagle_server, prompt, response_format=fmt)["choices"][0]["message"]["content"]
-    theirs = chat(plain, prompt, response_format=fmt)["choices"][0]["message"]["content"]
-    assert ours == theirs
-    value = json.loads(ours)
-    assert set(value) == {"name", "rivers"} and all(isinstance(r, str) for r in value["rivers"])
+    assert_same_valid_json(eagle_server, plain)
     assert eagle_server.metric("lmstack:spec_decode_num_draft_tokens_total") > 0

@@ -314,16 +314,11 @@ def run_all(engine: LLMEngine, prompts, params):
     return [done[i] for i in ids]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("regime", ["chunked-prefill", "arrivals", "preemption"])
-def test_greedy_equals_transformers_with_ngram_speculation(shared_llm, prompts, hf_greedy, regime):
-    """Speculative decoding (prompt lookup, drafts always on) changes no greedy token: the
-    oracle prompts under chunked prefill, mid-run arrivals and preemption."""
-    from lmstack.plugins import build_registry, make_plugin_manager
-
-    if "ngram" not in build_registry(make_plugin_manager()).names("speculator"):
-        pytest.skip("lmstack-ngram is not installed")
-    spec = {"speculator": {"name": "ngram", "adaptive": False, "num_draft_tokens": 4}}
+def _identity_with_drafts(shared_llm, prompts, hf_greedy, speculator, regime):
+    """Run the oracle prompts with `speculator` under `regime`; assert transformers' greedy
+    output, no KV left in use and, for "preemption", that preemption happened. Returns the
+    engine's stats before and after."""
+    spec = {"speculator": speculator}
     if regime == "preemption":
         engine = shared_llm(
             _stack(allocator={"num_blocks": 14}, scheduler={"max_num_batched_tokens": 256}, **spec)
@@ -334,10 +329,25 @@ def test_greedy_equals_transformers_with_ngram_speculation(shared_llm, prompts, 
     arrivals = {0: [0, 1, 2], 3: [3, 4], 7: [5, 6], 12: [7]} if regime == "arrivals" else None
     assert _run(engine, prompts, arrivals) == hf_greedy
     stats = engine.get_stats()
-    assert stats.num_draft_tokens > before.num_draft_tokens, "no drafts were verified"
     assert stats.kv_usage == 0.0
     if regime == "preemption":
         assert stats.num_preemptions > before.num_preemptions, "the KV budget was meant to force preemption"
+    return before, stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("regime", ["chunked-prefill", "arrivals", "preemption"])
+def test_greedy_equals_transformers_with_ngram_speculation(shared_llm, prompts, hf_greedy, regime):
+    """Speculative decoding (prompt lookup, drafts always on) changes no greedy token: the
+    oracle prompts under chunked prefill, mid-run arrivals and preemption."""
+    from lmstack.plugins import build_registry, make_plugin_manager
+
+    if "ngram" not in build_registry(make_plugin_manager()).names("speculator"):
+        pytest.skip("lmstack-ngram is not installed")
+    before, stats = _identity_with_drafts(
+        shared_llm, prompts, hf_greedy, {"name": "ngram", "adaptive": False, "num_draft_tokens": 4}, regime
+    )
+    assert stats.num_draft_tokens > before.num_draft_tokens, "no drafts were verified"
 
 
 @pytest.fixture(scope="module")
@@ -376,29 +386,10 @@ def test_greedy_equals_transformers_with_eagle_speculation(
 ):
     """EAGLE drafts (always on, 4 per step) change no greedy token: the oracle prompts under
     chunked prefill, mid-run arrivals and preemption, with drafts accepted along the way."""
-    spec = {
-        "speculator": {
-            "name": "eagle",
-            "head": str(smollm2_eagle_head),
-            "adaptive": False,
-            "num_draft_tokens": 4,
-        }
-    }
-    if regime == "preemption":
-        engine = shared_llm(
-            _stack(allocator={"num_blocks": 14}, scheduler={"max_num_batched_tokens": 256}, **spec)
-        ).engine
-    else:
-        engine = shared_llm(_stack(**spec)).engine
-    before = engine.get_stats()
-    arrivals = {0: [0, 1, 2], 3: [3, 4], 7: [5, 6], 12: [7]} if regime == "arrivals" else None
-    assert _run(engine, prompts, arrivals) == hf_greedy
-    stats = engine.get_stats()
+    speculator = {"name": "eagle", "head": str(smollm2_eagle_head), "adaptive": False, "num_draft_tokens": 4}
+    before, stats = _identity_with_drafts(shared_llm, prompts, hf_greedy, speculator, regime)
     assert stats.num_accepted_tokens > before.num_accepted_tokens, "no draft was accepted"
     assert (
         stats.num_draft_tokens - before.num_draft_tokens
         > stats.num_accepted_tokens - before.num_accepted_tokens
     )
-    assert stats.kv_usage == 0.0
-    if regime == "preemption":
-        assert stats.num_preemptions > before.num_preemptions, "the KV budget was meant to force preemption"

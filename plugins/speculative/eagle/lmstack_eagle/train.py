@@ -173,16 +173,17 @@ def eagle_loss(
     ce_positions: int,
     gen: torch.Generator,
     noise: float = 0.0,
-    vocab: torch.Tensor | None = None,
+    lm_rows: torch.Tensor | None = None,
     decay: float = 0.8,
 ) -> torch.Tensor:
     """EAGLE-1's loss, summed over the unrolled draft steps (step j weighted decay^(j-1)):
     SmoothL1 between predicted and true features, plus 0.1 x the cross-entropy of the predicted
     feature's distribution (through the LM head) against the target's own distribution there
     (soft labels, as EAGLE-1 trains), on up to `ce_positions` random positions per sequence.
-    `vocab` (token ids) limits the cross-entropy to those tokens: the LM head is most of the
-    cost, and tokens the target never produced carry next to no probability."""
-    lm_head = target.lm_head if vocab is None else target.lm_head[vocab]
+    `lm_rows` (the LM head's rows for some tokens) limits the cross-entropy to those tokens: the
+    LM head is most of the cost, and tokens the target never produced carry next to no
+    probability."""
+    lm_head = target.lm_head if lm_rows is None else lm_rows
     total = torch.zeros(())
     for j, (out, true, valid) in enumerate(
         chain_outputs(head, target.embedding, seqs, feats, steps, noise, gen)
@@ -227,7 +228,8 @@ def train_head(
     )
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    vocab = torch.tensor(sorted({t for ids in sequences for t in ids}))
+    # The cross-entropy's vocabulary: the tokens the training text contains (rows copied once).
+    lm_rows = target.lm_head[torch.tensor(sorted({t for ids in sequences for t in ids}))]
     losses: list[float] = []
     bar = Progress(total, "eagle: training", "steps") if progress else None
     order = list(range(len(sequences)))
@@ -245,7 +247,7 @@ def train_head(
                 ce_positions=ce_positions,
                 gen=gen,
                 noise=noise,
-                vocab=vocab,
+                lm_rows=lm_rows,
             )
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -461,7 +463,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         heldout = (
             _read_prompts(args.heldout_prompts) if args.heldout_prompts else bundled_prompts(EVAL_PROMPTS)
         )
-    heldout = [p for p in heldout if p not in set(prompts)]
+    trained = set(prompts)
+    heldout = [p for p in heldout if p not in trained]
     for name in ("epochs", "batch_size", "unroll"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
