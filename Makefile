@@ -19,6 +19,8 @@ TEST_TOOLS := pytest hypothesis ruff transformers accelerate matplotlib psutil o
 # cpu-paged, lmstack-int8 and lmstack-gguf compile their C++ kernels against the installed torch right after the
 # pip install; a machine that cannot build them gets a one-line reason and the install goes on
 # (the leading '-'; torch attention and torch's int8 ops still work).
+# The core's own native layer ops (RMSNorm, rotary embedding) likewise.
+BUILD_LAYER_OPS := -$(PY) -m lmstack.model.layer_ops
 BUILD_CPU_PAGED := $(if $(wildcard plugins/attention/cpu-paged/pyproject.toml),-$(PY) -m lmstack_cpu_paged.build)
 BUILD_INT8 := $(if $(wildcard plugins/quant/int8/pyproject.toml),-$(PY) -m lmstack_int8.native)
 BUILD_GGUF := $(if $(wildcard plugins/quant/gguf/pyproject.toml),-$(PY) -m lmstack_gguf.native)
@@ -36,6 +38,7 @@ $(STAMP): $(CORE)/pyproject.toml $(OTHER_PYPROJECTS)
 	$(PY) -c "import torch" 2>/dev/null || \
 		$(PIP) install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
 	$(PIP) install -e $(CORE) $(addprefix -e ,$(OTHER_DISTS))
+	$(BUILD_LAYER_OPS)
 	$(BUILD_CPU_PAGED)
 	$(BUILD_INT8)
 	$(BUILD_GGUF)

@@ -24,8 +24,9 @@ from lmstack.model.checkpoint import CheckpointTensor
 from lmstack.model.config import ModelConfig
 from lmstack.model.gguf_loader import llama_gguf_tensor, load_gguf_config
 from lmstack.model.hf_loader import parse_llama_config
+from lmstack.model.layer_ops import rms_norm, rotate_
 from lmstack.model.linear import default_linear, dense_parameter
-from lmstack.model.rope import RotaryEmbedding, rotate_
+from lmstack.model.rope import RotaryEmbedding
 from lmstack.model.stages import StageLayers
 from lmstack.model.tensor_parallel import (
     ParallelLMHead,
@@ -47,19 +48,11 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The normalised x; with `residual`, first adds it to x in place (x must be a fresh
         tensor the caller owns, e.g. a projection's output) and returns (normalised, x + residual),
-        the residual stream a decoder layer carries on: one seam for a fused add + norm kernel."""
+        the residual stream a decoder layer carries on. One native call on a CPU in fp32
+        (`lmstack.model.layer_ops`)."""
         if residual is not None:
-            x = x.add_(residual)
-            return self._norm(x), x
-        return self._norm(x)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as the reference implementation
-        # does. In place wherever the tensor is our own temporary (fewer allocations per op);
-        # an fp32 stream skips the no-op casts.
-        xf = x if x.dtype == torch.float32 else x.float()
-        xf = xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        return (xf if x.dtype == torch.float32 else xf.to(x.dtype)).mul_(self.weight)
+            return rms_norm(x, self.weight, self.eps, residual), x
+        return rms_norm(x, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,93 @@
+"""The decoder layer's small ops, each one native call on a CPU: RMSNorm (with its residual add)
+and the rotary embedding in place (csrc/layer_ops.cpp).
+
+Why: a decode step at batch 1 is ~10 torch ops of glue per layer around the matmuls; each costs
+its dispatch (5-30 us on a CPU) whatever its size, and a 576-wide RMSNorm as five ops took ~70 us
+for ~1 us of arithmetic. The native ops take fp32 CPU tensors; anything else (bf16, a GPU, no
+C++ compiler on the machine) runs the torch reference ops, which define the semantics: the
+native rotary embedding gives the same bits, the native RMSNorm differs only in the summation
+order of its mean of squares.
+
+The extension is built against the installed torch by `lmstack.native` (`make install` runs
+`python -m lmstack.model.layer_ops`; otherwise the first fp32 CPU forward builds it).
+`LMSTACK_NATIVE_LAYER_OPS=0` turns it off (A/B measurements).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from lmstack.native import NativeExtension
+
+EXTENSION = NativeExtension(
+    name="lmstack_layer_ops",
+    cache_name="layer_ops",
+    sources=[Path(__file__).resolve().parent.parent / "csrc" / "layer_ops.cpp"],
+    # No fused multiply-add: the AVX2 and plain builds, and the rotary embedding and torch's,
+    # then give the same bits.
+    flags=("-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"),
+)
+ISA_NAMES = {1: "AVX2+FMA", 0: "scalar"}
+
+
+@functools.cache
+def native() -> ModuleType | None:
+    """The compiled ops, or None where they are turned off or cannot be built (logged once)."""
+    if os.environ.get("LMSTACK_NATIVE_LAYER_OPS", "1") == "0":
+        return None
+    return EXTENSION.module()
+
+
+def _takes(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in fp32 and cast back before the weight, as the Hugging Face reference does; in
+    place on the fp32 temporary (an fp32 stream skips the no-op casts)."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    xf = xf * xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return (xf if x.dtype == torch.float32 else xf.to(x.dtype)).mul_(weight)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of x [..., H]; with `residual`, x += residual first, in place (x must be a tensor
+    the caller owns)."""
+    ops = native() if _takes(x) and x.dim() == 2 and x.stride(-1) == 1 else None
+    if (
+        ops is not None
+        and _takes(weight)
+        and (residual is None or (_takes(residual) and residual.stride(-1) == 1))
+    ):
+        return ops.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        x = x.add_(residual)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`lmstack.model.rope.rotate_`, natively where it can: x [T, H, D], tables from
+    `RotaryEmbedding.tables_full` ([T, 1, 2, D/2]: (cos, cos) and (-sin, sin))."""
+    ops = native() if _takes(x) and _takes(cos) and x.stride(-1) == 1 else None
+    if ops is not None:
+        return ops.rope_(x, cos[:, 0, 0], sin[:, 0, 1])
+    from lmstack.model.rope import rotate_ as reference
+
+    return reference(x, cos, sin)
+
+
+def main() -> int:
+    """Build now (run by `make install`); without it the torch ops run."""
+    return EXTENSION.report_build("lmstack", "layer ops", ISA_NAMES, "the torch reference ops will run")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

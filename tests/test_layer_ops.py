@@ -1,0 +1,106 @@
+"""The native CPU layer ops (core/lmstack/csrc/layer_ops.cpp) against the torch reference ops:
+RMSNorm within fp32 rounding (only the summation order differs), the rotary embedding bit for
+bit, the AVX2 and plain builds bit for bit; and the fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmstack.model import layer_ops
+from lmstack.model.rope import RotaryEmbedding
+from lmstack.model.rope import rotate_ as rotate_reference
+
+NATIVE = layer_ops.native()
+needs_native = pytest.mark.skipif(
+    NATIVE is None, reason=f"layer ops not built: {layer_ops.EXTENSION.load_error()}"
+)
+ISAS = [0] + ([1] if NATIVE is not None and NATIVE.best_isa() >= 1 else [])
+
+
+def _rows(t: int, h: int, g: torch.Generator, pad: int) -> torch.Tensor:
+    """[t, h] fp32 with a row stride of h + pad (a column slice of a wider tensor when pad > 0)."""
+    return (3 * torch.randn(t, h + pad, generator=g))[:, :h]
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("t", "h", "pad"), [(1, 576, 0), (3, 97, 5), (65, 5, 0), (130, 96, 3)])
+def test_native_rms_norm_matches_the_reference(isa, t, h, pad):
+    g = torch.Generator().manual_seed(t * 1000 + h)
+    x, res, w = _rows(t, h, g, pad), _rows(t, h, g, pad), 1 + 0.1 * torch.randn(h, generator=g)
+    x0, res0 = x.clone(), res.clone()
+    ref = layer_ops.rms_norm_reference(x0.double(), w.double(), 1e-5)
+    out = NATIVE.rms_norm(x, w, 1e-5, None, isa)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=2e-6)
+    assert torch.equal(x, x0)  # without a residual the input is left alone
+    out = NATIVE.rms_norm(x, w, 1e-5, res, isa)
+    assert torch.equal(x, x0 + res0)  # the residual stream, in place
+    assert torch.equal(res, res0)
+    torch.testing.assert_close(
+        out.double(),
+        layer_ops.rms_norm_reference((x0 + res0).double(), w.double(), 1e-5),
+        rtol=2e-6,
+        atol=2e-6,
+    )
+
+
+@needs_native
+def test_native_builds_agree_bit_for_bit():
+    if len(ISAS) < 2:
+        pytest.skip("this CPU has no AVX2+FMA: only the plain build runs")
+    g = torch.Generator().manual_seed(7)
+    x, w = _rows(9, 577, g, 0), torch.randn(577, generator=g)
+    assert torch.equal(NATIVE.rms_norm(x, w, 1e-6, None, 0), NATIVE.rms_norm(x, w, 1e-6, None, 1))
+    rope = RotaryEmbedding(64, 128, 10000.0, None)
+    cos, sin = rope.tables(torch.arange(9) * 7, torch.float32)
+    a = torch.randn(9, 5, 64, generator=g)
+    b = a.clone()
+    NATIVE.rope_(a, cos[:, 0], sin[:, 0], 0)
+    NATIVE.rope_(b, cos[:, 0], sin[:, 0], 1)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0}])
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "d"), [(1, 9, 3, 64), (7, 5, 1, 18), (70, 4, 2, 32)])
+def test_rotate_in_place_is_the_reference_bit_for_bit(scaling, tokens, heads, kv_heads, d):
+    """Natively where built (else the reference itself): on Q and K of a fused qkv row, in place."""
+    g = torch.Generator().manual_seed(tokens + d)
+    rope = RotaryEmbedding(d, 4096, 10000.0, scaling)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    tables = rope.tables_full(positions, torch.float32)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
+    qk = (heads + kv_heads) * d
+    expected = qkv.clone()
+    rotate_reference(expected[:, :qk].view(tokens, -1, d), *tables)
+    out = layer_ops.rotate_(qkv[:, :qk].view(tokens, -1, d), *tables)
+    assert out.data_ptr() == qkv.data_ptr()
+    assert torch.equal(qkv, expected)  # V untouched, Q and K the reference's bits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_other_dtypes_take_the_reference_ops(dtype):
+    g = torch.Generator().manual_seed(3)
+    x, res = torch.randn(4, 40, generator=g).to(dtype), torch.randn(4, 40, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(40, generator=g)).to(dtype)
+    expected = layer_ops.rms_norm_reference(x + res, w, 1e-5)
+    assert torch.equal(layer_ops.rms_norm(x, w, 1e-5, res), expected)
+
+
+def test_the_switch_turns_the_native_ops_off(monkeypatch):
+    monkeypatch.setenv("LMSTACK_NATIVE_LAYER_OPS", "0")
+    layer_ops.native.cache_clear()
+    try:
+        assert layer_ops.native() is None
+    finally:
+        monkeypatch.undo()
+        layer_ops.native.cache_clear()
+    assert (layer_ops.native() is None) == (NATIVE is None)
+
+
+@needs_native
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="w must be"):
+        NATIVE.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5, None, -1)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        NATIVE.rope_(torch.randn(2, 3, 8), torch.randn(2, 3), torch.randn(2, 4), -1)
