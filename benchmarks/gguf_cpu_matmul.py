@@ -8,6 +8,7 @@ Paths (W = the blocks' values):
   dequant      the blocks dequantized into a reused fp32 slab per call, then F.linear (lmstack-gguf
                above 32 rows, e.g. prefill)
   native       lmstack-gguf's C++ kernel on the blocks as stored (decode batches, <= 32 rows)
+  native_q8    the same with `activations: int8`: x rounded to int8 per 32-block, integer dot products
 
 Each call uses the next of several copies of the layer (together at least `--stream-mb` MB of
 fp32 weights), so weights come from memory as in a whole model. Medians of `--reps` calls.
@@ -41,7 +42,7 @@ SHAPES = {  # name: (in K, out N, encoding)
     "head": (576, 49152, GGMLQuantizationType.Q8_0),
 }
 ROWS = (1, 8, 32, 128)
-PATHS = ("dense_fp32", "dequant", "native")
+PATHS = ("dense_fp32", "dequant", "native", "native_q8")
 
 
 def make_call(
@@ -57,6 +58,8 @@ def make_call(
             return F.linear(x, dense)
         if path == "dequant":
             return dequant_matmul(x, raw, typ, k)
+        if path == "native_q8":
+            return ext.gguf_matmul_q8(x, raw, typ)
         return ext.gguf_matmul(x, raw, typ)
 
     return call
@@ -127,10 +130,13 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
     base = {(r["shape"], r["M"]): r["us"] for r in results if r["path"] == "dense_fp32"}
-    print("| shape | M | dense_fp32 µs | dequant | native |\n|---|---|---|---|---|")
+    print("| shape | M | dense_fp32 µs | dequant | native | native_q8 |\n|---|---|---|---|---|---|")
     for (shape, m), ref in base.items():
         cells = {r["path"]: r["us"] for r in results if r["shape"] == shape and r["M"] == m}
-        print(f"| {shape} | {m} | {ref:.0f} | {cells['dequant'] / ref:.2f}x | {cells['native'] / ref:.2f}x |")
+        print(
+            f"| {shape} | {m} | {ref:.0f} | {cells['dequant'] / ref:.2f}x | {cells['native'] / ref:.2f}x"
+            f" | {cells['native_q8'] / ref:.2f}x |"
+        )
     print(f"wrote {out}")
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lmstack.interfaces import LinearSpec
-from lmstack_gguf.kernel import quantize_q8_0_exact
+from lmstack_gguf.kernel import NATIVE_MAX_ROWS, quantize_q8_0_exact
 from lmstack_gguf.linear import GGUFLinear
 
 log = logging.getLogger(__name__)
@@ -31,31 +31,37 @@ class BlockEmbedding(nn.Module):
         return self.table.rows(ids.reshape(-1)).to(self.dtype).reshape(*ids.shape, -1)
 
 
-def block_table(weight: torch.Tensor, use_native: bool) -> GGUFLinear | None:
-    """weight [rows, cols] as a Q8_0 GGUFLinear cols -> rows, or None if Q8_0 cannot hold it exactly."""
+def block_table(weight: torch.Tensor, use_native: bool, int8_activations: bool = False) -> GGUFLinear | None:
+    """weight [rows, cols] as a Q8_0 GGUFLinear cols -> rows, or None if Q8_0 cannot hold it exactly.
+    With int8 activations the kernel takes every batch size: for a head it beats dequantizing the
+    table per call at every size measured (README); the fp32 kernel only up to 32 rows."""
     blocks = quantize_q8_0_exact(weight)
     if blocks is None:
         return None
     rows, cols = weight.shape
-    table = GGUFLinear(LinearSpec(cols, rows, False, "lm_head", params_dtype=torch.float32), use_native)
+    spec = LinearSpec(cols, rows, False, "lm_head", params_dtype=torch.float32)
+    limit = None if int8_activations else NATIVE_MAX_ROWS
+    table = GGUFLinear(spec, use_native, int8_activations=int8_activations, kernel_max_rows=limit)
     table.set_blocks(Q8_0, blocks)
     return table if table.ggml_type is not None else None
 
 
-def keep_embedding_and_head_as_blocks(model: nn.Module, use_native: bool) -> list[str]:
+def keep_embedding_and_head_as_blocks(
+    model: nn.Module, use_native: bool, int8_activations: bool = False
+) -> list[str]:
     """Swap a plain `embed_tokens` / bias-free `lm_head` for Q8_0 block tables where that is
     exact; returns the names swapped (others stay dense, with a log line saying why)."""
     embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
     swapped = []
     table = None
     if isinstance(embed, nn.Embedding):
-        table = block_table(embed.weight.data, use_native)
+        table = block_table(embed.weight.data, use_native, int8_activations)
         if table is not None:
             model.embed_tokens = BlockEmbedding(table, embed.weight.dtype)
             swapped.append("embed_tokens")
     if isinstance(head, nn.Linear) and head.bias is None:
         tied = isinstance(embed, nn.Embedding) and head.weight is embed.weight
-        head_table = table if tied else block_table(head.weight.data, use_native)
+        head_table = table if tied else block_table(head.weight.data, use_native, int8_activations)
         if head_table is not None:
             model.lm_head = head_table
             swapped.append("lm_head")

@@ -2,8 +2,10 @@
 
 `block_matmul(x [M, K], blocks, ggml_type)` -> [M, N] fp32:
 
-- fp32 activations, at most `NATIVE_MAX_ROWS` rows (decode batches), kernel built: the C++ kernel
-  (csrc/gguf_matmul.cpp): the blocks are read as stored and widened to fp32 in registers.
+- fp32 activations, at most `NATIVE_MAX_ROWS` rows (decode batches; with int8 activations any
+  number for the LM head),
+  kernel built: the C++ kernel (csrc/gguf_matmul.cpp): the blocks are read as stored and widened
+  to fp32 in registers, or, with `int8_activations`, multiplied in integers by x rounded to int8.
 - otherwise (prefill, or no kernel): the blocks are dequantized `SLAB_BYTES` of fp32 at a time
   into a reused buffer and multiplied densely in fp32 — what the dequantized checkpoint computes.
 """
@@ -66,21 +68,33 @@ def dequant_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int
     return out
 
 
-def kernel_takes(x: torch.Tensor, use_native: bool = True) -> bool:
-    """Whether `block_matmul` runs x through the C++ kernel (else it dequantizes)."""
+def kernel_takes(x: torch.Tensor, use_native: bool = True, max_rows: int | None = NATIVE_MAX_ROWS) -> bool:
+    """Whether `block_matmul` runs x through the C++ kernel (else it dequantizes); `max_rows`
+    None: at any batch size."""
     return (
         use_native
         and x.dtype == torch.float32
-        and x.shape[0] <= NATIVE_MAX_ROWS
+        and (max_rows is None or x.shape[0] <= max_rows)
         and native_kernel() is not None
     )
 
 
 def block_matmul(
-    x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, use_native: bool = True
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    ggml_type: int,
+    k: int,
+    use_native: bool = True,
+    *,
+    int8_activations: bool = False,
+    max_rows: int | None = NATIVE_MAX_ROWS,
 ) -> torch.Tensor:
-    if kernel_takes(x, use_native):
-        return native_kernel().gguf_matmul(x if x.stride(-1) == 1 else x.contiguous(), blocks, int(ggml_type))
+    """x [M, k] @ W^T. `int8_activations`: the kernel rounds x to int8 per 32-block first and
+    multiplies in integers (`gguf_matmul_q8`, llama.cpp's scheme); the dequantizing path is fp32."""
+    if kernel_takes(x, use_native, max_rows):
+        ext = native_kernel()
+        matmul = ext.gguf_matmul_q8 if int8_activations else ext.gguf_matmul
+        return matmul(x if x.stride(-1) == 1 else x.contiguous(), blocks, int(ggml_type))
     return dequant_matmul(x.float(), blocks, ggml_type, k).to(x.dtype)
 
 

@@ -21,6 +21,7 @@ from lmstack.model.tp_shard import input_columns, part_rows
 from lmstack.model.weight_loader import load_bias_parts, loaded_parts, set_weight_loader, take_rows
 from lmstack_gguf.kernel import (
     KEPT_TYPES,
+    NATIVE_MAX_ROWS,
     QK,
     block_bytes,
     block_matmul,
@@ -31,11 +32,24 @@ from lmstack_gguf.kernel import (
 
 
 class GGUFLinear(nn.Module):
-    def __init__(self, spec: LinearSpec, use_native: bool = True, dense_copy: bool = False) -> None:
+    def __init__(
+        self,
+        spec: LinearSpec,
+        use_native: bool = True,
+        dense_copy: bool = False,
+        *,
+        int8_activations: bool = False,
+        kernel_max_rows: int | None = NATIVE_MAX_ROWS,
+    ) -> None:
+        """`int8_activations`: the kernel rounds x to int8 per 32-block (`block_matmul`).
+        `kernel_max_rows`: the largest batch the kernel takes (None: any; larger ones multiply
+        by the dense copy or dequantize)."""
         super().__init__()
         self.spec = spec
         self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
         self.use_native = use_native
+        self.int8_activations = int8_activations
+        self.kernel_max_rows = kernel_max_rows
         # Also hold the weight in fp32 for batches the kernel does not take (prefill): no
         # dequantization per call, for 4 more bytes a weight resident.
         self.dense_copy = dense_copy
@@ -52,6 +66,8 @@ class GGUFLinear(nn.Module):
             set_weight_loader(self.bias, self._load_bias, num_shards=len(spec.output_sizes))
         # part -> (ggml type, uint8 block rows) or (None, fp32 rows), until finalize().
         self._parts: dict[int, tuple[int | None, torch.Tensor]] = {}
+        # (kernel, blocks, ggml type) once finalized with the kernel built (`forward`).
+        self._fast: tuple | None = None
 
     # --- loading ------------------------------------------------------------------------------
 
@@ -99,6 +115,16 @@ class GGUFLinear(nn.Module):
             self.weight.data = torch.cat([rows for _, rows in parts]) if len(parts) > 1 else parts[0][1]
             if self.dense_copy:
                 self.dense = dequantize_blocks(self.weight.data, self.ggml_type, self.in_features)
+            if self.use_native:
+                # The decode path, bound once: a module's parameter and buffer lookups and the
+                # checks of `block_matmul` cost ~30 us a call, three times the kernel's own time
+                # for a small layer at batch 1.
+                ext = native_kernel()
+                self._fast = (
+                    ext.gguf_matmul_q8 if self.int8_activations else ext.gguf_matmul,
+                    self.weight.data,
+                    self.ggml_type,
+                )
         else:
             k = self.in_features
             self.dense = torch.cat(
@@ -116,10 +142,30 @@ class GGUFLinear(nn.Module):
         return dequantize_blocks(self.weight.data[ids].contiguous(), self.ggml_type, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast, limit = self._fast, self.kernel_max_rows
+        if (
+            fast is not None
+            and x.dim() == 2
+            and x.dtype == torch.float32
+            and x.stride(1) == 1
+            and (limit is None or x.shape[0] <= limit)
+            and self.bias is None
+        ):
+            return fast[0](x, fast[1], fast[2])  # what `block_matmul` would run, without its checks
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.ggml_type is not None and (self.dense is None or kernel_takes(x2, self.use_native)):
-            out = block_matmul(x2, self.weight.data, self.ggml_type, self.in_features, self.use_native)
+        if self.ggml_type is not None and (
+            self.dense is None or kernel_takes(x2, self.use_native, self.kernel_max_rows)
+        ):
+            out = block_matmul(
+                x2,
+                self.weight.data,
+                self.ggml_type,
+                self.in_features,
+                self.use_native,
+                int8_activations=self.int8_activations,
+                max_rows=self.kernel_max_rows,
+            )
         else:
             out = torch.nn.functional.linear(x2, self.dense.to(x.dtype))
         if self.bias is not None:

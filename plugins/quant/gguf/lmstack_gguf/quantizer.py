@@ -28,10 +28,11 @@ class GGUFQuantizer(Quantizer):
             )
         self.use_native = options.kernel == "auto"
         self.dense_copy = options.prefill == "dense-copy"
+        self.int8_activations = options.activations == "int8"
 
     def linear_factory(self) -> LinearFactory:
         def make(spec: LinearSpec) -> nn.Module:
-            return GGUFLinear(spec, self.use_native, self.dense_copy)
+            return GGUFLinear(spec, self.use_native, self.dense_copy, int8_activations=self.int8_activations)
 
         return make
 
@@ -40,7 +41,7 @@ class GGUFQuantizer(Quantizer):
             if isinstance(module, GGUFLinear):
                 module.finalize()
         if self.options.lm_head == "blocks":
-            keep_embedding_and_head_as_blocks(model, self.use_native)
+            keep_embedding_and_head_as_blocks(model, self.use_native, self.int8_activations)
 
     def shard_alignment(self, spec: LinearSpec) -> int:
         # Blocks run along a row: a split of the input columns (row-parallel) keeps whole blocks.

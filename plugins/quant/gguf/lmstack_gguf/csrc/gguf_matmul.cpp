@@ -11,6 +11,13 @@
 // of x are computed once per call. Decode reads 0.56-1.06 bytes per weight, as llama.cpp does,
 // and the result is what the dequantized checkpoint gives, up to fp32 summation order.
 //
+// `gguf_matmul_q8` is the llama.cpp way instead: each 32-block of x is first rounded to int8 with
+// one fp32 scale (dx = max|x| / 127, q = round(x / dx)), and a block's contribution becomes
+// d * dx * idot(q_w, q_x) + m * dx * sum(q_x), the integer dot product done 32 pairs at a time
+// (maddubs). About a third of the instructions per weight of the fp32 path, so batch-1 decode is
+// bound by memory instead of arithmetic; the price is x's rounding (relative error ~1 / 254 per
+// value before the sums average it out; the quantizer's `activations: int8` option, README).
+//
 // Threads split the weight rows (at::parallel_for: torch's thread count applies). AVX2+FMA+F16C
 // or plain C++, picked at run time from what the CPU reports, or forced by the caller (tests).
 
@@ -20,6 +27,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -106,6 +114,17 @@ struct Problem {
   const uint8_t* w;
   int64_t row_bytes;
   int64_t type;
+  float* out;
+  int64_t M, N, K;
+};
+
+// The int8-activation path's operands (gguf_matmul_q8).
+struct Q8Problem {
+  const int8_t* qx;  // [M, K] int8
+  const float* dx;   // [M, K / QK]
+  const float* sx;   // [M, K / QK]
+  const uint8_t* w;
+  int64_t row_bytes;
   float* out;
   int64_t M, N, K;
 };
@@ -290,6 +309,116 @@ void rows(const Problem& p, int64_t n0, int64_t n1) {
     rows_many<TYPE>(p, n0, n1);
 }
 
+
+// --- int8 activations ------------------------------------------------------------------------
+
+// One 32-block of x to int8: dx = max|x| / 127, q = round-to-nearest-even(x * (1 / dx)), and
+// sx = dx * sum(q) (the offset term's sum). The same float operations as the plain path.
+inline void quantize_block(const float* x, int8_t* q, float& dx, float& sx) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  const __m256 idv = _mm256_set1_ps(id);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));  // MXCSR: nearest-even
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+  // int32 -> int8 in order: the packs work per 128-bit lane, the permute puts the lanes back.
+  const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]), p16b = _mm256_packs_epi32(i32[2], i32[3]);
+  const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p8);
+  dx = d;
+  sx = d * float(_mm_cvtsi128_si32(t4));
+}
+
+// A weight block's 32 q as unsigned (Q4: 0..15, the block's order) or, for Q8_0, signed bytes.
+template <int TYPE>
+inline __m256i load_q(const uint8_t* blk) {
+  if constexpr (TYPE == Q8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (TYPE == Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+  }
+}
+
+// Eight int32 partial sums of q_w . q_x over the block (exact).
+template <int TYPE>
+inline __m256i idot(__m256i w, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (TYPE == Q8_0)  // maddubs takes unsigned x signed: move w's sign onto x
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones);
+  else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+}
+
+// NR weight rows x MR activation rows, NR * MR accumulators: each weight block is read and
+// unpacked once for MR rows, each activation block loaded once for NR weight rows.
+template <int TYPE, int NR, int MR>
+inline void tile_q8(const Q8Problem& p, int64_t n, int64_t r0) {
+  const int64_t nb = p.K / QK, bb = block_bytes(TYPE);
+  __m256 acc[NR][MR];
+  float off[NR][MR];
+  for (int a = 0; a < NR; ++a)
+    for (int r = 0; r < MR; ++r) acc[a][r] = _mm256_setzero_ps(), off[a][r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i wq[NR];
+    float d[NR], m[NR];
+    for (int a = 0; a < NR; ++a) {
+      const uint8_t* blk = p.w + (n + a) * p.row_bytes + b * bb;
+      if (n + a + PREFETCH_ROWS < p.N)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_ROWS * p.row_bytes), _MM_HINT_T0);
+      wq[a] = load_q<TYPE>(blk);
+      dm<TYPE>(blk, d[a], m[a]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t xb = (r0 + r) * nb + b;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.qx + xb * QK));
+      const float dx = p.dx[xb], sx = p.sx[xb];
+      for (int a = 0; a < NR; ++a) {
+        acc[a][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot<TYPE>(wq[a], xq)), _mm256_set1_ps(d[a] * dx), acc[a][r]);
+        if constexpr (TYPE != Q8_0) off[a][r] += m[a] * sx;
+      }
+    }
+  }
+  for (int a = 0; a < NR; ++a)
+    for (int r = 0; r < MR; ++r) p.out[(r0 + r) * p.N + n + a] = hsum(acc[a][r]) + off[a][r];
+}
+
+template <int TYPE, int NR>
+inline void rows_tile_q8(const Q8Problem& p, int64_t n) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= p.M; r0 += 4) tile_q8<TYPE, NR, 4>(p, n, r0);
+  switch (p.M - r0) {
+    case 3: tile_q8<TYPE, NR, 3>(p, n, r0); break;
+    case 2: tile_q8<TYPE, NR, 2>(p, n, r0); break;
+    case 1: tile_q8<TYPE, NR, 1>(p, n, r0); break;
+  }
+}
+
+template <int TYPE>
+void rows_q8(const Q8Problem& p, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (p.M == 1) {  // decode at batch 1: four weight rows at a time
+    for (; n + 4 <= n1; n += 4) tile_q8<TYPE, 4, 1>(p, n, 0);
+  } else {
+    for (; n + 2 <= n1; n += 2) rows_tile_q8<TYPE, 2>(p, n);
+  }
+  for (; n < n1; ++n) rows_tile_q8<TYPE, 1>(p, n);
+}
+
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -301,14 +430,19 @@ void check_weight(const torch::Tensor& w, int64_t type, int64_t k) {
               " needs ", k / QK * block_bytes(type));
 }
 
-torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t isa) {
+// The product's operands checked, and its uninitialised output [M, N].
+torch::Tensor checked_output(const torch::Tensor& x, const torch::Tensor& w, int64_t type) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "x must be a CPU float32 tensor [M, K]");
   TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
+  check_weight(w, type, x.size(1));
+  return torch::empty({x.size(0), w.size(0)}, x.options());
+}
+
+torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t isa) {
+  auto out = checked_output(x, w, type);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  check_weight(w, type, K);
   if (isa < 0) isa = best_isa();
-  auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* xp = x.data_ptr<float>();
   // Each block's sum of x, once per call, for the offset term m * sum(x_block) of the one-row
@@ -332,6 +466,96 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_
       }
     } else {
       rows_scalar(p, n0, n1);
+    }
+  });
+  return out;
+}
+
+// The plain-C++ twins of the int8-activation path (same rounding: nearbyintf under the default
+// round-to-nearest-even mode, as the vector conversion).
+void quantize_block_scalar(const float* x, int8_t* q, float& dx, float& sx) {
+  float amax = 0.f;
+  for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  int sum = 0;
+  for (int j = 0; j < QK; ++j) {
+    const int v = int(std::nearbyintf(x[j] * id));
+    q[j] = int8_t(v);
+    sum += v;
+  }
+  dx = d;
+  sx = d * float(sum);
+}
+
+void rows_q8_scalar(const Q8Problem& p, int64_t type, int64_t n0, int64_t n1) {
+  const int64_t nb = p.K / QK, bb = block_bytes(type);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < p.M; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = p.w + n * p.row_bytes + b * bb;
+        float d, m;
+        block_dm(type, blk, d, m);
+        const int8_t* xq = p.qx + (r * nb + b) * QK;
+        int dot = 0;
+        if (type == Q8_0) {
+          const int8_t* wq = reinterpret_cast<const int8_t*>(blk + 2);
+          for (int j = 0; j < QK; ++j) dot += int(wq[j]) * int(xq[j]);
+        } else {
+          const uint8_t* wq = blk + (type == Q4_1 ? 4 : 2);
+          for (int j = 0; j < QK / 2; ++j) dot += int(wq[j] & 0x0F) * int(xq[j]) + int(wq[j] >> 4) * int(xq[j + QK / 2]);
+        }
+        acc += d * p.dx[r * nb + b] * float(dot) + (type == Q8_0 ? 0.f : m * p.sx[r * nb + b]);
+      }
+      p.out[r * p.N + n] = acc;
+    }
+}
+
+// x [M, K] fp32 -> (q int8 [M, K], dx [M, K / 32], sx [M, K / 32]): what gguf_matmul_q8 multiplies by.
+std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x, int64_t isa) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a CPU float32 tensor [M, K] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  TORCH_CHECK(K > 0 && K % QK == 0, "K must be a positive multiple of ", QK, ", got ", K);
+  if (isa < 0) isa = best_isa();
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto dx = torch::empty({M, nb}, x.options()), sx = torch::empty({M, nb}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float *dp = dx.data_ptr<float>(), *sp = sx.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* src = xp + r * x.stride(0) + b * QK;
+        int8_t* dst = qp + (r * nb + b) * QK;
+        if (isa >= ISA_AVX2)
+          avx2::quantize_block(src, dst, dp[r * nb + b], sp[r * nb + b]);
+        else
+          quantize_block_scalar(src, dst, dp[r * nb + b], sp[r * nb + b]);
+      }
+  });
+  return {q, dx, sx};
+}
+
+torch::Tensor gguf_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t isa) {
+  auto out = checked_output(x, w, type);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (isa < 0) isa = best_isa();
+  if (M == 0 || N == 0) return out;
+  const auto qx = quantize_q8(x, isa);
+  Q8Problem p{qx[0].data_ptr<int8_t>(), qx[1].data_ptr<float>(), qx[2].data_ptr<float>(), w.data_ptr<uint8_t>(),
+              w.size(1), out.data_ptr<float>(), M, N, K};
+  const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(1, K * M));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (isa >= ISA_AVX2) {
+      switch (type) {
+        case Q4_0: avx2::rows_q8<Q4_0>(p, n0, n1); break;
+        case Q4_1: avx2::rows_q8<Q4_1>(p, n0, n1); break;
+        default: avx2::rows_q8<Q8_0>(p, n0, n1); break;
+      }
+    } else {
+      rows_q8_scalar(p, type, n0, n1);
     }
   });
   return out;
@@ -382,6 +606,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lmstack-gguf CPU kernels";
   m.def("gguf_matmul", &gguf_matmul::gguf_matmul, "x fp32 [M, K] @ W^T, W [N, K] in GGUF blocks (uint8 rows)",
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("isa") = -1);
+  m.def("gguf_matmul_q8", &gguf_matmul::gguf_matmul_q8,
+        "x fp32 [M, K] @ W^T with x rounded to int8 per 32-block first (integer dot products)", py::arg("x"),
+        py::arg("w"), py::arg("type"), py::arg("isa") = -1);
+  m.def("quantize_q8", &gguf_matmul::quantize_q8, "x fp32 [M, K] -> (int8 q, scale dx, dx * sum(q)) per 32-block",
+        py::arg("x"), py::arg("isa") = -1);
   m.def("gguf_dequantize", &gguf_matmul::gguf_dequantize, "GGUF block rows -> float32 [N, K]", py::arg("w"),
         py::arg("type"), py::arg("k"), py::arg("into") = py::none());
   m.def("block_bytes", &gguf_matmul::block_bytes, "bytes per 32-value block of a GGML type");
