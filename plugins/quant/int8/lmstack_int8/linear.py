@@ -16,7 +16,7 @@ from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, to_dense
 from lmstack.model.tp_shard import input_columns, part_rows
 from lmstack.model.weight_loader import load_bias_parts, loaded_parts, set_weight_loader, take_rows
-from lmstack_int8.kernel import Int8Matmul, dequantize_rows, quantize_rows
+from lmstack_int8.kernel import NATIVE_MAX_ROWS, Int8Matmul, dequantize_rows, native_kernel, quantize_rows
 
 
 class Int8Linear(nn.Module):
@@ -37,12 +37,17 @@ class Int8Linear(nn.Module):
             )
             set_weight_loader(self.bias, self._load_bias, num_shards=parts)
         self.matmul = Int8Matmul(exact_fp32, use_native)
+        # (kernel, weight, scales) bound at the first call after loading, or False without the
+        # kernel: a module's parameter / buffer lookups and `Int8Matmul.path`'s checks cost
+        # ~30 us a call, more than the kernel itself for a small layer at batch 1.
+        self._fast: tuple | bool | None = None
 
     # --- loading ------------------------------------------------------------------------------
 
     @torch.no_grad()
     def _load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
         self.matmul.reset()
+        self._fast = None
         for part, tensor in loaded_parts(self.spec.output_sizes, loaded, shard_id):
             offset, start, rows = part_rows(self.spec, part)
             want = (self.spec.output_sizes[part], self.spec.in_features)
@@ -66,7 +71,22 @@ class Int8Linear(nn.Module):
         """Output rows `ids` of the weight, dequantized (the embedding lookup of an int8 table)."""
         return dequantize_rows(self.weight[ids], self.weight_scale[ids], dtype)
 
+    def _bind(self) -> tuple | bool:
+        ext = native_kernel() if self.matmul.use_native and self.weight.device.type == "cpu" else None
+        self._fast = (ext.int8_matmul, self.weight.data, self.weight_scale) if ext is not None else False
+        return self._fast
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = self._fast if self._fast is not None else self._bind()
+        if (
+            fast
+            and x.dim() == 2
+            and x.dtype == torch.float32
+            and x.stride(1) == 1
+            and x.shape[0] <= NATIVE_MAX_ROWS
+            and self.bias is None
+        ):
+            return fast[0](x, fast[1], fast[2])  # the "native" path of `Int8Matmul`, without its checks
         lead = x.shape[:-1]
         out = self.matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
         if self.bias is not None:
