@@ -4,6 +4,7 @@ lmstack-eagle (`prompts_eval.txt`, disjoint from the training prompts).
 
     lmstack eagle train --out ~/.cache/lmstack/eagle/smollm2-135m-instruct
     .venv/bin/python benchmarks/eagle.py [--head DIR] [--max-tokens 128] [--repeats 2]
+        [--stack examples/stacks/eagle.yaml] [--draft-vocab 2048] [--head-weights int8]
 
 Chat template applied, greedy, EOS respected. Each prompt runs alone on each system, the
 systems alternating prompt by prompt in one process; decode tok/s = (output tokens - 1) /
@@ -40,6 +41,12 @@ def main() -> None:
         default=0,
         help="also run eagle with draft_vocab N (the head's N most frequent tokens)",
     )
+    ap.add_argument(
+        "--head-weights",
+        choices=("fp32", "int8"),
+        default="fp32",
+        help="the eagle systems' head_weights (int8: torch's dynamic int8 linears, CPU)",
+    )
     args = ap.parse_args()
 
     from lmstack import LLM, SamplingParams
@@ -63,6 +70,7 @@ def main() -> None:
         "head": args.head,
         "num_draft_tokens": args.num_draft_tokens,
         "adaptive": not args.fixed,
+        "head_weights": args.head_weights,
     }
     llms = {
         "plain": LLM({**base, "speculator": {"name": "none"}}),
@@ -117,6 +125,7 @@ def main() -> None:
                 "repeats": args.repeats,
                 "num_draft_tokens": args.num_draft_tokens,
                 "adaptive": not args.fixed,
+                "head_weights": args.head_weights,
                 "plain_decode_tok_s": tok_s["plain"],
                 "systems": systems,
             },

@@ -11,10 +11,11 @@ feeds (predicted feature, drafted token) back, greedily, up to `seq.draft_limit`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import torch
+from torch import nn
 
 from lmstack.errors import ConfigError
 from lmstack.interfaces import DraftFeedback, Speculator
@@ -36,6 +37,12 @@ class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # draft_vocab.json): the LM head then costs N / vocab of a full one per draft token; a token
     # outside is never drafted (verification stays exact). 0: the whole vocabulary.
     draft_vocab: int = 0
+    # The head's linears: "fp32" (as trained, the serving dtype), or "int8": int8 rows with one
+    # scale each, multiplied by lmstack-int8's CPU kernel (fp32 activations; needs that
+    # distribution and its built kernel). A draft pass reads its weights once per draft token:
+    # a quarter of the bytes makes drafting cheaper (README); drafts may differ slightly,
+    # verification keeps the output exact.
+    head_weights: Literal["fp32", "int8"] = "fp32"
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 16:
@@ -108,7 +115,7 @@ class EagleSpeculator(Speculator):
     @property
     def dtype(self) -> torch.dtype:
         assert self.head is not None
-        return self.head.fc.weight.dtype
+        return self.head.post_attention_layernorm.dtype  # (an int8 head's linears have no float weight)
 
     def _new_cache(self, seq: Sequence) -> DraftCache:
         c = self.head.cfg  # type: ignore[union-attr]
@@ -243,6 +250,50 @@ def check_head(options: EagleOptions, mc: Any) -> None:
         )
 
 
+def int8_kernel_problem() -> str | None:
+    """Why `head_weights: int8` cannot run here, or None (the resolver's check)."""
+    try:
+        from lmstack_int8.native import EXTENSION
+    except ImportError:
+        return "head_weights: int8 needs lmstack-int8 installed (its CPU kernel multiplies the head)"
+    problem = EXTENSION.load_error()
+    return (
+        None
+        if problem is None
+        else f"head_weights: int8 needs lmstack-int8's kernel, which did not build: {problem}"
+    )
+
+
+class Int8Rows(nn.Module):
+    """A head linear as int8 rows with one fp32 scale each (lmstack-int8's `quantize_rows`),
+    multiplied by its C++ kernel: x fp32 [..., in] -> [..., out]."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        from lmstack_int8.kernel import native_kernel, quantize_rows
+
+        q, scale = quantize_rows(linear.weight.detach())
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self._matmul = native_kernel().int8_matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x.reshape(-1, x.shape[-1]).float().contiguous(), self.q, self.scale, -1)
+        if self.bias is not None:
+            out += self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def int8_head(head: EagleHead) -> EagleHead:
+    """The fp32 CPU head with its nn.Linear layers swapped for `Int8Rows` (the resolver has
+    checked the device and the kernel)."""
+    for name, module in list(head.named_children()):
+        if isinstance(module, nn.Linear):
+            setattr(head, name, Int8Rows(module))
+    return head
+
+
 def build(options: EagleOptions, ctx: Any) -> EagleSpeculator:
     mc = ctx.model_config
     check_head(options, mc)
@@ -259,5 +310,8 @@ def build(options: EagleOptions, ctx: Any) -> EagleSpeculator:
             "speculator.name",
         )
     vocab = read_draft_vocab(options.head, options.draft_vocab) if options.draft_vocab else None
-    head = load_head(options.head, ctx.dtype).to(ctx.device)
+    if options.head_weights == "int8":  # quantized from fp32; the head then runs in fp32
+        head = int8_head(load_head(options.head, torch.float32))
+    else:
+        head = load_head(options.head, ctx.dtype).to(ctx.device)
     return EagleSpeculator(head, embed, lm_head, num_layers, options, ctx.device, vocab)

@@ -319,3 +319,51 @@ def test_reduced_draft_vocabulary(tiny_model_path, trained_head_dir):
     assert drafted and drafted <= set(vocab[:20]), f"drafted {sorted(drafted - set(vocab[:20]))} outside"
     with pytest.raises(LmstackError, match="draft_vocab.json"):
         LLM(eagle_stack(tiny_model_path, tiny_model_path, draft_vocab=20))
+
+
+def test_int8_head_drafts_like_the_fp32_head(tiny_model_path, trained_head_dir):
+    """head_weights: int8 (int8 rows, lmstack-int8's kernel): the head's linears are swapped,
+    its features stay close to the fp32 head's, drafts are still accepted and greedy output is
+    still plain decoding's."""
+    from lmstack_eagle.speculator import Int8Rows, int8_kernel_problem
+
+    if int8_kernel_problem():
+        pytest.skip(int8_kernel_problem())
+    fp32 = LLM(eagle_stack(tiny_model_path, trained_head_dir, num_draft_tokens=4, adaptive=False))
+    int8 = LLM(
+        eagle_stack(
+            tiny_model_path, trained_head_dir, num_draft_tokens=4, adaptive=False, head_weights="int8"
+        )
+    )
+    head8, head32 = int8.engine.speculator.head, fp32.engine.speculator.head
+    assert isinstance(head8.q_proj, Int8Rows) and isinstance(head8.fc, Int8Rows)
+    h, g = head32.cfg.hidden_size, torch.Generator().manual_seed(0)
+    emb, feat = torch.randn(3, h, generator=g), torch.randn(3, h, generator=g)
+    with torch.inference_mode():
+        a, b = head32(emb, feat, torch.arange(3))[0], head8(emb, feat, torch.arange(3))[0]
+    assert float((a - b).norm() / a.norm()) < 0.05
+    prompts = chat_ids(int8, TRAIN_PROMPTS)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ours = int8.generate(prompts, params)
+    theirs = LLM(tiny_stack(tiny_model_path)).generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+    stats = int8.get_stats()
+    assert stats.num_accepted_tokens > 0.15 * stats.num_draft_tokens > 0
+
+
+def test_int8_head_is_refused_off_the_cpu_or_without_its_kernel(
+    tiny_model_path, trained_head_dir, monkeypatch
+):
+    from lmstack.config import load_stack
+    from lmstack.plugins import default_registry
+    from lmstack.resolve import resolve
+
+    EXTENSION = pytest.importorskip("lmstack_int8.native").EXTENSION
+    stack = eagle_stack(tiny_model_path, trained_head_dir, head_weights="int8")
+    with pytest.raises(LmstackError, match="cuda"):
+        resolve(load_stack({**stack, "device": "cuda"}), default_registry())
+    monkeypatch.setattr(EXTENSION, "load_error", lambda: "no C++ compiler found")
+    with pytest.raises(
+        LmstackError, match="needs lmstack-int8's kernel, which did not build: no C\\+\\+ compiler"
+    ):
+        resolve(load_stack(stack), default_registry())
