@@ -23,6 +23,7 @@ from types import ModuleType
 
 import torch
 
+from lmstack.model.rope import rotate_ as rotate_reference
 from lmstack.native import NativeExtension
 
 EXTENSION = NativeExtension(
@@ -61,11 +62,14 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm of x [..., H]; with `residual`, x += residual first, in place (x must be a tensor
     the caller owns)."""
-    ops = native() if _takes(x) and x.dim() == 2 and x.stride(-1) == 1 else None
+    # The tensor checks first: a GPU or bf16 stack never builds the CPU extension.
     if (
-        ops is not None
+        _takes(x)
+        and x.dim() == 2
+        and x.stride(-1) == 1
         and _takes(weight)
         and (residual is None or (_takes(residual) and residual.stride(-1) == 1))
+        and (ops := native()) is not None
     ):
         return ops.rms_norm(x, weight, eps, residual)
     if residual is not None:
@@ -76,12 +80,9 @@ def rms_norm(
 def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`lmstack.model.rope.rotate_`, natively where it can: x [T, H, D], tables from
     `RotaryEmbedding.tables_full` ([T, 1, 2, D/2]: (cos, cos) and (-sin, sin))."""
-    ops = native() if _takes(x) and _takes(cos) and x.stride(-1) == 1 else None
-    if ops is not None:
+    if _takes(x) and _takes(cos) and x.stride(-1) == 1 and (ops := native()) is not None:
         return ops.rope_(x, cos[:, 0, 0], sin[:, 0, 1])
-    from lmstack.model.rope import rotate_ as reference
-
-    return reference(x, cos, sin)
+    return rotate_reference(x, cos, sin)
 
 
 def main() -> int:

@@ -2,10 +2,10 @@
 
 `block_matmul(x [M, K], blocks, ggml_type)` -> [M, N] fp32:
 
-- fp32 activations, at most `NATIVE_MAX_ROWS` rows (decode batches; with int8 activations any
-  number for the LM head),
-  kernel built: the C++ kernel (csrc/gguf_matmul.cpp): the blocks are read as stored and widened
-  to fp32 in registers, or, with `int8_activations`, multiplied in integers by x rounded to int8.
+- fp32 activations, at most `max_rows` rows (decode batches: `NATIVE_MAX_ROWS`; any number for
+  an LM head with int8 activations), kernel built: the C++ kernel (csrc/gguf_matmul.cpp): the
+  blocks are read as stored and widened to fp32 in registers, or, with `int8_activations`,
+  multiplied in integers by x rounded to int8.
 - otherwise (prefill, or no kernel): the blocks are dequantized `SLAB_BYTES` of fp32 at a time
   into a reused buffer and multiplied densely in fp32 — what the dequantized checkpoint computes.
 """

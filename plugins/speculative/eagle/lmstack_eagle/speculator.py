@@ -264,33 +264,18 @@ def int8_kernel_problem() -> str | None:
     )
 
 
-class Int8Rows(nn.Module):
-    """A head linear as int8 rows with one fp32 scale each (lmstack-int8's `quantize_rows`),
-    multiplied by its C++ kernel: x fp32 [..., in] -> [..., out]."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        from lmstack_int8.kernel import native_kernel, quantize_rows
-
-        q, scale = quantize_rows(linear.weight.detach())
-        self.register_buffer("q", q)
-        self.register_buffer("scale", scale)
-        self.bias = None if linear.bias is None else linear.bias.detach().float()
-        self._matmul = native_kernel().int8_matmul
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._matmul(x.reshape(-1, x.shape[-1]).float().contiguous(), self.q, self.scale, -1)
-        if self.bias is not None:
-            out += self.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
 def int8_head(head: EagleHead) -> EagleHead:
-    """The fp32 CPU head with its nn.Linear layers swapped for `Int8Rows` (the resolver has
-    checked the device and the kernel)."""
+    """The fp32 CPU head with each nn.Linear swapped for lmstack-int8's `Int8Linear` of its
+    weight (int8 rows, one scale each; its C++ kernel for decode-sized batches, an exact fp32
+    path above). The resolver has checked the device and the kernel."""
+    from lmstack_int8.head import int8_table
+
     for name, module in list(head.named_children()):
         if isinstance(module, nn.Linear):
-            setattr(head, name, Int8Rows(module))
+            table = int8_table(module.weight.detach(), exact_fp32=True)
+            if module.bias is not None:
+                table.bias = nn.Parameter(module.bias.detach().float(), requires_grad=False)
+            setattr(head, name, table)
     return head
 
 

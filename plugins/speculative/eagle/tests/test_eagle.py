@@ -325,10 +325,12 @@ def test_int8_head_drafts_like_the_fp32_head(tiny_model_path, trained_head_dir):
     """head_weights: int8 (int8 rows, lmstack-int8's kernel): the head's linears are swapped,
     its features stay close to the fp32 head's, drafts are still accepted and greedy output is
     still plain decoding's."""
-    from lmstack_eagle.speculator import Int8Rows, int8_kernel_problem
+    from lmstack_eagle.speculator import int8_kernel_problem
 
     if int8_kernel_problem():
         pytest.skip(int8_kernel_problem())
+    from lmstack_int8.linear import Int8Linear
+
     fp32 = LLM(eagle_stack(tiny_model_path, trained_head_dir, num_draft_tokens=4, adaptive=False))
     int8 = LLM(
         eagle_stack(
@@ -336,7 +338,7 @@ def test_int8_head_drafts_like_the_fp32_head(tiny_model_path, trained_head_dir):
         )
     )
     head8, head32 = int8.engine.speculator.head, fp32.engine.speculator.head
-    assert isinstance(head8.q_proj, Int8Rows) and isinstance(head8.fc, Int8Rows)
+    assert isinstance(head8.q_proj, Int8Linear) and isinstance(head8.fc, Int8Linear)
     h, g = head32.cfg.hidden_size, torch.Generator().manual_seed(0)
     emb, feat = torch.randn(3, h, generator=g), torch.randn(3, h, generator=g)
     with torch.inference_mode():
