@@ -491,13 +491,27 @@ class AttentionConformance(ComponentKit):
             assert torch.equal(stored_v, quantize_kv(v, v_scale.to(v.device), kv_dtype).float())
 
     def test_write_kv_uses_slot_mapping(self):
+        """Each token's K/V rows land in its slot, in every declared dtype, also when k and v
+        are strided views (as a model's fused QKV projection gives them); nothing else moves."""
         m, backend = self.matrix(), self.backend()
         rng = random.Random()
         hd, bs = m.head_dims[0], m.block_sizes[-1]
         spans = [(rng.randint(0, 40), rng.randint(1, 20)) for _ in range(3)]
-        q, k, v, kc, vc, meta, dense, qs = self._batch(rng, torch.float32, hd, bs, 1, spans)
-        kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
-        backend.write_kv(k, v, kc2, vc2, meta.slot_mapping)
-        flat_k = kc2.view(-1, *kc2.shape[2:])
-        assert torch.equal(flat_k[meta.slot_mapping], k)
-        assert torch.equal(vc2.view(-1, *vc2.shape[2:])[meta.slot_mapping], v)
+        declared = self.capabilities().get("kv_cache_dtypes")
+        cache_dtypes = [] if declared is None else [_DTYPES[n] for n in declared if n in _DTYPES]
+        for dtype in m.dtypes:
+            for cache_dtype in dict.fromkeys([dtype, *cache_dtypes]):
+                q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, 1, spans)
+                fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+                kv_at = q[0].numel()
+                k_view = fused[:, kv_at : kv_at + k[0].numel()].view_as(k)
+                v_view = fused[:, kv_at + k[0].numel() :].view_as(v)
+                kc2 = torch.full(kc.shape, 7.0, dtype=cache_dtype, device=kc.device)
+                vc2 = torch.full(vc.shape, 7.0, dtype=cache_dtype, device=vc.device)
+                expect_k, expect_v = kc2.clone(), vc2.clone()
+                backend.write_kv(k_view, v_view, kc2, vc2, meta.slot_mapping)
+                expect_k.view(-1, *kc.shape[2:])[meta.slot_mapping] = k.to(cache_dtype)
+                expect_v.view(-1, *vc.shape[2:])[meta.slot_mapping] = v.to(cache_dtype)
+                what = f"after write_kv of {dtype} rows into a {cache_dtype} cache"
+                assert torch.equal(kc2, expect_k), f"K cache {what}"
+                assert torch.equal(vc2, expect_v), f"V cache {what}"
