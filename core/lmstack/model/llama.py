@@ -13,7 +13,6 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmstack.distributed import ParallelRanks, get_parallel, layer_range, tp_all_reduce
@@ -24,7 +23,7 @@ from lmstack.model.checkpoint import CheckpointTensor
 from lmstack.model.config import ModelConfig
 from lmstack.model.gguf_loader import llama_gguf_tensor, load_gguf_config
 from lmstack.model.hf_loader import parse_llama_config
-from lmstack.model.layer_ops import rms_norm, rotate_
+from lmstack.model.layer_ops import rms_norm, rotate_, silu_mul
 from lmstack.model.linear import default_linear, dense_parameter
 from lmstack.model.rope import RotaryEmbedding
 from lmstack.model.stages import StageLayers
@@ -120,13 +119,6 @@ class DecoderLayer(nn.Module):
         # The residual add happens in place on o_proj's (fresh) output, inside the norm.
         h, x = self.post_attention_layernorm(tp_all_reduce(self.o_proj(o.reshape(t, qs))), x)
         return x + self.mlp(h)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's silu(gate) * up from the fused [T, 2I] gate/up output, in place in its gate half
-    (two kernels, no allocation; the values are those of `F.silu(gate) * up`)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate, inplace=True).mul_(up)
 
 
 class LlamaModel(nn.Module):
