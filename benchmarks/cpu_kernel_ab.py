@@ -47,7 +47,7 @@ LAYERS, HEAD = 30, (49152, 576)
 
 
 def build(kernel: str, source: Path, version: str) -> object:
-    path, name = KERNELS[kernel]
+    _, name = KERNELS[kernel]
     ext = NativeExtension(name=f"{name}_{version}", cache_name=f"kernel_ab/{kernel}", sources=[source])
     return ext.load()
 

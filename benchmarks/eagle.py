@@ -45,7 +45,7 @@ def main() -> None:
         "--head-weights",
         choices=("fp32", "int8"),
         default="fp32",
-        help="the eagle systems' head_weights (int8: torch's dynamic int8 linears, CPU)",
+        help="the eagle systems' head_weights (int8: lmstack-int8's Int8Linear and CPU kernel)",
     )
     args = ap.parse_args()
 

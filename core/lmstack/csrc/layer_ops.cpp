@@ -1,10 +1,11 @@
 // The decoder layer's small per-token ops on the CPU, one call each: RMSNorm (with the residual
-// add in front of it), the rotary embedding in place and SwiGLU's silu(gate) * up in place. At batch 1 a 576-wide RMSNorm done as
-// five torch ops costs ~60-70 us of dispatch for ~1 us of arithmetic; 61 of them per token were
-// ~12 % of a decode step (lmstack.model.layer_ops says when these are used).
+// add in front of it), the rotary embedding in place and SwiGLU's silu(gate) * up in place. At
+// batch 1 a 576-wide RMSNorm done as five torch ops costs ~60-70 us of dispatch for ~1 us of
+// arithmetic; 61 of them per token were ~12 % of a decode step (lmstack.model.layer_ops says when
+// these are used).
 //
-// fp32 only. Compiled twice, plain and for AVX2+FMA (the compiler vectorises the loops), and
-// picked at run time from what the CPU reports. -ffp-contract=off: no multiply-add is fused, so
+// fp32 only. Compiled twice, plain and for AVX2+FMA (the compiler vectorises the loops; silu * up
+// is vectorised by hand), and picked at run time from what the CPU reports. -ffp-contract=off: no multiply-add is fused, so
 // both variants give the same bits, and the rotary embedding gives the same bits as the torch
 // reference (lmstack.model.rope.rotate_); RMSNorm differs from torch's only in the summation
 // order of the mean of squares.

@@ -327,8 +327,8 @@ def test_int8_head_drafts_like_the_fp32_head(tiny_model_path, trained_head_dir):
     still plain decoding's."""
     from lmstack_eagle.speculator import int8_kernel_problem
 
-    if int8_kernel_problem():
-        pytest.skip(int8_kernel_problem())
+    if problem := int8_kernel_problem():
+        pytest.skip(problem)
     from lmstack_int8.linear import Int8Linear
 
     fp32 = LLM(eagle_stack(tiny_model_path, trained_head_dir, num_draft_tokens=4, adaptive=False))
