@@ -5,10 +5,10 @@
 // these are used).
 //
 // fp32 only. Compiled twice, plain and for AVX2+FMA (the compiler vectorises the loops; silu * up
-// is vectorised by hand), and picked at run time from what the CPU reports. -ffp-contract=off: no multiply-add is fused, so
-// both variants give the same bits, and the rotary embedding gives the same bits as the torch
-// reference (lmstack.model.rope.rotate_); RMSNorm differs from torch's only in the summation
-// order of the mean of squares.
+// is vectorised by hand), and picked at run time from what the CPU reports. -ffp-contract=off:
+// no multiply-add is fused, so both variants give the same bits, and the rotary embedding gives
+// the same bits as the torch reference (lmstack.model.rope.rotate_); RMSNorm differs from
+// torch's only in the summation order of the mean of squares.
 
 #include <torch/extension.h>
 
