@@ -12,7 +12,7 @@ import torch
 from lmstack.interfaces import LinearSpec
 from lmstack.testing.attention import rel_error
 from lmstack_awq.int4_math import Int4Scheme, pack_nibbles, quantize_int4
-from lmstack_awq.kernels.cpu_int4pack import FP32_DEQUANT_MIN_ROWS, CpuInt4Pack, block_nibble_map
+from lmstack_awq.kernels.cpu_int4pack import FP32_DEQUANT_MIN_ROWS, PROBE_ROWS, CpuInt4Pack, PackedLayout
 from lmstack_awq.linear import Int4Linear
 
 
@@ -73,13 +73,19 @@ def test_cpu_int4pack_matches_reference_and_gives_codes_back(dtype):
     assert torch.equal(layer.row_codes(ids), codes[ids])
 
 
-def test_block_nibble_map_is_a_permutation_of_the_block():
-    where = block_nibble_map(64)
-    assert sorted(where.reshape(-1).tolist()) == list(range(32 * 64))
-    q = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2).reshape(-1)
-    nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(-1)
-    assert torch.equal(nibbles[where], q)
+@pytest.mark.parametrize("rows", [32, 96, 2 * PROBE_ROWS + 96, 3 * PROBE_ROWS + 32])
+def test_packed_layout_finds_every_code(rows):
+    """The layout learned from a probe (extrapolated past 2 * PROBE_ROWS rows) reads back any
+    weight the op packed: whole, and row by row (the op's row blocks differ between AVX2 and
+    AVX-512 builds of torch, and a row count that is not a multiple of them ends in a tail)."""
+    k = random.choice((64, 96, 160))
+    layout = PackedLayout(rows, k)
+    q = torch.randint(0, 16, (rows, k), dtype=torch.uint8)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    assert torch.equal(layout.unpack(packed), q)
+    ids = torch.tensor([0, rows - 1, rows // 2, 31, rows - 17, *random.sample(range(rows), 5)])
+    nibbles = torch.stack((packed.view(-1) & 15, packed.view(-1) >> 4), dim=-1).view(-1)
+    assert torch.equal(nibbles[layout.positions(ids)], q[ids])
 
 
 def test_nibble_packing_is_compressed_tensors_byte_order():

@@ -51,7 +51,7 @@ class CpuInt4Pack:
         zero = expand_groups(layer.w_zeros.float(), k, layer.group_size)[:, :: self.gk]
         self.scale_zero32 = torch.stack([scale.t(), ((8 - zero) * scale).t()], dim=-1).contiguous()
         self._by_dtype: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale_zero32}
-        self._map: torch.Tensor | None = None
+        self._layout: PackedLayout | None = None
 
     def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -63,29 +63,23 @@ class CpuInt4Pack:
             sz = self._by_dtype[x.dtype] = self.scale_zero32.to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), layer.w_packed, self.gk, sz)
 
+    def layout(self, layer) -> PackedLayout:
+        if self._layout is None:
+            self._layout = PackedLayout(layer.out_features, layer.in_features)
+        return self._layout
+
     def dequantized(self, layer) -> torch.Tensor:
         """The fp32 weight [out, in], decoded from the packed layout (not kept)."""
         from lmstack_awq.int4_math import dequantize_int4
 
-        k = layer.in_features
-        if self._map is None:
-            self._map = block_nibble_map(k)
-        # Every block of 32 rows has the same layout: one gather of its nibbles puts them back
-        # in (row, column) order.
-        blocks = layer.w_packed.view(-1, BLOCK_ROWS * k // 2)
-        nibbles = torch.stack((blocks & 15, blocks >> 4), dim=-1).view(blocks.shape[0], -1)
-        codes = nibbles.index_select(1, self._map.view(-1)).view(-1, k)
+        codes = self.layout(layer).unpack(layer.w_packed)
         return dequantize_int4(codes, layer.w_scales, layer.w_zeros, layer.group_size, torch.float32)
 
     def row_codes(self, layer, ids: torch.Tensor) -> torch.Tensor:
         """uint8 codes [len(ids), in] of output rows `ids`, read straight from the packed layout
         (the embedding lookup of a tied int4 head)."""
-        k = layer.in_features
-        if self._map is None:
-            self._map = block_nibble_map(k)
-        where = self._map[ids % BLOCK_ROWS]  # [T, in] nibble positions inside the row's block
-        blocks = layer.w_packed.view(-1, BLOCK_ROWS * k // 2)
-        byte = blocks[(ids // BLOCK_ROWS)[:, None], where // 2]
+        where = self.layout(layer).positions(ids)
+        byte = layer.w_packed.view(-1)[where // 2]
         return (byte >> (4 * (where % 2)).to(torch.uint8)) & 15
 
     def codes(self, layer) -> torch.Tensor:
@@ -99,16 +93,19 @@ class CpuInt4Pack:
         return ((w - offset) / safe + 8).round().clamp(0, 15).to(torch.uint8)
 
 
-BLOCK_ROWS = 32  # the packed layout keeps each block of 32 output rows to itself
+BLOCK_ROWS = 32  # `supports` asks for whole blocks of 32 output rows (what AVX2 builds pack)
+# Rows probed to learn the op's layout: its blocks of output rows (32 on AVX2 builds, 64 on
+# AVX-512 ones) divide this, so a probe of PROBE_ROWS + n % PROBE_ROWS rows has n's tail.
+PROBE_ROWS = 256
 
 
-def block_nibble_map(in_features: int) -> torch.Tensor:
-    """int64 [32, in]: where (row i, column c) of a 32-row block sits in that block's packed
-    bytes, as nibble position 2 * byte + (1 for the high nibble). Found by packing probe blocks
+def probe_positions(rows: int, in_features: int) -> torch.Tensor:
+    """int64 [rows, in]: where (row, column) of a [rows, in] weight sits in the op's packed
+    bytes, as nibble position 2 * byte + (1 for the high nibble). Found by packing probe weights
     whose codes spell each position's index in base 16, one digit per probe, so it follows the
-    op's layout rather than re-deriving it."""
-    n = BLOCK_ROWS * in_features
-    index = torch.arange(n, dtype=torch.int64).view(BLOCK_ROWS, in_features)
+    op's layout (which depends on the CPU torch was built for) rather than re-deriving it."""
+    n = rows * in_features
+    index = torch.arange(n, dtype=torch.int64).view(rows, in_features)
     source = torch.zeros(n, dtype=torch.int64)
     digit = 0
     while 16**digit < n:
@@ -119,4 +116,57 @@ def block_nibble_map(in_features: int) -> torch.Tensor:
         digit += 1
     position = torch.empty(n, dtype=torch.int64)
     position[source] = torch.arange(n, dtype=torch.int64)
-    return position.view(BLOCK_ROWS, in_features)
+    return position.view(rows, in_features)
+
+
+class PackedLayout:
+    """Where each code of an [out, in] weight sits once packed: blocks of `block` output rows,
+    each laid out alike and kept to its own bytes (`block_map`, nibble positions inside a
+    block), then the last `out % block` rows as a block of their own (`tail_map`)."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        n, k = out_features, in_features
+        rows = n if n <= 2 * PROBE_ROWS else PROBE_ROWS + n % PROBE_ROWS
+        where = probe_positions(rows, k)
+        self.k = k
+        self.block = next(
+            b for b in (16, 32, 64, 128, 256, rows) if b <= rows and int(where[:b].max()) < b * k
+        )
+        self.block_map = where[: self.block].contiguous()
+        tail = n % self.block
+        self.regular_rows = n - tail
+        probe_regular = rows - tail
+        self.tail_map = (where[probe_regular:] - probe_regular * k).contiguous()
+        # The assumption the extrapolation rests on, checked on the probe: every whole block is
+        # laid out as the first one.
+        blocks = where[:probe_regular].view(-1, self.block, k)
+        offsets = torch.arange(blocks.shape[0], dtype=torch.int64).view(-1, 1, 1) * (self.block * k)
+        tail_ok = tail == 0 or (int(self.tail_map.min()) >= 0 and int(self.tail_map.max()) < tail * k)
+        if not tail_ok or not torch.equal(blocks - offsets, self.block_map.expand_as(blocks)):
+            raise RuntimeError(
+                "torch's int4 pack layout is not made of like blocks of rows; lmstack-awq cannot read it"
+            )
+
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 [len(ids), in]: nibble positions of output rows `ids`."""
+        ids = ids.to(torch.int64)
+        regular = ids < self.regular_rows
+        safe = torch.where(regular, ids, torch.zeros_like(ids))
+        inside = self.block_map[safe % self.block] + (safe // self.block * (self.block * self.k))[:, None]
+        if self.tail_map.shape[0] == 0:
+            return inside
+        t = torch.where(regular, torch.zeros_like(ids), ids - self.regular_rows)
+        in_tail = self.tail_map[t] + self.regular_rows * self.k
+        return torch.where(regular[:, None], inside, in_tail)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """uint8 codes [out, in] from the packed bytes: one gather per block kind."""
+        flat = packed.view(-1)
+        nibbles = torch.stack((flat & 15, flat >> 4), dim=-1).view(-1)
+        split = self.regular_rows * self.k
+        blocks = nibbles[:split].view(-1, self.block * self.k)
+        codes = blocks.index_select(1, self.block_map.view(-1)).view(-1, self.k)
+        if self.tail_map.shape[0] == 0:
+            return codes
+        tail = nibbles[split:].index_select(0, self.tail_map.view(-1)).view(-1, self.k)
+        return torch.cat((codes, tail))
