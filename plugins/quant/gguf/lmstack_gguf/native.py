@@ -19,7 +19,7 @@ EXTENSION = NativeExtension(
     cache_name="gguf_matmul",
     sources=[Path(__file__).resolve().parent / "csrc" / "gguf_matmul.cpp"],
 )
-ISA_NAMES = {1: "AVX2+FMA+F16C", 0: "scalar"}
+ISA_NAMES = {2: "AVX-512 (F, BW, DQ, VL, VNNI)", 1: "AVX2+FMA+F16C", 0: "scalar"}
 
 
 def load() -> ModuleType:

@@ -83,12 +83,13 @@ def test_activations_round_to_int8_per_block_as_documented(isa):
 
 @needs_ext
 @pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("isa", [0, 1], ids=["scalar", "avx2"])
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=["scalar", "avx2", "avx512"])
 def test_int8_activation_matmul_is_the_rounded_x_times_the_blocks(typ, isa):
     """gguf_matmul_q8 = (x rounded per block) @ W^T up to fp32 summation, on every tile shape
-    (one row, the 4-row tiles and their remainders, odd N for the weight-row pairs)."""
+    (one row, the 4- and 8-row tiles and their remainders, odd N for the weight-row pairs, odd
+    block counts for the AVX-512 block pairs)."""
     if isa > ext.best_isa():
-        pytest.skip("this CPU has no AVX2+FMA+F16C")
+        pytest.skip(f"this CPU lacks {native.ISA_NAMES[isa]}")
     rng = random.Random()
     for m in (1, 2, 3, rng.randint(4, 16), rng.randint(17, 40)):
         n, k = rng.choice((1, 2, 3)) * rng.randint(1, 40) + rng.randint(0, 1), 32 * rng.randint(1, 20)
