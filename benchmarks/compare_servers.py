@@ -325,17 +325,26 @@ def started(server: Server, log: Path, timeout_s: float) -> Iterator[str]:
         f.close()
 
 
+def served_model(base: str) -> str:
+    """The model name the server answers to (a stack serving a quantized folder is named after
+    the folder), else the default name."""
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return str(httpx.get(base + "/v1/models", timeout=5.0).json()["data"][0]["id"])
+    return MODEL
+
+
 def bench_commands(args: argparse.Namespace, server: Server, base: str, work: Path) -> list[list[str]]:
     """One `lmstack bench serve` per concurrency: each gets its own request count (enough rounds
     for a steady state at that concurrency) and its own warm-up."""
     cmds = []
+    model = served_model(base)
     workload = ["--workload", args.workload]
     if args.workload == "shared-prefix":
         workload += ["--prefix-len", str(args.prefix_len), "--num-prefixes", "2", "--endpoint", "chat"]
     for c in args.concurrency:
         n = max(args.min_requests, args.rounds * c)
         cmds.append(
-            [LMSTACK, "bench", "serve", "--base-url", base, "--model", MODEL, "--tokenizer", MODEL,
+            [LMSTACK, "bench", "serve", "--base-url", base, "--model", model, "--tokenizer", MODEL,
              "--label", server.name, "--concurrency", str(c), "--num-requests", str(n),
              "--warmup", str(min(c, 4)), "--input-len", str(args.input_len),
              "--input-len-spread", "0.1", "--output-len", str(args.output_len), "--slo", args.slo,

@@ -40,10 +40,12 @@ class GGUFLinear(nn.Module):
         *,
         int8_activations: bool = False,
         kernel_max_rows: int | None = NATIVE_MAX_ROWS,
+        copy_dtype: torch.dtype = torch.float32,
     ) -> None:
         """`int8_activations`: the kernel rounds x to int8 per 32-block (`block_matmul`).
         `kernel_max_rows`: the largest batch the kernel takes (None: any; larger ones multiply
-        by the dense copy or dequantize)."""
+        by the dense copy or dequantize). `copy_dtype`: the dense copy's dtype; bfloat16 rounds
+        x to bfloat16 for those batches (`GGUFOptions.prefill`)."""
         super().__init__()
         self.spec = spec
         self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
@@ -53,6 +55,7 @@ class GGUFLinear(nn.Module):
         # Also hold the weight in fp32 for batches the kernel does not take (prefill): no
         # dequantization per call, for 4 more bytes a weight resident.
         self.dense_copy = dense_copy
+        self.copy_dtype = copy_dtype
         self.weight = nn.Parameter(torch.empty(self.out_features, 0, dtype=torch.uint8), requires_grad=False)
         set_weight_loader(self.weight, self._load_weight, num_shards=len(spec.output_sizes))
         self.ggml_type: int | None = None
@@ -115,6 +118,7 @@ class GGUFLinear(nn.Module):
             self.weight.data = torch.cat([rows for _, rows in parts]) if len(parts) > 1 else parts[0][1]
             if self.dense_copy:
                 self.dense = dequantize_blocks(self.weight.data, self.ggml_type, self.in_features)
+                self.dense = self.dense.to(self.copy_dtype)
             if self.use_native:
                 # The decode path, bound once: a module's parameter and buffer lookups and the
                 # checks of `block_matmul` cost ~30 us a call, three times the kernel's own time
@@ -137,7 +141,7 @@ class GGUFLinear(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Output rows `ids` of the weight in fp32 (the embedding lookup of a block table)."""
-        if self.dense is not None:
+        if self.ggml_type is None:
             return self.dense[ids]
         return dequantize_blocks(self.weight.data[ids].contiguous(), self.ggml_type, self.in_features)
 
@@ -166,13 +170,16 @@ class GGUFLinear(nn.Module):
                 int8_activations=self.int8_activations,
                 max_rows=self.kernel_max_rows,
             )
+        elif self.dense.dtype != x.dtype:  # the bfloat16 copy
+            out = torch.nn.functional.linear(x2.to(self.dense.dtype), self.dense).to(x.dtype)
         else:
-            out = torch.nn.functional.linear(x2, self.dense.to(x.dtype))
+            out = torch.nn.functional.linear(x2, self.dense)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         kind = "dense fp32" if self.ggml_type is None else f"GGML type {self.ggml_type} blocks"
-        kind += ", fp32 copy for prefill" if self.ggml_type is not None and self.dense is not None else ""
+        if self.ggml_type is not None and self.dense is not None:
+            kind += f", {str(self.dense.dtype).removeprefix('torch.')} copy for batches over {self.kernel_max_rows} rows"
         return f"in={self.in_features}, out={self.out_features}, {kind}"

@@ -5,14 +5,29 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from lmstack.errors import ConfigError
+from lmstack.hardware import native_bf16_cpu
 from lmstack.interfaces import LinearFactory, LinearSpec, Quantizer
 from lmstack.quant_format import GGUF, checkpoint_format_id
 from lmstack_gguf.head import keep_embedding_and_head_as_blocks
 from lmstack_gguf.kernel import QK
 from lmstack_gguf.linear import GGUFLinear
+
+# With the bfloat16 copy, batches from this many rows multiply by it: on a native-bf16 CPU (AMD
+# EPYC, AVX-512 BF16) the copy overtook the int8-activation kernel between 16 and 24 rows of a
+# decode step's layers (README).
+BF16_COPY_MIN_ROWS = 17
+
+
+def prefill_mode(prefill: str, int8_activations: bool) -> str:
+    """`GGUFOptions.prefill` resolved: "auto" becomes "dense-bf16" where the CPU computes
+    bfloat16 natively and activations are int8, else "dense-copy"."""
+    if prefill != "auto":
+        return prefill
+    return "dense-bf16" if int8_activations and native_bf16_cpu() else "dense-copy"
 
 
 class GGUFQuantizer(Quantizer):
@@ -27,12 +42,18 @@ class GGUFQuantizer(Quantizer):
                 f"gguf serves GGUF checkpoints as stored; this checkpoint is {fmt} (use quant.weights: auto)"
             )
         self.use_native = options.kernel == "auto"
-        self.dense_copy = options.prefill == "dense-copy"
         self.int8_activations = options.activations == "int8"
+        self.prefill = prefill_mode(options.prefill, self.int8_activations)
+        self.dense_copy = self.prefill in ("dense-copy", "dense-bf16")
 
     def linear_factory(self) -> LinearFactory:
+        bf16 = self.prefill == "dense-bf16"
+        extra = {"copy_dtype": torch.bfloat16, "kernel_max_rows": BF16_COPY_MIN_ROWS - 1} if bf16 else {}
+
         def make(spec: LinearSpec) -> nn.Module:
-            return GGUFLinear(spec, self.use_native, self.dense_copy, int8_activations=self.int8_activations)
+            return GGUFLinear(
+                spec, self.use_native, self.dense_copy, int8_activations=self.int8_activations, **extra
+            )
 
         return make
 

@@ -185,6 +185,37 @@ def test_int8_activations_take_the_kernel_up_to_its_row_limit(typ):
     assert torch.equal(head(big), ext.gguf_matmul_q8(big, raw, int(typ)))
 
 
+@needs_ext
+def test_bf16_copy_takes_batches_over_the_limit_and_rows_stay_exact():
+    k, n = 96, 13
+    raw, w = blocks_of(np.random.randn(n, k), T.Q4_1)
+    spec = LinearSpec(k, n, False, "layers.0.o_proj", (n,), "row", torch.float32)
+    layer = GGUFLinear(
+        spec, dense_copy=True, int8_activations=True, copy_dtype=torch.bfloat16, kernel_max_rows=16
+    )
+    layer.weight.weight_loader(layer.weight, _gguf(raw, T.Q4_1, k), None)
+    layer.finalize()
+    assert layer.dense.dtype == torch.bfloat16
+    x = torch.randn(17, k)
+    assert torch.equal(layer(x[:16]), ext.gguf_matmul_q8(x[:16], raw, int(T.Q4_1)))
+    out = layer(x)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, (x.bfloat16() @ w.float().bfloat16().T).float())
+    ids = torch.tensor([0, 12, 5])
+    assert torch.allclose(layer.rows(ids), w[ids].float(), rtol=0, atol=1e-6)  # from the blocks, not the copy
+
+
+def test_prefill_auto_takes_the_bf16_copy_only_on_native_bf16_with_int8_activations(monkeypatch):
+    from lmstack_gguf import quantizer
+
+    for native_bf16 in (False, True):
+        monkeypatch.setattr(quantizer, "native_bf16_cpu", lambda v=native_bf16: v)
+        assert quantizer.prefill_mode("auto", True) == ("dense-bf16" if native_bf16 else "dense-copy")
+        assert quantizer.prefill_mode("auto", False) == "dense-copy"
+        for named in ("dense-copy", "dense-bf16", "dequantize"):
+            assert quantizer.prefill_mode(named, True) == named
+
+
 def test_mixed_encodings_become_one_dense_weight():
     k = 64
     q4, w4 = blocks_of(np.random.randn(6, k), T.Q4_1)
