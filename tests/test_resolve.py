@@ -299,6 +299,21 @@ def test_auto_dtype_takes_the_next_best_dtype_the_components_accept():
     )
 
 
+def test_auto_dtype_takes_the_quantizers_choice_for_the_device(monkeypatch):
+    from lmstack import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    caps = {"auto_dtypes": {"cpu": "float32"}, "auto_dtypes_reason": "its kernel computes in float32"}
+    picky = comp("picky", "quantizer", capabilities=caps)
+    r = resolved({"quant": {"weights": "picky"}}, picky)
+    assert r.dtype is torch.float32 and r.dtype_reason == "auto: float32 on cpu (its kernel computes in float32)"
+    assert resolved({"quant": {"weights": "picky"}, "dtype": "bfloat16"}, picky).dtype is torch.bfloat16
+    # Not where a component refuses it: then the usual order.
+    bf16_only = comp("bf16-kernel", "attention", capabilities={"dtypes": ("bfloat16",)})
+    r = resolved({"quant": {"weights": "picky"}, "attention": "bf16-kernel"}, picky, bf16_only)
+    assert r.dtype is torch.bfloat16
+
+
 def test_kernel_used_for_a_phase_it_lacks():
     decode_only = comp("paged-decode", "attention", capabilities={"phases": ("decode",)})
     assert (

@@ -505,6 +505,17 @@ def _auto_dtype(device: torch.device, selected: Mapping[str, Selected]) -> tuple
         for role, sel in selected.items()
         if role in ("attention_prefill", "attention_decode", "quantizer") and sel.capabilities.get("dtypes")
     ]
+    # A quantizer may name the dtype its kernels compute best on a device kind (`auto_dtypes`,
+    # e.g. int8's C++ CPU kernel takes fp32 activations): auto takes it there if all accept it.
+    quantizer = selected.get("quantizer")
+    preferred = (quantizer.capabilities.get("auto_dtypes") or {}).get(device.type) if quantizer else None
+    if (
+        preferred in DTYPES
+        and DTYPES[preferred] != choice.dtype
+        and all(preferred in dtypes for _, dtypes in limits)
+    ):
+        why = quantizer.capabilities.get("auto_dtypes_reason") or f"what {quantizer.name} computes best"
+        return DTYPES[preferred], f"auto: {preferred} on {device.type} ({why})"
     for dtype in (choice.dtype, *choice.fallbacks):
         if all(DTYPE_NAMES[dtype] in dtypes for _, dtypes in limits):
             if dtype == choice.dtype:

@@ -65,6 +65,10 @@ class QuantizerCapabilities(Capabilities, forbid_unknown_fields=True, frozen=Tru
     # Checkpoint formats it reads (`lmstack.quant_format` ids: "dense", "gguf",
     # "compressed-tensors/pack-quantized", ...); None: not declared (treated as dense + gguf).
     checkpoint_formats: tuple[str, ...] | None = None
+    # Device type -> the dtype `dtype: auto` takes there (what its kernels compute best, e.g.
+    # {"cpu": "float32"}), with the reason `lmstack check` gives.
+    auto_dtypes: dict[str, str] | None = None
+    auto_dtypes_reason: str | None = None
 
 
 class SpeculatorCapabilities(Capabilities, forbid_unknown_fields=True, frozen=True):

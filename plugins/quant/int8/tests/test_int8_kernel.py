@@ -94,36 +94,44 @@ def test_fp32_layer_matches_dequantized_reference(exact, use_native):
                 out = layer(x)
             assert out.dtype == torch.float32 and out.shape == (m, layer.out_features)
             path = layer.matmul.path(x, layer.weight)
-            if path == "op-bf16":
+            if path in ("op-bf16", "dequant-bf16"):
                 # The activations rounded to bf16, the product too (the op's dtype), the bias
                 # added in fp32; results may differ by one bf16 step where fp32 sums differ.
-                ref = _reference(layer, x.to(torch.bfloat16), None, torch.bfloat16).float()
+                # dequant-bf16 rounds the weight to bf16 as well (q * scale has up to 15 bits).
+                wdt = torch.bfloat16 if path == "dequant-bf16" else torch.float32
+                ref = _reference(layer, x.to(torch.bfloat16), None, torch.bfloat16, wdt).float()
                 ref = ref if b is None else ref + b
                 bound = torch.finfo(torch.bfloat16).eps / 8
             elif path == "native":
                 ref, bound = _reference(layer, x, b), 1e-6  # fp32 throughout, sums in another order
             else:
-                assert path == "dequant"
+                assert path == "dequant", path
                 ref, bound = _reference(layer, x, b), 1e-6
             assert _rel(out, ref) <= bound, f"{path} k={layer.in_features} m={m}: {_rel(out, ref):.2e}"
             # ... and the int8 weight is the loaded one to within its rounding.
             assert _rel(out, x @ w.T + (0 if b is None else b)) <= 0.02
 
 
-def test_fp32_paths_are_chosen_as_documented():
+@pytest.mark.parametrize("native_bf16", [False, True], ids=["fp32-cpu", "native-bf16-cpu"])
+def test_fp32_paths_are_chosen_as_documented(native_bf16, monkeypatch):
+    monkeypatch.setattr(kernel, "native_bf16_cpu", lambda: native_bf16)
+    big = "dequant-bf16" if native_bf16 and kernel.has_int8pack_op() else "dequant"
     rng = random.Random()
     layer, _, _ = _layer(rng, torch.float32, False, k=64)
     if kernel.native_kernel() is not None:
         for m in (1, NATIVE_MAX_ROWS):
             assert layer.matmul.path(torch.randn(m, 64), layer.weight) == "native"
             assert Int8Matmul(exact_fp32=True).path(torch.randn(m, 64), layer.weight) == "native"
-        assert layer.matmul.path(torch.randn(NATIVE_MAX_ROWS + 1, 64), layer.weight) == "dequant"
+        assert layer.matmul.path(torch.randn(NATIVE_MAX_ROWS + 1, 64), layer.weight) == big
+        assert (
+            Int8Matmul(exact_fp32=True).path(torch.randn(NATIVE_MAX_ROWS + 1, 64), layer.weight) == "dequant"
+        )
         assert layer.matmul.path(torch.randn(2, 64, dtype=torch.bfloat16), layer.weight) != "native"
     layer, _, _ = _layer(rng, torch.float32, False, k=64, use_native=False)
     small, large = torch.randn(FP32_DEQUANT_MIN_ROWS - 1, 64), torch.randn(FP32_DEQUANT_MIN_ROWS, 64)
     expect_op = "op-bf16" if kernel.has_int8pack_op() else "dequant"
     assert layer.matmul.path(small, layer.weight) == expect_op
-    assert layer.matmul.path(large, layer.weight) == "dequant"
+    assert layer.matmul.path(large, layer.weight) == big
     assert Int8Matmul(exact_fp32=True, use_native=False).path(small, layer.weight) == "dequant"
     odd, _, _ = _layer(rng, torch.float32, False, k=37, use_native=False)  # the op needs K % 16 == 0
     assert odd.matmul.path(torch.randn(2, 37), odd.weight) == "dequant"
