@@ -306,7 +306,9 @@ def test_auto_dtype_takes_the_quantizers_choice_for_the_device(monkeypatch):
     caps = {"auto_dtypes": {"cpu": "float32"}, "auto_dtypes_reason": "its kernel computes in float32"}
     picky = comp("picky", "quantizer", capabilities=caps)
     r = resolved({"quant": {"weights": "picky"}}, picky)
-    assert r.dtype is torch.float32 and r.dtype_reason == "auto: float32 on cpu (its kernel computes in float32)"
+    assert (
+        r.dtype is torch.float32 and r.dtype_reason == "auto: float32 on cpu (its kernel computes in float32)"
+    )
     assert resolved({"quant": {"weights": "picky"}, "dtype": "bfloat16"}, picky).dtype is torch.bfloat16
     # Not where a component refuses it: then the usual order.
     bf16_only = comp("bf16-kernel", "attention", capabilities={"dtypes": ("bfloat16",)})
