@@ -224,6 +224,7 @@ def build_workload(args: argparse.Namespace) -> dict[str, Any]:
         stack.update({key: chosen[key] for key in ("quant", "attention") if key in chosen})
     return {
         "dtype": args.dtype,
+        "hf_dtype": args.hf_dtype or args.dtype,
         "stack_file": args.stack,
         "model": args.model,
         "model_path": str(source.path),
@@ -441,7 +442,7 @@ def hf_worker(phase: str, w: dict[str, Any]) -> dict[str, Any]:
         folder, kw = path.parent, {"gguf_file": path.name}
     else:
         folder, kw = path, {}
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, w["dtype"]), **kw).eval()
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, w["hf_dtype"]), **kw).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
     res["load_s"] = time.perf_counter() - t0
     _record_build_peak(res, rss_before)
@@ -864,6 +865,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="both systems' compute dtype (float32 on CPUs without native bf16)",
     )
     p.add_argument(
+        "--hf-dtype",
+        choices=("bfloat16", "float32"),
+        help="transformers' dtype where it should differ from --dtype (e.g. its faster bfloat16 on a "
+        "native-bf16 CPU against a float32-only lmstack stack); default: --dtype",
+    )
+    p.add_argument(
         "--stack",
         help="take lmstack's quant and attention sections from this stack file (e.g. examples/stacks/cpu.yaml)",
     )
@@ -982,7 +989,7 @@ def main(argv: list[str] | None = None) -> int:
             "lmstack_stack_file": workload["stack_file"],
             "hf": {
                 "class": "LlamaForCausalLM",
-                "dtype": workload["dtype"],
+                "dtype": workload["hf_dtype"],
                 "padding_side": "left",
                 "static_batch_size": args.batch_size,
                 "do_sample": False,

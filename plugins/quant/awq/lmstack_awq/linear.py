@@ -72,6 +72,9 @@ class Int4Linear(nn.Module):
         # fp32 activations on the CPU computed exactly (else small batches run the op in bf16):
         # the quantizer's `fp32_activations` option.
         self.exact_fp32 = False
+        # fp32 decode batches through lmstack-gguf's kernel with x rounded to int8 per 32 values
+        # (`fp32_activations: int8`; kernels/gguf_blocks.py).
+        self.int8_activations = False
 
     # --- where a part's rows and this rank's columns are ----------------------------------------
 

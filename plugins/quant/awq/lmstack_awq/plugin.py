@@ -15,7 +15,7 @@ from lmstack.quant_format import AUTOAWQ_GEMM, CT_PACK_QUANTIZED, DENSE, GGUF
 from lmstack.registry import Component
 
 HeadMode = Literal["int8", "int4", "dense"]
-Fp32Mode = Literal["bf16", "exact"]
+Fp32Mode = Literal["bf16", "exact", "int8"]
 Rounding = Literal["gptq", "nearest"]
 
 
@@ -27,9 +27,12 @@ class RtnInt4Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # scale per row) or dense (the serving dtype).
     lm_head: HeadMode = "int4"
     lm_head_group_size: int = 32
-    # fp32 stacks on the CPU: decode-sized batches (< 64 rows) run the int4 op in bf16 and
-    # return fp32 ("bf16", fast: the op's fp32 path is ~10x slower), or every batch decodes the
-    # weight and multiplies in fp32 ("exact": bit-for-bit what the dequantized model computes).
+    # fp32 stacks on the CPU: with lmstack-gguf's kernels built, decode batches (<= 32 rows) run
+    # the layers as GGUF Q4_1 blocks in fp32 ("bf16", the default), or with x rounded to int8 per
+    # 32 values and integer dot products ("int8": llama.cpp's scheme, ~1.5x faster decode,
+    # README); without them, decode-sized batches (< 64 rows) run torch's int4 op in bf16 and
+    # return fp32 (the op's fp32 path is ~10x slower). "exact": every batch decodes the weight
+    # and multiplies in fp32 (bit-for-bit what the dequantized model computes).
     fp32_activations: Fp32Mode = "bf16"
 
 
@@ -47,6 +50,10 @@ def _common_caps(formats: tuple[str, ...]) -> dict[str, Any]:
     return {
         "devices": ("cpu", "cuda"),
         "dtypes": ("float32", "float16", "bfloat16"),
+        # On the CPU the int4 layers run fastest as GGUF blocks through lmstack-gguf's kernels,
+        # which take fp32 activations (kernels/gguf_blocks.py, README).
+        "auto_dtypes": {"cpu": "float32"},
+        "auto_dtypes_reason": "its CPU int4 kernels take float32 activations",
         "kv_cache_dtype": None,
         "checkpoint_formats": formats,
     }

@@ -93,9 +93,11 @@ class Int4Quantizer(Quantizer):
     def process_model(self, model: nn.Module) -> None:
         compact_embedding_and_head(model, self.options.lm_head, self.options.lm_head_group_size)
         exact = self.options.fp32_activations == "exact"
+        int8 = self.options.fp32_activations == "int8"
         for module in model.modules():
             if isinstance(module, Int4Linear):
                 module.exact_fp32 = exact
+                module.int8_activations = int8
                 module.prepare()  # kernel re-layouts at load, not on the first request
 
     def shard_alignment(self, spec: LinearSpec) -> int:

@@ -11,8 +11,11 @@ import torch
 
 from lmstack.interfaces import LinearSpec
 from lmstack.testing.attention import rel_error
+from lmstack_awq import kernels
 from lmstack_awq.int4_math import Int4Scheme, pack_nibbles, quantize_int4
+from lmstack_awq.kernels import gguf_blocks
 from lmstack_awq.kernels.cpu_int4pack import FP32_DEQUANT_MIN_ROWS, PROBE_ROWS, CpuInt4Pack, PackedLayout
+from lmstack_awq.kernels.gguf_blocks import GGUFBlocks
 from lmstack_awq.linear import Int4Linear
 
 
@@ -51,6 +54,7 @@ def test_cpu_int4pack_matches_reference_and_gives_codes_back(dtype):
     layer, w = _layer(96, 576, 128)
     assert CpuInt4Pack.supports(layer)
     codes = layer.codes().clone()
+    layer.kernel = CpuInt4Pack(layer)  # fp32 layers would take the GGUF blocks where built
     # A few rows run the op in bf16 (fp32 activations rounded to bf16: the op's fp32 path is
     # slow); from FP32_DEQUANT_MIN_ROWS rows fp32 is exact (decoded weight, dense matmul).
     for rows in (7, FP32_DEQUANT_MIN_ROWS):
@@ -71,6 +75,48 @@ def test_cpu_int4pack_matches_reference_and_gives_codes_back(dtype):
     assert torch.equal(layer.codes(), codes)  # recovered from the re-laid buffer
     ids = torch.tensor([0, 95, 31, 32, 64, 7])
     assert torch.equal(layer.row_codes(ids), codes[ids])
+
+
+@pytest.mark.skipif(not gguf_blocks.available(), reason="lmstack-gguf's kernels are not built here")
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_gguf_blocks_match_the_dequantized_layer_and_give_codes_back(symmetric):
+    """fp32 layers take lmstack-gguf's Q4_1 kernel: d = scale exactly, m = -zero * scale rounded
+    once to fp16, so the result is the dequantized weight's up to that rounding and fp32 sums."""
+    rng = random.Random()
+    n, k, group = rng.randint(1, 70), 32 * rng.randint(1, 20), rng.choice((32, 64, 128))
+    layer, w = _layer(n, k, group, symmetric)
+    codes = layer.codes().clone()
+    layer.prepare()  # picks the kernel for the serving dtype (fp32), which re-lays the weight
+    assert isinstance(layer.kernel, GGUFBlocks)
+    for rows in (1, rng.randint(2, 32), rng.randint(33, 80)):  # the kernel, then dequantize + matmul
+        x = torch.randn(rows, k)
+        ref = x.double() @ w.double().t()
+        mag = (
+            x.abs().double() @ w.abs().double().t()
+            + x.abs().double().sum(-1, keepdim=True) * 2**-12 * w.abs().max()
+        )
+        assert torch.all((layer(x).double() - ref).abs() <= 2**-11 * 16 * mag + 1e-6), rows
+        out16 = layer(x.to(torch.bfloat16))
+        assert out16.dtype == torch.bfloat16
+    assert torch.equal(layer.codes(), codes)
+    ids = torch.tensor([0, n - 1, n // 2])
+    assert torch.equal(layer.row_codes(ids), codes[ids])
+    # fp32_activations: int8: decode batches round x to int8 per 32 values (lmstack-gguf's q8 kernel).
+    layer.int8_activations = True
+    from lmstack_gguf.kernel import native_kernel
+
+    x = torch.randn(rng.randint(1, 32), k)
+    assert torch.equal(layer(x), native_kernel().gguf_matmul_q8(x, layer.w_packed, 3))
+    exact = x.double() @ w.double().t()
+    assert float((layer(x).double() - exact).norm() / exact.norm()) < 0.02
+
+
+def test_exact_fp32_and_half_layers_keep_torchs_int4_op():
+    layer, _ = _layer(96, 576, 128)  # (select re-lays the weight: a fresh layer each time)
+    layer.exact_fp32 = True
+    assert isinstance(kernels.select(layer, torch.empty(0, 576)), CpuInt4Pack)
+    layer, _ = _layer(96, 576, 128)
+    assert isinstance(kernels.select(layer, torch.empty(0, 576, dtype=torch.bfloat16)), CpuInt4Pack)
 
 
 @pytest.mark.parametrize("rows", [32, 96, 2 * PROBE_ROWS + 96, 3 * PROBE_ROWS + 32])

@@ -1,9 +1,12 @@
 """int4 matmul kernels for `Int4Linear`, chosen per layer on its first call.
 
 - CUDA: the Triton W4A16 dequant-GEMM (`triton_w4a16`) on the nibble layout as loaded.
-- CPU: `torch.ops.aten._weight_int4pack_mm_for_cpu` where the shape allows (`cpu_int4pack`:
-  it re-lays the weight out once, in place of the nibble buffer) — the winner in the
-  measurements of the README; anything else: `reference` (dequantize, then matmul).
+- CPU, fp32 activations, lmstack-gguf's kernels built, groups of whole 32-column blocks (and not
+  `fp32_activations: exact`): the layer as GGUF Q4_1 blocks through those kernels
+  (`gguf_blocks`, in place of the nibble buffer).
+- CPU otherwise: `torch.ops.aten._weight_int4pack_mm_for_cpu` where the shape allows
+  (`cpu_int4pack`: it re-lays the weight out once, in place of the nibble buffer); anything
+  else: `reference` (dequantize, then matmul).
 
 A kernel is an object with `__call__(layer, x [M, in]) -> [M, out]` in x's dtype and
 `codes(layer) -> uint8 [out, in]` (the codes back from whatever layout it keeps).
@@ -41,6 +44,10 @@ def select(layer: Int4Linear, x: torch.Tensor) -> Int4Kernel:
         return TritonW4A16(interpret=interpret)
     if x.device.type == "cpu":
         from lmstack_awq.kernels.cpu_int4pack import CpuInt4Pack
+        from lmstack_awq.kernels.gguf_blocks import GGUFBlocks
+
+        if x.dtype == torch.float32 and not layer.exact_fp32 and GGUFBlocks.supports(layer):
+            return GGUFBlocks(layer)
 
         if CpuInt4Pack.supports(layer):
             return CpuInt4Pack(layer)

@@ -1,0 +1,76 @@
+"""CPU int4 matmul through lmstack-gguf's C++ kernels: the layer re-laid out as GGUF Q4_1 blocks.
+
+A Q4_1 block is 32 values of one row: fp16 d, fp16 m, 16 bytes of 4-bit codes (value j in the low
+nibble of byte j, value j + 16 in the high one), value = d * q + m. An int4 group of 32k columns
+with (scale, zero) is k such blocks with d = scale and m = -zero * scale: the codes carry over
+unchanged, d exactly (scales are fp16), m rounded once to fp16 (|error| <= 2^-12 * 15 * scale, far
+below the half-step rounding of the codes themselves). 20 bytes per 32 weights instead of 16 plus
+the group's scale and zero, but the kernel reads them at memory speed at one row, where torch's
+int4 op (`cpu_int4pack`) is bound by its own work (README).
+
+Batches of at most `lmstack_gguf.kernel.NATIVE_MAX_ROWS` rows take the kernel with fp32
+activations (the dequantized model's result up to fp32 summation order), or with
+`layer.int8_activations` the kernel that rounds x to int8 per 32 values first (llama.cpp's
+scheme, `fp32_activations: int8`); larger ones dequantize the blocks a slab at a time and
+multiply densely in fp32. The blocks replace the layer's nibble buffer,
+so the module holds one copy of the weight; `codes` reads the nibbles back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmstack_awq.int4_math import expand_groups, unpack_nibbles
+
+QK = 32
+Q4_1 = 3  # the GGML type id
+BLOCK_BYTES = 20
+
+
+def available() -> bool:
+    """Whether lmstack-gguf is installed and its kernels built on this machine."""
+    try:
+        from lmstack_gguf.kernel import native_kernel
+    except ImportError:
+        return False
+    return native_kernel() is not None
+
+
+class GGUFBlocks:
+    @staticmethod
+    def supports(layer) -> bool:
+        return layer.in_features % QK == 0 and layer.group_size % QK == 0 and available()
+
+    def __init__(self, layer) -> None:
+        n, k = layer.out_features, layer.in_features
+        nb = k // QK
+        codes = unpack_nibbles(layer.w_packed, k).view(n, nb, QK)
+        nibbles = codes[..., : QK // 2] | (codes[..., QK // 2 :] << 4)
+        # The (scale, zero) of the group each block's first column belongs to.
+        scale = expand_groups(layer.w_scales.float(), k, layer.group_size)[:, ::QK]
+        zero = expand_groups(layer.w_zeros.float(), k, layer.group_size)[:, ::QK]
+        d = scale.to(torch.float16).view(torch.uint8).view(n, nb, 2)
+        m = (-zero * scale).to(torch.float16).view(torch.uint8).view(n, nb, 2)
+        layer.w_packed = torch.cat((d, m, nibbles), dim=-1).reshape(n, nb * BLOCK_BYTES).contiguous()
+        from lmstack_gguf.kernel import NATIVE_MAX_ROWS, native_kernel
+
+        ext = native_kernel()
+        self.matmuls, self.max_rows = (ext.gguf_matmul, ext.gguf_matmul_q8), NATIVE_MAX_ROWS
+
+    def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.shape[0] <= self.max_rows and x.stride(-1) == 1:
+            # Decode: straight to the kernel (block_matmul's checks cost ~20 us a call, a good
+            # part of a small layer's time at one row).
+            return self.matmuls[layer.int8_activations](x, layer.w_packed, Q4_1)
+        from lmstack_gguf.kernel import block_matmul
+
+        out = block_matmul(x.float(), layer.w_packed, Q4_1, layer.in_features)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def row_codes(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        """uint8 codes [len(ids), in] of output rows `ids`, read from their blocks."""
+        blocks = layer.w_packed[ids].view(len(ids), -1, BLOCK_BYTES)[..., 4:]
+        return torch.cat((blocks & 15, blocks >> 4), dim=-1).reshape(len(ids), layer.in_features)
+
+    def codes(self, layer) -> torch.Tensor:
+        return self.row_codes(layer, torch.arange(layer.out_features))
