@@ -12,19 +12,23 @@ Batches of at most `lmstack_gguf.kernel.NATIVE_MAX_ROWS` rows take the kernel wi
 activations (the dequantized model's result up to fp32 summation order), or with
 `layer.int8_activations` the kernel that rounds x to int8 per 32 values first (llama.cpp's
 scheme, `fp32_activations: int8`); larger ones dequantize the blocks a slab at a time and
-multiply densely in fp32. The blocks replace the layer's nibble buffer,
+multiply densely in fp32 — or, on a CPU with native bf16, from 17 rows, multiply by a bf16 copy
+of the layer made at load (x rounded to bf16). The blocks replace the layer's nibble buffer,
 so the module holds one copy of the weight; `codes` reads the nibbles back.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from lmstack.hardware import native_bf16_cpu
 from lmstack_awq.int4_math import expand_groups, unpack_nibbles
 
 QK = 32
 Q4_1 = 3  # the GGML type id
 BLOCK_BYTES = 20
+BF16_COPY_MIN_ROWS = 17  # lmstack-gguf's crossover with its kernel, measured on a native-bf16 CPU
 
 
 def available() -> bool:
@@ -56,15 +60,29 @@ class GGUFBlocks:
 
         ext = native_kernel()
         self.matmuls, self.max_rows = (ext.gguf_matmul, ext.gguf_matmul_q8), NATIVE_MAX_ROWS
+        # On a CPU with native bf16 a bfloat16 copy (2 bytes a weight) takes batches over 16 rows
+        # (prefill): its matmul runs ~4x faster than fp32 there, and rebuilding the layer in
+        # fp32 per call cost a 200-token prompt ~3x the time to first token (lmstack-gguf's
+        # `prefill: dense-bf16`, whose crossover this is). Elsewhere batches over 32 rows
+        # dequantize a slab at a time.
+        self.dense: torch.Tensor | None = None
+        if native_bf16_cpu():
+            from lmstack_gguf.kernel import dequantize_blocks
+
+            self.dense = dequantize_blocks(layer.w_packed, Q4_1, k).to(torch.bfloat16)
+            self.max_rows = BF16_COPY_MIN_ROWS - 1
 
     def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.shape[0] <= self.max_rows and x.stride(-1) == 1:
             # Decode: straight to the kernel (block_matmul's checks cost ~20 us a call, a good
             # part of a small layer's time at one row).
             return self.matmuls[layer.int8_activations](x, layer.w_packed, Q4_1)
+        if self.dense is not None and x.shape[0] > self.max_rows:
+            out = F.linear(x.to(torch.bfloat16), self.dense).float()
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         from lmstack_gguf.kernel import block_matmul
 
-        out = block_matmul(x.float(), layer.w_packed, Q4_1, layer.in_features)
+        out = block_matmul(x.float(), layer.w_packed, Q4_1, layer.in_features, max_rows=self.max_rows)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def row_codes(self, layer, ids: torch.Tensor) -> torch.Tensor:
