@@ -325,6 +325,13 @@ def started(server: Server, log: Path, timeout_s: float) -> Iterator[str]:
         f.close()
 
 
+def fails_the_run(name: str, stacks: dict[str, str]) -> bool:
+    """Whether a server that fails to start or to finish its benchmark stops the whole run: the
+    first lmstack stack does (the run's baseline); another stack (say one whose quantized model
+    folder was never made) or a peer is recorded as not measured and the run goes on."""
+    return bool(stacks) and name == next(iter(stacks))
+
+
 def served_model(base: str) -> str:
     """The model name the server answers to (a stack serving a quantized folder is named after
     the folder), else the default name."""
@@ -665,8 +672,8 @@ def main() -> int:
                     cmds.append(shlex.join(cmd))
                     paths.append(Path(cmd[cmd.index("--out") + 1]))
         except (RuntimeError, subprocess.CalledProcessError) as e:
-            if name in args.stacks:
-                raise  # lmstack itself failing is the run failing
+            if fails_the_run(name, args.stacks):
+                raise
             unavailable[name] = failure_line(name, stage, e, log)
             print(unavailable[name], file=sys.stderr)
             continue

@@ -158,6 +158,16 @@ def test_stacks_name_the_lmstack_servers():
     assert all((REPO / path).is_file() for path in defaults.values())
 
 
+def test_only_the_first_stack_failing_stops_the_run():
+    stacks = compare_servers.parse_stacks("default=a.yaml,int8=b.yaml,awq=c.yaml")
+    assert compare_servers.fails_the_run("lmstack", stacks)
+    assert not compare_servers.fails_the_run("lmstack-awq", stacks)
+    assert not compare_servers.fails_the_run("llama.cpp", stacks)
+    assert compare_servers.fails_the_run(
+        "lmstack-int8", compare_servers.parse_stacks("int8=b.yaml,awq=c.yaml")
+    )
+
+
 def test_vllm_server_command(monkeypatch):
     monkeypatch.setattr(compare_servers.os, "sched_getaffinity", lambda pid: {0, 1, 2, 5})
     args = argparse.Namespace(concurrency=[1, 32], workload="random", input_len=200, output_len=128,
