@@ -117,8 +117,9 @@ class GGUFLinear(nn.Module):
             self.ggml_type = types.pop()
             self.weight.data = torch.cat([rows for _, rows in parts]) if len(parts) > 1 else parts[0][1]
             if self.dense_copy:
-                self.dense = dequantize_blocks(self.weight.data, self.ggml_type, self.in_features)
-                self.dense = self.dense.to(self.copy_dtype)
+                self.dense = dequantize_blocks(self.weight.data, self.ggml_type, self.in_features).to(
+                    self.copy_dtype
+                )
             if self.use_native:
                 # The decode path, bound once: a module's parameter and buffer lookups and the
                 # checks of `block_matmul` cost ~30 us a call, three times the kernel's own time

@@ -28,7 +28,6 @@ from lmstack_awq.int4_math import expand_groups, unpack_nibbles
 QK = 32
 Q4_1 = 3  # the GGML type id
 BLOCK_BYTES = 20
-BF16_COPY_MIN_ROWS = 17  # lmstack-gguf's crossover with its kernel, measured on a native-bf16 CPU
 
 
 def available() -> bool:
@@ -57,6 +56,7 @@ class GGUFBlocks:
         m = (-zero * scale).to(torch.float16).view(torch.uint8).view(n, nb, 2)
         layer.w_packed = torch.cat((d, m, nibbles), dim=-1).reshape(n, nb * BLOCK_BYTES).contiguous()
         from lmstack_gguf.kernel import NATIVE_MAX_ROWS, native_kernel
+        from lmstack_gguf.quantizer import BF16_COPY_MIN_ROWS
 
         ext = native_kernel()
         self.matmuls, self.max_rows = (ext.gguf_matmul, ext.gguf_matmul_q8), NATIVE_MAX_ROWS
