@@ -83,6 +83,25 @@ def test_bf16_queries_over_bf16_cache_match_fp32_math(isa):
     assert rel_error(out, _expect(q, meta, dense, 128**-0.5)) < 4e-3
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_decode_path_every_head_width_and_group(isa, kv_dtype):
+    """Decode items have their own path where the head dim is 1, 2, 4 or 8 whole registers (a
+    shuffle tree sums 8 or 16 keys' products at once, V is read once for up to 4 query rows):
+    head dims 16-128 cover every register count on AVX2 and AVX-512, groups 1-8 every split of
+    the rows, and contexts of odd lengths the partial key tiles. Against the plain reference
+    over the same stored values."""
+    backend = COMPONENT.factory(COMPONENT.options_type(isa=isa), None)
+    spans = [(0, 1), (12, 1), (45, 1), (250, 1), (33, 1)]
+    for head_dim in (16, 32, 64, 128):
+        for group in (1, 2, 3, 5, 8):
+            q, _, _, kc, vc, meta, dense = paged_batch(spans, 2, group, head_dim, 16, kv_dtype=kv_dtype)
+            scale = head_dim**-0.5
+            out = backend.decode(q, kc, vc, meta, scale=scale, sliding_window=None)
+            ref = _expect(q, meta, dense, scale)
+            assert rel_error(out, ref) < 2e-5, (head_dim, group)
+
+
 def test_isas_agree():
     """Every runnable code path gives the same answer to fp32 rounding."""
     q, kc, vc, meta, dense = _batch([(700, 1), (10, 30)], hkv=2, group=3, head_dim=96, block_size=4)

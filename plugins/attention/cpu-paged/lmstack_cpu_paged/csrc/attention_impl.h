@@ -368,3 +368,177 @@ static void attend(const float* q, const int* pos, int rows, int d, int k_begin,
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Decode (one query token: the rows are the G heads of one KV head, and every key of the range
+// is visible — the item's range already starts at the window's edge). The general path above
+// spends most of its time in one horizontal sum per (row, key); here W keys' partial products
+// are summed together by a shuffle tree (15 adds for 16 keys), the query row stays in
+// registers, each V row is widened once for all rows, and bf16 / fp8 rows are widened as they
+// are loaded rather than through the scratch tile. The head dim is NV whole registers.
+// ---------------------------------------------------------------------------------------------
+
+#if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)
+#if defined(CPU_PAGED_AVX512)
+constexpr int NREG = 32;
+#else
+constexpr int NREG = 16;
+#endif
+
+// Register c of a cache row, widened to fp32.
+template <int Kind>
+static inline vf load_vec(const char* row, int c, const float* lut) {
+  if constexpr (Kind == KV_F32) {
+    return vload(reinterpret_cast<const float*>(row) + c * W);
+  } else if constexpr (Kind == KV_BF16) {
+    return vload_bf16(reinterpret_cast<const uint16_t*>(row) + c * W);
+  } else {
+    return vload_fp8(reinterpret_cast<const uint8_t*>(row) + c * W, lut);
+  }
+}
+
+// W vectors in, one out: lane j of the result is the sum of the lanes of p[key_slot(j)]. Each
+// level adds pairs of half-vectors of two inputs, so the tree's lanes come out in the order
+// key_slot undoes.
+static inline int key_slot(int j) {
+  static constexpr int within[4] = {0, 2, 1, 3};
+#if defined(CPU_PAGED_AVX512)
+  static constexpr int across[4] = {0, 8, 4, 12};
+#else
+  static constexpr int across[2] = {0, 4};
+#endif
+  return within[j % 4] + across[j / 4];
+}
+
+static inline vf lane_sums(const vf* p) {
+#if defined(CPU_PAGED_AVX512)
+  vf s[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i)
+    s[i] = vadd(_mm512_shuffle_f32x4(p[i], p[i + 8], 0x44), _mm512_shuffle_f32x4(p[i], p[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    t[i] = vadd(_mm512_shuffle_f32x4(s[i], s[i + 4], 0x88), _mm512_shuffle_f32x4(s[i], s[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    u[i] = vadd(_mm512_shuffle_ps(t[i], t[i + 2], 0x44), _mm512_shuffle_ps(t[i], t[i + 2], 0xEE));
+  return vadd(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+#else
+  vf s[4], u[2];
+  for (int i = 0; i < 4; ++i)
+    s[i] = vadd(_mm256_permute2f128_ps(p[i], p[i + 4], 0x20), _mm256_permute2f128_ps(p[i], p[i + 4], 0x31));
+  for (int i = 0; i < 2; ++i)
+    u[i] = vadd(_mm256_shuffle_ps(s[i], s[i + 2], 0x44), _mm256_shuffle_ps(s[i], s[i + 2], 0xEE));
+  return vadd(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD));
+#endif
+}
+
+// acc rows [g0, g0 + R) += p rows x the tile's V rows, R accumulator rows held in registers.
+template <int Kind, int NV, int R>
+static inline void pv_rows(float* acc, const float* s, const char* vc, const int64_t* off, int n, int g0,
+                           const float* lut) {
+  vf a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) a[r][c] = vload(acc + size_t(g0 + r) * NV * W + c * W);
+  for (int j = 0; j < n; ++j) {
+    vf v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = load_vec<Kind>(vc + off[j], c, lut);
+    for (int r = 0; r < R; ++r) {
+      const vf p = vset1(s[size_t(g0 + r) * KEY_TILE + j]);
+      for (int c = 0; c < NV; ++c) a[r][c] = vfma(p, v[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) vstore(acc + size_t(g0 + r) * NV * W + c * W, a[r][c]);
+}
+
+template <int Kind, int NV>
+static void attend_decode(const float* q, const int* pos, int rows, int d, int k_begin, int k_end,
+                          int window, const int* table, int bs, const char* kc, const char* vc,
+                          int64_t stride_tok, int64_t stride_blk, int64_t head_off, int esize,
+                          const float* lut, float* m, float* l, float* acc, Scratch& sc) {
+  (void)pos, (void)window, (void)d;
+  // Accumulator rows per pass over the tile's V rows: half the registers, at most 4.
+  constexpr int RC = NREG / 2 / NV >= 4 ? 4 : NREG / 2 / NV > 0 ? NREG / 2 / NV : 1;
+  const int nkeys = k_end - k_begin;
+  if (sc.offs.size() < size_t(nkeys)) sc.offs.resize(size_t(nkeys) * 2);
+  int64_t* offs = sc.offs.data();
+  {
+    int blk = k_begin / bs, in = k_begin % bs;
+    for (int j = 0; j < nkeys; ++j) {
+      offs[j] = (int64_t(table[blk]) * stride_blk + int64_t(in) * stride_tok + head_off) * esize;
+      if (++in == bs) in = 0, ++blk;
+    }
+  }
+  const int row_bytes = NV * W * esize;
+  auto prefetch = [&](int j0, int j1) {
+    for (int j = j0; j < std::min(j1, nkeys); ++j)
+      for (int b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(kc + offs[j] + b);
+        __builtin_prefetch(vc + offs[j] + b);
+      }
+  };
+  prefetch(0, KEY_TILE);  // then each tile prefetches the next one (see attend)
+  float* s = sc.scores.data();
+  for (int t0 = k_begin; t0 < k_end; t0 += KEY_TILE) {
+    const int n = std::min(KEY_TILE, k_end - t0);
+    prefetch(t0 - k_begin + KEY_TILE, t0 - k_begin + 2 * KEY_TILE);
+    const int64_t* o = offs + (t0 - k_begin);
+    for (int g = 0; g < rows; ++g) {
+      vf qv[NV];
+      for (int c = 0; c < NV; ++c) qv[c] = vload(q + size_t(g) * NV * W + c * W);
+      for (int j0 = 0; j0 < n; j0 += W) {
+        vf p[W];
+        for (int j = 0; j < W; ++j) {
+          vf a = vzero();
+          if (j0 + j < n)
+            for (int c = 0; c < NV; ++c) a = vfma(qv[c], load_vec<Kind>(kc + o[j0 + j], c, lut), a);
+          p[key_slot(j)] = a;
+        }
+        vstore(s + size_t(g) * KEY_TILE + j0, lane_sums(p));
+      }
+    }
+    for (int g = 0; g < rows; ++g) {
+      float* sr = s + size_t(g) * KEY_TILE;
+      const float tile_max = row_max(sr, n);
+      if (!(tile_max > -INFINITY)) {  // only with inf / NaN inputs: this tile adds nothing
+        std::fill(sr, sr + n, 0.0f);
+        continue;
+      }
+      const float m_new = std::max(m[g], tile_max);
+      if (m_new > m[g]) {
+        const float alpha = std::exp(m[g] - m_new);
+        l[g] *= alpha;
+        row_scale(acc + size_t(g) * NV * W, alpha, NV * W);
+        m[g] = m_new;
+      }
+      l[g] += exp_row(sr, n, m_new);
+    }
+    int g0 = 0;
+    for (; g0 + RC <= rows; g0 += RC) pv_rows<Kind, NV, RC>(acc, s, vc, o, n, g0, lut);
+    switch (rows - g0) {  // the rest in one pass too (RC <= 4)
+      case 3: pv_rows<Kind, NV, 3>(acc, s, vc, o, n, g0, lut); break;
+      case 2: pv_rows<Kind, NV, 2>(acc, s, vc, o, n, g0, lut); break;
+      case 1: pv_rows<Kind, NV, 1>(acc, s, vc, o, n, g0, lut); break;
+      default: break;
+    }
+  }
+}
+
+using DecodeFn = decltype(&attend_decode<KV_F32, 1>);
+
+template <int NV>
+static DecodeFn decode_for(int kind) {
+  return kind == KV_F32 ? &attend_decode<KV_F32, NV> : kind == KV_BF16 ? &attend_decode<KV_BF16, NV> : &attend_decode<KV_FP8, NV>;
+}
+
+// The decode path for a cache of `kind` and head dim d, or nullptr where d is not 1, 2, 4 or 8
+// whole registers (the general path then serves decode too).
+static DecodeFn pick_decode(int kind, int d) {
+  if (d % W) return nullptr;
+  switch (d / W) {
+    case 1: return decode_for<1>(kind);
+    case 2: return decode_for<2>(kind);
+    case 4: return decode_for<4>(kind);
+    case 8: return decode_for<8>(kind);
+    default: return nullptr;
+  }
+}
+#endif

@@ -8,7 +8,10 @@
 // Work is cut into items of (sequence, KV head, query rows, key range) and spread over OpenMP
 // threads. The rows of an item are all the query heads of its KV head, so each K/V row is read
 // once per GQA group. Decode items over long contexts are split into key ranges when the batch
-// alone would leave threads idle; their partial softmax states are merged at the end.
+// alone would leave threads idle; their partial softmax states are merged at the end. Decode
+// items (one query token) take a path of their own where the head dim is 1, 2, 4 or 8 whole
+// registers (attend_decode: keys scored W at a time through a shuffle tree, V read once for up
+// to four query rows); any other head dim takes the general path.
 //
 // The inner loops exist three times (attention_impl.h): AVX-512, AVX2+FMA and plain C++, picked
 // at run time from what the CPU reports (or forced by the caller, for tests).
@@ -36,6 +39,7 @@ constexpr int KEY_TILE = 32;  // keys scored together: one max / rescale per row
 // Per-thread buffers of the kernels, sized for the largest work item.
 struct Scratch {
   std::vector<float> kbuf, vbuf, scores;  // a tile of widened K and V rows; rows x tile scores
+  std::vector<int64_t> offs;  // byte offsets of a decode item's K / V rows
   void reserve(int rows, int d) {
     kbuf.resize(size_t(KEY_TILE) * d);
     vbuf.resize(size_t(KEY_TILE) * d);
@@ -217,6 +221,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     CPU_PAGED_PICK(scalar)
   }
 #undef CPU_PAGED_PICK
+  // Decode items take the specialised path where the head dim is 1, 2, 4 or 8 whole registers.
+  AttendFn attend_decode = isa == ISA_AVX512 ? avx512::pick_decode(kind, D)
+                           : isa == ISA_AVX2 ? avx2::pick_decode(kind, D)
+                                             : nullptr;
 
   const bool q_bf16 = q.scalar_type() == at::kBFloat16;
   const char* qp = static_cast<const char*>(q.data_ptr());
@@ -266,7 +274,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
         l[r] = 0.0f;
       }
       std::fill(acc.begin(), acc.begin() + size_t(rows) * D, 0.0f);
-      attend(qbuf.data(), pos.data(), rows, D, it.k_begin, it.k_end, win, tab + int64_t(it.seq) * max_blocks, BS,
+      (it.ntok == 1 && attend_decode ? attend_decode : attend)(qbuf.data(), pos.data(), rows, D, it.k_begin, it.k_end, win, tab + int64_t(it.seq) * max_blocks, BS,
              kc, vc, stride_tok, stride_blk, int64_t(it.head) * D, esize, lut, m.data(), l.data(), acc.data(), sc);
       if (it.slot < 0) {
         for (int r = 0; r < rows; ++r)  // l > 0: every query sees at least itself
