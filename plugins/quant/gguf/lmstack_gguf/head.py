@@ -31,23 +31,31 @@ class BlockEmbedding(nn.Module):
         return self.table.rows(ids.reshape(-1)).to(self.dtype).reshape(*ids.shape, -1)
 
 
-def block_table(weight: torch.Tensor, use_native: bool, int8_activations: bool = False) -> GGUFLinear | None:
+def block_table(
+    weight: torch.Tensor, use_native: bool, int8_activations: bool = False, panels_from: int | None = None
+) -> GGUFLinear | None:
     """weight [rows, cols] as a Q8_0 GGUFLinear cols -> rows, or None if Q8_0 cannot hold it exactly.
     With int8 activations the kernel takes every batch size: for a head it beats dequantizing the
-    table per call at every size measured (README); the fp32 kernel only up to 32 rows."""
+    table per call at every size measured (README); the fp32 kernel only up to 32 rows.
+    `panels_from`: batches from that many rows multiply by panels (`prefill: panels`)."""
     blocks = quantize_q8_0_exact(weight)
     if blocks is None:
         return None
     rows, cols = weight.shape
     spec = LinearSpec(cols, rows, False, "lm_head", params_dtype=torch.float32)
     limit = None if int8_activations else NATIVE_MAX_ROWS
-    table = GGUFLinear(spec, use_native, int8_activations=int8_activations, kernel_max_rows=limit)
+    panels = panels_from is not None
+    if panels:
+        limit = panels_from - 1
+    table = GGUFLinear(
+        spec, use_native, int8_activations=int8_activations, kernel_max_rows=limit, panels=panels
+    )
     table.set_blocks(Q8_0, blocks)
     return table if table.ggml_type is not None else None
 
 
 def keep_embedding_and_head_as_blocks(
-    model: nn.Module, use_native: bool, int8_activations: bool = False
+    model: nn.Module, use_native: bool, int8_activations: bool = False, panels_from: int | None = None
 ) -> list[str]:
     """Swap a plain `embed_tokens` / bias-free `lm_head` for Q8_0 block tables where that is
     exact; returns the names swapped (others stay dense, with a log line saying why)."""
@@ -55,13 +63,15 @@ def keep_embedding_and_head_as_blocks(
     swapped = []
     table = None
     if isinstance(embed, nn.Embedding):
-        table = block_table(embed.weight.data, use_native, int8_activations)
+        table = block_table(embed.weight.data, use_native, int8_activations, panels_from)
         if table is not None:
             model.embed_tokens = BlockEmbedding(table, embed.weight.dtype)
             swapped.append("embed_tokens")
     if isinstance(head, nn.Linear) and head.bias is None:
         tied = isinstance(embed, nn.Embedding) and head.weight is embed.weight
-        head_table = table if tied else block_table(head.weight.data, use_native, int8_activations)
+        head_table = (
+            table if tied else block_table(head.weight.data, use_native, int8_activations, panels_from)
+        )
         if head_table is not None:
             model.lm_head = head_table
             swapped.append("lm_head")

@@ -41,11 +41,14 @@ class GGUFLinear(nn.Module):
         int8_activations: bool = False,
         kernel_max_rows: int | None = NATIVE_MAX_ROWS,
         copy_dtype: torch.dtype = torch.float32,
+        panels: bool = False,
     ) -> None:
         """`int8_activations`: the kernel rounds x to int8 per 32-block (`block_matmul`).
         `kernel_max_rows`: the largest batch the kernel takes (None: any; larger ones multiply
         by the dense copy or dequantize). `copy_dtype`: the dense copy's dtype; bfloat16 rounds
-        x to bfloat16 for those batches (`GGUFOptions.prefill`)."""
+        x to bfloat16 for those batches (`GGUFOptions.prefill`). `panels`: batches over
+        `kernel_max_rows` multiply by the blocks re-laid out in 16-row panels (int8 activations,
+        AVX-512 VNNI: `gguf_matmul_panels`)."""
         super().__init__()
         self.spec = spec
         self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
@@ -56,6 +59,7 @@ class GGUFLinear(nn.Module):
         # dequantization per call, for 4 more bytes a weight resident.
         self.dense_copy = dense_copy
         self.copy_dtype = copy_dtype
+        self.use_panels = panels and int8_activations
         self.weight = nn.Parameter(torch.empty(self.out_features, 0, dtype=torch.uint8), requires_grad=False)
         set_weight_loader(self.weight, self._load_weight, num_shards=len(spec.output_sizes))
         self.ggml_type: int | None = None
@@ -71,6 +75,8 @@ class GGUFLinear(nn.Module):
         self._parts: dict[int, tuple[int | None, torch.Tensor]] = {}
         # (kernel, blocks, ggml type) once finalized with the kernel built (`forward`).
         self._fast: tuple | None = None
+        # uint8 panels of the blocks (`panels`), made by finalize().
+        self.panels: torch.Tensor | None = None
 
     # --- loading ------------------------------------------------------------------------------
 
@@ -116,7 +122,11 @@ class GGUFLinear(nn.Module):
         if len(types) == 1 and None not in types and native_kernel() is not None:
             self.ggml_type = types.pop()
             self.weight.data = torch.cat([rows for _, rows in parts]) if len(parts) > 1 else parts[0][1]
-            if self.dense_copy:
+            if self.use_panels and self.use_native:
+                self.panels = native_kernel().gguf_pack_panels(
+                    self.weight.data, self.ggml_type, self.in_features
+                )
+            elif self.dense_copy:
                 self.dense = dequantize_blocks(self.weight.data, self.ggml_type, self.in_features).to(
                     self.copy_dtype
                 )
@@ -159,6 +169,12 @@ class GGUFLinear(nn.Module):
             return fast[0](x, fast[1], fast[2])  # what `block_matmul` would run, without its checks
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if self.panels is not None and x2.dtype == torch.float32 and x2.shape[0] > (limit or 0):
+            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+            out = native_kernel().gguf_matmul_panels(x2, self.panels, self.ggml_type, self.out_features)
+            if self.bias is not None:
+                out = out + self.bias
+            return out.reshape(*lead, self.out_features)
         if self.ggml_type is not None and (
             self.dense is None or kernel_takes(x2, self.use_native, self.kernel_max_rows)
         ):
@@ -181,6 +197,8 @@ class GGUFLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "dense fp32" if self.ggml_type is None else f"GGML type {self.ggml_type} blocks"
+        if self.panels is not None:
+            kind += f", 16-row panels for batches over {self.kernel_max_rows} rows"
         if self.ggml_type is not None and self.dense is not None:
             kind += f", {str(self.dense.dtype).removeprefix('torch.')} copy for batches over {self.kernel_max_rows} rows"
         return f"in={self.in_features}, out={self.out_features}, {kind}"

@@ -13,7 +13,7 @@ from lmstack.hardware import native_bf16_cpu
 from lmstack.interfaces import LinearFactory, LinearSpec, Quantizer
 from lmstack.quant_format import GGUF, checkpoint_format_id
 from lmstack_gguf.head import keep_embedding_and_head_as_blocks
-from lmstack_gguf.kernel import QK
+from lmstack_gguf.kernel import QK, native_kernel
 from lmstack_gguf.linear import GGUFLinear
 
 # With the bfloat16 copy, batches from this many rows multiply by it: on a native-bf16 CPU (AMD
@@ -22,11 +22,33 @@ from lmstack_gguf.linear import GGUFLinear
 BF16_COPY_MIN_ROWS = 17
 
 
+# With panels, batches from this many rows multiply by them (the crossover with the block
+# kernel over a decode step's layers on a 2-core Zen 5 EPYC was between 5 and 6 rows, README).
+PANELS_MIN_ROWS = 6
+
+
+def panels_cpu() -> bool:
+    """Whether the panel kernel runs here (the kernels built, AVX-512 with VNNI)."""
+    ext = native_kernel()
+    return ext is not None and ext.best_isa() >= 2
+
+
 def prefill_mode(prefill: str, int8_activations: bool) -> str:
-    """`GGUFOptions.prefill` resolved: "auto" becomes "dense-bf16" where the CPU computes
-    bfloat16 natively and activations are int8, else "dense-copy"."""
+    """`GGUFOptions.prefill` resolved: "auto" becomes "panels" where activations are int8 and the
+    CPU has AVX-512 VNNI, else "dense-bf16" where the CPU computes bfloat16 natively and
+    activations are int8, else "dense-copy". "panels" where it cannot run is a ConfigError."""
+    if prefill == "panels":
+        if not int8_activations:
+            raise ConfigError("gguf: prefill: panels multiplies int8 activations; set activations: int8")
+        if not panels_cpu():
+            raise ConfigError(
+                "gguf: prefill: panels needs AVX-512 VNNI and the built kernels, which this machine lacks; "
+                "use prefill: auto"
+            )
     if prefill != "auto":
         return prefill
+    if int8_activations and panels_cpu():
+        return "panels"
     return "dense-bf16" if int8_activations and native_bf16_cpu() else "dense-copy"
 
 
@@ -45,10 +67,14 @@ class GGUFQuantizer(Quantizer):
         self.int8_activations = options.activations == "int8"
         self.prefill = prefill_mode(options.prefill, self.int8_activations)
         self.dense_copy = self.prefill in ("dense-copy", "dense-bf16")
+        self.panels = self.prefill == "panels"
 
     def linear_factory(self) -> LinearFactory:
-        bf16 = self.prefill == "dense-bf16"
-        extra = {"copy_dtype": torch.bfloat16, "kernel_max_rows": BF16_COPY_MIN_ROWS - 1} if bf16 else {}
+        extra = {}
+        if self.prefill == "dense-bf16":
+            extra = {"copy_dtype": torch.bfloat16, "kernel_max_rows": BF16_COPY_MIN_ROWS - 1}
+        elif self.panels:
+            extra = {"panels": True, "kernel_max_rows": PANELS_MIN_ROWS - 1}
 
         def make(spec: LinearSpec) -> nn.Module:
             return GGUFLinear(
@@ -62,7 +88,9 @@ class GGUFQuantizer(Quantizer):
             if isinstance(module, GGUFLinear):
                 module.finalize()
         if self.options.lm_head == "blocks":
-            keep_embedding_and_head_as_blocks(model, self.use_native, self.int8_activations)
+            keep_embedding_and_head_as_blocks(
+                model, self.use_native, self.int8_activations, PANELS_MIN_ROWS if self.panels else None
+            )
 
     def shard_alignment(self, spec: LinearSpec) -> int:
         # Blocks run along a row: a split of the input columns (row-parallel) keeps whole blocks.

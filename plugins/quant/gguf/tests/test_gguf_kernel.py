@@ -205,15 +205,85 @@ def test_bf16_copy_takes_batches_over_the_limit_and_rows_stay_exact():
     assert torch.allclose(layer.rows(ids), w[ids].float(), rtol=0, atol=1e-6)  # from the blocks, not the copy
 
 
-def test_prefill_auto_takes_the_bf16_copy_only_on_native_bf16_with_int8_activations(monkeypatch):
+def test_prefill_auto_takes_panels_then_the_bf16_copy_with_int8_activations(monkeypatch):
+    from lmstack.errors import ConfigError
     from lmstack_gguf import quantizer
 
-    for native_bf16 in (False, True):
-        monkeypatch.setattr(quantizer, "native_bf16_cpu", lambda v=native_bf16: v)
-        assert quantizer.prefill_mode("auto", True) == ("dense-bf16" if native_bf16 else "dense-copy")
-        assert quantizer.prefill_mode("auto", False) == "dense-copy"
-        for named in ("dense-copy", "dense-bf16", "dequantize"):
-            assert quantizer.prefill_mode(named, True) == named
+    for vnni in (False, True):
+        monkeypatch.setattr(quantizer, "panels_cpu", lambda v=vnni: v)
+        for native_bf16 in (False, True):
+            monkeypatch.setattr(quantizer, "native_bf16_cpu", lambda v=native_bf16: v)
+            want = "panels" if vnni else "dense-bf16" if native_bf16 else "dense-copy"
+            assert quantizer.prefill_mode("auto", True) == want
+            assert quantizer.prefill_mode("auto", False) == "dense-copy"
+            for named in ("dense-copy", "dense-bf16", "dequantize"):
+                assert quantizer.prefill_mode(named, True) == named
+        with pytest.raises(ConfigError, match="activations: int8"):
+            quantizer.prefill_mode("panels", False)
+        if vnni:
+            assert quantizer.prefill_mode("panels", True) == "panels"
+        else:
+            with pytest.raises(ConfigError, match="AVX-512 VNNI"):
+                quantizer.prefill_mode("panels", True)
+
+
+needs_panels = pytest.mark.skipif(
+    ext is None or ext.best_isa() < 2, reason="the panel kernel needs AVX-512 VNNI and the built kernels"
+)
+
+
+@needs_panels
+@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+def test_panels_are_the_rounded_x_times_the_blocks(typ):
+    """gguf_matmul_panels = (x rounded per block) @ W^T up to fp32 summation, and agrees with
+    the block kernel: every row-tile remainder (M mod 4), N that leaves a single or a partly
+    filled last panel, K of 1-20 blocks, rows of x with a stride."""
+    rng = random.Random()
+    for m in (1, 2, 3, 4, rng.randint(5, 16), rng.randint(17, 70)):
+        n = rng.choice(
+            (rng.randint(1, 15), 16 * rng.randint(1, 6) + rng.randint(0, 15), 32 * rng.randint(1, 3))
+        )
+        k = 32 * rng.randint(1, 20)
+        raw, w = blocks_of(np.random.randn(n, k) * rng.choice((1e-3, 1.0, 50.0)), typ)
+        x = torch.randn(m, k + rng.randint(0, 5))[:, :k]
+        q, dx, _ = reference_q8(x)
+        xq = (q.double().reshape(m, -1, 32) * dx.double()[..., None]).reshape(m, k)
+        packed = ext.gguf_pack_panels(raw, int(typ), k)
+        assert packed.shape[0] == -(-n // 16)
+        out = ext.gguf_matmul_panels(x, packed, int(typ), n)
+        assert out.shape == (m, n) and within_rounding(out, xq, w, k), f"{typ.name} m={m} n={n} k={k}"
+        blocks = ext.gguf_matmul_q8(x.contiguous(), raw, int(typ))
+        assert float((out - blocks).abs().max()) <= 1e-5 * float(blocks.abs().max()) + 1e-30
+
+
+@needs_panels
+@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+def test_panels_take_batches_over_the_limit_and_rows_stay_exact(typ):
+    k, n = 96, 21
+    raw, w = blocks_of(np.random.randn(n, k), typ)
+    spec = LinearSpec(k, n, True, "layers.0.o_proj", (n,), "row", torch.float32)
+    layer = GGUFLinear(spec, int8_activations=True, kernel_max_rows=5, panels=True)
+    layer.weight.weight_loader(layer.weight, _gguf(raw, typ, k), None)
+    layer.bias.data.normal_()
+    layer.finalize()
+    assert layer.dense is None and layer.panels is not None
+    x = torch.randn(6, k)
+    bias = layer.bias.data
+    assert torch.equal(layer(x[:5]), ext.gguf_matmul_q8(x[:5], raw, int(typ)) + bias)
+    assert torch.equal(layer(x), ext.gguf_matmul_panels(x, layer.panels, int(typ), n) + bias)
+    assert torch.equal(layer(x.reshape(2, 3, k)), layer(x).reshape(2, 3, n))
+    ids = torch.tensor([0, 20, 5])
+    assert torch.equal(layer.rows(ids), w[ids])
+
+
+@needs_panels
+def test_panels_refuse_bad_operands_in_one_line():
+    raw, _ = blocks_of(np.random.randn(20, 64), T.Q4_1)
+    packed = ext.gguf_pack_panels(raw, int(T.Q4_1), 64)
+    with pytest.raises(RuntimeError, match="gguf_pack_panels' output for N = 40"):
+        ext.gguf_matmul_panels(torch.randn(3, 64), packed, int(T.Q4_1), 40)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.gguf_matmul_panels(torch.randn(3, 64).double(), packed, int(T.Q4_1), 20)
 
 
 def test_mixed_encodings_become_one_dense_weight():

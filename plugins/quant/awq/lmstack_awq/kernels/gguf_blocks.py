@@ -12,8 +12,10 @@ Batches of at most `lmstack_gguf.kernel.NATIVE_MAX_ROWS` rows take the kernel wi
 activations (the dequantized model's result up to fp32 summation order), or with
 `layer.int8_activations` the kernel that rounds x to int8 per 32 values first (llama.cpp's
 scheme, `fp32_activations: int8`); larger ones dequantize the blocks a slab at a time and
-multiply densely in fp32 — or, on a CPU with native bf16, from 17 rows, multiply by a bf16 copy
-of the layer made at load (x rounded to bf16). The blocks replace the layer's nibble buffer,
+multiply densely in fp32 — or, with int8 activations on a CPU with AVX-512 VNNI, from 6 rows,
+multiply by the blocks re-laid out in 16-row panels (lmstack-gguf's `prefill: panels`) — or, on
+a CPU with native bf16, from 17 rows, by a bf16 copy of the layer made at load (x rounded to
+bf16). The blocks replace the layer's nibble buffer,
 so the module holds one copy of the weight; `codes` reads the nibbles back.
 """
 
@@ -56,16 +58,23 @@ class GGUFBlocks:
         m = (-zero * scale).to(torch.float16).view(torch.uint8).view(n, nb, 2)
         layer.w_packed = torch.cat((d, m, nibbles), dim=-1).reshape(n, nb * BLOCK_BYTES).contiguous()
         from lmstack_gguf.kernel import NATIVE_MAX_ROWS, native_kernel
-        from lmstack_gguf.quantizer import BF16_COPY_MIN_ROWS
+        from lmstack_gguf.quantizer import BF16_COPY_MIN_ROWS, PANELS_MIN_ROWS, panels_cpu
 
         ext = native_kernel()
         self.matmuls, self.max_rows = (ext.gguf_matmul, ext.gguf_matmul_q8), NATIVE_MAX_ROWS
+        self.dense: torch.Tensor | None = None
+        # With int8 activations where AVX-512 VNNI runs them: panels (0.75 bytes a weight) take
+        # batches from 6 rows, the crossover with the block kernel lmstack-gguf measured.
+        self.panels: torch.Tensor | None = None
+        if layer.int8_activations and panels_cpu():
+            self.panels = ext.gguf_pack_panels(layer.w_packed, Q4_1, k)
+            self.panel_matmul, self.max_rows = ext.gguf_matmul_panels, PANELS_MIN_ROWS - 1
+            return
         # On a CPU with native bf16 a bfloat16 copy (2 bytes a weight) takes batches over 16 rows
         # (prefill): its matmul runs ~4x faster than fp32 there, and rebuilding the layer in
         # fp32 per call cost a 200-token prompt ~3x the time to first token (lmstack-gguf's
         # `prefill: dense-bf16`, whose crossover this is). Elsewhere batches over 32 rows
         # dequantize a slab at a time.
-        self.dense: torch.Tensor | None = None
         if native_bf16_cpu():
             from lmstack_gguf.kernel import dequantize_blocks
 
@@ -77,6 +86,10 @@ class GGUFBlocks:
             # Decode: straight to the kernel (block_matmul's checks cost ~20 us a call, a good
             # part of a small layer's time at one row).
             return self.matmuls[layer.int8_activations](x, layer.w_packed, Q4_1)
+        if self.panels is not None and x.dtype == torch.float32 and x.shape[0] > self.max_rows:
+            return self.panel_matmul(
+                x if x.stride(-1) == 1 else x.contiguous(), self.panels, Q4_1, layer.out_features
+            )
         if self.dense is not None and x.shape[0] > self.max_rows:
             out = F.linear(x.to(torch.bfloat16), self.dense).float()
             return out if x.dtype == torch.float32 else out.to(x.dtype)

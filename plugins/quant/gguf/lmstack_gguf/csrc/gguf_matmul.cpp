@@ -598,6 +598,137 @@ void x_pairs(const Q8Problem& p, bool plus128, int8_t* q, float* dx, float* sx, 
     }
 }
 
+
+// --- panels: the weights re-laid out for batches (AVX-512 VNNI) ---------------------------------
+//
+// The tiles above give each output its own vector lanes, so every block ends in a horizontal
+// sum; at 8-64 activation rows that, not memory, bounds them (~140 G multiply-adds a second on a
+// 2-core Zen 5, where bf16 matmuls reach ~300). Panels turn the lanes around: 16 output rows of W
+// side by side, so that one vpdpbusd multiplies 4 consecutive x values (one broadcast int32) by
+// the same 4 positions of 16 weight rows and adds into 16 outputs, with no horizontal sum at all.
+//
+// Layout (`gguf_pack_panels`): panel p holds weight rows [16p, 16p + 16) (zero rows pad N), block
+// by block; a panel block is the codes then 16 fp32 scales d then (Q4 types) 16 fp32 offsets m:
+//   Q4_0 / Q4_1: 4 vectors of 64 bytes; byte 4c + i of vector j holds row c's value 4j + i in its
+//                low nibble and value 16 + 4j + i in its high nibble (codes 0..15); Q4_0's m = -8d
+//   Q8_0:        8 vectors of 64 bytes; byte 4c + i of vector t holds row c's value 4t + i + 128
+//                (unsigned), so the sums carry 128 * sum(q_x), taken off in integers
+// A block's contribution is then, per row and output, cvt(idot) * (d * dx) + m * sx exactly as in
+// the tiles above: integer sums exact, fp32 summation order the only difference.
+
+constexpr int PANEL = 16;
+
+inline int64_t panel_code_bytes(int64_t type) { return type == Q8_0 ? 512 : 256; }
+inline int64_t panel_block_bytes(int64_t type) { return panel_code_bytes(type) + (type == Q8_0 ? 64 : 128); }
+
+// MR activation rows x NR panels (16 outputs each) over every block.
+template <int TYPE, int MR, int NR>
+inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, int64_t K, const float* dx,
+                       const float* sx, const int32_t* c128, float* out, int64_t ldo, int valid_last) {
+  constexpr int64_t PB = TYPE == Q8_0 ? 576 : 384, CODES = TYPE == Q8_0 ? 512 : 256;
+  const int64_t nb = K / QK;
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i dot[MR][NR];
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NR; ++c) dot[r][c] = _mm512_setzero_si512();
+    const int8_t* xb = qx + b * QK;
+    if constexpr (TYPE == Q8_0) {
+      for (int t = 0; t < 8; ++t) {
+        __m512i wv[NR];
+        for (int c = 0; c < NR; ++c) wv[c] = _mm512_loadu_si512(w + c * panel_bytes + b * PB + 64 * t);
+        for (int r = 0; r < MR; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xb + r * K + 4 * t, 4);
+          const __m512i xv = _mm512_set1_epi32(x4);
+          for (int c = 0; c < NR; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], wv[c], xv);
+        }
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        __m512i lo[NR], hi[NR];
+        for (int c = 0; c < NR; ++c) {
+          const __m512i raw = _mm512_loadu_si512(w + c * panel_bytes + b * PB + 64 * j);
+          lo[c] = _mm512_and_si512(raw, mask);
+          hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+        }
+        for (int r = 0; r < MR; ++r) {
+          int32_t xl, xh;
+          std::memcpy(&xl, xb + r * K + 4 * j, 4);
+          std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
+          const __m512i xlv = _mm512_set1_epi32(xl), xhv = _mm512_set1_epi32(xh);
+          for (int c = 0; c < NR; ++c) {
+            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo[c], xlv);
+            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], hi[c], xhv);
+          }
+        }
+      }
+    }
+    __m512 d[NR], m[NR];
+    for (int c = 0; c < NR; ++c) {
+      const uint8_t* blk = w + c * panel_bytes + b * PB + CODES;
+      d[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
+      if constexpr (TYPE != Q8_0) m[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 64));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 dxr = _mm512_set1_ps(dx[r * nb + b]);
+      for (int c = 0; c < NR; ++c) {
+        __m512i i = dot[r][c];
+        if constexpr (TYPE == Q8_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(c128[r * nb + b]));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d[c], dxr), acc[r][c]);
+        if constexpr (TYPE != Q8_0) acc[r][c] = _mm512_fmadd_ps(m[c], _mm512_set1_ps(sx[r * nb + b]), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) {
+      const __mmask16 keep = c == NR - 1 ? __mmask16((1u << valid_last) - 1) : __mmask16(0xFFFF);
+      _mm512_mask_storeu_ps(out + r * ldo + c * PANEL, keep, acc[r][c]);
+    }
+}
+
+template <int TYPE, int NR>
+inline void panel_rows(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const int32_t* c128, int64_t r0,
+                       int64_t r1, int64_t col, int valid_last) {
+  const int64_t nb = p.K / QK;
+  int64_t r = r0;
+  auto tile = [&](auto mr) {
+    constexpr int MR = decltype(mr)::value;
+    panel_tile<TYPE, MR, NR>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
+                             c128 ? c128 + r * nb : nullptr, p.out + r * p.N + col, p.N, valid_last);
+    r += MR;
+  };
+  while (r + 4 <= r1) tile(std::integral_constant<int, 4>());
+  switch (r1 - r) {
+    case 3: tile(std::integral_constant<int, 3>()); break;
+    case 2: tile(std::integral_constant<int, 2>()); break;
+    case 1: tile(std::integral_constant<int, 1>()); break;
+    default: break;
+  }
+}
+
+// Panel pairs [t0, t1) of the output (the last pair may be one panel), every activation row, in
+// chunks of rows so that a chunk of x stays in cache while the thread's panels pass over it.
+template <int TYPE>
+void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, int64_t t0, int64_t t1) {
+  const int64_t panels = (p.N + PANEL - 1) / PANEL, panel_bytes = p.K / QK * panel_block_bytes(TYPE);
+  constexpr int64_t ROW_CHUNK = 64;
+  for (int64_t rc = 0; rc < p.M; rc += ROW_CHUNK) {
+    const int64_t rc1 = std::min(p.M, rc + ROW_CHUNK);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t first = 2 * t, col = first * PANEL;
+      const uint8_t* w = packed + first * panel_bytes;
+      const int valid_last = int(std::min<int64_t>(PANEL, p.N - (first + (first + 1 < panels ? 1 : 0)) * PANEL));
+      if (first + 1 < panels)
+        panel_rows<TYPE, 2>(w, panel_bytes, p, c128, rc, rc1, col, valid_last);
+      else
+        panel_rows<TYPE, 1>(w, panel_bytes, p, c128, rc, rc1, col, valid_last);
+    }
+  }
+}
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -757,6 +888,81 @@ torch::Tensor gguf_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int
   return out;
 }
 
+// W's GGUF blocks [N, bytes] -> panels [ceil(N / 16), K / 32 * panel block bytes] (layout above).
+torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) {
+  check_weight(w, type, k);
+  const int64_t N = w.size(0), nb = k / QK, bb = block_bytes(type);
+  const int64_t panels = (N + avx512::PANEL - 1) / avx512::PANEL, pbb = avx512::panel_block_bytes(type);
+  const int64_t codes = avx512::panel_code_bytes(type);
+  auto out = torch::zeros({panels, nb * pbb}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    float q[QK];
+    for (int64_t pn = p0; pn < p1; ++pn)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* pb = dst + (pn * nb + b) * pbb;
+        float* dv = reinterpret_cast<float*>(pb + codes);
+        for (int c = 0; c < avx512::PANEL; ++c) {
+          const int64_t n = pn * avx512::PANEL + c;
+          if (n >= N) break;  // zero rows: codes 0, d = m = 0
+          const uint8_t* blk = src + n * w.size(1) + b * bb;
+          float d, m;
+          block_dm(type, blk, d, m);
+          block_q(type, blk, q);  // as stored: 0..15, or -128..127
+          dv[c] = d;
+          if (type != Q8_0) dv[avx512::PANEL + c] = type == Q4_0 ? -8.f * d : m;
+          for (int i = 0; i < 4; ++i) {
+            if (type == Q8_0) {
+              for (int t = 0; t < 8; ++t) pb[64 * t + 4 * c + i] = uint8_t(int(q[4 * t + i]) + 128);
+            } else {
+              for (int j = 0; j < 4; ++j)
+                pb[64 * j + 4 * c + i] = uint8_t(int(q[4 * j + i]) | (int(q[16 + 4 * j + i]) << 4));
+            }
+          }
+        }
+      }
+  });
+  return out;
+}
+
+// x [M, K] @ W^T from panels (gguf_pack_panels of W [N, K]): x rounded to int8 per 32-block as
+// gguf_matmul_q8 does. AVX-512 VNNI only (the caller keeps the blocks for other CPUs).
+torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& packed, int64_t type, int64_t n) {
+  TORCH_CHECK(best_isa() >= ISA_AVX512, "gguf_matmul_panels needs AVX-512 VNNI");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a CPU float32 tensor [M, K] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  TORCH_CHECK(K > 0 && K % QK == 0, "K must be a positive multiple of ", QK, ", got ", K);
+  const int64_t panels = (n + avx512::PANEL - 1) / avx512::PANEL;
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(0) == panels && packed.size(1) == nb * avx512::panel_block_bytes(type),
+              "packed must be gguf_pack_panels' output for N = ", n, ", K = ", K);
+  auto out = torch::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+  const auto qx = quantize_q8(x, ISA_AVX2);
+  Q8Problem p{qx[0].data_ptr<int8_t>(), qx[1].data_ptr<float>(), qx[2].data_ptr<float>(), nullptr, 0,
+              out.data_ptr<float>(), M, n, K};
+  std::vector<int32_t> c128;
+  if (type == Q8_0) {  // 128 * sum(q_x) per row and block: what the +128 codes add
+    c128.resize(M * nb);
+    for (int64_t i = 0; i < M * nb; ++i) {
+      int32_t sum = 0;
+      for (int j = 0; j < QK; ++j) sum += p.qx[i * QK + j];
+      c128[i] = 128 * sum;
+    }
+  }
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
+    switch (type) {
+      case Q4_0: avx512::panels_q8<Q4_0>(p, w, nullptr, t0, t1); break;
+      case Q4_1: avx512::panels_q8<Q4_1>(p, w, nullptr, t0, t1); break;
+      default: avx512::panels_q8<Q8_0>(p, w, c128.data(), t0, t1); break;
+    }
+  });
+  return out;
+}
+
 torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t k, std::optional<torch::Tensor> into) {
   check_weight(w, type, k);
   const int64_t N = w.size(0), nb = k / QK, bb = block_bytes(type);
@@ -807,6 +1013,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("type"), py::arg("isa") = -1);
   m.def("quantize_q8", &gguf_matmul::quantize_q8, "x fp32 [M, K] -> (int8 q, scale dx, dx * sum(q)) per 32-block",
         py::arg("x"), py::arg("isa") = -1);
+  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] -> 16-row panels (AVX-512 VNNI batches)",
+        py::arg("w"), py::arg("type"), py::arg("k"));
+  m.def("gguf_matmul_panels", &gguf_matmul::gguf_matmul_panels,
+        "x fp32 [M, K] @ W^T from gguf_pack_panels(W), x rounded to int8 per 32-block", py::arg("x"), py::arg("packed"),
+        py::arg("type"), py::arg("n"));
   m.def("gguf_dequantize", &gguf_matmul::gguf_dequantize, "GGUF block rows -> float32 [N, K]", py::arg("w"),
         py::arg("type"), py::arg("k"), py::arg("into") = py::none());
   m.def("block_bytes", &gguf_matmul::block_bytes, "bytes per 32-value block of a GGML type");
