@@ -273,15 +273,17 @@ static inline void load_row(const void* src, float* dst, int d, const float* lut
 // ---------------------------------------------------------------------------------------------
 
 // Attend `rows` query rows (fp32, already multiplied by the softmax scale x k_scale, row r at
-// q + r * d, at position pos[r]) to keys [k_begin, k_end) of one KV head, updating the online
+// q + r * d, at position pos[r]) to keys [k_begin, k_end) of one KV head (`group`: see
+// attend_fast), updating the online
 // softmax state m / l / acc (acc row r at acc + r * d). Key t of the sequence lives at
 // cache[table[t / bs]][t % bs][head]; `stride_tok` is the distance between two tokens of a block
 // (Hkv x D elements) and `stride_blk` between two blocks.
 template <int Kind>
-static void attend(const float* q, const int* pos, int rows, int d, int k_begin, int k_end,
+static void attend(const float* q, const int* pos, int rows, int group, int d, int k_begin, int k_end,
                    int window, const int* table, int bs, const char* kc, const char* vc,
                    int64_t stride_tok, int64_t stride_blk, int64_t head_off, int esize,
                    const float* lut, float* m, float* l, float* acc, Scratch& sc) {
+  (void)group;  // the general path's items are one KV head's
   int min_pos = pos[0], max_pos = pos[0];
   for (int r = 1; r < rows; ++r) min_pos = std::min(min_pos, pos[r]), max_pos = std::max(max_pos, pos[r]);
   const float* kp[KEY_TILE];
@@ -370,12 +372,13 @@ static void attend(const float* q, const int* pos, int rows, int d, int k_begin,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode (one query token: the rows are the G heads of one KV head, and every key of the range
-// is visible — the item's range already starts at the window's edge). The general path above
-// spends most of its time in one horizontal sum per (row, key); here W keys' partial products
-// are summed together by a shuffle tree (15 adds for 16 keys), the query row stays in
-// registers, each V row is widened once for all rows, and bf16 / fp8 rows are widened as they
-// are loaded rather than through the scratch tile. The head dim is NV whole registers.
+// The same work item where the head dim is NV whole registers (NV = 1, 2, 4, 8). The general path
+// above spends most of its time in one horizontal sum per (row, key); here W keys' partial
+// products are summed together by a shuffle tree (15 adds for 16 keys), each query row stays in
+// registers while it is scored, each V row is widened once for up to four rows whose
+// accumulators stay in registers, and bf16 / fp8 rows are widened as they are loaded rather
+// than through the scratch tile. Decode items (one token: every key of the range is visible, the
+// range already starts at the window's edge) never mask; prefill tiles mask as above.
 // ---------------------------------------------------------------------------------------------
 
 #if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)
@@ -450,11 +453,18 @@ static inline void pv_rows(float* acc, const float* s, const char* vc, const int
 }
 
 template <int Kind, int NV>
-static void attend_decode(const float* q, const int* pos, int rows, int d, int k_begin, int k_end,
-                          int window, const int* table, int bs, const char* kc, const char* vc,
-                          int64_t stride_tok, int64_t stride_blk, int64_t head_off, int esize,
-                          const float* lut, float* m, float* l, float* acc, Scratch& sc) {
-  (void)pos, (void)window, (void)d;
+static void attend_fast(const float* q, const int* pos, int rows, int group, int d, int k_begin, int k_end,
+                        int window, const int* table, int bs, const char* kc, const char* vc,
+                        int64_t stride_tok, int64_t stride_blk, int64_t head_off, int esize,
+                        const float* lut, float* m, float* l, float* acc, Scratch& sc) {
+  (void)d;
+  // Rows [h * group, (h + 1) * group) read KV head h of the item (a decode item may cover all of
+  // a sequence's KV heads: its rows then read every token's K / V rows whole, one contiguous run
+  // per block, which the CPU's prefetchers follow far better than one head's 1-in-Hkv rows).
+  const int64_t head_bytes = int64_t(NV) * W * esize;
+  const int heads = (rows + group - 1) / group;
+  int min_pos = pos[0], max_pos = pos[0];
+  for (int r = 1; r < rows; ++r) min_pos = std::min(min_pos, pos[r]), max_pos = std::max(max_pos, pos[r]);
   // Accumulator rows per pass over the tile's V rows: half the registers, at most 4.
   constexpr int RC = NREG / 2 / NV >= 4 ? 4 : NREG / 2 / NV > 0 ? NREG / 2 / NV : 1;
   const int nkeys = k_end - k_begin;
@@ -467,7 +477,7 @@ static void attend_decode(const float* q, const int* pos, int rows, int d, int k
       if (++in == bs) in = 0, ++blk;
     }
   }
-  const int row_bytes = NV * W * esize;
+  const int64_t row_bytes = heads * head_bytes;
   auto prefetch = [&](int j0, int j1) {
     for (int j = j0; j < std::min(j1, nkeys); ++j)
       for (int b = 0; b < row_bytes; b += 64) {
@@ -482,23 +492,33 @@ static void attend_decode(const float* q, const int* pos, int rows, int d, int k
     prefetch(t0 - k_begin + KEY_TILE, t0 - k_begin + 2 * KEY_TILE);
     const int64_t* o = offs + (t0 - k_begin);
     for (int g = 0; g < rows; ++g) {
+      const char* kh = kc + (g / group) * head_bytes;
       vf qv[NV];
       for (int c = 0; c < NV; ++c) qv[c] = vload(q + size_t(g) * NV * W + c * W);
       for (int j0 = 0; j0 < n; j0 += W) {
         vf p[W];
+#pragma GCC unroll 16
         for (int j = 0; j < W; ++j) {
           vf a = vzero();
-          if (j0 + j < n)
-            for (int c = 0; c < NV; ++c) a = vfma(qv[c], load_vec<Kind>(kc + o[j0 + j], c, lut), a);
+          if (j0 + j < n) {
+#pragma GCC unroll 8
+            for (int c = 0; c < NV; ++c) a = vfma(qv[c], load_vec<Kind>(kh + o[j0 + j], c, lut), a);
+          }
           p[key_slot(j)] = a;
         }
         vstore(s + size_t(g) * KEY_TILE + j0, lane_sums(p));
       }
     }
+    const bool masked = t0 + n - 1 > min_pos || (window > 0 && t0 <= max_pos - window);
     for (int g = 0; g < rows; ++g) {
       float* sr = s + size_t(g) * KEY_TILE;
+      if (masked)
+        for (int j = 0; j < n; ++j) {
+          const int t = t0 + j;
+          if (t > pos[g] || (window > 0 && t <= pos[g] - window)) sr[j] = -INFINITY;
+        }
       const float tile_max = row_max(sr, n);
-      if (!(tile_max > -INFINITY)) {  // only with inf / NaN inputs: this tile adds nothing
+      if (!(tile_max > -INFINITY)) {  // nothing visible to this row in this tile: it adds nothing
         std::fill(sr, sr + n, 0.0f);
         continue;
       }
@@ -511,33 +531,37 @@ static void attend_decode(const float* q, const int* pos, int rows, int d, int k
       }
       l[g] += exp_row(sr, n, m_new);
     }
-    int g0 = 0;
-    for (; g0 + RC <= rows; g0 += RC) pv_rows<Kind, NV, RC>(acc, s, vc, o, n, g0, lut);
-    switch (rows - g0) {  // the rest in one pass too (RC <= 4)
-      case 3: pv_rows<Kind, NV, 3>(acc, s, vc, o, n, g0, lut); break;
-      case 2: pv_rows<Kind, NV, 2>(acc, s, vc, o, n, g0, lut); break;
-      case 1: pv_rows<Kind, NV, 1>(acc, s, vc, o, n, g0, lut); break;
-      default: break;
+    for (int h0 = 0; h0 < rows; h0 += group) {  // each KV head's rows
+      const char* vh = vc + (h0 / group) * head_bytes;
+      const int h1 = std::min(rows, h0 + group);
+      int g0 = h0;
+      for (; g0 + RC <= h1; g0 += RC) pv_rows<Kind, NV, RC>(acc, s, vh, o, n, g0, lut);
+      switch (h1 - g0) {  // the rest in one pass too (RC <= 4)
+        case 3: pv_rows<Kind, NV, 3>(acc, s, vh, o, n, g0, lut); break;
+        case 2: pv_rows<Kind, NV, 2>(acc, s, vh, o, n, g0, lut); break;
+        case 1: pv_rows<Kind, NV, 1>(acc, s, vh, o, n, g0, lut); break;
+        default: break;
+      }
     }
   }
 }
 
-using DecodeFn = decltype(&attend_decode<KV_F32, 1>);
+using FastFn = decltype(&attend_fast<KV_F32, 1>);
 
 template <int NV>
-static DecodeFn decode_for(int kind) {
-  return kind == KV_F32 ? &attend_decode<KV_F32, NV> : kind == KV_BF16 ? &attend_decode<KV_BF16, NV> : &attend_decode<KV_FP8, NV>;
+static FastFn fast_for(int kind) {
+  return kind == KV_F32 ? &attend_fast<KV_F32, NV> : kind == KV_BF16 ? &attend_fast<KV_BF16, NV> : &attend_fast<KV_FP8, NV>;
 }
 
-// The decode path for a cache of `kind` and head dim d, or nullptr where d is not 1, 2, 4 or 8
-// whole registers (the general path then serves decode too).
-static DecodeFn pick_decode(int kind, int d) {
+// The fast path for a cache of `kind` and head dim d, or nullptr where d is not 1, 2, 4 or 8
+// whole registers (the general path then serves every item).
+static FastFn pick_fast(int kind, int d) {
   if (d % W) return nullptr;
   switch (d / W) {
-    case 1: return decode_for<1>(kind);
-    case 2: return decode_for<2>(kind);
-    case 4: return decode_for<4>(kind);
-    case 8: return decode_for<8>(kind);
+    case 1: return fast_for<1>(kind);
+    case 2: return fast_for<2>(kind);
+    case 4: return fast_for<4>(kind);
+    case 8: return fast_for<8>(kind);
     default: return nullptr;
   }
 }

@@ -8,10 +8,10 @@
 // Work is cut into items of (sequence, KV head, query rows, key range) and spread over OpenMP
 // threads. The rows of an item are all the query heads of its KV head, so each K/V row is read
 // once per GQA group. Decode items over long contexts are split into key ranges when the batch
-// alone would leave threads idle; their partial softmax states are merged at the end. Decode
-// items (one query token) take a path of their own where the head dim is 1, 2, 4 or 8 whole
-// registers (attend_decode: keys scored W at a time through a shuffle tree, V read once for up
-// to four query rows); any other head dim takes the general path.
+// alone would leave threads idle; their partial softmax states are merged at the end. Where the
+// head dim is 1, 2, 4 or 8 whole registers, items take a faster path (attend_fast: keys scored
+// W at a time through a shuffle tree, V read once for up to four query rows); any other head
+// dim takes the general one.
 //
 // The inner loops exist three times (attention_impl.h): AVX-512, AVX2+FMA and plain C++, picked
 // at run time from what the CPU reports (or forced by the caller, for tests).
@@ -94,7 +94,7 @@ const Fp8Tables& fp8_tables() {
   return tables;
 }
 
-using AttendFn = void (*)(const float*, const int*, int, int, int, int, int, const int*, int, const char*,
+using AttendFn = void (*)(const float*, const int*, int, int, int, int, int, int, const int*, int, const char*,
                           const char*, int64_t, int64_t, int64_t, int, const float*, float*, float*, float*,
                           Scratch&);
 
@@ -103,11 +103,12 @@ using AttendFn = void (*)(const float*, const int*, int, int, int, int, int, con
 constexpr int PREFILL_ROWS = 64;
 
 struct Item {
-  int seq, head;
+  int seq, head;            // the first KV head (of `heads`: 1, or all of a decode sequence's)
   int tok0, ntok;           // query tokens [tok0, tok0 + ntok) of the batch
   int pos0;                 // position of token tok0 in its sequence
   int k_begin, k_end;       // keys attended
   int slot;                 // -1: write the output; else the partial-state slot to fill
+  int heads = 1;
 };
 
 }  // namespace
@@ -205,11 +206,23 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     }
     items.swap(split);
   }
+  // The fast path where the head dim is 1, 2, 4 or 8 whole registers.
+  if (isa < 0) isa = best_isa();
+  AttendFn fast = isa == ISA_AVX512 ? avx512::pick_fast(kind, D) : isa == ISA_AVX2 ? avx2::pick_fast(kind, D) : nullptr;
+  // There, unsplit decode sequences are one item over all their KV heads (contiguous reads).
+  if (fast && num_slots == 0 && Hkv > 1) {
+    std::vector<Item> merged;
+    for (const Item& it : items)
+      if (it.ntok != 1)
+        merged.push_back(it);
+      else if (it.head == 0)
+        merged.push_back(it), merged.back().heads = Hkv;
+    items.swap(merged);
+  }
   // Partial states: per slot, G x (m, l, acc[D]).
   std::vector<float> partial(size_t(num_slots) * G * (D + 2));
 
   // --- run -------------------------------------------------------------------------------
-  if (isa < 0) isa = best_isa();
   AttendFn attend = nullptr;
 #define CPU_PAGED_PICK(NS) \
   attend = kind == KV_F32 ? &NS::attend<KV_F32> : kind == KV_BF16 ? &NS::attend<KV_BF16> : &NS::attend<KV_FP8>;
@@ -221,10 +234,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     CPU_PAGED_PICK(scalar)
   }
 #undef CPU_PAGED_PICK
-  // Decode items take the specialised path where the head dim is 1, 2, 4 or 8 whole registers.
-  AttendFn attend_decode = isa == ISA_AVX512 ? avx512::pick_decode(kind, D)
-                           : isa == ISA_AVX2 ? avx2::pick_decode(kind, D)
-                                             : nullptr;
+  if (fast) attend = fast;
 
   const bool q_bf16 = q.scalar_type() == at::kBFloat16;
   const char* qp = static_cast<const char*>(q.data_ptr());
@@ -232,9 +242,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const char* kc = static_cast<const char*>(k_cache.data_ptr());
   const char* vc = static_cast<const char*>(v_cache.data_ptr());
   const int64_t stride_tok = int64_t(Hkv) * D, stride_blk = int64_t(BS) * Hkv * D;
-  const int max_rows = prefill_tok * G;
+  const int max_rows = std::max(prefill_tok, Hkv) * G;
 
-  // Row r of an item is (token r / G, query head head * G + r % G).
+  // Row r of an item is (token r / per_tok, query head head * G + r % per_tok), per_tok = G * heads.
   auto store_row = [&](int tok, int qh, const float* acc, float mult) {
     const int64_t base = (int64_t(tok) * Hq + qh) * D;
     if (q_bf16) {
@@ -255,12 +265,13 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < items.size(); ++i) {
       const Item& it = items[i];
-      const int rows = it.ntok * G;
-      // Queries in fp32, pre-multiplied by the softmax scale and this head's K scale: a scaled
-      // cache's stored keys are then used as they are.
-      const float qmul = float(scale) * ks[it.head];
+      // Row r is token tok0 + r / per_tok, query head head * G + r % per_tok.
+      const int per_tok = G * it.heads, rows = it.ntok * per_tok;
       for (int r = 0; r < rows; ++r) {
-        const int64_t base = (int64_t(it.tok0 + r / G) * Hq + it.head * G + r % G) * D;
+        // Queries in fp32, pre-multiplied by the softmax scale and their head's K scale: a
+        // scaled cache's stored keys are then used as they are.
+        const float qmul = float(scale) * ks[it.head + r % per_tok / G];
+        const int64_t base = (int64_t(it.tok0 + r / per_tok) * Hq + it.head * G + r % per_tok) * D;
         float* dst = qbuf.data() + size_t(r) * D;
         if (q_bf16) {
           const uint16_t* src = reinterpret_cast<const uint16_t*>(qp) + base;
@@ -269,17 +280,17 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
           const float* src = reinterpret_cast<const float*>(qp) + base;
           for (int d = 0; d < D; ++d) dst[d] = src[d] * qmul;
         }
-        pos[r] = it.pos0 + r / G;
+        pos[r] = it.pos0 + r / per_tok;
         m[r] = -INFINITY;
         l[r] = 0.0f;
       }
       std::fill(acc.begin(), acc.begin() + size_t(rows) * D, 0.0f);
-      (it.ntok == 1 && attend_decode ? attend_decode : attend)(qbuf.data(), pos.data(), rows, D, it.k_begin, it.k_end, win, tab + int64_t(it.seq) * max_blocks, BS,
+      attend(qbuf.data(), pos.data(), rows, it.heads > 1 ? G : rows, D, it.k_begin, it.k_end, win, tab + int64_t(it.seq) * max_blocks, BS,
              kc, vc, stride_tok, stride_blk, int64_t(it.head) * D, esize, lut, m.data(), l.data(), acc.data(), sc);
       if (it.slot < 0) {
         for (int r = 0; r < rows; ++r)  // l > 0: every query sees at least itself
-          store_row(it.tok0 + r / G, it.head * G + r % G, acc.data() + size_t(r) * D,
-                    l[r] > 0 ? vs[it.head] / l[r] : 0.0f);
+          store_row(it.tok0 + r / per_tok, it.head * G + r % per_tok, acc.data() + size_t(r) * D,
+                    l[r] > 0 ? vs[it.head + r % per_tok / G] / l[r] : 0.0f);
       } else {
         float* st = partial.data() + size_t(it.slot) * G * (D + 2);
         for (int g = 0; g < G; ++g) {
