@@ -114,7 +114,7 @@ def test_gguf_blocks_match_the_dequantized_layer_and_give_codes_back(symmetric):
 @pytest.mark.skipif(not gguf_blocks.available(), reason="lmstack-gguf's kernels are not built here")
 def test_int8_activation_batches_take_panels_where_vnni_runs():
     """`fp32_activations: int8` set before the kernel is picked (as the quantizer does): on an
-    AVX-512 VNNI CPU batches from 6 rows multiply by 16-row panels of the Q4_1 blocks (x rounded
+    AVX2 / AVX-512 CPU batches from 6 rows multiply by 16-row panels of the Q4_1 blocks (x rounded
     to int8 per 32 values, as the block kernel does); smaller ones keep the block kernel."""
     from lmstack_gguf.kernel import native_kernel
     from lmstack_gguf.quantizer import PANELS_MIN_ROWS, panels_cpu
@@ -128,7 +128,7 @@ def test_int8_activation_batches_take_panels_where_vnni_runs():
     ext = native_kernel()
     if not panels_cpu():
         assert layer.kernel.panels is None
-        pytest.skip("this CPU lacks AVX-512 VNNI: the panels are not made")
+        pytest.skip("this CPU lacks AVX2: the panels are not made")
     assert layer.kernel.dense is None and layer.kernel.max_rows == PANELS_MIN_ROWS - 1
     small, big = torch.randn(PANELS_MIN_ROWS - 1, k), torch.randn(rng.randint(PANELS_MIN_ROWS, 80), k)
     assert torch.equal(layer(small), ext.gguf_matmul_q8(small, layer.w_packed, 3))

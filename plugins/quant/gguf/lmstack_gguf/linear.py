@@ -48,7 +48,7 @@ class GGUFLinear(nn.Module):
         by the dense copy or dequantize). `copy_dtype`: the dense copy's dtype; bfloat16 rounds
         x to bfloat16 for those batches (`GGUFOptions.prefill`). `panels`: batches over
         `kernel_max_rows` multiply by the blocks re-laid out in 16-row panels (int8 activations,
-        AVX-512 VNNI: `gguf_matmul_panels`)."""
+        AVX2 or AVX-512 VNNI: `gguf_matmul_panels`)."""
         super().__init__()
         self.spec = spec
         self.in_features, self.out_features = spec.local_in_features, spec.local_out_features

@@ -22,17 +22,18 @@ class GGUFOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # "auto": decode batches (<= 32 rows) run the C++ kernel where it builds; "torch": every
     # matmul dequantizes and multiplies densely (A/B runs).
     kernel: Literal["auto", "torch"] = "auto"
-    # Batches the kernel does not take (prefill): "panels" (int8 activations, AVX-512 VNNI CPUs):
-    # from 6 rows, the blocks re-laid out at load in panels of 16 weight rows that one VNNI
-    # instruction multiplies by 4 values of x for all 16 (0.75 more bytes a weight resident;
-    # batches of 8-64 rows 2-4x faster than the block kernel, prefill ~1.5x the bfloat16 copy,
-    # README); "dense-copy" multiplies by an fp32 copy of each layer kept beside its blocks
-    # (prefill as fast as `none`'s; 4 more bytes a weight resident; decode still reads the blocks)
-    # from 33 rows; "dense-bf16" by a bfloat16 copy (2 bytes a weight), x rounded to bfloat16,
-    # from 17 rows (the crossover with the kernel measured on a CPU with native bf16, README);
-    # "dequantize" rebuilds the layer in fp32 per call (least memory). "auto": "panels" where
-    # activations are int8 and the CPU has AVX-512 VNNI, else "dense-bf16" where it computes
-    # bfloat16 natively (avx512_bf16 / amx_bf16) and activations are int8, else "dense-copy".
+    # Batches the kernel does not take (prefill): "panels" (int8 activations): from 6 rows, the
+    # blocks re-laid out at load in panels of 16 weight rows, so that one instruction multiplies
+    # 4 values of x by 16 (AVX-512 VNNI) or 8 (AVX2) rows at once (0.75 more bytes a weight
+    # resident; batches of 8-64 rows ~2-4x faster than the block kernel, prefill ~1.5x the
+    # bfloat16 copy on a Zen 5, README); "dense-copy" multiplies by an fp32 copy of each layer
+    # kept beside its blocks (prefill as fast as `none`'s; 4 more bytes a weight resident; decode
+    # still reads the blocks) from 33 rows; "dense-bf16" by a bfloat16 copy (2 bytes a weight), x
+    # rounded to bfloat16, from 17 rows (the crossover with the kernel measured on a CPU with
+    # native bf16, README); "dequantize" rebuilds the layer in fp32 per call (least memory).
+    # "auto": "panels" where activations are int8 and the kernels run (AVX2 or AVX-512), else
+    # "dense-bf16" where the CPU computes bfloat16 natively (avx512_bf16 / amx_bf16) and
+    # activations are int8, else "dense-copy".
     prefill: Literal["auto", "panels", "dense-copy", "dense-bf16", "dequantize"] = "auto"
     # What the kernel multiplies the blocks by: "fp32" activations (the logits of the dequantized
     # checkpoint); "int8": each 32-block of x rounded to int8 first and integer dot products, as

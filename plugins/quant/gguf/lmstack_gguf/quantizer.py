@@ -22,27 +22,28 @@ from lmstack_gguf.linear import GGUFLinear
 BF16_COPY_MIN_ROWS = 17
 
 
-# With panels, batches from this many rows multiply by them (the crossover with the block
-# kernel over a decode step's layers on a 2-core Zen 5 EPYC was between 5 and 6 rows, README).
+# With panels, batches from this many rows multiply by them: the crossover with the block
+# kernel over a decode step's layers on a 2-core Zen 5 EPYC was between 5 and 6 rows with
+# AVX-512 VNNI, between 2 and 4 with the AVX2 code (README); one value for both.
 PANELS_MIN_ROWS = 6
 
 
 def panels_cpu() -> bool:
-    """Whether the panel kernel runs here (the kernels built, AVX-512 with VNNI)."""
+    """Whether the panel kernel runs here (the kernels built, AVX2 at least)."""
     ext = native_kernel()
-    return ext is not None and ext.best_isa() >= 2
+    return ext is not None and ext.best_isa() >= 1
 
 
 def prefill_mode(prefill: str, int8_activations: bool) -> str:
     """`GGUFOptions.prefill` resolved: "auto" becomes "panels" where activations are int8 and the
-    CPU has AVX-512 VNNI, else "dense-bf16" where the CPU computes bfloat16 natively and
-    activations are int8, else "dense-copy". "panels" where it cannot run is a ConfigError."""
+    kernels run (AVX2 or AVX-512), else "dense-bf16" where the CPU computes bfloat16 natively
+    and activations are int8, else "dense-copy". "panels" where it cannot run is a ConfigError."""
     if prefill == "panels":
         if not int8_activations:
             raise ConfigError("gguf: prefill: panels multiplies int8 activations; set activations: int8")
         if not panels_cpu():
             raise ConfigError(
-                "gguf: prefill: panels needs AVX-512 VNNI and the built kernels, which this machine lacks; "
+                "gguf: prefill: panels needs AVX2 and the built kernels, which this machine lacks; "
                 "use prefill: auto"
             )
     if prefill != "auto":

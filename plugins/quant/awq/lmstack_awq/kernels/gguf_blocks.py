@@ -12,7 +12,7 @@ Batches of at most `lmstack_gguf.kernel.NATIVE_MAX_ROWS` rows take the kernel wi
 activations (the dequantized model's result up to fp32 summation order), or with
 `layer.int8_activations` the kernel that rounds x to int8 per 32 values first (llama.cpp's
 scheme, `fp32_activations: int8`); larger ones dequantize the blocks a slab at a time and
-multiply densely in fp32 — or, with int8 activations on a CPU with AVX-512 VNNI, from 6 rows,
+multiply densely in fp32 — or, with int8 activations on a CPU with AVX2 or AVX-512, from 6 rows,
 multiply by the blocks re-laid out in 16-row panels (lmstack-gguf's `prefill: panels`) — or, on
 a CPU with native bf16, from 17 rows, by a bf16 copy of the layer made at load (x rounded to
 bf16). The blocks replace the layer's nibble buffer,
@@ -63,7 +63,7 @@ class GGUFBlocks:
         ext = native_kernel()
         self.matmuls, self.max_rows = (ext.gguf_matmul, ext.gguf_matmul_q8), NATIVE_MAX_ROWS
         self.dense: torch.Tensor | None = None
-        # With int8 activations where AVX-512 VNNI runs them: panels (0.75 bytes a weight) take
+        # With int8 activations where the panel kernel runs (AVX2 or AVX-512): panels (0.75 bytes a weight) take
         # batches from 6 rows, the crossover with the block kernel lmstack-gguf measured.
         self.panels: torch.Tensor | None = None
         if layer.int8_activations and panels_cpu():

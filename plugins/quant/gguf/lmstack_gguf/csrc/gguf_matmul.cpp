@@ -156,6 +156,30 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
+// --- panels: the weights re-laid out for batches ---------------------------------------------
+//
+// The block tiles give each output its own vector lanes, so every block ends in a horizontal sum;
+// at 8-64 activation rows that, not memory, bounds them (~140 G multiply-adds a second on a
+// 2-core Zen 5, where bf16 matmuls reach ~300). Panels turn the lanes around: 16 output rows of W
+// side by side, so that one vpdpbusd (AVX-512 VNNI; AVX2: maddubs over 8 of the rows) multiplies
+// 4 consecutive x values (one broadcast int32) by the same 4 positions of 16 weight rows and adds
+// into 16 outputs, with no horizontal sum at all.
+//
+// Layout (`gguf_pack_panels`): panel p holds weight rows [16p, 16p + 16) (zero rows pad N), block
+// by block; a panel block is the codes then 16 fp32 scales d then (Q4 types) 16 fp32 offsets m:
+//   Q4_0 / Q4_1: 4 vectors of 64 bytes; byte 4c + i of vector j holds row c's value 4j + i in its
+//                low nibble and value 16 + 4j + i in its high nibble (codes 0..15); Q4_0's m = -8d
+//   Q8_0:        8 vectors of 64 bytes; byte 4c + i of vector t holds row c's value 4t + i + 128
+//                (unsigned): VNNI's sums then carry 128 * sum(q_x), taken off in integers; AVX2
+//                flips the bit back and multiplies signed (maddubs would saturate on 255 x 127)
+// A block's contribution is then, per row and output, cvt(idot) * (d * dx) + m * sx exactly as in
+// the tiles above: integer sums exact, fp32 summation order the only difference.
+
+constexpr int PANEL = 16;
+
+inline int64_t panel_code_bytes(int64_t type) { return type == Q8_0 ? 512 : 256; }
+inline int64_t panel_block_bytes(int64_t type) { return panel_code_bytes(type) + (type == Q8_0 ? 64 : 128); }
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
@@ -438,6 +462,95 @@ void rows_q8(const Q8Problem& p, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) rows_tile_q8<TYPE, 1>(p, n);
 }
 
+
+// Panels (layout above) with AVX2: each 64-byte panel vector is two halves of 8 weight rows;
+// maddubs multiplies 4 x values by 4 positions of 8 rows into pairs of int16. For Q4 codes (0..15)
+// the int16 sums of a whole block stay below 2^15 (16 x 15 x 127), so they are widened once per
+// block; Q8_0's are widened per maddubs. MR activation rows x one half.
+template <int TYPE, int MR>
+inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, const float* dx, const float* sx,
+                       float* out, int64_t ldo, int valid) {
+  constexpr int64_t PB = TYPE == Q8_0 ? 576 : 384, CODES = TYPE == Q8_0 ? 512 : 256;
+  const int64_t nb = K / QK;
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * PB + 32 * half;
+    const int8_t* xb = qx + b * QK;
+    __m256i dot[MR];
+    if constexpr (TYPE == Q8_0) {
+      for (int r = 0; r < MR; ++r) dot[r] = _mm256_setzero_si256();
+      for (int t = 0; t < 8; ++t) {
+        const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * t)), flip);
+        const __m256i wa = _mm256_abs_epi8(ws);
+        for (int r = 0; r < MR; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xb + r * K + 4 * t, 4);
+          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x4), ws);  // w's sign moved onto x
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones));
+        }
+      }
+    } else {
+      __m256i s16[MR];
+      for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j));
+        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        for (int r = 0; r < MR; ++r) {
+          int32_t xl, xh;
+          std::memcpy(&xl, xb + r * K + 4 * j, 4);
+          std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+        }
+      }
+      for (int r = 0; r < MR; ++r) dot[r] = _mm256_madd_epi16(s16[r], ones);
+    }
+    const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(w + b * PB + CODES + 32 * half));
+    __m256 m = _mm256_setzero_ps();
+    if constexpr (TYPE != Q8_0) m = _mm256_loadu_ps(reinterpret_cast<const float*>(w + b * PB + CODES + 64 + 32 * half));
+    for (int r = 0; r < MR; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+      if constexpr (TYPE != Q8_0) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
+    }
+  }
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int r = 0; r < MR; ++r) _mm256_maskstore_ps(out + r * ldo, keep, acc[r]);
+}
+
+// Halves [u0, u1) of the output (half u: weight rows [8u, 8u + 8)), every activation row, in
+// chunks of rows that stay in cache while the thread's halves pass over them.
+template <int TYPE>
+void panels_q8(const Q8Problem& p, const uint8_t* packed, int64_t u0, int64_t u1) {
+  const int64_t nb = p.K / QK, panel_bytes = nb * panel_block_bytes(TYPE);
+  constexpr int64_t ROW_CHUNK = 64;
+  for (int64_t rc = 0; rc < p.M; rc += ROW_CHUNK) {
+    const int64_t rc1 = std::min(p.M, rc + ROW_CHUNK);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t col = 8 * u;
+      const int valid = int(std::min<int64_t>(8, p.N - col));
+      if (valid <= 0) continue;
+      const uint8_t* w = packed + (u / 2) * panel_bytes;
+      const int half = int(u % 2);
+      int64_t r = rc;
+      auto tile = [&](auto mr) {
+        constexpr int MR = decltype(mr)::value;
+        panel_half<TYPE, MR>(w, half, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb, p.out + r * p.N + col, p.N,
+                             valid);
+        r += MR;
+      };
+      while (r + 4 <= rc1) tile(std::integral_constant<int, 4>());
+      switch (rc1 - r) {
+        case 3: tile(std::integral_constant<int, 3>()); break;
+        case 2: tile(std::integral_constant<int, 2>()); break;
+        case 1: tile(std::integral_constant<int, 1>()); break;
+        default: break;
+      }
+    }
+  }
+}
+
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -598,28 +711,6 @@ void x_pairs(const Q8Problem& p, bool plus128, int8_t* q, float* dx, float* sx, 
     }
 }
 
-
-// --- panels: the weights re-laid out for batches (AVX-512 VNNI) ---------------------------------
-//
-// The tiles above give each output its own vector lanes, so every block ends in a horizontal
-// sum; at 8-64 activation rows that, not memory, bounds them (~140 G multiply-adds a second on a
-// 2-core Zen 5, where bf16 matmuls reach ~300). Panels turn the lanes around: 16 output rows of W
-// side by side, so that one vpdpbusd multiplies 4 consecutive x values (one broadcast int32) by
-// the same 4 positions of 16 weight rows and adds into 16 outputs, with no horizontal sum at all.
-//
-// Layout (`gguf_pack_panels`): panel p holds weight rows [16p, 16p + 16) (zero rows pad N), block
-// by block; a panel block is the codes then 16 fp32 scales d then (Q4 types) 16 fp32 offsets m:
-//   Q4_0 / Q4_1: 4 vectors of 64 bytes; byte 4c + i of vector j holds row c's value 4j + i in its
-//                low nibble and value 16 + 4j + i in its high nibble (codes 0..15); Q4_0's m = -8d
-//   Q8_0:        8 vectors of 64 bytes; byte 4c + i of vector t holds row c's value 4t + i + 128
-//                (unsigned), so the sums carry 128 * sum(q_x), taken off in integers
-// A block's contribution is then, per row and output, cvt(idot) * (d * dx) + m * sx exactly as in
-// the tiles above: integer sums exact, fp32 summation order the only difference.
-
-constexpr int PANEL = 16;
-
-inline int64_t panel_code_bytes(int64_t type) { return type == Q8_0 ? 512 : 256; }
-inline int64_t panel_block_bytes(int64_t type) { return panel_code_bytes(type) + (type == Q8_0 ? 64 : 128); }
 
 // MR activation rows x NR panels (16 outputs each) over every block.
 template <int TYPE, int MR, int NR>
@@ -892,8 +983,8 @@ torch::Tensor gguf_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int
 torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) {
   check_weight(w, type, k);
   const int64_t N = w.size(0), nb = k / QK, bb = block_bytes(type);
-  const int64_t panels = (N + avx512::PANEL - 1) / avx512::PANEL, pbb = avx512::panel_block_bytes(type);
-  const int64_t codes = avx512::panel_code_bytes(type);
+  const int64_t panels = (N + PANEL - 1) / PANEL, pbb = panel_block_bytes(type);
+  const int64_t codes = panel_code_bytes(type);
   auto out = torch::zeros({panels, nb * pbb}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -903,15 +994,15 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* pb = dst + (pn * nb + b) * pbb;
         float* dv = reinterpret_cast<float*>(pb + codes);
-        for (int c = 0; c < avx512::PANEL; ++c) {
-          const int64_t n = pn * avx512::PANEL + c;
+        for (int c = 0; c < PANEL; ++c) {
+          const int64_t n = pn * PANEL + c;
           if (n >= N) break;  // zero rows: codes 0, d = m = 0
           const uint8_t* blk = src + n * w.size(1) + b * bb;
           float d, m;
           block_dm(type, blk, d, m);
           block_q(type, blk, q);  // as stored: 0..15, or -128..127
           dv[c] = d;
-          if (type != Q8_0) dv[avx512::PANEL + c] = type == Q4_0 ? -8.f * d : m;
+          if (type != Q8_0) dv[PANEL + c] = type == Q4_0 ? -8.f * d : m;
           for (int i = 0; i < 4; ++i) {
             if (type == Q8_0) {
               for (int t = 0; t < 8; ++t) pb[64 * t + 4 * c + i] = uint8_t(int(q[4 * t + i]) + 128);
@@ -927,22 +1018,35 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
 }
 
 // x [M, K] @ W^T from panels (gguf_pack_panels of W [N, K]): x rounded to int8 per 32-block as
-// gguf_matmul_q8 does. AVX-512 VNNI only (the caller keeps the blocks for other CPUs).
-torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& packed, int64_t type, int64_t n) {
-  TORCH_CHECK(best_isa() >= ISA_AVX512, "gguf_matmul_panels needs AVX-512 VNNI");
+// gguf_matmul_q8 does. AVX-512 VNNI or AVX2 (the caller keeps the blocks for other CPUs).
+torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& packed, int64_t type, int64_t n,
+                                 int64_t isa) {
+  if (isa < 0) isa = best_isa();
+  TORCH_CHECK(isa >= ISA_AVX2 && isa <= best_isa(), "gguf_matmul_panels needs AVX2 (or AVX-512 VNNI) on this CPU");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
               "x must be a CPU float32 tensor [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   TORCH_CHECK(K > 0 && K % QK == 0, "K must be a positive multiple of ", QK, ", got ", K);
-  const int64_t panels = (n + avx512::PANEL - 1) / avx512::PANEL;
+  const int64_t panels = (n + PANEL - 1) / PANEL;
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
-                  packed.size(0) == panels && packed.size(1) == nb * avx512::panel_block_bytes(type),
+                  packed.size(0) == panels && packed.size(1) == nb * panel_block_bytes(type),
               "packed must be gguf_pack_panels' output for N = ", n, ", K = ", K);
   auto out = torch::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
   const auto qx = quantize_q8(x, ISA_AVX2);
   Q8Problem p{qx[0].data_ptr<int8_t>(), qx[1].data_ptr<float>(), qx[2].data_ptr<float>(), nullptr, 0,
               out.data_ptr<float>(), M, n, K};
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (isa < ISA_AVX512) {
+    at::parallel_for(0, 2 * panels, 1, [&](int64_t u0, int64_t u1) {
+      switch (type) {
+        case Q4_0: avx2::panels_q8<Q4_0>(p, w, u0, u1); break;
+        case Q4_1: avx2::panels_q8<Q4_1>(p, w, u0, u1); break;
+        default: avx2::panels_q8<Q8_0>(p, w, u0, u1); break;
+      }
+    });
+    return out;
+  }
   std::vector<int32_t> c128;
   if (type == Q8_0) {  // 128 * sum(q_x) per row and block: what the +128 codes add
     c128.resize(M * nb);
@@ -952,7 +1056,6 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
       c128[i] = 128 * sum;
     }
   }
-  const uint8_t* w = packed.data_ptr<uint8_t>();
   at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
     switch (type) {
       case Q4_0: avx512::panels_q8<Q4_0>(p, w, nullptr, t0, t1); break;
@@ -1013,11 +1116,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("type"), py::arg("isa") = -1);
   m.def("quantize_q8", &gguf_matmul::quantize_q8, "x fp32 [M, K] -> (int8 q, scale dx, dx * sum(q)) per 32-block",
         py::arg("x"), py::arg("isa") = -1);
-  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] -> 16-row panels (AVX-512 VNNI batches)",
+  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] -> 16-row panels (batches: AVX-512 VNNI or AVX2)",
         py::arg("w"), py::arg("type"), py::arg("k"));
   m.def("gguf_matmul_panels", &gguf_matmul::gguf_matmul_panels,
         "x fp32 [M, K] @ W^T from gguf_pack_panels(W), x rounded to int8 per 32-block", py::arg("x"), py::arg("packed"),
-        py::arg("type"), py::arg("n"));
+        py::arg("type"), py::arg("n"), py::arg("isa") = -1);
   m.def("gguf_dequantize", &gguf_matmul::gguf_dequantize, "GGUF block rows -> float32 [N, K]", py::arg("w"),
         py::arg("type"), py::arg("k"), py::arg("into") = py::none());
   m.def("block_bytes", &gguf_matmul::block_bytes, "bytes per 32-value block of a GGML type");
