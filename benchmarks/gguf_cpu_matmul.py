@@ -9,11 +9,15 @@ Paths (W = the blocks' values):
                above 32 rows, e.g. prefill)
   native       lmstack-gguf's C++ kernel on the blocks as stored (decode batches, <= 32 rows)
   native_q8    the same with `activations: int8`: x rounded to int8 per 32-block, integer dot products
+  bf16_copy    F.linear(x rounded to bf16, W bf16): `prefill: dense-bf16`'s copy (native-bf16 CPUs)
+  panels       `prefill: panels`: x rounded to int8 as native_q8, W re-laid out in 16-row panels
+               (the CPU's best code: AVX-512 VNNI or AVX2)
+  panels_avx2  the panels' AVX2 code, where the CPU also runs AVX-512 (what an AVX2-only CPU runs)
 
 Each call uses the next of several copies of the layer (together at least `--stream-mb` MB of
 fp32 weights), so weights come from memory as in a whole model. Medians of `--reps` calls.
-Writes JSON naming the CPU to benchmarks/results/gguf_cpu_matmul-<date>/ and prints each path's
-time relative to dense_fp32. Machines are noisy: quote ratios within one run.
+Writes JSON naming the CPU and a plot to benchmarks/results/gguf_cpu_matmul-<date>/ and prints
+each path's time relative to dense_fp32. Machines are noisy: quote ratios within one run.
 """
 
 from __future__ import annotations
@@ -42,20 +46,22 @@ SHAPES = {  # name: (in K, out N, encoding)
     "head": (576, 49152, GGMLQuantizationType.Q8_0),
 }
 ROWS = (1, 8, 32, 128)
-PATHS = ("dense_fp32", "dequant", "native", "native_q8")
+PATHS = ("dense_fp32", "dequant", "native", "native_q8", "bf16_copy", "panels", "panels_avx2")
 
 
-def make_call(
-    ext, path: str, copies: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, typ: int, k: int
-):
-    """A call running `path` on the next copy (blocks, dense values) each time."""
+def make_call(ext, path: str, copies: list[tuple], x: torch.Tensor, typ: int, k: int):
+    """A call running `path` on the next copy (blocks, dense values, bf16 values, panels) each time."""
     state = {"i": 0}
 
     def call():
         state["i"] = (state["i"] + 1) % len(copies)
-        raw, dense = copies[state["i"]]
+        raw, dense, dense16, panels = copies[state["i"]]
         if path == "dense_fp32":
             return F.linear(x, dense)
+        if path == "bf16_copy":
+            return F.linear(x.to(torch.bfloat16), dense16).float()
+        if path.startswith("panels"):
+            return ext.gguf_matmul_panels(x, panels, typ, raw.shape[0], 1 if path == "panels_avx2" else -1)
         if path == "dequant":
             return dequant_matmul(x, raw, typ, k)
         if path == "native_q8":
@@ -86,6 +92,8 @@ def main() -> None:
     if ext is None:
         raise SystemExit("lmstack-gguf's kernels are not built (python -m lmstack_gguf.native)")
     torch.set_num_threads(args.threads)
+    # The panels' AVX2 code is a path of its own only where the best code is another.
+    paths = [p for p in PATHS if p != "panels_avx2" or ext.best_isa() > 1]
     results = []
     with torch.inference_mode():
         for name, (k, n, typ) in SHAPES.items():
@@ -96,10 +104,11 @@ def main() -> None:
                     quants.quantize(np.random.randn(n, k).astype(np.float32) * 0.05, typ)
                 )
                 dense = torch.from_numpy(quants.dequantize(raw, typ).reshape(n, k).astype(np.float32))
-                copies.append((torch.from_numpy(raw), dense))
+                panels = ext.gguf_pack_panels(torch.from_numpy(raw), int(typ), k)
+                copies.append((torch.from_numpy(raw), dense, dense.to(torch.bfloat16), panels))
             for m in ROWS:
                 x = torch.randn(m, k)
-                for path in PATHS:
+                for path in paths:
                     call = make_call(ext, path, copies, x, int(typ), k)
                     us = median_us(call, args.reps if m * n < 32 * 49152 else 5)
                     row = {
@@ -130,14 +139,41 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
     base = {(r["shape"], r["M"]): r["us"] for r in results if r["path"] == "dense_fp32"}
-    print("| shape | M | dense_fp32 µs | dequant | native | native_q8 |\n|---|---|---|---|---|---|")
+    others = paths[1:]
+    print(f"| shape | M | dense_fp32 µs | {' | '.join(others)} |\n|---|---|---|{'---|' * len(others)}")
     for (shape, m), ref in base.items():
         cells = {r["path"]: r["us"] for r in results if r["shape"] == shape and r["M"] == m}
-        print(
-            f"| {shape} | {m} | {ref:.0f} | {cells['dequant'] / ref:.2f}x | {cells['native'] / ref:.2f}x"
-            f" | {cells['native_q8'] / ref:.2f}x |"
-        )
-    print(f"wrote {out}")
+        print(f"| {shape} | {m} | {ref:.0f} | " + " | ".join(f"{cells[p] / ref:.2f}x" for p in others) + " |")
+    plot(results, paths, out.with_suffix(".png"), summary.get("cpu_model", "CPU"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def plot(results: list[dict], paths: list[str], path: Path, cpu: str) -> None:
+    """Per shape: each path's time over dense_fp32's against the batch rows (log scales)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(SHAPES)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.6), sharey=True)
+    for ax, shape in zip(axes, shapes, strict=True):
+        ref = {r["M"]: r["us"] for r in results if r["shape"] == shape and r["path"] == "dense_fp32"}
+        for p in paths[1:]:
+            pts = sorted(
+                (r["M"], r["us"] / ref[r["M"]]) for r in results if r["shape"] == shape and r["path"] == p
+            )
+            ax.plot([m for m, _ in pts], [v for _, v in pts], marker="o", label=p)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{shape} {SHAPES[shape][1]}x{SHAPES[shape][0]}")
+        ax.set_xlabel("rows (M)")
+    axes[0].set_ylabel("time / dense fp32 (lower is faster)")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(f"GGUF-block matmul paths, {cpu}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
