@@ -458,7 +458,8 @@ def cpu_line(machine: dict[str, Any]) -> str:
 
 
 WEIGHTS = {
-    "lmstack": "lmstack dequantizes the Q4_1 weights at load (to the stack's dtype)",
+    "lmstack": "lmstack serves them as its stack says (the default `examples/stacks/cpu.yaml`: the "
+    "Q4_1 / Q8_0 blocks as stored, lmstack-gguf; `weights: none` would dequantize them at load)",
     "lmstack-int8": "lmstack-int8 requantizes them to int8 with one scale per row",
     "lmstack-awq": "lmstack-awq serves its stack's AWQ int4 folder",
     "llama.cpp": "llama.cpp computes on the Q4_1 blocks directly (about 0.6 bytes per weight read "
