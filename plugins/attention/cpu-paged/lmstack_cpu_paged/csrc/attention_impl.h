@@ -486,11 +486,25 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
       }
   };
   prefetch(0, KEY_TILE);  // then each tile prefetches the next one (see attend)
+  const bool touch_first = 2 * KEY_TILE * row_bytes <= 32 * 1024;
   float* s = sc.scores.data();
   for (int t0 = k_begin; t0 < k_end; t0 += KEY_TILE) {
     const int n = std::min(KEY_TILE, k_end - t0);
     prefetch(t0 - k_begin + KEY_TILE, t0 - k_begin + 2 * KEY_TILE);
     const int64_t* o = offs + (t0 - k_begin);
+    // The tile's rows read once in address order before the arithmetic, where both fit in L1
+    // with room to spare (bf16, fp8): one load per cache line, ascending within each block,
+    // which the hardware prefetchers follow; the arithmetic then reads L1. Decode over bf16 K/V
+    // streaming from memory took ~25 % less time so (Zen 5); fp32 tiles (48 KB) would evict
+    // themselves, and measured no gain.
+    if (touch_first) {
+      int sum = 0;
+      for (int j = 0; j < n; ++j)
+        for (int64_t b = 0; b < row_bytes; b += 64) sum += *reinterpret_cast<const volatile char*>(kc + o[j] + b);
+      for (int j = 0; j < n; ++j)
+        for (int64_t b = 0; b < row_bytes; b += 64) sum += *reinterpret_cast<const volatile char*>(vc + o[j] + b);
+      sc.sink += sum;
+    }
     for (int g = 0; g < rows; ++g) {
       const char* kh = kc + (g / group) * head_bytes;
       vf qv[NV];

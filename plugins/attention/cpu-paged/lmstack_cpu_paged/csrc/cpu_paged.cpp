@@ -40,6 +40,7 @@ constexpr int KEY_TILE = 32;  // keys scored together: one max / rescale per row
 struct Scratch {
   std::vector<float> kbuf, vbuf, scores;  // a tile of widened K and V rows; rows x tile scores
   std::vector<int64_t> offs;  // byte offsets of a decode item's K / V rows
+  int sink = 0;
   void reserve(int rows, int d) {
     kbuf.resize(size_t(KEY_TILE) * d);
     vbuf.resize(size_t(KEY_TILE) * d);
