@@ -210,8 +210,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   // The fast path where the head dim is 1, 2, 4 or 8 whole registers.
   if (isa < 0) isa = best_isa();
   AttendFn fast = isa == ISA_AVX512 ? avx512::pick_fast(kind, D) : isa == ISA_AVX2 ? avx2::pick_fast(kind, D) : nullptr;
-  // There, unsplit decode sequences are one item over all their KV heads (contiguous reads).
-  if (fast && num_slots == 0 && Hkv > 1) {
+  // There, unsplit decode sequences are one item over all their KV heads (contiguous reads),
+  // while that still leaves 4 items per thread.
+  if (fast && num_slots == 0 && Hkv > 1 && int64_t(items.size()) - int64_t(num_decode) * (Hkv - 1) >= 4 * threads) {
     std::vector<Item> merged;
     for (const Item& it : items)
       if (it.ntok != 1)
