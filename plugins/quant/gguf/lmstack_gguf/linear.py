@@ -75,8 +75,9 @@ class GGUFLinear(nn.Module):
         self._parts: dict[int, tuple[int | None, torch.Tensor]] = {}
         # (kernel, blocks, ggml type) once finalized with the kernel built (`forward`).
         self._fast: tuple | None = None
-        # uint8 panels of the blocks (`panels`), made by finalize().
+        # uint8 panels of the blocks (`panels`) and their kernel, bound by finalize().
         self.panels: torch.Tensor | None = None
+        self._panel_matmul = None
 
     # --- loading ------------------------------------------------------------------------------
 
@@ -123,9 +124,9 @@ class GGUFLinear(nn.Module):
             self.ggml_type = types.pop()
             self.weight.data = torch.cat([rows for _, rows in parts]) if len(parts) > 1 else parts[0][1]
             if self.use_panels and self.use_native:
-                self.panels = native_kernel().gguf_pack_panels(
-                    self.weight.data, self.ggml_type, self.in_features
-                )
+                ext = native_kernel()
+                self.panels = ext.gguf_pack_panels(self.weight.data, self.ggml_type, self.in_features)
+                self._panel_matmul = ext.gguf_matmul_panels
             elif self.dense_copy:
                 self.dense = dequantize_blocks(self.weight.data, self.ggml_type, self.in_features).to(
                     self.copy_dtype
@@ -171,7 +172,7 @@ class GGUFLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.panels is not None and x2.dtype == torch.float32 and x2.shape[0] > (limit or 0):
             x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-            out = native_kernel().gguf_matmul_panels(x2, self.panels, self.ggml_type, self.out_features)
+            out = self._panel_matmul(x2, self.panels, self.ggml_type, self.out_features)
             if self.bias is not None:
                 out = out + self.bias
             return out.reshape(*lead, self.out_features)

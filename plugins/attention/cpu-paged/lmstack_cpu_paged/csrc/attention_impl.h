@@ -269,6 +269,45 @@ static inline void load_row(const void* src, float* dst, int d, const float* lut
 }
 
 // ---------------------------------------------------------------------------------------------
+// Online softmax over one tile, shared by both paths.
+// ---------------------------------------------------------------------------------------------
+
+// The positions of an item's rows span [lo, hi].
+struct PosRange {
+  int lo, hi;
+  PosRange(const int* pos, int rows) : lo(pos[0]), hi(pos[0]) {
+    for (int r = 1; r < rows; ++r) lo = std::min(lo, pos[r]), hi = std::max(hi, pos[r]);
+  }
+  // Whether some (row, key) pair of keys [t0, t0 + n) is out of bounds: the causal edge of a
+  // prefill tile or the sliding window's start (else no row needs masking).
+  bool masks(int t0, int n, int window) const { return t0 + n - 1 > lo || (window > 0 && t0 <= hi - window); }
+};
+
+// One row's scores sr[0:n] of keys [t0, t0 + n), masked for a query at position p when `masked`,
+// folded into the row's running max m, sum l and accumulator acc[0:d] (rescaled when the max
+// moves); sr becomes the tile's unnormalised probabilities. False, when no key of the tile is
+// visible to the row (m, l and acc unchanged).
+static inline bool softmax_tile_row(float* sr, int n, bool masked, int t0, int p, int window, float& m, float& l,
+                                    float* acc, int d) {
+  if (masked)
+    for (int j = 0; j < n; ++j) {
+      const int t = t0 + j;
+      if (t > p || (window > 0 && t <= p - window)) sr[j] = -INFINITY;
+    }
+  const float tile_max = row_max(sr, n);
+  if (tile_max == -INFINITY) return false;
+  const float m_new = std::max(m, tile_max);
+  if (m_new > m) {  // the running max moved: rescale what was accumulated under it
+    const float alpha = std::exp(m - m_new);  // exp(-inf) = 0 on the first tile
+    l *= alpha;
+    row_scale(acc, alpha, d);
+    m = m_new;
+  }
+  l += exp_row(sr, n, m_new);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
 // The work item.
 // ---------------------------------------------------------------------------------------------
 
@@ -284,8 +323,7 @@ static void attend(const float* q, const int* pos, int rows, int group, int d, i
                    int64_t stride_tok, int64_t stride_blk, int64_t head_off, int esize,
                    const float* lut, float* m, float* l, float* acc, Scratch& sc) {
   (void)group;  // the general path's items are one KV head's
-  int min_pos = pos[0], max_pos = pos[0];
-  for (int r = 1; r < rows; ++r) min_pos = std::min(min_pos, pos[r]), max_pos = std::max(max_pos, pos[r]);
+  const PosRange span(pos, rows);
   const float* kp[KEY_TILE];
   const float* vp[KEY_TILE];
   // Byte offsets of the keys of this tile and of the next, walked block by block (no division
@@ -346,26 +384,10 @@ static void attend(const float* q, const int* pos, int rows, int group, int d, i
     }
     for (; r < rows; ++r)
       for (int j = 0; j < n; ++j) s[size_t(r) * KEY_TILE + j] = dot1(q + size_t(r) * d, kp[j], d);
-    // Mask only when some (row, key) pair of the tile is out of bounds: the causal edge of a
-    // prefill tile or the sliding window's start.
-    const bool masked = t0 + n - 1 > min_pos || (window > 0 && t0 <= max_pos - window);
+    const bool masked = span.masks(t0, n, window);
     for (r = 0; r < rows; ++r) {
       float* sr = s + size_t(r) * KEY_TILE;
-      if (masked)
-        for (int j = 0; j < n; ++j) {
-          const int t = t0 + j;
-          if (t > pos[r] || (window > 0 && t <= pos[r] - window)) sr[j] = -INFINITY;
-        }
-      const float tile_max = row_max(sr, n);
-      if (tile_max == -INFINITY) continue;  // nothing visible to this row in this tile
-      const float m_new = std::max(m[r], tile_max);
-      if (m_new > m[r]) {  // the running max moved: rescale what was accumulated under it
-        const float alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first tile
-        l[r] *= alpha;
-        row_scale(acc + size_t(r) * d, alpha, d);
-        m[r] = m_new;
-      }
-      l[r] += exp_row(sr, n, m_new);
+      if (!softmax_tile_row(sr, n, masked, t0, pos[r], window, m[r], l[r], acc + size_t(r) * d, d)) continue;
       pv_row(acc + size_t(r) * d, sr, vp, n, d);
     }
   }
@@ -463,8 +485,7 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
   // per block, which the CPU's prefetchers follow far better than one head's 1-in-Hkv rows).
   const int64_t head_bytes = int64_t(NV) * W * esize;
   const int heads = (rows + group - 1) / group;
-  int min_pos = pos[0], max_pos = pos[0];
-  for (int r = 1; r < rows; ++r) min_pos = std::min(min_pos, pos[r]), max_pos = std::max(max_pos, pos[r]);
+  const PosRange span(pos, rows);
   // Accumulator rows per pass over the tile's V rows: half the registers, at most 4.
   constexpr int RC = NREG / 2 / NV >= 4 ? 4 : NREG / 2 / NV > 0 ? NREG / 2 / NV : 1;
   const int nkeys = k_end - k_begin;
@@ -523,27 +544,11 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
         vstore(s + size_t(g) * KEY_TILE + j0, lane_sums(p));
       }
     }
-    const bool masked = t0 + n - 1 > min_pos || (window > 0 && t0 <= max_pos - window);
+    const bool masked = span.masks(t0, n, window);
     for (int g = 0; g < rows; ++g) {
       float* sr = s + size_t(g) * KEY_TILE;
-      if (masked)
-        for (int j = 0; j < n; ++j) {
-          const int t = t0 + j;
-          if (t > pos[g] || (window > 0 && t <= pos[g] - window)) sr[j] = -INFINITY;
-        }
-      const float tile_max = row_max(sr, n);
-      if (!(tile_max > -INFINITY)) {  // nothing visible to this row in this tile: it adds nothing
-        std::fill(sr, sr + n, 0.0f);
-        continue;
-      }
-      const float m_new = std::max(m[g], tile_max);
-      if (m_new > m[g]) {
-        const float alpha = std::exp(m[g] - m_new);
-        l[g] *= alpha;
-        row_scale(acc + size_t(g) * NV * W, alpha, NV * W);
-        m[g] = m_new;
-      }
-      l[g] += exp_row(sr, n, m_new);
+      if (!softmax_tile_row(sr, n, masked, t0, pos[g], window, m[g], l[g], acc + size_t(g) * NV * W, NV * W))
+        std::fill(sr, sr + n, 0.0f);  // nothing visible: the V pass below adds nothing for this row
     }
     for (int h0 = 0; h0 < rows; h0 += group) {  // each KV head's rows
       const char* vh = vc + (h0 / group) * head_bytes;

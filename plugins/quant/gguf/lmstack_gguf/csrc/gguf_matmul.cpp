@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace gguf_matmul {
@@ -179,6 +180,20 @@ constexpr int PANEL = 16;
 
 inline int64_t panel_code_bytes(int64_t type) { return type == Q8_0 ? 512 : 256; }
 inline int64_t panel_block_bytes(int64_t type) { return panel_code_bytes(type) + (type == Q8_0 ? 64 : 128); }
+
+// Activation rows [r0, r1) in tiles of 4 and one tile of the rest: tile(MR, r) for each, MR a
+// std::integral_constant so that the tile's row count is a compile-time constant.
+template <class Tile>
+inline void for_row_tiles(int64_t r0, int64_t r1, Tile&& tile) {
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) tile(std::integral_constant<int, 4>(), r);
+  switch (r1 - r) {
+    case 3: tile(std::integral_constant<int, 3>(), r); break;
+    case 2: tile(std::integral_constant<int, 2>(), r); break;
+    case 1: tile(std::integral_constant<int, 1>(), r); break;
+    default: break;
+  }
+}
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -533,20 +548,10 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, int64_t u0, int64_t u1
       if (valid <= 0) continue;
       const uint8_t* w = packed + (u / 2) * panel_bytes;
       const int half = int(u % 2);
-      int64_t r = rc;
-      auto tile = [&](auto mr) {
-        constexpr int MR = decltype(mr)::value;
-        panel_half<TYPE, MR>(w, half, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb, p.out + r * p.N + col, p.N,
-                             valid);
-        r += MR;
-      };
-      while (r + 4 <= rc1) tile(std::integral_constant<int, 4>());
-      switch (rc1 - r) {
-        case 3: tile(std::integral_constant<int, 3>()); break;
-        case 2: tile(std::integral_constant<int, 2>()); break;
-        case 1: tile(std::integral_constant<int, 1>()); break;
-        default: break;
-      }
+      for_row_tiles(rc, rc1, [&](auto mr, int64_t r) {
+        panel_half<TYPE, decltype(mr)::value>(w, half, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
+                                              p.out + r * p.N + col, p.N, valid);
+      });
     }
   }
 }
@@ -785,20 +790,10 @@ template <int TYPE, int NR>
 inline void panel_rows(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const int32_t* c128, int64_t r0,
                        int64_t r1, int64_t col, int valid_last) {
   const int64_t nb = p.K / QK;
-  int64_t r = r0;
-  auto tile = [&](auto mr) {
-    constexpr int MR = decltype(mr)::value;
-    panel_tile<TYPE, MR, NR>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
-                             c128 ? c128 + r * nb : nullptr, p.out + r * p.N + col, p.N, valid_last);
-    r += MR;
-  };
-  while (r + 4 <= r1) tile(std::integral_constant<int, 4>());
-  switch (r1 - r) {
-    case 3: tile(std::integral_constant<int, 3>()); break;
-    case 2: tile(std::integral_constant<int, 2>()); break;
-    case 1: tile(std::integral_constant<int, 1>()); break;
-    default: break;
-  }
+  for_row_tiles(r0, r1, [&](auto mr, int64_t r) {
+    panel_tile<TYPE, decltype(mr)::value, NR>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
+                                              c128 ? c128 + r * nb : nullptr, p.out + r * p.N + col, p.N, valid_last);
+  });
 }
 
 // Panel pairs [t0, t1) of the output (the last pair may be one panel), every activation row, in
