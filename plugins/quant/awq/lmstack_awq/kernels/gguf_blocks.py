@@ -32,6 +32,13 @@ Q4_1 = 3  # the GGML type id
 BLOCK_BYTES = 20
 
 
+def fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float [n, nb] -> uint8 [n, nb, 2]: each value as fp16, its little-endian bytes. (Not
+    `.view(torch.uint8)`: a one-element-wide strided slice keeps its stride, which that refuses.)"""
+    h = x.to(torch.float16).view(torch.int16).to(torch.int32)
+    return torch.stack((h & 0xFF, (h >> 8) & 0xFF), dim=-1).to(torch.uint8)
+
+
 def available() -> bool:
     """Whether lmstack-gguf is installed and its kernels built on this machine."""
     try:
@@ -54,8 +61,7 @@ class GGUFBlocks:
         # The (scale, zero) of the group each block's first column belongs to.
         scale = expand_groups(layer.w_scales.float(), k, layer.group_size)[:, ::QK]
         zero = expand_groups(layer.w_zeros.float(), k, layer.group_size)[:, ::QK]
-        d = scale.to(torch.float16).view(torch.uint8).view(n, nb, 2)
-        m = (-zero * scale).to(torch.float16).view(torch.uint8).view(n, nb, 2)
+        d, m = fp16_bytes(scale), fp16_bytes(-zero * scale)
         layer.w_packed = torch.cat((d, m, nibbles), dim=-1).reshape(n, nb * BLOCK_BYTES).contiguous()
         from lmstack_gguf.kernel import NATIVE_MAX_ROWS, native_kernel
         from lmstack_gguf.quantizer import BF16_COPY_MIN_ROWS, PANELS_MIN_ROWS, panels_cpu
