@@ -40,10 +40,10 @@ def within_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, k: int)
 
 @needs_ext
 @pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("isa", [0, 1], ids=["scalar", "avx2"])
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=["scalar", "avx2", "avx512"])
 def test_matmul_matches_the_dequantized_reference(typ, isa):
     if isa > ext.best_isa():
-        pytest.skip("this CPU has no AVX2+FMA+F16C")
+        pytest.skip(f"this CPU lacks {native.ISA_NAMES[isa]}")
     rng = random.Random()
     for m in (1, 2, rng.randint(3, 16), rng.randint(17, 40)):
         n, k = rng.choice((1, 2, 3)) * rng.randint(1, 40) + rng.randint(0, 1), 32 * rng.randint(1, 20)
@@ -53,6 +53,26 @@ def test_matmul_matches_the_dequantized_reference(typ, isa):
         assert out.shape == (m, n) and within_rounding(out, x, w, k), (
             f"{typ.name} isa {isa} m={m} n={n} k={k}"
         )
+
+
+@needs_ext
+@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+def test_avx512_rows_are_computed_alike_whatever_the_batch(typ):
+    """With AVX-512 the fp32 path gives each activation row the same bits alone or among any
+    number of others (and at any offset in the batch): a speculative verification of several
+    rows then computes exactly what one-row decode steps would."""
+    if ext.best_isa() < 2:
+        pytest.skip(f"this CPU lacks {native.ISA_NAMES[2]}")
+    rng = random.Random()
+    for m in (2, 3, 5, rng.randint(6, 33)):
+        n, k = rng.randint(1, 70), 32 * rng.randint(1, 24)
+        raw, _ = blocks_of(np.random.randn(n, k), typ)
+        x = torch.randn(m, k)
+        batched = ext.gguf_matmul(x, raw, int(typ), 2)
+        alone = torch.cat([ext.gguf_matmul(x[i : i + 1], raw, int(typ), 2) for i in range(m)])
+        assert torch.equal(batched, alone), f"{typ.name} m={m} n={n} k={k}"
+        start = rng.randint(1, m - 1)
+        assert torch.equal(ext.gguf_matmul(x[start:], raw, int(typ), 2), batched[start:])
 
 
 def reference_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

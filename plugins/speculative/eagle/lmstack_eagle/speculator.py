@@ -1,6 +1,7 @@
 """The `eagle` speculator: an EAGLE-1 draft head over the target's final hidden states.
 
-Per sequence the speculator keeps the head's KV cache as contiguous tensors (`DraftCache`).
+The head runs as a `DraftPass` (fused projections, the native layer ops) over a KV cache per
+sequence (`DraftCache`, [kv_heads, positions, head_dim], read in place by attention).
 `observe` truncates it to the committed positions (speculative rows from the last `propose` are
 dropped), then runs the head over the positions the target just computed, entering
 (f_t, token_{t+1}) for each; the output of the newest entry predicts the feature of the newest
@@ -10,7 +11,6 @@ feeds (predicted feature, drafted token) back, greedily, up to `seq.draft_limit`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -20,7 +20,8 @@ from torch import nn
 from lmstack.errors import ConfigError
 from lmstack.interfaces import DraftFeedback, Speculator
 from lmstack.sequence import Sequence
-from lmstack_eagle.head import EagleHead, load_head, read_draft_vocab, read_head_config
+from lmstack_eagle.draft_pass import DraftCache, DraftPass
+from lmstack_eagle.head import load_head, read_draft_vocab, read_head_config
 
 PURGE_EVERY = 64  # steps between sweeps of finished sequences' caches
 
@@ -51,43 +52,12 @@ class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ConfigError(f"must be >= 0, got {self.draft_vocab}", "speculator.draft_vocab")
 
 
-@dataclass
-class DraftCache:
-    """One sequence's head KV: rows [0, length) are positions 0.. in order."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    length: int = 0
-    # The head's output at the newest committed entry: the predicted feature of the position
-    # after it (None until the first entry).
-    next_feature: torch.Tensor | None = None
-    # True when positions were skipped (a prompt prefix served from a cache): no drafts.
-    broken: bool = False
-    seq: Any = field(default=None, repr=False)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        need = self.length + k.shape[0]
-        if need > self.k.shape[0]:
-            cap = max(need, 2 * self.k.shape[0])
-            grow = (cap - self.k.shape[0], *self.k.shape[1:])
-            self.k = torch.cat((self.k, self.k.new_empty(grow)))
-            self.v = torch.cat((self.v, self.v.new_empty(grow)))
-        self.k[self.length : need] = k
-        self.v[self.length : need] = v
-        self.length = need
-
-    def past(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if not self.length:
-            return None, None
-        return self.k[: self.length], self.v[: self.length]
-
-
 class EagleSpeculator(Speculator):
     hidden_state_positions = "all"
 
     def __init__(
         self,
-        head: EagleHead | None,
+        head: DraftPass | None,
         embed: Any,
         lm_head: Any,
         num_layers: int,
@@ -115,13 +85,12 @@ class EagleSpeculator(Speculator):
     @property
     def dtype(self) -> torch.dtype:
         assert self.head is not None
-        return self.head.post_attention_layernorm.dtype  # (an int8 head's linears have no float weight)
+        return self.head.dtype
 
     def _new_cache(self, seq: Sequence) -> DraftCache:
-        c = self.head.cfg  # type: ignore[union-attr]
-        shape = (max(64, seq.num_tokens * 2), c.num_key_value_heads, c.head_dim)
-        z = torch.empty(shape, dtype=self.dtype, device=self.device)
-        return DraftCache(z, torch.empty_like(z), seq=seq)
+        cache = self.head.new_cache(max(64, seq.num_tokens * 2), self.device)  # type: ignore[union-attr]
+        cache.seq = seq
+        return cache
 
     def sweep(self) -> None:
         """Free the caches of finished sequences."""
@@ -161,8 +130,7 @@ class EagleSpeculator(Speculator):
             positions = torch.arange(start, start + rows, device=self.device)
             ids = torch.tensor(seq.token_ids[start + 1 : start + 1 + rows], device=self.device)
             feats = states[:rows].to(self.device, self.dtype)
-            out, k, v = self.head(self.embed(ids).to(self.dtype), feats, positions, *cache.past())
-            cache.append(k, v)
+            out = self.head(self.embed(ids).to(self.dtype), feats, positions, cache)
             cache.next_feature = out[-1:]
 
     @torch.inference_mode()
@@ -189,13 +157,10 @@ class EagleSpeculator(Speculator):
                 if len(drafts) >= limit:
                     break
                 ids = torch.tensor([token], device=self.device)
-                feature, k, v = self.head(
-                    self.embed(ids).to(self.dtype),
-                    feature,
-                    torch.tensor([pos], device=self.device),
-                    *cache.past(),
+                # The draft's K/V enter the cache speculatively: the next observe truncates them.
+                feature = self.head(
+                    self.embed(ids).to(self.dtype), feature, torch.tensor([pos], device=self.device), cache
                 )
-                cache.append(k, v)  # speculative: the next observe truncates it
                 pos += 1
             out[seq.seq_id] = drafts
         return out
@@ -264,19 +229,16 @@ def int8_kernel_problem() -> str | None:
     )
 
 
-def int8_head(head: EagleHead) -> EagleHead:
-    """The fp32 CPU head with each nn.Linear swapped for lmstack-int8's `Int8Linear` of its
-    weight (int8 rows, one scale each; its C++ kernel for decode-sized batches, an exact fp32
-    path above). The resolver has checked the device and the kernel."""
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """lmstack-int8's `Int8Linear` of an fp32 CPU weight (int8 rows, one scale each; its C++
+    kernel for decode-sized batches, an exact fp32 path above), with the bias kept in fp32. The
+    resolver has checked the device and the kernel."""
     from lmstack_int8.head import int8_table
 
-    for name, module in list(head.named_children()):
-        if isinstance(module, nn.Linear):
-            table = int8_table(module.weight.detach(), exact_fp32=True)
-            if module.bias is not None:
-                table.bias = nn.Parameter(module.bias.detach().float(), requires_grad=False)
-            setattr(head, name, table)
-    return head
+    table = int8_table(weight.float(), exact_fp32=True)
+    if bias is not None:
+        table.bias = nn.Parameter(bias.float(), requires_grad=False)
+    return table
 
 
 def build(options: EagleOptions, ctx: Any) -> EagleSpeculator:
@@ -296,7 +258,7 @@ def build(options: EagleOptions, ctx: Any) -> EagleSpeculator:
         )
     vocab = read_draft_vocab(options.head, options.draft_vocab) if options.draft_vocab else None
     if options.head_weights == "int8":  # quantized from fp32; the head then runs in fp32
-        head = int8_head(load_head(options.head, torch.float32))
+        head = DraftPass(load_head(options.head, torch.float32), int8_linear)
     else:
-        head = load_head(options.head, ctx.dtype).to(ctx.device)
+        head = DraftPass(load_head(options.head, ctx.dtype).to(ctx.device))
     return EagleSpeculator(head, embed, lm_head, num_layers, options, ctx.device, vocab)

@@ -18,6 +18,7 @@ from lmstack.model.source import open_model_source
 from lmstack.quantize import CalibrationModel
 from lmstack.testing import SpeculatorConformance
 from lmstack.testing.kit import tiny_stack
+from lmstack_eagle.draft_pass import DraftPass
 from lmstack_eagle.head import EagleHead, HeadConfig, load_head, save_head
 from lmstack_eagle.speculator import lm_head_rows
 from lmstack_eagle.train import Target, chain_outputs, train, train_head
@@ -163,6 +164,31 @@ def test_incremental_forward_matches_the_full_forward(tiny_config):
             k, v = torch.cat((k, k1)), torch.cat((v, v1))
             rows.append(o)
     assert torch.allclose(torch.cat(rows), full, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_serving_pass_is_the_heads_forward(dtype):
+    """DraftPass (fused projections, K/V written into a growing cache, grouped-query attention
+    in place, the native layer ops) computes EagleHead's forward: a prompt's rows at once, then
+    one row at a time past the cache's first capacity, for odd sizes and GQA."""
+    torch.manual_seed(5)
+    cfg = HeadConfig(
+        hidden_size=48, intermediate_size=72, num_attention_heads=6, num_key_value_heads=2, head_dim=8, vocab_size=50
+    )
+    head = EagleHead(cfg).to(dtype).eval()
+    fast = DraftPass(head)
+    n = 11
+    e, f = torch.randn(n, 48, dtype=dtype), torch.randn(n, 48, dtype=dtype)
+    with torch.no_grad():
+        full, keys, values = head(e, f, torch.arange(n))
+    cache = fast.new_cache(3, "cpu")
+    rows = [fast(e[:5], f[:5], torch.arange(5), cache)]
+    rows += [fast(e[t : t + 1], f[t : t + 1], torch.tensor([t]), cache) for t in range(5, n)]
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    torch.testing.assert_close(torch.cat(rows), full, **tol)
+    assert cache.length == n
+    torch.testing.assert_close(cache.k[:, :n], keys.transpose(0, 1), **tol)
+    torch.testing.assert_close(cache.v[:, :n], values.transpose(0, 1), **tol)
 
 
 def test_mismatched_or_missing_head_is_a_one_line_error(tiny_model_path, tiny_config, tmp_path):
@@ -338,11 +364,11 @@ def test_int8_head_drafts_like_the_fp32_head(tiny_model_path, trained_head_dir):
         )
     )
     head8, head32 = int8.engine.speculator.head, fp32.engine.speculator.head
-    assert isinstance(head8.q_proj, Int8Linear) and isinstance(head8.fc, Int8Linear)
+    assert isinstance(head8.qkv_proj, Int8Linear) and isinstance(head8.fc, Int8Linear)
     h, g = head32.cfg.hidden_size, torch.Generator().manual_seed(0)
     emb, feat = torch.randn(3, h, generator=g), torch.randn(3, h, generator=g)
-    with torch.inference_mode():
-        a, b = head32(emb, feat, torch.arange(3))[0], head8(emb, feat, torch.arange(3))[0]
+    a = head32(emb, feat, torch.arange(3), head32.new_cache(4, "cpu"))
+    b = head8(emb, feat, torch.arange(3), head8.new_cache(4, "cpu"))
     assert float((a - b).norm() / a.norm()) < 0.05
     prompts = chat_ids(int8, TRAIN_PROMPTS)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

@@ -18,9 +18,10 @@
 // bound by memory instead of arithmetic; the price is x's rounding (relative error ~1 / 254 per
 // value before the sums average it out; the quantizer's `activations: int8` option, README).
 //
-// Threads split the weight rows (at::parallel_for: torch's thread count applies). AVX2+FMA+F16C
-// or plain C++, picked at run time from what the CPU reports, or forced by the caller (tests);
-// the int8-activation path also has an AVX-512 VNNI version (two blocks per vector).
+// Threads split the weight rows (at::parallel_for: torch's thread count applies). AVX-512,
+// AVX2+FMA+F16C or plain C++, picked at run time from what the CPU reports, or forced by the
+// caller (tests). With AVX-512 the fp32 path computes each output the same way whatever the
+// number of rows (batch invariance, `tile_f32`); the int8-activation path uses VNNI there.
 
 #include <torch/extension.h>
 
@@ -116,7 +117,8 @@ inline void block_q(int64_t type, const uint8_t* blk, float* q) {
 struct Problem {
   const float* x;
   int64_t ldx;
-  const float* xsum;  // [M, K / QK]: each block's sum of x (one-row and scalar paths only)
+  const float* xsum;  // [M, K / QK]: each block's sum of x (one-row and scalar paths)
+  const float* xsum_by_block;  // the same sums as [K / QK, M] (the AVX-512 path)
   const uint8_t* w;
   int64_t row_bytes;
   int64_t type;
@@ -815,6 +817,110 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, i
     }
   }
 }
+
+// --- fp32 activations with AVX-512 ---------------------------------------------------------------
+//
+// A block's 32 values as two 16-lane vectors (Q4: the low nibbles are values 0-15, the high ones
+// 16-31), times d; per output two accumulators of x * (d * q) and a scalar offset m * sum(x_block)
+// (std::fma: the same rounding whatever the compiler contracts). Every output is computed by the
+// same operations in the same order whatever the tile it falls in and however many activation
+// rows the call has: a row multiplied alone (decode) gives the bits it gets among others (the
+// rows of a speculative verification, a batch), so what a step computes for a sequence does not
+// depend on what else the step runs. The tile shares each widened block among up to 4 rows.
+
+template <int TYPE>
+inline void widen16(const uint8_t* blk, __m512& v0, __m512& v1) {
+  if constexpr (TYPE == Q8_0) {
+    const __m128i* s = reinterpret_cast<const __m128i*>(blk + 2);
+    v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(s)));
+    v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(s + 1)));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q_bytes(TYPE, blk)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    v0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+    v1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+  }
+}
+
+// NR weight rows from n x MR activation rows from r0. The offsets m * sum(x_block) of the MR rows
+// are the lanes of one vector (`xsum_by_block` holds each block's sums of every row side by side):
+// one fused multiply-add per block whatever MR, each lane rounded as a scalar std::fma would be.
+template <int TYPE, int NR, int MR>
+inline void tile_f32(const Problem& p, int64_t n, int64_t r0) {
+  const int64_t nb = p.K / QK, bb = block_bytes(TYPE);
+  const __mmask16 lanes = __mmask16((1u << MR) - 1);
+  __m512 acc[NR][MR][2], off[NR];
+  for (int a = 0; a < NR; ++a) {
+    off[a] = _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) acc[a][r][0] = acc[a][r][1] = _mm512_setzero_ps();
+  }
+  const uint8_t* w0 = p.w + n * p.row_bytes;
+  avx2::Ahead ahead(p.w, p.row_bytes, p.N, n);
+  for (int64_t b = 0; b < nb; ++b) {
+    ahead.to(w0 + NR * (b + 1) * bb);
+    __m512 sums = _mm512_setzero_ps();
+    if constexpr (TYPE != Q8_0) sums = _mm512_maskz_loadu_ps(lanes, p.xsum_by_block + b * p.M + r0);
+    for (int a = 0; a < NR; ++a) {
+      const uint8_t* blk = w0 + a * p.row_bytes + b * bb;
+      __m512 v0, v1;
+      widen16<TYPE>(blk, v0, v1);
+      float d, m;
+      avx2::dm<TYPE>(blk, d, m);
+      const __m512 dv = _mm512_set1_ps(d);
+      v0 = _mm512_mul_ps(v0, dv);
+      v1 = _mm512_mul_ps(v1, dv);
+      for (int r = 0; r < MR; ++r) {
+        const float* xb = p.x + (r0 + r) * p.ldx + b * QK;
+        acc[a][r][0] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xb), acc[a][r][0]);
+        acc[a][r][1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xb + 16), acc[a][r][1]);
+      }
+      if constexpr (TYPE != Q8_0) off[a] = _mm512_fmadd_ps(_mm512_set1_ps(m), sums, off[a]);
+    }
+  }
+  for (int a = 0; a < NR; ++a) {
+    alignas(64) float offs[16];
+    _mm512_store_ps(offs, off[a]);
+    for (int r = 0; r < MR; ++r)
+      p.out[(r0 + r) * p.N + n + a] = _mm512_reduce_add_ps(_mm512_add_ps(acc[a][r][0], acc[a][r][1])) + offs[r];
+  }
+}
+
+// Weight rows [n, n + nr) (nr 1 or 2) for every activation row, in tiles of 8 rows and one of
+// the rest: each widened block serves a whole tile; tiles of one or two rows take both weight
+// rows at once (enough independent accumulators to keep the multiply-adds busy; measured on a
+// 2-core Zen 5, tiles of 3-4 rows were faster one weight row at a time).
+template <int TYPE>
+inline void rows_tile_f32(const Problem& p, int64_t n, int nr) {
+  auto tile = [&](auto mr, int64_t r0) {
+    constexpr int MR = decltype(mr)::value;
+    if (nr == 2 && MR <= 2) {
+      tile_f32<TYPE, 2, MR>(p, n, r0);
+    } else {
+      for (int a = 0; a < nr; ++a) tile_f32<TYPE, 1, MR>(p, n + a, r0);
+    }
+  };
+  int64_t r = 0;
+  for (; r + 8 <= p.M; r += 8) tile(std::integral_constant<int, 8>(), r);
+  switch (p.M - r) {
+    case 7: tile(std::integral_constant<int, 7>(), r); break;
+    case 6: tile(std::integral_constant<int, 6>(), r); break;
+    case 5: tile(std::integral_constant<int, 5>(), r); break;
+    case 4: tile(std::integral_constant<int, 4>(), r); break;
+    case 3: tile(std::integral_constant<int, 3>(), r); break;
+    case 2: tile(std::integral_constant<int, 2>(), r); break;
+    case 1: tile(std::integral_constant<int, 1>(), r); break;
+    default: break;
+  }
+}
+
+template <int TYPE>
+void rows_f32(const Problem& p, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (p.M == 1)  // decode at batch 1: four weight rows at a time, eight independent chains
+    for (; n + 4 <= n1; n += 4) tile_f32<TYPE, 4, 1>(p, n, 0);
+  for (; n + 2 <= n1; n += 2) rows_tile_f32<TYPE>(p, n, 2);
+  if (n < n1) rows_tile_f32<TYPE>(p, n, 1);
+}
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -841,20 +947,32 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_
   if (isa < 0) isa = best_isa();
   if (M == 0 || N == 0) return out;
   const float* xp = x.data_ptr<float>();
-  // Each block's sum of x, once per call, for the offset term m * sum(x_block) of the one-row
-  // and scalar paths (the several-row vector path folds m into the widened weights instead).
-  std::vector<float> xsum;
-  if (M == 1 || isa < ISA_AVX2) {
+  // Each block's sum of x, once per call, for the offset term m * sum(x_block) of the AVX-512,
+  // one-row and scalar paths (AVX2's several-row path folds m into the widened weights instead).
+  std::vector<float> xsum, by_block;
+  if (M == 1 || isa != ISA_AVX2) {
     const int64_t nb = K / QK;
     xsum.assign(M * nb, 0.f);
     for (int64_t r = 0; r < M; ++r)
       for (int64_t b = 0; b < nb; ++b)
         for (int j = 0; j < QK; ++j) xsum[r * nb + b] += xp[r * x.stride(0) + b * QK + j];
+    if (isa >= ISA_AVX512) {
+      by_block.resize(M * nb);  // (a tile's masked load reads only its own rows' lanes)
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t b = 0; b < nb; ++b) by_block[b * M + r] = xsum[r * nb + b];
+    }
   }
-  Problem p{xp, x.stride(0), xsum.data(), w.data_ptr<uint8_t>(), w.size(1), type, out.data_ptr<float>(), M, N, K};
+  Problem p{xp, x.stride(0), xsum.data(), by_block.data(), w.data_ptr<uint8_t>(), w.size(1), type,
+            out.data_ptr<float>(), M, N, K};
   const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    if (isa >= ISA_AVX2) {
+    if (isa >= ISA_AVX512) {
+      switch (type) {
+        case Q4_0: avx512::rows_f32<Q4_0>(p, n0, n1); break;
+        case Q4_1: avx512::rows_f32<Q4_1>(p, n0, n1); break;
+        default: avx512::rows_f32<Q8_0>(p, n0, n1); break;
+      }
+    } else if (isa >= ISA_AVX2) {
       switch (type) {
         case Q4_0: avx2::rows<Q4_0>(p, n0, n1); break;
         case Q4_1: avx2::rows<Q4_1>(p, n0, n1); break;

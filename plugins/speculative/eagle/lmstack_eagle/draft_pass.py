@@ -1,0 +1,119 @@
+"""The head as the speculator runs it: `EagleHead`'s forward in fewer, fatter ops.
+
+A draft token costs one head pass at one row, so at batch 1 a pass is a dozen small matmuls and
+the glue between them, each op paying its dispatch whatever its size. Here q/k/v are one linear
+and gate/up another (their weights concatenated once, at load), the new keys and values go
+straight into the sequence's cache and attention reads the cache in place (grouped-query heads
+shared, not repeated), and the RMSNorm, rotary embedding and SwiGLU product are the core's
+native layer ops (`lmstack.model.layer_ops`, one call each on an fp32 CPU row). The arithmetic is
+`EagleHead.forward`'s (tested to match it); drafts only propose, so what is emitted never
+depends on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmstack.model.layer_ops import rms_norm, rotate_, silu_mul
+from lmstack_eagle.head import EagleHead
+
+
+class DraftCache:
+    """One sequence's head KV as [kv_heads, capacity, head_dim] tensors: positions [0, length)
+    in order, so attention reads `k[:, :length]` without a copy."""
+
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device: Any) -> None:
+        self.k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+        # The head's output at the newest committed entry: the predicted feature of the position
+        # after it (None until the first entry).
+        self.next_feature: torch.Tensor | None = None
+        # True when positions were skipped (a prompt prefix served from a cache): no drafts.
+        self.broken = False
+        self.seq: Any = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [T, kv_heads, head_dim] as the next T positions."""
+        need = self.length + k.shape[0]
+        if need > self.k.shape[1]:
+            cap = max(need, 2 * self.k.shape[1])
+            grow = (self.k.shape[0], cap - self.k.shape[1], self.k.shape[2])
+            self.k = torch.cat((self.k, self.k.new_empty(grow)), 1)
+            self.v = torch.cat((self.v, self.v.new_empty(grow)), 1)
+        self.k[:, self.length : need] = k.transpose(0, 1)
+        self.v[:, self.length : need] = v.transpose(0, 1)
+        self.length = need
+
+
+class DraftPass(nn.Module):
+    """`head` with fused projections; `linear(weight, bias)` makes each linear (an nn.Linear by
+    default; the speculator passes lmstack-int8's for `head_weights: int8`)."""
+
+    def __init__(self, head: EagleHead, linear: Any = None) -> None:
+        super().__init__()
+        c = self.cfg = head.cfg
+        make = linear or _dense
+
+        def w(module: nn.Linear) -> torch.Tensor:
+            return module.weight.detach()
+
+        self.fc = make(w(head.fc), None if head.fc.bias is None else head.fc.bias.detach())
+        self.qkv_proj = make(torch.cat((w(head.q_proj), w(head.k_proj), w(head.v_proj))), None)
+        self.o_proj = make(w(head.o_proj), None)
+        self.gate_up_proj = make(torch.cat((w(head.gate_proj), w(head.up_proj))), None)
+        self.down_proj = make(w(head.down_proj), None)
+        self.norm_weight = nn.Parameter(head.post_attention_layernorm.detach().clone(), requires_grad=False)
+        self.rope = head.rope
+        self.q_size = c.num_attention_heads * c.head_dim
+        self.kv_size = c.num_key_value_heads * c.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm_weight.dtype
+
+    def new_cache(self, capacity: int, device: Any) -> DraftCache:
+        c = self.cfg
+        return DraftCache(c.num_key_value_heads, c.head_dim, capacity, self.dtype, device)
+
+    @torch.inference_mode()
+    def forward(
+        self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: DraftCache
+    ) -> torch.Tensor:
+        """T new positions of one sequence (embeds of token t+1, features f_t [T, H], at
+        `positions` [T], right after the cache's `length` entries): appends their keys and
+        values to `cache` and returns the predicted next features [T, H]."""
+        c = self.cfg
+        t = embeds.shape[0]
+        x = self.fc(torch.cat((embeds, features), dim=-1))
+        qkv = self.qkv_proj(x)
+        rotate_(qkv[:, : self.q_size + self.kv_size].view(t, -1, c.head_dim), *self.rope.tables_full(positions, x.dtype))
+        q = qkv[:, : self.q_size].view(t, c.num_attention_heads, c.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, c.num_key_value_heads, c.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_key_value_heads, c.head_dim)
+        start = cache.length
+        cache.append(k, v)
+        keys, values = cache.k[:, : cache.length], cache.v[:, : cache.length]
+        mask = None
+        if t > 1:
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=mask, scale=c.head_dim**-0.5, enable_gqa=True
+        )
+        h_in = self.o_proj(o.transpose(0, 1).reshape(t, -1))
+        h = rms_norm(h_in, self.norm_weight, c.rms_norm_eps, residual=x)  # h_in += x: the residual
+        return h_in.add_(self.down_proj(silu_mul(self.gate_up_proj(h))))
+
+
+def _dense(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    out_f, in_f = weight.shape
+    lin = nn.Linear(in_f, out_f, bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+        if bias is not None:
+            lin.bias.copy_(bias)
+    return lin.requires_grad_(False)
