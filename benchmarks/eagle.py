@@ -5,11 +5,15 @@ lmstack-eagle (`prompts_eval.txt`, disjoint from the training prompts).
     lmstack eagle train --out ~/.cache/lmstack/eagle/smollm2-135m-instruct
     .venv/bin/python benchmarks/eagle.py [--head DIR] [--max-tokens 128] [--repeats 2]
         [--stack examples/stacks/eagle.yaml] [--draft-vocab 2048] [--head-weights int8]
+        [--streams 32]
 
 Chat template applied, greedy, EOS respected. Each prompt runs alone on each system, the
 systems alternating prompt by prompt in one process; decode tok/s = (output tokens - 1) /
 (finish - first token), median over prompts x repeats. Also: whether every output equals plain
 decoding's (it must), drafts proposed / accepted and the mean accepted drafts per verification.
+With `--streams N`, also N requests at once (the held-out prompts cycled, the scheduler's
+max_num_seqs raised to N), each system in its own engine: output tok/s of wall time, median
+over `--repeats` runs alternating the systems (the adaptive draft length under load).
 Prints one JSON object.
 """
 
@@ -47,6 +51,7 @@ def main() -> None:
         default="fp32",
         help="the eagle systems' head_weights (int8: lmstack-int8's Int8Linear and CPU kernel)",
     )
+    ap.add_argument("--streams", type=int, default=0, help="also measure N concurrent requests")
     args = ap.parse_args()
 
     from lmstack import LLM, SamplingParams
@@ -94,6 +99,7 @@ def main() -> None:
                 if r == 0:
                     outputs[name].append(list(out.token_ids))
     tok_s = {n: statistics.median(v) for n, v in rates.items()}
+    loaded = concurrent(args, base, spec, llms, prompts, params) if args.streams else None
     systems = {}
     for name in list(llms)[1:]:
         stats = llms[name].get_stats()
@@ -128,10 +134,39 @@ def main() -> None:
                 "head_weights": args.head_weights,
                 "plain_decode_tok_s": tok_s["plain"],
                 "systems": systems,
+                "streams": loaded,
             },
             indent=1,
         )
     )
+
+
+def concurrent(args, base, spec, llms, prompts, params) -> dict:
+    """args.streams requests at once per system, in engines whose max_num_seqs admits them all."""
+    import time
+
+    from lmstack import LLM
+
+    wide = {**base, "scheduler": {**base["scheduler"], "max_num_seqs": args.streams}}
+    specs = {"plain": {"name": "none"}, "eagle": spec}
+    if args.draft_vocab:
+        specs[f"eagle-vocab{args.draft_vocab}"] = {**spec, "draft_vocab": args.draft_vocab}
+    for llm in llms.values():  # one set of engines in memory at a time
+        llm.engine.shutdown()
+    batch = [prompts[i % len(prompts)] for i in range(args.streams)]
+    engines = {name: LLM({**wide, "speculator": s}) for name, s in specs.items()}
+    rates: dict[str, list[float]] = {n: [] for n in engines}
+    for r in range(args.repeats):
+        for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
+            started = time.perf_counter()
+            outs = engines[name].generate(batch, params)
+            rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - started))
+    tok_s = {n: statistics.median(v) for n, v in rates.items()}
+    return {
+        "streams": args.streams,
+        "output_tok_s": tok_s,
+        "ratio_vs_plain": {n: tok_s[n] / tok_s["plain"] for n in tok_s if n != "plain"},
+    }
 
 
 if __name__ == "__main__":

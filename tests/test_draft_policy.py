@@ -45,6 +45,35 @@ def test_drafts_shrink_as_the_batch_grows_and_come_back():
     assert means[4] == means[0]  # the load dropped: full drafts again
 
 
+def test_the_cost_that_counts_is_the_one_around_the_step():
+    """A kinked cost, as on a CPU: memory-bound up to ~8 query tokens, compute-bound from there.
+    The global line would call batch 1 compute-bound and 32 streams cheap; the local one drafts
+    at batch 1 and not at 32 streams, where every query token costs what a plain one does."""
+    policy = DraftLengthPolicy(4)
+
+    def cost(t: int) -> float:
+        return 0.006 + 0.0002 * t if t <= 8 else 0.0076 + 0.0022 * (t - 8)
+
+    for t in (1, 2, 4, 8, 32, 64, 128, 160):
+        policy.record_step(t, cost(t))
+        policy.record_step(t, cost(t))
+    assert policy.limits([0]) == {0: 4}
+    assert set(policy.limits(list(range(32))).values()) == {0}
+    a, b = policy.step_cost(64)
+    assert abs(b - 0.0022) < 1e-9
+
+
+def test_before_two_sizes_are_measured_steps_alternate_one_draft_and_none():
+    policy = DraftLengthPolicy(3)
+    assert [policy.limits([1, 2]) for _ in range(4)] == [{1: 1, 2: 1}, {1: 0, 2: 0}] * 2
+    policy.record_step(4, 0.01)
+    policy.record_step(4, 0.01)  # one size measured: no fit yet
+    assert [policy.limits([1])[1] for _ in range(4)] == [1, 0, 1, 0]
+    policy.record_step(1, 0.009)
+    policy.record_step(1, 0.009)  # a second size: the measured cost decides from now on
+    assert [policy.limits([1])[1] for _ in range(4)] == [3] * 4
+
+
 def test_sequences_that_accept_more_get_more():
     policy = measured(a=0.040, b=0.0004)
     for _ in range(20):
@@ -65,8 +94,7 @@ def test_rejected_sequences_drift_back_to_the_engine_rate():
     assert policy.acceptance(7) > low
 
 
-def test_before_any_measurement_drafting_is_on_and_not_adaptive_is_fixed():
-    assert DraftLengthPolicy(3).limits([1, 2]) == {1: 3, 2: 3}
+def test_not_adaptive_is_fixed():
     fixed = measured(a=0.0005, b=0.002, k=3)
     fixed.adaptive = False
     assert fixed.limits([1, 2]) == {1: 3, 2: 3}

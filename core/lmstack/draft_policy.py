@@ -6,9 +6,13 @@ any device) an extra query token costs almost nothing and every accepted draft i
 free; once the step is compute-bound (large batches) an extra token costs what a plain decode
 token costs, and a draft accepted with probability g < 1 loses. Two things are measured:
 
-- the step's cost: t(T) = a + b * T seconds for T query tokens (`lmstack.step_cost`, shared
-  with the scheduler); until it is known the step is assumed memory-bound (b = 0), so
-  drafting starts on and is measured;
+- the step's cost: t(T) = a + b * T seconds for T query tokens (`lmstack.step_cost`), from
+  the steps that only decode (and verify), drafting included (a prefill chunk's tokens cost
+  differently, and drafting never changes them), as the line through the two measured sizes
+  around this step's (`fit_near`: the marginal cost of a token where the step is, not averaged
+  over batch 1 and batch 32). Until two sizes are known, steps alternate between one draft
+  per sequence and none: two sizes measured within a few steps, at the price of at most one
+  draft a sequence where drafting turns out not to pay (32 streams on a CPU);
 - acceptance: each draft token is accepted with probability alpha (chain drafts stop at the
   first rejection), estimated per sequence from its own verifications, shrunk towards the
   engine-wide rate (pseudo-counts) and decaying, so a sequence that stopped drafting drifts
@@ -54,6 +58,7 @@ class DraftLengthPolicy:
     _global: _Acceptance = field(default_factory=_Acceptance)
     _seqs: dict[int, _Acceptance] = field(default_factory=dict)
     last_mean_limit: float = 0.0  # the mean limit of the last step (a metric)
+    _decisions: int = 0
 
     # --- measurements ------------------------------------------------------------------------
 
@@ -81,9 +86,10 @@ class DraftLengthPolicy:
             return engine
         return (own.accepted + engine * PSEUDO_COUNTS) / (own.accepted + own.rejected + PSEUDO_COUNTS)
 
-    def step_cost(self) -> tuple[float, float]:
-        """(a, b) of t(T) = a + b * T; b = 0 until two sizes of step were measured."""
-        return self.cost.fit() or (1.0, 0.0)
+    def step_cost(self, num_tokens: float = 1.0) -> tuple[float, float]:
+        """(a, b) of t(T) = a + b * T around T = `num_tokens`; b = 0 until two sizes of step
+        were measured."""
+        return self.cost.fit_near(num_tokens) or (1.0, 0.0)
 
     # --- the decision ------------------------------------------------------------------------
 
@@ -94,9 +100,15 @@ class DraftLengthPolicy:
         if not self.adaptive or k_max <= 0:
             self.last_mean_limit = float(k_max if seq_ids else 0)
             return dict.fromkeys(seq_ids, k_max)
-        a, b = self.step_cost()
         limits = dict.fromkeys(seq_ids, 0)
         tokens = len(seq_ids) + other_tokens
+        if self.cost.fit_near(tokens) is None:  # explore: one draft each, then none, ...
+            self._decisions += 1
+            per_seq = self._decisions % 2
+            self.last_mean_limit = float(per_seq)
+            return dict.fromkeys(seq_ids, per_seq)
+        # The cost around the step with one draft per sequence: where the decisions are made.
+        a, b = self.step_cost(tokens + len(seq_ids))
         expected = float(len(seq_ids))  # tokens the step emits: one per sequence, plus gains
         # Candidate (gain, seq) for every draft slot; gains fall along a chain, so taking them
         # best first respects each chain's order.

@@ -22,14 +22,15 @@ class DraftBook:
         self,
         outputs: OutputProcessor,
         speculator: Speculator | None = None,
-        step_cost: StepCostModel | None = None,
     ) -> None:
-        """`step_cost`: the engine's measured step cost (it records every step there)."""
         self.outputs = outputs
         self._drafts: dict[int, Draft] = {}  # seq_id -> the proposal behind seq.draft_token_ids
         k = speculator.num_draft_tokens if speculator is not None else 0
         adaptive = bool(getattr(speculator, "adaptive", True))
-        self.policy = DraftLengthPolicy(k, adaptive=adaptive, cost=step_cost or StepCostModel())
+        # The policy's own cost model: only the steps that decode (no prefill chunk), timed from
+        # before the drafting (`step_timed`).
+        self.policy = DraftLengthPolicy(k, adaptive=adaptive, cost=StepCostModel())
+        self._decode_only = False  # this step's scheduled work was decoding only
         self.feedback: list[DraftFeedback] = []  # this step's, for Speculator.observe
         # Verifications by number of drafts accepted (a metric: the accepted-length histogram).
         self.accepted_lengths: Counter[int] = Counter()
@@ -43,10 +44,12 @@ class DraftBook:
         self.policy.max_draft_tokens = speculator.num_draft_tokens
         self.policy.adaptive = bool(getattr(speculator, "adaptive", True))
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
+        self._decode_only = False
         if not decoding:
             self.policy.last_mean_limit = 0.0
             return
         prefill_tokens = sum(s.num_uncomputed_tokens for s in running if s.num_uncomputed_tokens > 1)
+        self._decode_only = prefill_tokens == 0
         limits = self.policy.limits([s.seq_id for s in decoding], prefill_tokens)
         asked = []
         for seq in decoding:
@@ -86,6 +89,11 @@ class DraftBook:
         self.feedback.append(
             DraftFeedback(seq, num_drafted, num_accepted, new_token_ids, hidden_states, first_position)
         )
+
+    def step_timed(self, num_tokens: int, seconds: float) -> None:
+        """The step (drafting included) ran `num_tokens` query tokens in `seconds`."""
+        if self._decode_only:
+            self.policy.record_step(num_tokens, seconds)
 
     def step_done(self, speculator: Speculator) -> None:
         """The step is over: hand the speculator its feedback."""

@@ -75,10 +75,10 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.step_sampler = StepSampler(self.sampler, RejectionSampler(self.sampler))
-        # Every step's query tokens and wall time: the draft policy and the scheduler's
-        # step-time target both read it.
+        # Every step's query tokens and wall time (the scheduler's step-time target reads it;
+        # the draft policy keeps its own of decode-only steps, `DraftBook.step_timed`).
         self.step_cost = built.ctx.step_cost
-        self.drafts = DraftBook(self.output_processor, self.speculator, self.step_cost)
+        self.drafts = DraftBook(self.output_processor, self.speculator)
         # Target layers whose outputs each step returns at the sampled rows (a drafter that
         # conditions on target hidden states asks for them; `Speculator.observe` gets them).
         self.hidden_state_layers: tuple[int, ...] = tuple(getattr(self.speculator, "hidden_state_layers", ()))
@@ -183,7 +183,9 @@ class LLMEngine:
             self.output_processor.record_prompt_logprobs(r.request, rows, r.position)
         touched: dict[str, Request] = {}
         self._sample(planned, result.logits, result.hidden_states, touched)
-        self.step_cost.record(sched.num_batched_tokens, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.step_cost.record(sched.num_batched_tokens, elapsed)
+        self.drafts.step_timed(sched.num_batched_tokens, elapsed)
         self.drafts.step_done(self.speculator)
         self.stats.num_steps += 1
         self.stats.spec_decode_draft_length = self.drafts.policy.last_mean_limit

@@ -62,6 +62,23 @@ class StepCostModel:
         a = max(my - b * mx, 1e-6)
         return a, b
 
+    def fit_near(self, num_tokens: float) -> tuple[float, float] | None:
+        """(a, b) of the line through the two measured sizes around `num_tokens` (the nearest
+        below and above it; at either end of the measured range, the two nearest): the cost of
+        one more token where the step is, which the global line averages over very different
+        regimes (a memory-bound step of 2 tokens and a compute-bound one of 160). None until two
+        sizes were measured past their warm-up; b >= 0, a > 0 as in `fit`."""
+        pts = sorted((p for p in self._buckets.values() if p.samples > 1), key=lambda p: p.tokens)
+        if len(pts) < 2:
+            return None
+        above = next((i for i, p in enumerate(pts) if p.tokens >= num_tokens), len(pts) - 1)
+        i = min(max(above, 1), len(pts) - 1)
+        lo, hi = pts[i - 1], pts[i]
+        if hi.tokens <= lo.tokens:
+            return None
+        b = max((hi.seconds - lo.seconds) / (hi.tokens - lo.tokens), 0.0)
+        return max(lo.seconds - b * lo.tokens, 1e-6), b
+
     def first_seconds(self) -> float | None:
         """The one step time known before `fit` can answer (None if nothing ran)."""
         for p in self._buckets.values():

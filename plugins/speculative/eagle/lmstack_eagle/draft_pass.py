@@ -24,7 +24,9 @@ from lmstack_eagle.head import EagleHead
 
 class DraftCache:
     """One sequence's head KV as [kv_heads, capacity, head_dim] tensors: positions [0, length)
-    in order, so attention reads `k[:, :length]` without a copy."""
+    in order, so attention reads `k[:, :length]` without a copy. Then the rows the target
+    computed that the head has not run over yet (`queue`): their features and next tokens, for
+    positions [length, end)."""
 
     def __init__(self, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device: Any) -> None:
         self.k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
@@ -36,6 +38,39 @@ class DraftCache:
         # True when positions were skipped (a prompt prefix served from a cache): no drafts.
         self.broken = False
         self.seq: Any = None
+        self._feats: list[torch.Tensor] = []
+        self._ids: list[int] = []
+
+    @property
+    def pending_rows(self) -> int:
+        return len(self._ids)
+
+    @property
+    def end(self) -> int:
+        """The positions entered or queued."""
+        return self.length + len(self._ids)
+
+    def queue(self, feats: torch.Tensor, next_ids: list[int]) -> None:
+        """Rows at positions [end, end + T): features f_t [T, H] and token_{t+1} each."""
+        self._feats.append(feats)
+        self._ids.extend(next_ids)
+
+    def take_pending(self) -> tuple[torch.Tensor, list[int]]:
+        feats = self._feats[0] if len(self._feats) == 1 else torch.cat(self._feats)
+        ids, self._feats, self._ids = self._ids, [], []
+        return feats, ids
+
+    def truncate(self, position: int) -> None:
+        """Keep positions [0, position): entered rows past it (drafts) and queued ones go."""
+        if position <= self.length:
+            self.length = position
+            self._feats, self._ids = [], []
+            self.next_feature = None
+        else:
+            keep = position - self.length
+            feats = torch.cat(self._feats) if len(self._feats) > 1 else self._feats[0]
+            self._feats, self._ids = [feats[:keep]], self._ids[:keep]
+        self.broken = False
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [T, kv_heads, head_dim] as the next T positions."""
@@ -91,7 +126,10 @@ class DraftPass(nn.Module):
         t = embeds.shape[0]
         x = self.fc(torch.cat((embeds, features), dim=-1))
         qkv = self.qkv_proj(x)
-        rotate_(qkv[:, : self.q_size + self.kv_size].view(t, -1, c.head_dim), *self.rope.tables_full(positions, x.dtype))
+        rotate_(
+            qkv[:, : self.q_size + self.kv_size].view(t, -1, c.head_dim),
+            *self.rope.tables_full(positions, x.dtype),
+        )
         q = qkv[:, : self.q_size].view(t, c.num_attention_heads, c.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, c.num_key_value_heads, c.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_key_value_heads, c.head_dim)

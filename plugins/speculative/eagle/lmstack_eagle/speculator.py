@@ -24,6 +24,7 @@ from lmstack_eagle.draft_pass import DraftCache, DraftPass
 from lmstack_eagle.head import load_head, read_draft_vocab, read_head_config
 
 PURGE_EVERY = 64  # steps between sweeps of finished sequences' caches
+PENDING_ROWS = 64  # queued rows that make the head run even though the sequence is not drafted
 
 
 class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -100,6 +101,10 @@ class EagleSpeculator(Speculator):
 
     @torch.inference_mode()
     def observe(self, feedback: list[DraftFeedback]) -> None:
+        """Queue each sequence's newly computed rows (`DraftCache.pending`); the head runs over
+        them when the sequence is next drafted (`propose`), in one pass, or once PENDING_ROWS
+        have gathered. A sequence the adaptive draft length keeps off (a loaded server) then
+        costs the head nothing per step."""
         if self.head is None:
             return
         for fb in feedback:
@@ -114,24 +119,30 @@ class EagleSpeculator(Speculator):
             if cache is None:
                 cache = self.caches[seq.seq_id] = self._new_cache(seq)
             start = fb.first_position
-            if start < cache.length or start == 0:
+            if start < cache.end or start == 0:
                 # Rollback: the draft rows past the committed positions (or everything, for a
                 # sequence preempted and recomputed from position 0).
-                cache.length = start
-                cache.broken = False
-                cache.next_feature = None
-            if start > cache.length:  # positions the target never showed us
+                cache.truncate(start)
+            if start > cache.end:  # positions the target never showed us
                 cache.broken = True
                 continue
             # Entry t reads (f_t, token_{t+1}); every row here has its next token.
             rows = min(states.shape[0], seq.num_tokens - 1 - start)
             if rows <= 0:
                 continue
-            positions = torch.arange(start, start + rows, device=self.device)
-            ids = torch.tensor(seq.token_ids[start + 1 : start + 1 + rows], device=self.device)
-            feats = states[:rows].to(self.device, self.dtype)
-            out = self.head(self.embed(ids).to(self.dtype), feats, positions, cache)
-            cache.next_feature = out[-1:]
+            cache.queue(states[:rows], seq.token_ids[start + 1 : start + 1 + rows])
+            if cache.pending_rows >= PENDING_ROWS:
+                self._enter(cache)
+
+    def _enter(self, cache: DraftCache) -> None:
+        """Run the head over the cache's queued rows (one pass), entering them."""
+        feats, ids = cache.take_pending()
+        positions = torch.arange(cache.length, cache.length + len(ids), device=self.device)
+        tokens = torch.tensor(ids, device=self.device)
+        out = self.head(
+            self.embed(tokens).to(self.dtype), feats.to(self.device, self.dtype), positions, cache
+        )  # type: ignore[misc]
+        cache.next_feature = out[-1:]
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
@@ -143,10 +154,14 @@ class EagleSpeculator(Speculator):
             return out
         for seq in seqs:
             cache = self.caches.get(seq.seq_id)
-            if cache is None or cache.broken or cache.next_feature is None:
+            if cache is None or cache.broken:
                 continue
-            if cache.length != seq.num_tokens - 1:
+            if cache.end != seq.num_tokens - 1:
                 continue  # the cache does not end right before the newest token
+            if cache.pending_rows:
+                self._enter(cache)
+            if cache.next_feature is None:
+                continue
             limit = min(seq.draft_limit or self.num_draft_tokens, self.num_draft_tokens)
             feature = cache.next_feature
             drafts: list[int] = []
@@ -179,7 +194,7 @@ class EagleSpeculator(Speculator):
     def committed_length(self, seq_id: int) -> int:
         """The draft cache's length (for tests: the committed positions after an observe)."""
         cache = self.caches.get(seq_id)
-        return cache.length if cache is not None else 0
+        return cache.end if cache is not None else 0
 
 
 @torch.inference_mode()

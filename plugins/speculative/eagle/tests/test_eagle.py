@@ -173,7 +173,12 @@ def test_the_serving_pass_is_the_heads_forward(dtype):
     one row at a time past the cache's first capacity, for odd sizes and GQA."""
     torch.manual_seed(5)
     cfg = HeadConfig(
-        hidden_size=48, intermediate_size=72, num_attention_heads=6, num_key_value_heads=2, head_dim=8, vocab_size=50
+        hidden_size=48,
+        intermediate_size=72,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=50,
     )
     head = EagleHead(cfg).to(dtype).eval()
     fast = DraftPass(head)
@@ -189,6 +194,25 @@ def test_the_serving_pass_is_the_heads_forward(dtype):
     assert cache.length == n
     torch.testing.assert_close(cache.k[:, :n], keys.transpose(0, 1), **tol)
     torch.testing.assert_close(cache.v[:, :n], values.transpose(0, 1), **tol)
+
+
+def test_draft_cache_queues_rows_and_truncates_into_them():
+    """Rows the target computed wait in the cache (`queue`) until the head runs over them; a
+    rollback keeps the positions before it whether they were entered or still queued."""
+    from lmstack_eagle.draft_pass import DraftCache
+
+    cache = DraftCache(2, 4, 3, torch.float32, "cpu")
+    cache.append(torch.randn(2, 2, 4), torch.randn(2, 2, 4))  # positions 0, 1 entered
+    feats = torch.randn(5, 8)
+    cache.queue(feats[:2], [10, 11])
+    cache.queue(feats[2:], [12, 13, 14])
+    assert (cache.length, cache.pending_rows, cache.end) == (2, 5, 7)
+    cache.truncate(5)  # keeps queued positions 2, 3, 4
+    got, ids = cache.take_pending()
+    assert torch.equal(got, feats[:3]) and ids == [10, 11, 12] and cache.end == 2
+    cache.queue(feats[:1], [9])
+    cache.truncate(1)  # into the entered rows: the queue goes too
+    assert (cache.length, cache.pending_rows, cache.next_feature) == (1, 0, None)
 
 
 def test_mismatched_or_missing_head_is_a_one_line_error(tiny_model_path, tiny_config, tmp_path):
