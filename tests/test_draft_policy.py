@@ -84,6 +84,20 @@ def test_sequences_that_accept_more_get_more():
     assert policy.acceptance(1) > 0.9 > 0.2 > policy.acceptance(2)
 
 
+def test_a_sequence_kept_from_drafting_is_tried_again():
+    """A sequence whose drafts were all rejected stops drafting; steps without drafts fade its
+    record towards the engine's rate, so it drafts again later (its text may have changed)."""
+    policy = measured(a=0.006, b=0.0015)
+    for _ in range(30):
+        policy.record_verification(1, 1, 1)  # the engine: half accepted
+        policy.record_verification(2, 1, 0)
+    for _ in range(10):
+        policy.record_verification(3, 1, 0)
+    assert policy.limits([3]) == {3: 0}
+    got = [policy.limits([3])[3] for _ in range(40)]
+    assert got[0] == 0 and got[-1] > 0
+
+
 def test_rejected_sequences_drift_back_to_the_engine_rate():
     policy = DraftLengthPolicy(4)
     for _ in range(20):

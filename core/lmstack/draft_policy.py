@@ -15,8 +15,9 @@ token costs, and a draft accepted with probability g < 1 loses. Two things are m
   draft a sequence where drafting turns out not to pay (32 streams on a CPU);
 - acceptance: each draft token is accepted with probability alpha (chain drafts stop at the
   first rejection), estimated per sequence from its own verifications, shrunk towards the
-  engine-wide rate (pseudo-counts) and decaying, so a sequence that stopped drafting drifts
-  back to the global rate and is tried again.
+  engine-wide rate (pseudo-counts) and decaying (per verification, and faster per step it is
+  not drafted), so a sequence that stopped drafting drifts back to the global rate and is
+  tried again.
 
 The k-th draft of a sequence is accepted (and so emits a token) with probability alpha**k.
 Tokens are granted greedily, best expected gain first, while the gain exceeds what the same
@@ -34,6 +35,7 @@ from lmstack.step_cost import StepCostModel
 PRIOR_ACCEPTANCE = 0.6  # before anything is measured
 PSEUDO_COUNTS = 4.0  # weight of the engine-wide rate in a sequence's own estimate
 DECAY = 0.98  # per verification: a sequence's and the engine's counts fade (recent text counts)
+IDLE_DECAY = 0.9  # per step a sequence is not drafted: its own counts fade (it is tried again)
 
 
 @dataclass
@@ -123,5 +125,12 @@ class DraftLengthPolicy:
             limits[sid] += 1
             tokens += 1
             expected += gain
+        for sid, n in limits.items():
+            own = self._seqs.get(sid)
+            if not n and own is not None:
+                # Not drafted: nothing new is measured, so the sequence's own record fades
+                # towards the engine-wide rate and it is tried again (text changes as it goes).
+                own.accepted *= IDLE_DECAY
+                own.rejected *= IDLE_DECAY
         self.last_mean_limit = sum(limits.values()) / len(limits) if limits else 0.0
         return limits

@@ -92,7 +92,7 @@ class DraftPass(nn.Module):
     def __init__(self, head: EagleHead, linear: Any = None) -> None:
         super().__init__()
         c = self.cfg = head.cfg
-        make = linear or _dense
+        make = linear or dense_linear
 
         def w(module: nn.Linear) -> torch.Tensor:
             return module.weight.detach()
@@ -147,7 +147,7 @@ class DraftPass(nn.Module):
         return h_in.add_(self.down_proj(silu_mul(self.gate_up_proj(h))))
 
 
-def _dense(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     out_f, in_f = weight.shape
     lin = nn.Linear(in_f, out_f, bias=bias is not None, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():

@@ -20,7 +20,7 @@ from torch import nn
 from lmstack.errors import ConfigError
 from lmstack.interfaces import DraftFeedback, Speculator
 from lmstack.sequence import Sequence
-from lmstack_eagle.draft_pass import DraftCache, DraftPass
+from lmstack_eagle.draft_pass import DraftCache, DraftPass, dense_linear
 from lmstack_eagle.head import load_head, read_draft_vocab, read_head_config
 
 PURGE_EVERY = 64  # steps between sweeps of finished sequences' caches
@@ -39,8 +39,8 @@ class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # draft_vocab.json): the LM head then costs N / vocab of a full one per draft token; a token
     # outside is never drafted (verification stays exact). 0: the whole vocabulary.
     draft_vocab: int = 0
-    # The head's linears: "fp32" (as trained, the serving dtype), or "int8": int8 rows with one
-    # scale each, multiplied by lmstack-int8's CPU kernel (fp32 activations; needs that
+    # The head's linears (and a reduced draft vocabulary's rows): "fp32" (as trained, the
+    # serving dtype), or "int8": int8 rows with one scale each, multiplied by lmstack-int8's CPU kernel (fp32 activations; needs that
     # distribution and its built kernel). A draft pass reads its weights once per draft token:
     # a quarter of the bytes makes drafting cheaper (README); drafts may differ slightly,
     # verification keeps the output exact.
@@ -78,10 +78,13 @@ class EagleSpeculator(Speculator):
         self._calls = 0
         # A reduced draft vocabulary: the LM head's rows for these ids (a copy, [N, H]).
         self.vocab_ids: torch.Tensor | None = None
-        self.vocab_weight: torch.Tensor | None = None
+        self.vocab_head: Any = None  # [N] logits of a feature: a Linear of those rows
         if vocab_ids and lm_head is not None and head is not None:
             self.vocab_ids = torch.tensor(vocab_ids, device=self.device)
-            self.vocab_weight = lm_head_rows(lm_head, self.vocab_ids, head.cfg.hidden_size, self.device)
+            rows = lm_head_rows(lm_head, self.vocab_ids, head.cfg.hidden_size, self.device)
+            # With `head_weights: int8` the rows are int8 too: each draft token reads them once.
+            make = int8_linear if options.head_weights == "int8" else dense_linear
+            self.vocab_head = make(rows, None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -181,8 +184,8 @@ class EagleSpeculator(Speculator):
         return out
 
     def _argmax(self, feature: torch.Tensor) -> int:
-        if self.vocab_weight is not None:
-            logits = torch.nn.functional.linear(feature.float(), self.vocab_weight)
+        if self.vocab_head is not None:
+            logits = self.vocab_head(feature.float())
             return int(self.vocab_ids[int(logits[-1].argmax())])  # type: ignore[index]
         return int(self.lm_head(feature.to(self.lm_dtype)).argmax(-1)[-1])
 
