@@ -78,15 +78,20 @@ class Target:
         return (self.norm * x)[0]
 
 
-def generate_answers(llm: Any, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """prompt + greedy answer token ids per prompt, all enqueued at once, with a progress bar."""
+def generate_answers(
+    llm: Any, prompts: list[str], max_tokens: int, temperature: float = 0.0, seed: int = 0
+) -> list[list[int]]:
+    """prompt + answer token ids per prompt (greedy, or sampled at `temperature`, seeded per
+    prompt), all enqueued at once, with a progress bar."""
     from lmstack.sampling_params import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     reqs = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         ids = llm.tokenizer.encode_chat([{"role": "user", "content": p}])
+        params = SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, seed=seed + i if temperature > 0 else None
+        )
         reqs.append((ids, engine.make_request(ids, params)))
     for _, r in reqs:
         engine.enqueue(r)
@@ -296,6 +301,12 @@ def chain_acceptance(
     return accepted
 
 
+def saved_matches(path: Path, held: list[list[int]], sampled: list[list[int]]) -> bool:
+    """Whether the --data file already holds these held-out and sampled answers."""
+    saved = json.loads(path.read_text())
+    return isinstance(saved, dict) and saved.get("heldout") == held and saved.get("sampled", []) == sampled
+
+
 def train(
     stack: Any,
     out: str | Path,
@@ -309,12 +320,16 @@ def train(
     noise: float = 0.1,
     batch_size: int = 8,
     unroll: int = 3,
+    samples: int = 0,
+    temperature: float = 0.8,
     data: str | Path | None = None,
     plugin_manager: Any = None,
     progress: bool = True,
 ) -> TrainResult:
-    """Train a head on the target's answers to `prompts`; with `heldout` prompts, also measure
-    the head offline on the target's answers to those (`chain_acceptance`, 4 drafts)."""
+    """Train a head on the target's answers to `prompts` (greedy, plus `samples` sampled ones
+    per prompt at `temperature`: more, and more varied, text); with `heldout` prompts, also
+    measure the head offline on the target's greedy answers to those (`chain_acceptance`, 4
+    drafts)."""
     from lmstack.llm import LLM
     from lmstack.quantize import CalibrationModel
 
@@ -333,12 +348,20 @@ def train(
         sequences, held = saved["train"], saved.get("heldout", [])
         if len(held) != len(heldout):
             held = generate_answers(llm, heldout, max_tokens) if heldout else []
+        sampled = saved.get("sampled", [])
     else:
         both = generate_answers(llm, prompts + heldout, max_tokens)
-        sequences, held = both[: len(prompts)], both[len(prompts) :]
-        if cached is not None:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            cached.write_text(json.dumps({"train": sequences, "heldout": held}))
+        sequences, held, sampled = both[: len(prompts)], both[len(prompts) :], []
+    if len(sampled) != samples * len(prompts):
+        sampled = [
+            seq
+            for j in range(samples)
+            for seq in generate_answers(llm, prompts, max_tokens, temperature, seed + 1_000_003 * (j + 1))
+        ]
+    if cached is not None and not (cached.is_file() and saved_matches(cached, held, sampled)):
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(json.dumps({"train": sequences, "heldout": held, "sampled": sampled}))
+    sequences = sequences + sampled
     llm.engine.shutdown()
     del llm
     seconds["generate"] = time.perf_counter() - t0
@@ -369,7 +392,12 @@ def train(
         progress=progress,
     )
     seconds["train"] = time.perf_counter() - t0
-    extra: dict[str, Any] = {"eagle_target": source.name, "eagle_train_prompts": len(prompts)}
+    extra: dict[str, Any] = {
+        "eagle_target": source.name,
+        "eagle_train_prompts": len(prompts),
+        "eagle_train_sequences": len(sequences),
+        "eagle_train_tokens": sum(len(ids) for ids in sequences),
+    }
     measured: dict[str, Any] = {}
     if held:
         t0 = time.perf_counter()
@@ -436,6 +464,15 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "--noise", type=float, default=0.1, help="uniform noise on the input features (EAGLE-1: 0.1)"
     )
     t.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        help="also answer each training prompt N times by sampling (more, and more varied, text)",
+    )
+    t.add_argument(
+        "--temperature", type=float, default=0.8, help="the sampled answers' temperature (default 0.8)"
+    )
+    t.add_argument(
         "--data",
         default=None,
         help="a JSON file of the target's token sequences: read if it exists (no generation), "
@@ -468,6 +505,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     for name in ("epochs", "batch_size", "unroll"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.samples < 0 or (args.samples and args.temperature <= 0):
+        raise ConfigError("--samples must be >= 0, and sampled answers need --temperature > 0")
     stack: Any = args.stack if args.stack else dict(DEFAULT_STACK)
     started = time.perf_counter()
     result = train(
@@ -482,6 +521,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         noise=args.noise,
         batch_size=args.batch_size,
         unroll=args.unroll,
+        samples=args.samples,
+        temperature=args.temperature,
         data=args.data,
     )
     per_epoch = ", ".join(f"{x:.3f}" for x in result.losses)

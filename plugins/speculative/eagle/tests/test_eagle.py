@@ -298,6 +298,36 @@ def test_the_unrolled_training_chain_is_the_inference_chain():
         offset += len(ids)
 
 
+def test_sampled_answers_join_the_training_text_and_the_data_file(tiny_model_path, tmp_path, monkeypatch):
+    """--samples N: each training prompt also answered N times at the temperature, seeded (the
+    same text again on a rerun), kept in the --data file and read back from it."""
+    data = tmp_path / "data.json"
+    kw = dict(heldout=[], max_tokens=12, epochs=1, batch_size=2, progress=False, data=data)
+    train(tiny_stack(tiny_model_path), tmp_path / "a", TRAIN_PROMPTS[:2], samples=2, temperature=1.0, **kw)
+    saved = json.loads(data.read_text())
+    assert len(saved["train"]) == 2 and len(saved["sampled"]) == 4
+    assert any(s != g for s in saved["sampled"] for g in saved["train"])
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["eagle_train_sequences"] == 6
+    again = tmp_path / "fresh.json"
+    train(
+        tiny_stack(tiny_model_path),
+        tmp_path / "b",
+        TRAIN_PROMPTS[:2],
+        samples=2,
+        temperature=1.0,
+        **{**kw, "data": again},
+    )
+    assert json.loads(again.read_text())["sampled"] == saved["sampled"]  # seeded
+    import lmstack_eagle.train as trainer
+
+    def generated(*a, **k):
+        raise AssertionError("answers generated again although the --data file holds them")
+
+    monkeypatch.setattr(trainer, "generate_answers", generated)
+    train(tiny_stack(tiny_model_path), tmp_path / "c", TRAIN_PROMPTS[:2], samples=2, temperature=1.0, **kw)
+
+
 def test_the_trainer_measures_the_head_on_heldout_prompts(trained_head_dir):
     measured = json.loads((trained_head_dir / "config.json").read_text())["eagle_heldout"]
     assert measured["prompts"] == len(HELDOUT_PROMPTS) and measured["positions"] > 0
