@@ -330,12 +330,16 @@ class Greedy(Speculator):
 
     def __init__(self, k: int, declared: int, mutate: bool = False) -> None:
         self.k, self.num_draft_tokens, self.mutate = k, declared, mutate
+        self.mutated: set[int] = set()
 
     def propose(self, seqs):
         out = {}
         for seq in seqs:
             out[seq.seq_id] = [seq.token_ids[-1]] * self.k
-            if self.mutate and seq.num_output_tokens == 2:  # a drafter editing the sequence it reads
+            # A drafter editing the sequence it reads, once per sequence (whichever step the
+            # adaptive draft length first asks it on after two output tokens).
+            if self.mutate and seq.num_output_tokens >= 2 and seq.seq_id not in self.mutated:
+                self.mutated.add(seq.seq_id)
                 seq.token_ids[-1] = (seq.token_ids[-1] + 1) % 200
         return out
 
