@@ -141,13 +141,16 @@ def test_option_values_are_checked():
         ContinuousOptions(max_step_ms=-1)
 
 
-def test_the_engine_shares_one_cost_model(tiny_model_path):
+def test_the_scheduler_shares_the_engines_cost_model_the_draft_policy_keeps_its_own(tiny_model_path):
+    """The scheduler reads every step's cost; the draft policy only decode steps' (drafting
+    included), so without a speculator its model stays empty."""
     from lmstack.engine import LLMEngine
 
     engine = LLMEngine({"model": str(tiny_model_path)})
     assert engine.scheduler.step_cost is engine.step_cost
-    assert engine.drafts.policy.cost is engine.step_cost
+    assert engine.drafts.policy.cost is not engine.step_cost
     engine.enqueue(engine.make_request([1, 2, 3, 4], None))
     while engine.has_unfinished():
         engine.step()
     assert engine.step_cost._buckets, "the engine records its steps"
+    assert not engine.drafts.policy.cost._buckets

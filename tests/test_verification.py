@@ -196,3 +196,18 @@ def test_draft_book_accepts_token_lists_and_ignores_stale_proposals():
     assert seq.draft_token_ids == [7, 8]
     stale = book.take(seq, [7])  # the scheduled drafts differ from the proposal: no reuse
     assert stale.token_ids == [7] and stale.probs is None
+
+
+def test_the_draft_book_times_only_steps_that_decode():
+    """The draft policy's cost model hears of a step only when it ran no prefill chunk."""
+    outputs = OutputProcessor(None, frozenset(), max_model_len=64)
+    decoding = make_seq(4, max_tokens=20)
+    decoding.num_computed_tokens = 3
+    prefilling = make_seq(10)
+    book = DraftBook(outputs)
+    book.propose(_Speculator(lambda s: [7]), [decoding, prefilling])
+    book.step_timed(11, 0.05)
+    assert not book.policy.cost._buckets
+    book.propose(_Speculator(lambda s: [7]), [decoding])
+    book.step_timed(2, 0.01)
+    assert list(book.policy.cost._buckets) == [1]
