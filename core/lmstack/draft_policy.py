@@ -104,13 +104,14 @@ class DraftLengthPolicy:
             return dict.fromkeys(seq_ids, k_max)
         limits = dict.fromkeys(seq_ids, 0)
         tokens = len(seq_ids) + other_tokens
-        if self.cost.fit_near(tokens) is None:  # explore: one draft each, then none, ...
+        # The cost around the step with one draft per sequence: where the decisions are made.
+        fit = self.cost.fit_near(tokens + len(seq_ids))
+        if fit is None:  # two sizes not measured yet: one draft each, then none, ...
             self._decisions += 1
             per_seq = self._decisions % 2
             self.last_mean_limit = float(per_seq)
             return dict.fromkeys(seq_ids, per_seq)
-        # The cost around the step with one draft per sequence: where the decisions are made.
-        a, b = self.step_cost(tokens + len(seq_ids))
+        a, b = fit
         expected = float(len(seq_ids))  # tokens the step emits: one per sequence, plus gains
         # Candidate (gain, seq) for every draft slot; gains fall along a chain, so taking them
         # best first respects each chain's order.

@@ -55,8 +55,11 @@ class DraftCache:
         self._feats.append(feats)
         self._ids.extend(next_ids)
 
+    def _pending_feats(self) -> torch.Tensor:
+        return self._feats[0] if len(self._feats) == 1 else torch.cat(self._feats)
+
     def take_pending(self) -> tuple[torch.Tensor, list[int]]:
-        feats = self._feats[0] if len(self._feats) == 1 else torch.cat(self._feats)
+        feats = self._pending_feats()
         ids, self._feats, self._ids = self._ids, [], []
         return feats, ids
 
@@ -68,8 +71,7 @@ class DraftCache:
             self.next_feature = None
         else:
             keep = position - self.length
-            feats = torch.cat(self._feats) if len(self._feats) > 1 else self._feats[0]
-            self._feats, self._ids = [feats[:keep]], self._ids[:keep]
+            self._feats, self._ids = [self._pending_feats()[:keep]], self._ids[:keep]
         self.broken = False
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -116,14 +118,14 @@ class DraftPass(nn.Module):
         return DraftCache(c.num_key_value_heads, c.head_dim, capacity, self.dtype, device)
 
     @torch.inference_mode()
-    def forward(
-        self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: DraftCache
-    ) -> torch.Tensor:
-        """T new positions of one sequence (embeds of token t+1, features f_t [T, H], at
-        `positions` [T], right after the cache's `length` entries): appends their keys and
-        values to `cache` and returns the predicted next features [T, H]."""
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: DraftCache) -> torch.Tensor:
+        """The T positions of one sequence right after the cache's `length` entries (embeds of
+        token t+1 and features f_t, [T, H]): appends their keys and values to `cache` and
+        returns the predicted next features [T, H]."""
         c = self.cfg
         t = embeds.shape[0]
+        start = cache.length
+        positions = torch.arange(start, start + t, device=embeds.device)
         x = self.fc(torch.cat((embeds, features), dim=-1))
         qkv = self.qkv_proj(x)
         rotate_(
@@ -133,7 +135,6 @@ class DraftPass(nn.Module):
         q = qkv[:, : self.q_size].view(t, c.num_attention_heads, c.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, c.num_key_value_heads, c.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_key_value_heads, c.head_dim)
-        start = cache.length
         cache.append(k, v)
         keys, values = cache.k[:, : cache.length], cache.v[:, : cache.length]
         mask = None

@@ -3,10 +3,11 @@
 The head runs as a `DraftPass` (fused projections, the native layer ops) over a KV cache per
 sequence (`DraftCache`, [kv_heads, positions, head_dim], read in place by attention).
 `observe` truncates it to the committed positions (speculative rows from the last `propose` are
-dropped), then runs the head over the positions the target just computed, entering
-(f_t, token_{t+1}) for each; the output of the newest entry predicts the feature of the newest
-token's position. `propose` turns that into the first draft through the target's LM head, then
-feeds (predicted feature, drafted token) back, greedily, up to `seq.draft_limit` tokens.
+dropped), then queues (f_t, token_{t+1}) for each position the target just computed. `propose`
+first runs the head over the queued rows (one pass; the output of the newest entry predicts the
+feature of the newest token's position), turns that into the first draft through the target's
+LM head, then feeds (predicted feature, drafted token) back, greedily, up to `seq.draft_limit`
+tokens.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # outside is never drafted (verification stays exact). 0: the whole vocabulary.
     draft_vocab: int = 0
     # The head's linears (and a reduced draft vocabulary's rows): "fp32" (as trained, the
-    # serving dtype), or "int8": int8 rows with one scale each, multiplied by lmstack-int8's CPU kernel (fp32 activations; needs that
-    # distribution and its built kernel). A draft pass reads its weights once per draft token:
-    # a quarter of the bytes makes drafting cheaper (README); drafts may differ slightly,
-    # verification keeps the output exact.
+    # serving dtype), or "int8": int8 rows with one scale each, multiplied by lmstack-int8's CPU
+    # kernel (fp32 activations; needs that distribution and its built kernel). A draft pass
+    # reads its weights once per draft token: a quarter of the bytes makes drafting cheaper
+    # (README); drafts may differ slightly, verification keeps the output exact.
     head_weights: Literal["fp32", "int8"] = "fp32"
 
     def __post_init__(self) -> None:
@@ -140,11 +141,9 @@ class EagleSpeculator(Speculator):
     def _enter(self, cache: DraftCache) -> None:
         """Run the head over the cache's queued rows (one pass), entering them."""
         feats, ids = cache.take_pending()
-        positions = torch.arange(cache.length, cache.length + len(ids), device=self.device)
         tokens = torch.tensor(ids, device=self.device)
-        out = self.head(
-            self.embed(tokens).to(self.dtype), feats.to(self.device, self.dtype), positions, cache
-        )  # type: ignore[misc]
+        assert self.head is not None
+        out = self.head(self.embed(tokens).to(self.dtype), feats.to(self.device, self.dtype), cache)
         cache.next_feature = out[-1:]
 
     @torch.inference_mode()
@@ -168,7 +167,6 @@ class EagleSpeculator(Speculator):
             limit = min(seq.draft_limit or self.num_draft_tokens, self.num_draft_tokens)
             feature = cache.next_feature
             drafts: list[int] = []
-            pos = cache.length  # the newest token's position
             while True:
                 token = self._argmax(feature)
                 drafts.append(token)
@@ -176,10 +174,7 @@ class EagleSpeculator(Speculator):
                     break
                 ids = torch.tensor([token], device=self.device)
                 # The draft's K/V enter the cache speculatively: the next observe truncates them.
-                feature = self.head(
-                    self.embed(ids).to(self.dtype), feature, torch.tensor([pos], device=self.device), cache
-                )
-                pos += 1
+                feature = self.head(self.embed(ids).to(self.dtype), feature, cache)
             out[seq.seq_id] = drafts
         return out
 

@@ -301,12 +301,6 @@ def chain_acceptance(
     return accepted
 
 
-def saved_matches(path: Path, held: list[list[int]], sampled: list[list[int]]) -> bool:
-    """Whether the --data file already holds these held-out and sampled answers."""
-    saved = json.loads(path.read_text())
-    return isinstance(saved, dict) and saved.get("heldout") == held and saved.get("sampled", []) == sampled
-
-
 def train(
     stack: Any,
     out: str | Path,
@@ -341,6 +335,7 @@ def train(
     source = llm.engine.source
     starts = [len(llm.tokenizer.encode_chat([{"role": "user", "content": p}])) for p in heldout]
     cached = Path(data).expanduser() if data else None
+    saved: dict[str, Any] = {}
     if cached is not None and cached.is_file():
         saved = json.loads(cached.read_text())
         if isinstance(saved, list):  # a file of training sequences only
@@ -358,9 +353,10 @@ def train(
             for j in range(samples)
             for seq in generate_answers(llm, prompts, max_tokens, temperature, seed + 1_000_003 * (j + 1))
         ]
-    if cached is not None and not (cached.is_file() and saved_matches(cached, held, sampled)):
+    answers = {"train": sequences, "heldout": held, "sampled": sampled}
+    if cached is not None and answers != {"heldout": [], "sampled": [], **saved}:  # something new
         cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(json.dumps({"train": sequences, "heldout": held, "sampled": sampled}))
+        cached.write_text(json.dumps(answers))
     sequences = sequences + sampled
     llm.engine.shutdown()
     del llm

@@ -187,8 +187,8 @@ def test_the_serving_pass_is_the_heads_forward(dtype):
     with torch.no_grad():
         full, keys, values = head(e, f, torch.arange(n))
     cache = fast.new_cache(3, "cpu")
-    rows = [fast(e[:5], f[:5], torch.arange(5), cache)]
-    rows += [fast(e[t : t + 1], f[t : t + 1], torch.tensor([t]), cache) for t in range(5, n)]
+    rows = [fast(e[:5], f[:5], cache)]
+    rows += [fast(e[t : t + 1], f[t : t + 1], cache) for t in range(5, n)]
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
     torch.testing.assert_close(torch.cat(rows), full, **tol)
     assert cache.length == n
@@ -421,8 +421,8 @@ def test_int8_head_drafts_like_the_fp32_head(tiny_model_path, trained_head_dir):
     assert isinstance(head8.qkv_proj, Int8Linear) and isinstance(head8.fc, Int8Linear)
     h, g = head32.cfg.hidden_size, torch.Generator().manual_seed(0)
     emb, feat = torch.randn(3, h, generator=g), torch.randn(3, h, generator=g)
-    a = head32(emb, feat, torch.arange(3), head32.new_cache(4, "cpu"))
-    b = head8(emb, feat, torch.arange(3), head8.new_cache(4, "cpu"))
+    a = head32(emb, feat, head32.new_cache(4, "cpu"))
+    b = head8(emb, feat, head8.new_cache(4, "cpu"))
     assert float((a - b).norm() / a.norm()) < 0.05
     prompts = chat_ids(int8, TRAIN_PROMPTS)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

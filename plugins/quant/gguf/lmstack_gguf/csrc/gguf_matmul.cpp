@@ -939,22 +939,22 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_
   if (M == 0 || N == 0) return out;
   const float* xp = x.data_ptr<float>();
   // Each block's sum of x, once per call, for the offset term m * sum(x_block) of the AVX-512,
-  // one-row and scalar paths (AVX2's several-row path folds m into the widened weights instead).
-  std::vector<float> xsum, by_block;
+  // one-row and scalar paths (AVX2's several-row path folds m into the widened weights instead),
+  // laid out [M, K / QK], or [K / QK, M] for the AVX-512 tiles.
+  const bool by_block = isa >= ISA_AVX512;
+  std::vector<float> xsum;
   if (M == 1 || isa != ISA_AVX2) {
     const int64_t nb = K / QK;
-    xsum.assign(M * nb, 0.f);
+    xsum.resize(M * nb);
     for (int64_t r = 0; r < M; ++r)
-      for (int64_t b = 0; b < nb; ++b)
-        for (int j = 0; j < QK; ++j) xsum[r * nb + b] += xp[r * x.stride(0) + b * QK + j];
-    if (isa >= ISA_AVX512) {
-      by_block.resize(M * nb);  // (a tile's masked load reads only its own rows' lanes)
-      for (int64_t r = 0; r < M; ++r)
-        for (int64_t b = 0; b < nb; ++b) by_block[b * M + r] = xsum[r * nb + b];
-    }
+      for (int64_t b = 0; b < nb; ++b) {
+        float s = 0.f;
+        for (int j = 0; j < QK; ++j) s += xp[r * x.stride(0) + b * QK + j];
+        xsum[by_block ? b * M + r : r * nb + b] = s;
+      }
   }
-  Problem p{xp, x.stride(0), xsum.data(), by_block.data(), w.data_ptr<uint8_t>(), w.size(1), type,
-            out.data_ptr<float>(), M, N, K};
+  Problem p{xp, x.stride(0), by_block ? nullptr : xsum.data(), by_block ? xsum.data() : nullptr,
+            w.data_ptr<uint8_t>(), w.size(1), type, out.data_ptr<float>(), M, N, K};
   const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (isa >= ISA_AVX512) {
