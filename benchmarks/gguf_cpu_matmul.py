@@ -2,6 +2,7 @@
 SmolLM2-135M's linear shapes in the encodings its GGUF uses (Q4_1 layers, the Q8_0 tied head).
 
     OMP_NUM_THREADS=2 python benchmarks/gguf_cpu_matmul.py [--threads 2] [--reps 15]
+        [--rows 1 8 32 128] [--paths dense_fp32 bf16_copy panels ...] [--shapes qkv o ...]
 
 Paths (W = the blocks' values):
   dense_fp32   F.linear(x fp32, W fp32): what `quant.weights: none` serves (weights dequantized at load)
@@ -87,16 +88,24 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--stream-mb", type=float, default=128.0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="batch rows (M) to measure")
+    ap.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
+                    help="paths to measure (dense_fp32, the reference of the ratios, always runs)")  # fmt: skip
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     args = ap.parse_args()
     ext = native_kernel()
     if ext is None:
         raise SystemExit("lmstack-gguf's kernels are not built (python -m lmstack_gguf.native)")
     torch.set_num_threads(args.threads)
     # The panels' AVX2 code is a path of its own only where the best code is another.
-    paths = [p for p in PATHS if p != "panels_avx2" or ext.best_isa() > 1]
+    paths = [
+        p
+        for p in PATHS
+        if (p == "dense_fp32" or p in args.paths) and (p != "panels_avx2" or ext.best_isa() > 1)
+    ]
     results = []
     with torch.inference_mode():
-        for name, (k, n, typ) in SHAPES.items():
+        for name, (k, n, typ) in ((s, SHAPES[s]) for s in args.shapes):
             count = max(1, min(32, int(args.stream_mb * 2**20 // (4 * n * k))))
             copies = []
             for _ in range(count):
@@ -106,7 +115,7 @@ def main() -> None:
                 dense = torch.from_numpy(quants.dequantize(raw, typ).reshape(n, k).astype(np.float32))
                 panels = ext.gguf_pack_panels(torch.from_numpy(raw), int(typ), k)
                 copies.append((torch.from_numpy(raw), dense, dense.to(torch.bfloat16), panels))
-            for m in ROWS:
+            for m in args.rows:
                 x = torch.randn(m, k)
                 for path in paths:
                     call = make_call(ext, path, copies, x, int(typ), k)
@@ -155,8 +164,9 @@ def plot(results: list[dict], paths: list[str], path: Path, cpu: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shapes = list(SHAPES)
-    fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.6), sharey=True)
+    shapes = [s for s in SHAPES if any(r["shape"] == s for r in results)]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.6), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, shape in zip(axes, shapes, strict=True):
         ref = {r["M"]: r["us"] for r in results if r["shape"] == shape and r["path"] == "dense_fp32"}
         for p in paths[1:]:

@@ -42,13 +42,17 @@ class GGUFLinear(nn.Module):
         kernel_max_rows: int | None = NATIVE_MAX_ROWS,
         copy_dtype: torch.dtype = torch.float32,
         panels: bool = False,
+        copy_min_rows: int | None = None,
     ) -> None:
         """`int8_activations`: the kernel rounds x to int8 per 32-block (`block_matmul`).
         `kernel_max_rows`: the largest batch the kernel takes (None: any; larger ones multiply
         by the dense copy or dequantize). `copy_dtype`: the dense copy's dtype; bfloat16 rounds
         x to bfloat16 for those batches (`GGUFOptions.prefill`). `panels`: batches over
         `kernel_max_rows` multiply by the blocks re-laid out in 16-row panels (int8 activations,
-        AVX2 or AVX-512 VNNI: `gguf_matmul_panels`)."""
+        AVX2 or AVX-512 VNNI: `gguf_matmul_panels`). `copy_min_rows` (with `panels` and
+        `dense_copy`): batches from this many rows multiply by the dense copy instead of the
+        panels (`prefill: panels+bf16`: a CPU with AMX tiles multiplies large bfloat16 batches
+        faster than the int8 panels)."""
         super().__init__()
         self.spec = spec
         self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
@@ -60,6 +64,7 @@ class GGUFLinear(nn.Module):
         self.dense_copy = dense_copy
         self.copy_dtype = copy_dtype
         self.use_panels = panels and int8_activations
+        self.copy_min_rows = copy_min_rows if self.use_panels and dense_copy else None
         self.weight = nn.Parameter(torch.empty(self.out_features, 0, dtype=torch.uint8), requires_grad=False)
         set_weight_loader(self.weight, self._load_weight, num_shards=len(spec.output_sizes))
         self.ggml_type: int | None = None
@@ -127,7 +132,7 @@ class GGUFLinear(nn.Module):
                 ext = native_kernel()
                 self.panels = ext.gguf_pack_panels(self.weight.data, self.ggml_type, self.in_features)
                 self._panel_matmul = ext.gguf_matmul_panels
-            elif self.dense_copy:
+            if self.dense_copy and (self.panels is None or self.copy_min_rows is not None):
                 self.dense = dequantize_blocks(self.weight.data, self.ggml_type, self.in_features).to(
                     self.copy_dtype
                 )
@@ -170,7 +175,13 @@ class GGUFLinear(nn.Module):
             return fast[0](x, fast[1], fast[2])  # what `block_matmul` would run, without its checks
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.panels is not None and x2.dtype == torch.float32 and x2.shape[0] > (limit or 0):
+        rows, copy_from = x2.shape[0], self.copy_min_rows
+        if (
+            self.panels is not None
+            and x2.dtype == torch.float32
+            and rows > (limit or 0)
+            and (copy_from is None or self.dense is None or rows < copy_from)
+        ):
             x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
             out = self._panel_matmul(x2, self.panels, self.ggml_type, self.out_features)
             if self.bias is not None:
@@ -201,5 +212,6 @@ class GGUFLinear(nn.Module):
         if self.panels is not None:
             kind += f", 16-row panels for batches over {self.kernel_max_rows} rows"
         if self.ggml_type is not None and self.dense is not None:
-            kind += f", {str(self.dense.dtype).removeprefix('torch.')} copy for batches over {self.kernel_max_rows} rows"
+            first = self.copy_min_rows if self.panels is not None else (self.kernel_max_rows or 0) + 1
+            kind += f", {str(self.dense.dtype).removeprefix('torch.')} copy for batches from {first} rows"
         return f"in={self.in_features}, out={self.out_features}, {kind}"

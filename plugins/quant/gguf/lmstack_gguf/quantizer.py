@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lmstack.errors import ConfigError
-from lmstack.hardware import native_bf16_cpu
+from lmstack.hardware import cpu_flags, native_bf16_cpu
 from lmstack.interfaces import LinearFactory, LinearSpec, Quantizer
 from lmstack.quant_format import GGUF, checkpoint_format_id
 from lmstack_gguf.head import keep_embedding_and_head_as_blocks
@@ -28,6 +28,17 @@ BF16_COPY_MIN_ROWS = 17
 PANELS_MIN_ROWS = 6
 
 
+# With `prefill: panels+bf16`, batches from this many rows multiply by the bfloat16 copy (oneDNN
+# runs them on AMX tiles): measured over a step's layers on a 2-core Intel Xeon with AMX, the
+# copy was level with the panels at 128-256 rows and ahead from 512 (0.73-0.85x, README).
+AMX_COPY_MIN_ROWS = 256
+
+
+def amx_cpu() -> bool:
+    """Whether this CPU multiplies bfloat16 on AMX tiles (`amx_bf16`)."""
+    return "amx_bf16" in cpu_flags()
+
+
 def panels_cpu() -> bool:
     """Whether the panel kernel runs here (the kernels built, AVX2 at least)."""
     ext = native_kernel()
@@ -36,20 +47,21 @@ def panels_cpu() -> bool:
 
 def prefill_mode(prefill: str, int8_activations: bool) -> str:
     """`GGUFOptions.prefill` resolved: "auto" becomes "panels" where activations are int8 and the
-    kernels run (AVX2 or AVX-512), else "dense-bf16" where the CPU computes bfloat16 natively
-    and activations are int8, else "dense-copy". "panels" where it cannot run is a ConfigError."""
-    if prefill == "panels":
+    kernels run (AVX2 or AVX-512; "panels+bf16" where the CPU also has AMX), else "dense-bf16"
+    where the CPU computes bfloat16 natively and activations are int8, else "dense-copy".
+    "panels" or "panels+bf16" where it cannot run is a ConfigError."""
+    if prefill in ("panels", "panels+bf16"):
         if not int8_activations:
-            raise ConfigError("gguf: prefill: panels multiplies int8 activations; set activations: int8")
+            raise ConfigError(f"gguf: prefill: {prefill} multiplies int8 activations; set activations: int8")
         if not panels_cpu():
             raise ConfigError(
-                "gguf: prefill: panels needs AVX2 and the built kernels, which this machine lacks; "
+                f"gguf: prefill: {prefill} needs AVX2 and the built kernels, which this machine lacks; "
                 "use prefill: auto"
             )
     if prefill != "auto":
         return prefill
     if int8_activations and panels_cpu():
-        return "panels"
+        return "panels+bf16" if amx_cpu() else "panels"
     return "dense-bf16" if int8_activations and native_bf16_cpu() else "dense-copy"
 
 
@@ -67,8 +79,8 @@ class GGUFQuantizer(Quantizer):
         self.use_native = options.kernel == "auto"
         self.int8_activations = options.activations == "int8"
         self.prefill = prefill_mode(options.prefill, self.int8_activations)
-        self.dense_copy = self.prefill in ("dense-copy", "dense-bf16")
-        self.panels = self.prefill == "panels"
+        self.dense_copy = self.prefill in ("dense-copy", "dense-bf16", "panels+bf16")
+        self.panels = self.prefill in ("panels", "panels+bf16")
 
     def linear_factory(self) -> LinearFactory:
         extra = {}
@@ -76,6 +88,8 @@ class GGUFQuantizer(Quantizer):
             extra = {"copy_dtype": torch.bfloat16, "kernel_max_rows": BF16_COPY_MIN_ROWS - 1}
         elif self.panels:
             extra = {"panels": True, "kernel_max_rows": PANELS_MIN_ROWS - 1}
+            if self.prefill == "panels+bf16":
+                extra.update(copy_dtype=torch.bfloat16, copy_min_rows=AMX_COPY_MIN_ROWS)
 
         def make(spec: LinearSpec) -> nn.Module:
             return GGUFLinear(

@@ -7,6 +7,7 @@ exact Q8_0 rebuild; `GGUFLinear` loading fused parts, mixed encodings and a row-
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -231,20 +232,23 @@ def test_prefill_auto_takes_panels_then_the_bf16_copy_with_int8_activations(monk
 
     for vnni in (False, True):
         monkeypatch.setattr(quantizer, "panels_cpu", lambda v=vnni: v)
-        for native_bf16 in (False, True):
+        for native_bf16, amx in ((False, False), (True, False), (True, True)):
             monkeypatch.setattr(quantizer, "native_bf16_cpu", lambda v=native_bf16: v)
-            want = "panels" if vnni else "dense-bf16" if native_bf16 else "dense-copy"
+            monkeypatch.setattr(quantizer, "amx_cpu", lambda v=amx: v)
+            panels = "panels+bf16" if amx else "panels"
+            want = panels if vnni else "dense-bf16" if native_bf16 else "dense-copy"
             assert quantizer.prefill_mode("auto", True) == want
             assert quantizer.prefill_mode("auto", False) == "dense-copy"
             for named in ("dense-copy", "dense-bf16", "dequantize"):
                 assert quantizer.prefill_mode(named, True) == named
-        with pytest.raises(ConfigError, match="activations: int8"):
-            quantizer.prefill_mode("panels", False)
-        if vnni:
-            assert quantizer.prefill_mode("panels", True) == "panels"
-        else:
-            with pytest.raises(ConfigError, match="needs AVX2"):
-                quantizer.prefill_mode("panels", True)
+        for named in ("panels", "panels+bf16"):
+            with pytest.raises(ConfigError, match=f"prefill: {re.escape(named)} multiplies int8 activations"):
+                quantizer.prefill_mode(named, False)
+            if vnni:
+                assert quantizer.prefill_mode(named, True) == named
+            else:
+                with pytest.raises(ConfigError, match="needs AVX2"):
+                    quantizer.prefill_mode(named, True)
 
 
 needs_panels = pytest.mark.skipif(
@@ -297,6 +301,36 @@ def test_panels_take_batches_over_the_limit_and_rows_stay_exact(typ):
     assert torch.equal(layer(x.reshape(2, 3, k)), layer(x).reshape(2, 3, n))
     ids = torch.tensor([0, 20, 5])
     assert torch.equal(layer.rows(ids), w[ids])
+
+
+@needs_panels
+def test_panels_then_the_bf16_copy_take_batches_by_size():
+    """`prefill: panels+bf16`: the block kernel up to its limit, the panels up to `copy_min_rows`,
+    the bfloat16 copy from there; the rows a batch holds do not change which path its rows take."""
+    k, n = 96, 21
+    raw, w = blocks_of(np.random.randn(n, k), T.Q4_1)
+    spec = LinearSpec(k, n, True, "layers.0.o_proj", (n,), "row", torch.float32)
+    layer = GGUFLinear(
+        spec, dense_copy=True, int8_activations=True, kernel_max_rows=5, panels=True,
+        copy_dtype=torch.bfloat16, copy_min_rows=9,
+    )  # fmt: skip
+    layer.weight.weight_loader(layer.weight, _gguf(raw, T.Q4_1, k), None)
+    layer.bias.data.normal_()
+    layer.finalize()
+    assert layer.panels is not None and layer.dense.dtype == torch.bfloat16
+    assert "bfloat16 copy for batches from 9 rows" in repr(layer)
+    bias, typ = layer.bias.data, int(T.Q4_1)
+    x = torch.randn(9, k)
+    assert torch.equal(layer(x[:5]), ext.gguf_matmul_q8(x[:5], raw, typ) + bias)
+    assert torch.equal(layer(x[:8]), ext.gguf_matmul_panels(x[:8], layer.panels, typ, n) + bias)
+    assert torch.equal(layer(x), (x.bfloat16() @ w.float().bfloat16().T).float() + bias)
+    assert torch.equal(layer(x.reshape(3, 3, k)), layer(x).reshape(3, 3, n))
+    # Without the copy (`prefill: panels`) every batch over the limit takes the panels.
+    plain = GGUFLinear(spec, int8_activations=True, kernel_max_rows=5, panels=True, copy_min_rows=9)
+    plain.weight.weight_loader(plain.weight, _gguf(raw, T.Q4_1, k), None)
+    plain.finalize()
+    assert plain.dense is None and plain.copy_min_rows is None
+    assert torch.equal(plain(x), ext.gguf_matmul_panels(x, plain.panels, typ, n))
 
 
 @needs_panels
