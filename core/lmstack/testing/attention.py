@@ -332,6 +332,24 @@ class AttentionConformance(ComponentKit):
             out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=None)
             self._check(out, qs, dense, spans, hd**-0.5, dtype, case=(dtype, hd, bs, ratio))
 
+    def test_prefill_verification_shaped_chunks(self):
+        """Speculative decoding's verification: many sequences with cached context, each with a
+        few query tokens (several sharing a length, as equal draft lengths do), beside one long
+        chunk; every case, and under a sliding window where declared."""
+        m, backend = self._needs("prefill"), self.backend()
+        if not m.chunked_context:
+            pytest.skip("backend declares no chunked_context (prefill over cached tokens)")
+        rng = random.Random()
+        for dtype, hd, bs, ratio in self._cases(m):
+            lens = [rng.randint(1, 5) for _ in range(3)]
+            spans = [(rng.randint(1, self.max_len), lens[i % 3]) for i in range(7)]
+            spans.insert(rng.randint(0, 7), (rng.randint(0, self.max_len // 2), rng.randint(17, 40)))
+            windows = [None] + ([rng.randint(2, 12)] if m.sliding_window else [])
+            for window in windows:
+                q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+                out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=window)
+                self._check(out, qs, dense, spans, hd**-0.5, dtype, window, case=(dtype, hd, bs, ratio))
+
     def test_decode(self):
         m, backend = self._needs("decode"), self.backend()
         rng = random.Random()
@@ -446,7 +464,13 @@ class AttentionConformance(ComponentKit):
             kw = {"k_scale": k_scale.to(self.device), "v_scale": v_scale.to(self.device)}
             if "prefill" in m.phases:
                 context = (lambda: rng.randint(1, self.max_len // 2)) if m.chunked_context else (lambda: 0)
-                spans = [(context(), rng.randint(1, 40)), (0, rng.randint(1, 40))]
+                # Two chunks of one short length too: what a speculative step verifies.
+                spans = [
+                    (context(), rng.randint(1, 40)),
+                    (0, rng.randint(1, 40)),
+                    (context(), 3),
+                    (context(), 3),
+                ]
                 q, k, v, kc, vc, meta, dense, qs = self._batch(
                     rng, dtype, hd, bs, ratio, spans, kv_dtype, scales
                 )
