@@ -5,6 +5,11 @@ bit; and the fallbacks."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -144,3 +149,20 @@ def test_bad_input_is_a_clear_error():
         NATIVE.silu_mul_(torch.randn(2, 7), -1)
     with pytest.raises(RuntimeError, match="gate_up must be"):
         NATIVE.silu_mul_(torch.randn(2, 8, dtype=torch.float64), -1)
+
+
+@needs_native
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
+    """torch's build `lock` file outlives a killed process; a later load must not wait on it
+    forever (it once hung CI's install). A copy of the built folder under a fresh cache root, the
+    stale lock added, is loaded by a new process within a deadline."""
+    built = layer_ops.EXTENSION.build_dir()
+    copy = tmp_path / built.relative_to(built.parents[2])
+    shutil.copytree(built, copy)
+    (copy / "lock").touch()
+    code = "from lmstack.model import layer_ops; print(layer_ops.EXTENSION.load().best_isa())"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == NATIVE.best_isa()
+    assert not (copy / "lock").exists()

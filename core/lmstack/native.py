@@ -7,10 +7,17 @@ hash of the sources and flags (a new torch or an edited kernel builds afresh; an
 loads in milliseconds). A plugin's `python -m <its build module>` builds ahead of time (`make
 install` runs it); otherwise the first use builds it. A machine without a C++ compiler, OpenMP or
 ninja gets `ExtensionBuildError` with a one-line reason, and the rest of lmstack is unaffected.
+
+torch guards a build folder with a plain `lock` file that a killed process leaves behind, and
+every later load of that folder then waits on it forever (a test run stopped mid-load once hung
+CI's `make install` for its whole 90 minutes). So each load here first takes an flock on a file
+beside the folder, which the kernel drops when its holder dies: whoever holds it is the only
+lmstack process in the folder, and a `lock` file found then is stale and removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -26,6 +33,23 @@ import torch
 log = logging.getLogger(__name__)
 
 DEFAULT_FLAGS = ("-O3", "-fopenmp", "-std=c++17")
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """Hold an exclusive flock on `path` (created if missing) for the block; released by the
+    kernel even if this process is killed. Without fcntl (not POSIX) it holds nothing."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class ExtensionBuildError(RuntimeError):
@@ -83,14 +107,16 @@ class NativeExtension:
         folder = self.build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            return cpp_extension.load(
-                name=self.name,
-                sources=[str(p) for p in self.sources],
-                extra_cflags=list(self.flags),
-                extra_ldflags=["-fopenmp"] if "-fopenmp" in self.flags else [],
-                build_directory=str(folder),
-                verbose=False,
-            )
+            with _exclusive(folder.with_name(folder.name + ".flock")):
+                (folder / "lock").unlink(missing_ok=True)  # stale: see the module's docstring
+                return cpp_extension.load(
+                    name=self.name,
+                    sources=[str(p) for p in self.sources],
+                    extra_cflags=list(self.flags),
+                    extra_ldflags=["-fopenmp"] if "-fopenmp" in self.flags else [],
+                    build_directory=str(folder),
+                    verbose=False,
+                )
         except Exception as e:  # compiler errors arrive as RuntimeError / CalledProcessError
             lines = str(e).splitlines() or [type(e).__name__]
             first = next((line for line in lines if "error" in line.lower()), lines[0])
