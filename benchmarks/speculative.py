@@ -104,10 +104,10 @@ def prompts() -> list[str]:
     return out
 
 
-def stack(model: str, speculator: dict[str, Any], streams: int) -> dict[str, Any]:
+def stack(model: str, speculator: dict[str, Any], streams: int, dtype: str) -> dict[str, Any]:
     return {
         "model": model,
-        "dtype": "auto",
+        "dtype": dtype,
         "device": "cpu",
         "scheduler": {"name": "continuous", "max_num_seqs": max(streams, 1), "max_num_batched_tokens": 2048},
         "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "2GiB"},
@@ -176,6 +176,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="the model dtype of every system (default: what `dtype: auto` picks for the ngram stack)",
+    )
     ap.add_argument("--quick", action="store_true", help="3 prompts, 32 tokens, 8 streams, 1 repeat")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -185,7 +190,14 @@ def main() -> int:
     from lmstack import LLM
     from lmstack.hardware import cpu_name
 
-    llms = {name: LLM(stack(args.model, spec, args.streams)) for name, spec in SYSTEMS.items()}
+    # Every system in the dtype the speculative stack resolves to (`dtype: auto` picks float32
+    # with a speculator on a CPU where plain decoding alone would take bfloat16): one model.
+    first = LLM(stack(args.model, SYSTEMS["ngram"], args.streams, args.dtype))
+    dtype = str(first.engine.stack.dtype).removeprefix("torch.")
+    llms = {
+        name: first if name == "ngram" else LLM(stack(args.model, spec, args.streams, dtype))
+        for name, spec in SYSTEMS.items()
+    }
     texts = prompts()[:3] if args.quick else prompts()
     token_prompts = [chat(llms["plain"], t) for t in texts]
 
@@ -200,8 +212,8 @@ def main() -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "cpu": cpu_name(),
         "model": args.model,
-        "dtype": str(llms["plain"].engine.stack.dtype).removeprefix("torch."),
-        "dtype_reason": llms["plain"].engine.stack.dtype_reason,
+        "dtype": dtype,
+        "dtype_reason": first.engine.stack.dtype_reason,
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "workload": "input-grounded (code edits, quoting / repeating text), chat template, greedy",
         "num_prompts": len(token_prompts),

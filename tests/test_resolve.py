@@ -316,6 +316,32 @@ def test_auto_dtype_takes_the_quantizers_choice_for_the_device(monkeypatch):
     assert r.dtype is torch.bfloat16
 
 
+def test_auto_dtype_is_float32_with_a_speculator_on_a_bf16_cpu(monkeypatch):
+    """bf16 verification rows round unlike plain decoding's single rows (greedy output measured
+    to drift on an Intel Xeon with AMX): with a speculator, auto picks float32 on a CPU, says why,
+    and `lmstack check` warns about an explicit 16-bit dtype with a speculator."""
+    from lmstack import hardware
+    from lmstack.resolve import speculation_warning
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    ngram = comp("ngram", "speculator", dist="lmstack-ngram", options_type=SpecOptions)
+    plain = resolved({})
+    assert plain.dtype is torch.bfloat16 and speculation_warning(plain) is None
+    r = resolved({"speculator": "ngram"}, ngram)
+    assert r.dtype is torch.float32
+    assert r.dtype_reason.startswith("auto: float32 on cpu with the ngram speculator (not bfloat16)")
+    assert speculation_warning(r) is None
+    explicit = resolved({"speculator": "ngram", "dtype": "bfloat16"}, ngram)
+    assert explicit.dtype is torch.bfloat16
+    assert "greedy output may differ" in speculation_warning(explicit)
+    # A component that cannot take float32 keeps the usual order.
+    bf16_only = comp("bf16-kernel", "attention", capabilities={"dtypes": ("bfloat16",)})
+    assert (
+        resolved({"speculator": "ngram", "attention": "bf16-kernel"}, ngram, bf16_only).dtype
+        is torch.bfloat16
+    )
+
+
 def test_kernel_used_for_a_phase_it_lacks():
     decode_only = comp("paged-decode", "attention", capabilities={"phases": ("decode",)})
     assert (

@@ -449,10 +449,14 @@ def _print_check(
     if resolved.auto_reasons:
         print()
     from lmstack.hardware import dtype_warning
+    from lmstack.resolve import speculation_warning
 
     slow = dtype_warning(resolved.device, resolved.dtype) if resolved.config.dtype != "auto" else None
     if slow:
         print(f"warning: {slow}", file=sys.stderr)
+    drift = speculation_warning(resolved)
+    if drift:
+        print(f"warning: {drift}", file=sys.stderr)
     checked = "fits the model" if model_config is not None else "resolves (model not opened)"
     if built:
         checked += " and every component builds"

@@ -516,6 +516,19 @@ def _auto_dtype(device: torch.device, selected: Mapping[str, Selected]) -> tuple
     ):
         why = quantizer.capabilities.get("auto_dtypes_reason") or f"what {quantizer.name} computes best"
         return DTYPES[preferred], f"auto: {preferred} on {device.type} ({why})"
+    speculator = selected.get("speculator")
+    if (
+        speculator is not None
+        and speculator.name != NO_SPECULATOR
+        and device.type == "cpu"
+        and choice.dtype != torch.float32
+        and all("float32" in dtypes for _, dtypes in limits)
+    ):
+        return torch.float32, (
+            f"auto: float32 on cpu with the {speculator.name} speculator (not {DTYPE_NAMES[choice.dtype]}): "
+            "drafts are verified several rows at a time, and 16-bit matmuls round a row differently "
+            "by the batch's shape, so greedy output would drift from plain decoding's"
+        )
     for dtype in (choice.dtype, *choice.fallbacks):
         if all(DTYPE_NAMES[dtype] in dtypes for _, dtypes in limits):
             if dtype == choice.dtype:
@@ -526,6 +539,21 @@ def _auto_dtype(device: torch.device, selected: Mapping[str, Selected]) -> tuple
                 f"so {DTYPE_NAMES[dtype]}"
             )
     return choice.dtype, choice.reason
+
+
+def speculation_warning(r: ResolvedStack) -> str | None:
+    """A line for `lmstack check` when a speculator runs in a 16-bit dtype: verification computes
+    several rows per sequence at once, which 16-bit matmuls round differently from plain
+    decoding's single row, so greedy output may differ from plain decoding's (`dtype: auto` picks
+    float32 with a speculator on a CPU for this reason)."""
+    speculator = r.selected.get("speculator")
+    if speculator is None or speculator.name == NO_SPECULATOR or r.dtype == torch.float32:
+        return None
+    return (
+        f"dtype {DTYPE_NAMES[r.dtype]} with the {speculator.name} speculator: verified drafts are "
+        "rounded differently from plain decoding's single rows, so greedy output may differ from "
+        "plain decoding's; float32 keeps them alike"
+    )
 
 
 def _dtype_setting(r: ResolvedStack) -> str:
