@@ -516,10 +516,9 @@ def _auto_dtype(device: torch.device, selected: Mapping[str, Selected]) -> tuple
     ):
         why = quantizer.capabilities.get("auto_dtypes_reason") or f"what {quantizer.name} computes best"
         return DTYPES[preferred], f"auto: {preferred} on {device.type} ({why})"
-    speculator = selected.get("speculator")
+    speculator = _active_speculator(selected)
     if (
         speculator is not None
-        and speculator.name != NO_SPECULATOR
         and device.type == "cpu"
         and choice.dtype != torch.float32
         and all("float32" in dtypes for _, dtypes in limits)
@@ -541,13 +540,18 @@ def _auto_dtype(device: torch.device, selected: Mapping[str, Selected]) -> tuple
     return choice.dtype, choice.reason
 
 
+def _active_speculator(selected: Mapping[str, Selected]) -> Selected | None:
+    speculator = selected.get("speculator")
+    return None if speculator is None or speculator.name == NO_SPECULATOR else speculator
+
+
 def speculation_warning(r: ResolvedStack) -> str | None:
     """A line for `lmstack check` when a speculator runs in a 16-bit dtype: verification computes
     several rows per sequence at once, which 16-bit matmuls round differently from plain
     decoding's single row, so greedy output may differ from plain decoding's (`dtype: auto` picks
     float32 with a speculator on a CPU for this reason)."""
-    speculator = r.selected.get("speculator")
-    if speculator is None or speculator.name == NO_SPECULATOR or r.dtype == torch.float32:
+    speculator = _active_speculator(r.selected)
+    if speculator is None or r.dtype == torch.float32:
         return None
     return (
         f"dtype {DTYPE_NAMES[r.dtype]} with the {speculator.name} speculator: verified drafts are "
