@@ -7,6 +7,8 @@ GQA ratios 1/3/8, fp32 and bf16 queries, bf16 and scaled fp8 caches, sliding win
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -147,3 +149,31 @@ def test_build_entry_point_never_fails(monkeypatch, capsys):
     monkeypatch.setattr(builder.EXTENSION, "load_error", lambda: "ninja is not installed (pip install ninja)")
     assert builder.main() == 0
     assert "NOT built (ninja is not installed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(isa, kv_dtype):
+    """Batch invariance, bit for bit: a speculative verification's rows (several query tokens of
+    one sequence, in a batch with decode rows and a prefill chunk) equal decode calls made for
+    each of those positions alone, and a decode row equals itself alone. Alone, a long context's
+    parts run on different threads; in the batch, one after the other. Contexts that cross a
+    part boundary within the chunk, head dims of the fast (64) and the general (80) path,
+    sliding windows."""
+    ext = builder.load()
+    level = {"scalar": 0, "avx2": 1, "avx512": 2}[isa]
+    c, ql = 507, 7  # positions 507..513 cross 512, a multiple of both part sizes
+    spans = [(40, 1), (300, 1), (c, ql), (0, 9)]
+    rows = [(40, 0), (300, 1)] + [(c + t, 2) for t in range(ql)]  # (context, sequence) of q's rows
+    for head_dim, window, min_part in itertools.product((64, 80), (0, 45), (32, 256)):
+        q, _, _, kc, vc, meta, _ = paged_batch(spans, 2, 3, head_dim, 16, kv_dtype=kv_dtype)
+        fixed = (0.125, window, None, None, level, min_part)
+        batch = ext.paged_attention(
+            q, kc, vc, meta.block_tables, meta.query_start_loc, meta.context_lens, *fixed
+        )
+        for i, (ctx, seq) in enumerate(rows):
+            one = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([ctx], dtype=torch.int32)
+            alone = ext.paged_attention(
+                q[i : i + 1].contiguous(), kc, vc, meta.block_tables[seq : seq + 1], *one, *fixed
+            )
+            assert torch.equal(alone[0], batch[i]), (head_dim, window, min_part, ctx)

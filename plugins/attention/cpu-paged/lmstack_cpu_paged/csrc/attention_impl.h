@@ -138,6 +138,24 @@ static inline float exp_row(float* s, int n, float m) {
     vstore(s + j, p);
     acc = vadd(acc, p);
   }
+  // The last keys as one more vector whose missing lanes are masked keys (exp gives 0): the sum
+  // then comes out the same whether a row's tile ends here or runs on over keys it may not see
+  // (a decode row, and the same position inside a prefill tile: batch invariance).
+  if (j < n) {
+#if defined(CPU_PAGED_AVX512)
+    const __mmask16 live = __mmask16((1u << (n - j)) - 1);
+    const vf x = _mm512_mask_loadu_ps(vset1(-INFINITY), live, s + j);
+    const vf p = vexp(vadd(x, vmul(mv, vset1(-1.0f))));
+    _mm512_mask_storeu_ps(s + j, live, p);
+#else
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const vf x = _mm256_blendv_ps(vset1(-INFINITY), _mm256_maskload_ps(s + j, live), _mm256_castsi256_ps(live));
+    const vf p = vexp(vadd(x, vmul(mv, vset1(-1.0f))));
+    _mm256_maskstore_ps(s + j, live, p);
+#endif
+    acc = vadd(acc, p);
+    j = n;
+  }
   total = vsum(acc);
 #endif
   for (; j < n; ++j) {
@@ -181,15 +199,25 @@ static inline void dot4(const float* q0, const float* q1, const float* q2, const
   int i = 0;
   float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
 #if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)
+  // Each row summed exactly as dot1 sums it (two chains, then one), so a row's score does not
+  // depend on whether it came in a group of four.
   vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  vf b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+  for (; i + 2 * W <= d; i += 2 * W) {
+    const vf kv = vload(k + i), kw = vload(k + i + W);
+    a0 = vfma(vload(q0 + i), kv, a0), b0 = vfma(vload(q0 + i + W), kw, b0);
+    a1 = vfma(vload(q1 + i), kv, a1), b1 = vfma(vload(q1 + i + W), kw, b1);
+    a2 = vfma(vload(q2 + i), kv, a2), b2 = vfma(vload(q2 + i + W), kw, b2);
+    a3 = vfma(vload(q3 + i), kv, a3), b3 = vfma(vload(q3 + i + W), kw, b3);
+  }
   for (; i + W <= d; i += W) {
-    vf kv = vload(k + i);
+    const vf kv = vload(k + i);
     a0 = vfma(vload(q0 + i), kv, a0);
     a1 = vfma(vload(q1 + i), kv, a1);
     a2 = vfma(vload(q2 + i), kv, a2);
     a3 = vfma(vload(q3 + i), kv, a3);
   }
-  s0 = vsum(a0), s1 = vsum(a1), s2 = vsum(a2), s3 = vsum(a3);
+  s0 = vsum(vadd(a0, b0)), s1 = vsum(vadd(a1, b1)), s2 = vsum(vadd(a2, b2)), s3 = vsum(vadd(a3, b3));
 #endif
   for (; i < d; ++i) {
     s0 += q0[i] * k[i];
@@ -399,8 +427,8 @@ static void attend(const float* q, const int* pos, int rows, int group, int d, i
 // products are summed together by a shuffle tree (15 adds for 16 keys), each query row stays in
 // registers while it is scored, each V row is widened once for up to four rows whose
 // accumulators stay in registers, and bf16 / fp8 rows are widened as they are loaded rather
-// than through the scratch tile. Decode items (one token: every key of the range is visible, the
-// range already starts at the window's edge) never mask; prefill tiles mask as above.
+// than through the scratch tile. A tile masks only where some row may not see one of its keys
+// (the causal edge of a prefill tile, a window's start), as above.
 // ---------------------------------------------------------------------------------------------
 
 #if defined(CPU_PAGED_AVX512) || defined(CPU_PAGED_AVX2)

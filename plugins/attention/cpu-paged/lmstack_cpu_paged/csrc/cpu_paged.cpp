@@ -7,11 +7,13 @@
 //
 // Work is cut into items of (sequence, KV head, query rows, key range) and spread over OpenMP
 // threads. The rows of an item are all the query heads of its KV head, so each K/V row is read
-// once per GQA group. Decode items over long contexts are split into key ranges when the batch
-// alone would leave threads idle; their partial softmax states are merged at the end. Where the
-// head dim is 1, 2, 4 or 8 whole registers, items take a faster path (attend_fast: keys scored
-// W at a time through a shuffle tree, V read once for up to four query rows); any other head
-// dim takes the general one.
+// once per GQA group. Keys are attended in parts cut at fixed positions (every `min_part` keys,
+// whatever the batch), merged in key order, so that each query row's result is the same bits
+// whichever rows share its call (batch invariance: a speculative verification row equals the
+// decode row at its position); a decode item's parts run on different threads when the batch
+// alone would leave threads idle. Where the head dim is 1, 2, 4 or 8 whole registers, items
+// take a faster path (attend_fast: keys scored W at a time through a shuffle tree, V read once
+// for up to four query rows); any other head dim takes the general one.
 //
 // The inner loops exist three times (attention_impl.h): AVX-512, AVX2+FMA and plain C++, picked
 // at run time from what the CPU reports (or forced by the caller, for tests).
@@ -112,6 +114,28 @@ struct Item {
   int heads = 1;
 };
 
+// One query row's result from the softmax states (running max m, sum l, unnormalised acc[d]) of
+// its key parts, in key order, part j at m[j * ms], l[j * ms], acc[j * as]: every part rescaled to
+// the largest max and added (a part of which the row sees no key has m = -inf and adds nothing).
+// Writes the unnormalised sum to out and returns the normaliser. A single part comes out as it
+// went in, bit for bit (its weight is exp(0) = 1), so an item cut into parts and one that was not
+// give the same result wherever the row sees keys of one part only.
+float merge_parts(const float* m, const float* l, const float* acc, int parts, int64_t ms, int64_t as, int d,
+                  float* out) {
+  float mx = -INFINITY;
+  for (int j = 0; j < parts; ++j) mx = std::max(mx, m[j * ms]);
+  float total = 0.0f;
+  std::fill(out, out + d, 0.0f);
+  for (int j = 0; j < parts; ++j) {
+    if (m[j * ms] == -INFINITY) continue;
+    const float w = std::exp(m[j * ms] - mx);
+    total += w * l[j * ms];
+    const float* a = acc + j * as;
+    for (int i = 0; i < d; ++i) out[i] += w * a[i];
+  }
+  return total;
+}
+
 }  // namespace
 
 // q [T, Hq, D] (fp32 or bf16, contiguous); caches [NB, BS, Hkv, D] (fp32, bf16, fp8 e4m3 / e5m2);
@@ -168,8 +192,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int win = window > 0 ? int(window) : 0;
 
   // --- work items ------------------------------------------------------------------------
+  // Keys are attended in parts cut at fixed positions (multiples of `part`, whatever the batch):
+  // each part's softmax state is kept apart and the parts are merged in key order at the end
+  // (one part: its state is the result, bit for bit), and every tile starts on a multiple of
+  // KEY_TILE. A query row's result then depends only on its position and the cache, never on
+  // the rows beside it: a decode row, the same position inside a prefill chunk or a speculative
+  // verification, and a row whose parts ran on other threads all get the same bits (greedy
+  // speculative decoding reproduces plain decoding's logits; the matmuls must do their share).
+  const int part = int((std::max<int64_t>(min_part, 1) + KEY_TILE - 1) / KEY_TILE * KEY_TILE);
+  auto part_end = [&](int k) { return (k / part + 1) * part; };
   std::vector<Item> items;
-  int64_t decode_keys = 0;
   int num_decode = 0;
   const int prefill_tok = std::max(1, PREFILL_ROWS / G);
   for (int b = 0; b < B; ++b) {
@@ -178,31 +210,36 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     for (int t0 = 0; t0 < ql; t0 += prefill_tok) {
       const int n = std::min(prefill_tok, ql - t0);
       const int first = c + t0;  // position of the item's first query token
-      const int k_begin = win ? std::max(0, first - win + 1) : 0;
+      // The window's first key rounded down to a tile boundary (the tile masks what lies before).
+      const int k_begin = win ? std::max(0, first - win + 1) / KEY_TILE * KEY_TILE : 0;
       for (int h = 0; h < Hkv; ++h) items.push_back({b, h, qs[b] + t0, n, first, k_begin, first + n, -1});
     }
-    if (ql == 1) decode_keys += int64_t(Hkv) * (c + 1 - (win ? std::max(0, c + 1 - win) : 0)), ++num_decode;
+    if (ql == 1) ++num_decode;
   }
 
-  // Split decode items along their keys when there are too few items to keep every thread
-  // busy (batch 1 with a handful of KV heads on many cores): aim at 4 items per thread, each
-  // at least `min_part` keys long.
+  // When there are too few items to keep every thread busy (batch 1 with a handful of KV heads
+  // on many cores), a decode item's parts become items of their own, their states kept in
+  // `partial` slots and merged after the run; otherwise an item's parts run one after the other
+  // on its thread. The same arithmetic either way.
   const int threads = omp_get_max_threads();
   int num_slots = 0;
+  struct Run {  // a decode item cut into `parts` items, slots [slot, slot + parts)
+    int tok, head, slot, parts;
+  };
+  std::vector<Run> runs;
   if (num_decode && int64_t(items.size()) < 4 * threads) {
-    int64_t part = std::max<int64_t>(min_part, (decode_keys + 4 * threads - 1) / (4 * threads));
-    part = (part + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
     std::vector<Item> split;
     for (const Item& it : items) {
-      const int keys = it.k_end - it.k_begin;
-      if (it.ntok != 1 || keys <= part) {
+      if (it.ntok != 1 || part_end(it.k_begin) >= it.k_end) {
         split.push_back(it);
         continue;
       }
-      for (int k0 = it.k_begin; k0 < it.k_end; k0 += part) {
+      runs.push_back({it.tok0, it.head, num_slots, 0});
+      for (int k0 = it.k_begin; k0 < it.k_end; k0 = part_end(k0)) {
         Item s = it;
-        s.k_begin = k0, s.k_end = std::min<int64_t>(it.k_end, k0 + part), s.slot = num_slots++;
+        s.k_begin = k0, s.k_end = std::min(it.k_end, part_end(k0)), s.slot = num_slots++;
         split.push_back(s);
+        ++runs.back().parts;
       }
     }
     items.swap(split);
@@ -221,8 +258,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
         merged.push_back(it), merged.back().heads = Hkv;
     items.swap(merged);
   }
-  // Partial states: per slot, G x (m, l, acc[D]).
-  std::vector<float> partial(size_t(num_slots) * G * (D + 2));
+  // The slots' states: per slot, G rows of m, l and acc[D].
+  std::vector<float> slot_m(size_t(num_slots) * G), slot_l(size_t(num_slots) * G), slot_acc(size_t(num_slots) * G * D);
 
   // --- run -------------------------------------------------------------------------------
   AttendFn attend = nullptr;
@@ -257,12 +294,19 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       for (int i = 0; i < D; ++i) o[i] = acc[i] * mult;
     }
   };
+  // One row's parts, merged: part j's state at m[j * ms], l[j * ms], acc[j * as].
+  auto merge_row = [&](int tok, int qh, const float* m, const float* l, const float* acc, int parts, int64_t ms,
+                       int64_t as, float* sum) {
+    const float total = merge_parts(m, l, acc, parts, ms, as, D, sum);
+    store_row(tok, qh, sum, total > 0 ? vs[qh / G] / total : 0.0f);
+  };
 
 #pragma omp parallel
   {
     Scratch sc;
     sc.reserve(max_rows, D);
-    std::vector<float> qbuf(size_t(max_rows) * D), acc(size_t(max_rows) * D), m(max_rows), l(max_rows);
+    std::vector<float> qbuf(size_t(max_rows) * D), sum(D);
+    std::vector<float> acc, m, l;  // the parts' states of the item at hand: part j's rows at j * rows
     std::vector<int> pos(max_rows);
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < items.size(); ++i) {
@@ -283,58 +327,43 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
           for (int d = 0; d < D; ++d) dst[d] = src[d] * qmul;
         }
         pos[r] = it.pos0 + r / per_tok;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
       }
-      std::fill(acc.begin(), acc.begin() + size_t(rows) * D, 0.0f);
-      attend(qbuf.data(), pos.data(), rows, it.heads > 1 ? G : rows, D, it.k_begin, it.k_end, win, tab + int64_t(it.seq) * max_blocks, BS,
-             kc, vc, stride_tok, stride_blk, int64_t(it.head) * D, esize, lut, m.data(), l.data(), acc.data(), sc);
-      if (it.slot < 0) {
-        for (int r = 0; r < rows; ++r)  // l > 0: every query sees at least itself
-          store_row(it.tok0 + r / per_tok, it.head * G + r % per_tok, acc.data() + size_t(r) * D,
-                    l[r] > 0 ? vs[it.head + r % per_tok / G] / l[r] : 0.0f);
-      } else {
-        float* st = partial.data() + size_t(it.slot) * G * (D + 2);
-        for (int g = 0; g < G; ++g) {
-          st[g * (D + 2)] = m[g];
-          st[g * (D + 2) + 1] = l[g];
-          std::memcpy(st + g * (D + 2) + 2, acc.data() + size_t(g) * D, sizeof(float) * D);
-        }
+      int parts = 0;
+      for (int k0 = it.k_begin; k0 < it.k_end; k0 = part_end(k0)) ++parts;
+      if (m.size() < size_t(parts) * rows) m.resize(size_t(parts) * rows), l.resize(m.size()), acc.resize(m.size() * D);
+      float *pm = m.data(), *pl = l.data(), *pacc = acc.data();
+      if (it.slot >= 0) {  // one part of a decode item cut across threads (rows = G)
+        pm = slot_m.data() + size_t(it.slot) * G, pl = slot_l.data() + size_t(it.slot) * G;
+        pacc = slot_acc.data() + size_t(it.slot) * G * D;
+      }
+      for (int j = 0, k0 = it.k_begin; k0 < it.k_end; ++j, k0 = part_end(k0)) {
+        float *jm = pm + size_t(j) * rows, *jl = pl + size_t(j) * rows, *jacc = pacc + size_t(j) * rows * D;
+        std::fill(jm, jm + rows, -INFINITY);
+        std::fill(jl, jl + rows, 0.0f);
+        std::fill(jacc, jacc + size_t(rows) * D, 0.0f);
+        attend(qbuf.data(), pos.data(), rows, it.heads > 1 ? G : rows, D, k0, std::min(it.k_end, part_end(k0)), win,
+               tab + int64_t(it.seq) * max_blocks, BS, kc, vc, stride_tok, stride_blk, int64_t(it.head) * D, esize,
+               lut, jm, jl, jacc, sc);
+      }
+      if (it.slot >= 0) continue;  // merged after the run
+      for (int r = 0; r < rows; ++r) {
+        const int tok = it.tok0 + r / per_tok, qh = it.head * G + r % per_tok;
+        if (parts == 1)  // l > 0: every query sees at least itself
+          store_row(tok, qh, pacc + size_t(r) * D, pl[r] > 0 ? vs[qh / G] / pl[r] : 0.0f);
+        else
+          merge_row(tok, qh, pm + r, pl + r, pacc + size_t(r) * D, parts, rows, int64_t(rows) * D, sum.data());
       }
     }
   }
-
-  if (num_slots) {
-    // Merge the key-range parts of each split (sequence, KV head): rescale every part's sum and
-    // accumulator to the largest running max, add, normalise. Parts of one item are adjacent.
-    std::vector<std::pair<int, int>> runs;  // (first item, count) of each split item
-    for (size_t i = 0; i < items.size();) {
-      size_t j = i + 1;
-      if (items[i].slot >= 0)
-        while (j < items.size() && items[j].slot >= 0 && items[j].seq == items[i].seq && items[j].head == items[i].head)
-          ++j;
-      if (items[i].slot >= 0) runs.emplace_back(int(i), int(j - i));
-      i = j;
-    }
+  // The decode items cut across threads: each row's parts lie in consecutive slots.
 #pragma omp parallel for schedule(static)
-    for (size_t u = 0; u < runs.size(); ++u) {
-      const Item& first = items[runs[u].first];
-      std::vector<float> sum(D);
-      for (int g = 0; g < G; ++g) {
-        float mx = -INFINITY;
-        for (int p = 0; p < runs[u].second; ++p)
-          mx = std::max(mx, partial[(size_t(items[runs[u].first + p].slot) * G + g) * (D + 2)]);
-        float total = 0.0f;
-        std::fill(sum.begin(), sum.end(), 0.0f);
-        for (int p = 0; p < runs[u].second; ++p) {
-          const float* st = partial.data() + (size_t(items[runs[u].first + p].slot) * G + g) * (D + 2);
-          if (st[0] == -INFINITY) continue;  // a part with no visible key (window)
-          const float w = std::exp(st[0] - mx);
-          total += w * st[1];
-          for (int d = 0; d < D; ++d) sum[d] += w * st[2 + d];
-        }
-        store_row(first.tok0, first.head * G + g, sum.data(), total > 0 ? vs[first.head] / total : 0.0f);
-      }
+  for (size_t u = 0; u < runs.size(); ++u) {
+    const Run& run = runs[u];
+    std::vector<float> sum(D);
+    for (int g = 0; g < G; ++g) {
+      const size_t at = size_t(run.slot) * G + g;
+      merge_row(run.tok, run.head * G + g, slot_m.data() + at, slot_l.data() + at, slot_acc.data() + at * D, run.parts,
+                G, int64_t(G) * D, sum.data());
     }
   }
   return out;
