@@ -3,6 +3,10 @@ length, and a fixed one for contrast), the same model and stack otherwise, in on
 
     .venv/bin/python benchmarks/speculative.py            # the full run (~15 minutes on 2 cores)
     .venv/bin/python benchmarks/speculative.py --quick    # a smoke run
+    .venv/bin/python benchmarks/speculative.py --stack examples/stacks/cpu.yaml --num-draft-tokens 4
+        # every system on the default CPU stack's weights and attention (GGUF blocks, int8
+        # activations, cpu-paged): verifications of up to 5 rows take the kernels that compute a
+        # row alike whatever its batch
 
 Workload: input-grounded requests, where the answer quotes or edits the prompt (code edits:
 rename an identifier, add a docstring or type hints; text: repeat a passage with one change,
@@ -30,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,13 +110,17 @@ def prompts() -> list[str]:
     return out
 
 
-def stack(model: str, speculator: dict[str, Any], streams: int, dtype: str) -> dict[str, Any]:
+def stack(
+    model: str, speculator: dict[str, Any], streams: int, dtype: str, chosen: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """`chosen`: a stack file's `quant` and `attention` (--stack), the same for every system."""
     return {
         "model": model,
         "dtype": dtype,
         "device": "cpu",
         "scheduler": {"name": "continuous", "max_num_seqs": max(streams, 1), "max_num_batched_tokens": 2048},
         "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "2GiB"},
+        **{key: chosen[key] for key in ("quant", "attention") if chosen and key in chosen},
         "speculator": speculator,
     }
 
@@ -181,6 +191,12 @@ def main() -> int:
         default="auto",
         help="the model dtype of every system (default: what `dtype: auto` picks for the ngram stack)",
     )
+    ap.add_argument(
+        "--stack",
+        default=None,
+        help="a stack file whose quant and attention every system uses (default: none, torch attention)",
+    )
+    ap.add_argument("--num-draft-tokens", type=int, default=None, help="the ngram systems' draft limit")
     ap.add_argument("--quick", action="store_true", help="3 prompts, 32 tokens, 8 streams, 1 repeat")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -192,11 +208,17 @@ def main() -> int:
 
     # Every system in the dtype the speculative stack resolves to (`dtype: auto` picks float32
     # with a speculator on a CPU where plain decoding alone would take bfloat16): one model.
-    first = LLM(stack(args.model, SYSTEMS["ngram"], args.streams, args.dtype))
+    chosen = yaml.safe_load(Path(args.stack).read_text()) or {} if args.stack else None
+    systems = {
+        name: spec if args.num_draft_tokens is None or spec["name"] == "none" else
+        {**spec, "num_draft_tokens": args.num_draft_tokens}
+        for name, spec in SYSTEMS.items()
+    }  # fmt: skip
+    first = LLM(stack(args.model, systems["ngram"], args.streams, args.dtype, chosen))
     dtype = str(first.engine.stack.dtype).removeprefix("torch.")
     llms = {
-        name: first if name == "ngram" else LLM(stack(args.model, spec, args.streams, dtype))
-        for name, spec in SYSTEMS.items()
+        name: first if name == "ngram" else LLM(stack(args.model, spec, args.streams, dtype, chosen))
+        for name, spec in systems.items()
     }
     texts = prompts()[:3] if args.quick else prompts()
     token_prompts = [chat(llms["plain"], t) for t in texts]
@@ -214,6 +236,8 @@ def main() -> int:
         "model": args.model,
         "dtype": dtype,
         "dtype_reason": first.engine.stack.dtype_reason,
+        "stack_file": args.stack,
+        "stack": stack(args.model, systems["ngram"], args.streams, dtype, chosen),
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "workload": "input-grounded (code edits, quoting / repeating text), chat template, greedy",
         "num_prompts": len(token_prompts),

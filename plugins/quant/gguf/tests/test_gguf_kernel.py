@@ -56,24 +56,40 @@ def test_matmul_matches_the_dequantized_reference(typ, isa):
         )
 
 
-@needs_ext
-@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
-def test_avx512_rows_are_computed_alike_whatever_the_batch(typ):
-    """With AVX-512 the fp32 path gives each activation row the same bits alone or among any
-    number of others (and at any offset in the batch): a speculative verification of several
-    rows then computes exactly what one-row decode steps would."""
-    if ext.best_isa() < 2:
-        pytest.skip(f"this CPU lacks {native.ISA_NAMES[2]}")
+def assert_rows_alike(matmul, typ: T, isa: int) -> None:
+    """`matmul(x, blocks, type, isa)` gives each activation row the same bits alone or among any
+    number of others, and at any offset in the batch, on fresh random shapes."""
+    if ext.best_isa() < isa:
+        pytest.skip(f"this CPU lacks {native.ISA_NAMES[isa]}")
     rng = random.Random()
     for m in (2, 3, 5, rng.randint(6, 33)):
         n, k = rng.randint(1, 70), 32 * rng.randint(1, 24)
         raw, _ = blocks_of(np.random.randn(n, k), typ)
         x = torch.randn(m, k)
-        batched = ext.gguf_matmul(x, raw, int(typ), 2)
-        alone = torch.cat([ext.gguf_matmul(x[i : i + 1], raw, int(typ), 2) for i in range(m)])
+        batched = matmul(x, raw, int(typ), isa)
+        alone = torch.cat([matmul(x[i : i + 1], raw, int(typ), isa) for i in range(m)])
         assert torch.equal(batched, alone), f"{typ.name} m={m} n={n} k={k}"
         start = rng.randint(1, m - 1)
-        assert torch.equal(ext.gguf_matmul(x[start:], raw, int(typ), 2), batched[start:])
+        assert torch.equal(matmul(x[start:], raw, int(typ), isa), batched[start:])
+
+
+@needs_ext
+@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+def test_avx512_rows_are_computed_alike_whatever_the_batch(typ):
+    """With AVX-512 the fp32 path computes a row alike whatever its batch: a speculative
+    verification of several rows then computes exactly what one-row decode steps would."""
+    assert_rows_alike(ext.gguf_matmul, typ, 2)
+
+
+@needs_ext
+@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=["scalar", "avx2", "avx512"])
+def test_int8_activation_rows_are_computed_alike_whatever_the_batch(typ, isa):
+    """`gguf_matmul_q8` (the default stack's decode kernel up to 5 rows), on every ISA: x is
+    rounded per row, each output's integer dot products and their fp32 sums run in the same
+    order whatever tile it lands in. With cpu-paged's batch-invariant rows, a speculative
+    verification then reproduces plain decoding's logits (tests/test_spec_default_stack.py)."""
+    assert_rows_alike(ext.gguf_matmul_q8, typ, isa)
 
 
 def reference_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -449,7 +449,9 @@ inline void tile_q8(const Q8Problem& p, int64_t n, int64_t r0) {
       const float dx = p.dx[xb], sx = p.sx[xb];
       for (int a = 0; a < NR; ++a) {
         acc[a][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot<TYPE>(wq[a], xq)), _mm256_set1_ps(d[a] * dx), acc[a][r]);
-        if constexpr (TYPE != Q8_0) off[a][r] += m[a] * sx;
+        // An explicit fused multiply-add: left to the compiler, the sum is contracted in some tile
+        // shapes and not in others, and a row would round differently by its batch.
+        if constexpr (TYPE != Q8_0) off[a][r] = std::fma(m[a], sx, off[a][r]);
       }
     }
   }
