@@ -63,6 +63,22 @@ def test_the_cost_that_counts_is_the_one_around_the_step():
     assert abs(b - 0.0022) < 1e-9
 
 
+def test_a_chain_that_pays_as_a_whole_is_drafted():
+    """A verification's first extra row costs more than the next ones (a multi-row pass has
+    fixed costs of its own): one draft alone barely pays, four do. The marginal rule stopped
+    after one draft; the step takes the chain length with the most expected tokens a second."""
+    policy = DraftLengthPolicy(4)
+    for t, seconds in ((1, 0.010), (2, 0.013), (4, 0.0136), (8, 0.0148)):
+        policy.record_step(t, seconds)
+        policy.record_step(t, seconds)
+    assert policy.limits([0]) == {0: 4}
+    policy_steep = DraftLengthPolicy(4)
+    for t, seconds in ((1, 0.010), (2, 0.017), (4, 0.031), (8, 0.059)):  # every row as dear as a step
+        policy_steep.record_step(t, seconds)
+        policy_steep.record_step(t, seconds)
+    assert policy_steep.limits([0]) == {0: 0}
+
+
 def test_before_two_sizes_are_measured_steps_alternate_one_draft_and_none():
     policy = DraftLengthPolicy(3)
     assert [policy.limits([1, 2]) for _ in range(4)] == [{1: 1, 2: 1}, {1: 0, 2: 0}] * 2

@@ -20,10 +20,10 @@ token costs, and a draft accepted with probability g < 1 loses. Two things are m
   tried again.
 
 The k-th draft of a sequence is accepted (and so emits a token) with probability alpha**k.
-Tokens are granted greedily, best expected gain first, while the gain exceeds what the same
-time would produce otherwise: with N expected tokens from a step of T query tokens, one more
-query token is worth it when gain > N * b / (a + b * T). Memory-bound (b ~ 0): every draft up
-to `num_draft_tokens`. Compute-bound (a ~ 0): the threshold is N / T ~ 1, so none.
+Draft slots are ordered best expected gain first, and the step takes the prefix of that order
+that maximizes expected tokens per second, N(T) / t(T), each size T priced by the measured
+cost around it. Memory-bound (b ~ 0): every draft up to `num_draft_tokens`. Compute-bound
+(a ~ 0): N / T falls with every draft whose gain is below 1, so none.
 """
 
 from __future__ import annotations
@@ -104,15 +104,12 @@ class DraftLengthPolicy:
             return dict.fromkeys(seq_ids, k_max)
         limits = dict.fromkeys(seq_ids, 0)
         tokens = len(seq_ids) + other_tokens
-        # The cost around the step with one draft per sequence: where the decisions are made.
-        fit = self.cost.fit_near(tokens + len(seq_ids))
-        if fit is None:  # two sizes not measured yet: one draft each, then none, ...
+        seconds = self.cost.curve()
+        if seconds is None:  # two sizes not measured yet: one draft each, then none, ...
             self._decisions += 1
             per_seq = self._decisions % 2
             self.last_mean_limit = float(per_seq)
             return dict.fromkeys(seq_ids, per_seq)
-        a, b = fit
-        expected = float(len(seq_ids))  # tokens the step emits: one per sequence, plus gains
         # Candidate (gain, seq) for every draft slot; gains fall along a chain, so taking them
         # best first respects each chain's order.
         candidates = []
@@ -120,12 +117,20 @@ class DraftLengthPolicy:
             alpha = self.acceptance(sid)
             candidates += [(alpha**k, sid) for k in range(1, k_max + 1)]
         candidates.sort(key=lambda c: -c[0])
-        for gain, sid in candidates:
-            if gain <= expected * b / (a + b * tokens):
-                break
-            limits[sid] += 1
-            tokens += 1
+        # Of the prefixes of that order, the one whose step emits the most expected tokens per
+        # second, each size priced by the measured cost around it. Not the first draft whose
+        # marginal cost exceeds its gain: a verification's first row may cost more than the next
+        # few (a multi-row pass has fixed costs of its own), and a chain of four can pay where
+        # one draft alone does not.
+        expected = float(len(seq_ids))  # tokens the step emits: one per sequence, plus gains
+        best, best_rate = 0, expected / seconds(tokens)
+        for n, (gain, _) in enumerate(candidates, 1):
             expected += gain
+            rate = expected / seconds(tokens + n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        for _, sid in candidates[:best]:
+            limits[sid] += 1
         for sid, n in limits.items():
             own = self._seqs.get(sid)
             if not n and own is not None:

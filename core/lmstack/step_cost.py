@@ -16,7 +16,9 @@ returns None).
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 STEP_EMA = 0.2  # weight of a new step time in its bucket's mean
@@ -78,6 +80,23 @@ class StepCostModel:
             return None
         b = max((hi.seconds - lo.seconds) / (hi.tokens - lo.tokens), 0.0)
         return max(lo.seconds - b * lo.tokens, 1e-6), b
+
+    def curve(self) -> Callable[[float], float] | None:
+        """t(T) for any T, each from the line through the two measured sizes around it (as
+        `fit_near`), with the points sorted once: for callers that price many sizes a step.
+        None until two sizes were measured past their warm-up."""
+        pts = sorted((p for p in self._buckets.values() if p.samples > 1), key=lambda p: p.tokens)
+        if len(pts) < 2 or any(hi.tokens <= lo.tokens for lo, hi in zip(pts, pts[1:])):
+            return None
+        xs = [p.tokens for p in pts]
+
+        def seconds(num_tokens: float) -> float:
+            i = min(max(bisect.bisect_left(xs, num_tokens), 1), len(pts) - 1)
+            lo, hi = pts[i - 1], pts[i]
+            b = max((hi.seconds - lo.seconds) / (hi.tokens - lo.tokens), 0.0)
+            return max(lo.seconds - b * lo.tokens, 1e-6) + b * num_tokens
+
+        return seconds
 
     def first_seconds(self) -> float | None:
         """The one step time known before `fit` can answer (None if nothing ran)."""
