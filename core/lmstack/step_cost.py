@@ -64,37 +64,43 @@ class StepCostModel:
         a = max(my - b * mx, 1e-6)
         return a, b
 
-    def fit_near(self, num_tokens: float) -> tuple[float, float] | None:
-        """(a, b) of the line through the two measured sizes around `num_tokens` (the nearest
-        below and above it; at either end of the measured range, the two nearest): the cost of
-        one more token where the step is, which the global line averages over very different
-        regimes (a memory-bound step of 2 tokens and a compute-bound one of 160). None until two
-        sizes were measured past their warm-up; b >= 0, a > 0 as in `fit`."""
-        pts = sorted((p for p in self._buckets.values() if p.samples > 1), key=lambda p: p.tokens)
-        if len(pts) < 2:
-            return None
-        above = next((i for i, p in enumerate(pts) if p.tokens >= num_tokens), len(pts) - 1)
-        i = min(max(above, 1), len(pts) - 1)
+    def _measured(self) -> list[_Bucket]:
+        """The sizes measured past their warm-up, smallest first."""
+        return sorted((p for p in self._buckets.values() if p.samples > 1), key=lambda p: p.tokens)
+
+    @staticmethod
+    def _line(pts: list[_Bucket], xs: list[float], num_tokens: float) -> tuple[float, float] | None:
+        """(a, b) through the two measured sizes around `num_tokens` (the nearest below and
+        above it; at either end of the range, the two nearest); b >= 0, a > 0."""
+        i = min(max(bisect.bisect_left(xs, num_tokens), 1), len(pts) - 1)
         lo, hi = pts[i - 1], pts[i]
         if hi.tokens <= lo.tokens:
             return None
         b = max((hi.seconds - lo.seconds) / (hi.tokens - lo.tokens), 0.0)
         return max(lo.seconds - b * lo.tokens, 1e-6), b
 
+    def fit_near(self, num_tokens: float) -> tuple[float, float] | None:
+        """(a, b) of the line through the two measured sizes around `num_tokens` (the nearest
+        below and above it; at either end of the measured range, the two nearest): the cost of
+        one more token where the step is, which the global line averages over very different
+        regimes (a memory-bound step of 2 tokens and a compute-bound one of 160). None until two
+        sizes were measured past their warm-up; b >= 0, a > 0 as in `fit`."""
+        pts = self._measured()
+        if len(pts) < 2:
+            return None
+        return self._line(pts, [p.tokens for p in pts], num_tokens)
+
     def curve(self) -> Callable[[float], float] | None:
-        """t(T) for any T, each from the line through the two measured sizes around it (as
-        `fit_near`), with the points sorted once: for callers that price many sizes a step.
-        None until two sizes were measured past their warm-up."""
-        pts = sorted((p for p in self._buckets.values() if p.samples > 1), key=lambda p: p.tokens)
-        if len(pts) < 2 or any(hi.tokens <= lo.tokens for lo, hi in zip(pts, pts[1:])):
+        """t(T) for any T, each priced as `fit_near(T)` would, the measured sizes sorted once:
+        for callers that price many sizes a step. None until two sizes were measured."""
+        pts = self._measured()
+        if len(pts) < 2:
             return None
         xs = [p.tokens for p in pts]
 
         def seconds(num_tokens: float) -> float:
-            i = min(max(bisect.bisect_left(xs, num_tokens), 1), len(pts) - 1)
-            lo, hi = pts[i - 1], pts[i]
-            b = max((hi.seconds - lo.seconds) / (hi.tokens - lo.tokens), 0.0)
-            return max(lo.seconds - b * lo.tokens, 1e-6) + b * num_tokens
+            a, b = self._line(pts, xs, num_tokens) or (1.0, 0.0)
+            return a + b * num_tokens
 
         return seconds
 
