@@ -208,7 +208,7 @@ def main() -> int:
 
     # Every system in the dtype the speculative stack resolves to (`dtype: auto` picks float32
     # with a speculator on a CPU where plain decoding alone would take bfloat16): one model.
-    chosen = yaml.safe_load(Path(args.stack).read_text()) or {} if args.stack else None
+    chosen = (yaml.safe_load(Path(args.stack).read_text()) or {}) if args.stack else None
     systems = {
         name: spec if args.num_draft_tokens is None or spec["name"] == "none" else
         {**spec, "num_draft_tokens": args.num_draft_tokens}

@@ -69,13 +69,12 @@ class StepCostModel:
         return sorted((p for p in self._buckets.values() if p.samples > 1), key=lambda p: p.tokens)
 
     @staticmethod
-    def _line(pts: list[_Bucket], xs: list[float], num_tokens: float) -> tuple[float, float] | None:
+    def _line(pts: list[_Bucket], xs: list[float], num_tokens: float) -> tuple[float, float]:
         """(a, b) through the two measured sizes around `num_tokens` (the nearest below and
-        above it; at either end of the range, the two nearest); b >= 0, a > 0."""
+        above it; at either end of the range, the two nearest); b >= 0, a > 0. The sizes are
+        distinct: each bucket's mean lies in its own power-of-two range."""
         i = min(max(bisect.bisect_left(xs, num_tokens), 1), len(pts) - 1)
         lo, hi = pts[i - 1], pts[i]
-        if hi.tokens <= lo.tokens:
-            return None
         b = max((hi.seconds - lo.seconds) / (hi.tokens - lo.tokens), 0.0)
         return max(lo.seconds - b * lo.tokens, 1e-6), b
 
@@ -99,7 +98,7 @@ class StepCostModel:
         xs = [p.tokens for p in pts]
 
         def seconds(num_tokens: float) -> float:
-            a, b = self._line(pts, xs, num_tokens) or (1.0, 0.0)
+            a, b = self._line(pts, xs, num_tokens)
             return a + b * num_tokens
 
         return seconds

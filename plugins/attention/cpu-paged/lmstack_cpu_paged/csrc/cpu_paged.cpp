@@ -218,9 +218,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   }
 
   // When there are too few items to keep every thread busy (batch 1 with a handful of KV heads
-  // on many cores), a decode item's parts become items of their own, their states kept in
-  // `partial` slots and merged after the run; otherwise an item's parts run one after the other
-  // on its thread. The same arithmetic either way.
+  // on many cores), a decode item's parts become items of their own, their states kept in slots
+  // (`slot_m`, `slot_l`, `slot_acc`) and merged after the run; otherwise an item's parts run one
+  // after the other on its thread. The same arithmetic either way.
   const int threads = omp_get_max_threads();
   int num_slots = 0;
   struct Run {  // a decode item cut into `parts` items, slots [slot, slot + parts)
@@ -328,8 +328,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
         }
         pos[r] = it.pos0 + r / per_tok;
       }
-      int parts = 0;
-      for (int k0 = it.k_begin; k0 < it.k_end; k0 = part_end(k0)) ++parts;
+      const int parts = (it.k_end - 1) / part - it.k_begin / part + 1;
       if (m.size() < size_t(parts) * rows) m.resize(size_t(parts) * rows), l.resize(m.size()), acc.resize(m.size() * D);
       float *pm = m.data(), *pl = l.data(), *pacc = acc.data();
       if (it.slot >= 0) {  // one part of a decode item cut across threads (rows = G)
