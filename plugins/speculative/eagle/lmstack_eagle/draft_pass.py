@@ -3,8 +3,8 @@
 A draft token costs one head pass at one row, so at batch 1 a pass is a dozen small matmuls and
 the glue between them, each op paying its dispatch whatever its size. Here q/k/v are one linear
 and gate/up another (their weights concatenated once, at load), the new keys and values go
-straight into the sequence's cache and attention reads the cache in place (grouped-query heads
-shared, not repeated), and the RMSNorm, rotary embedding and SwiGLU product are the core's
+straight into the sequence's cache and attention reads the cache in place (the query heads
+that share a KV head attend as one block of rows: grouped-query heads shared, not repeated), and the RMSNorm, rotary embedding and SwiGLU product are the core's
 native layer ops (`lmstack.model.layer_ops`, one call each on an fp32 CPU row). The arithmetic is
 `EagleHead.forward`'s (tested to match it); drafts only propose, so what is emitted never
 depends on it.
@@ -137,13 +137,23 @@ class DraftPass(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_key_value_heads, c.head_dim)
         cache.append(k, v)
         keys, values = cache.k[:, : cache.length], cache.v[:, : cache.length]
+        # Grouped-query attention as plain attention per KV head: the query heads sharing a KV
+        # head are rows of one query block [kv_heads, group * T, head_dim]. (SDPA's enable_gqa
+        # takes its math path on the CPU, which repeats K/V per query head: 3-4x the time of a
+        # one-row pass over a few hundred positions, measured.)
+        group = c.num_attention_heads // c.num_key_value_heads
+        qg = q.transpose(0, 1).reshape(c.num_key_value_heads, group * t, c.head_dim)
         mask = None
         if t > 1:
-            mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            mask = (
+                torch.ones(t, start + t, dtype=torch.bool, device=x.device)
+                .tril(diagonal=start)
+                .repeat(group, 1)
+            )
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=mask, scale=c.head_dim**-0.5, enable_gqa=True
+            qg.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=c.head_dim**-0.5
         )
-        h_in = self.o_proj(o.transpose(0, 1).reshape(t, -1))
+        h_in = self.o_proj(o.view(c.num_attention_heads, t, c.head_dim).transpose(0, 1).reshape(t, -1))
         h = rms_norm(h_in, self.norm_weight, c.rms_norm_eps, residual=x)  # h_in += x: the residual
         return h_in.add_(self.down_proj(silu_mul(self.gate_up_proj(h))))
 

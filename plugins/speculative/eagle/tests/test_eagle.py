@@ -169,8 +169,8 @@ def test_incremental_forward_matches_the_full_forward(tiny_config):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_serving_pass_is_the_heads_forward(dtype):
     """DraftPass (fused projections, K/V written into a growing cache, grouped-query attention
-    in place, the native layer ops) computes EagleHead's forward: a prompt's rows at once, then
-    one row at a time past the cache's first capacity, for odd sizes and GQA."""
+    in place, the native layer ops) computes EagleHead's forward: a prompt's rows at once, more
+    rows after them, then one row at a time past the cache's first capacity, for odd sizes and GQA."""
     torch.manual_seed(5)
     cfg = HeadConfig(
         hidden_size=48,
@@ -187,8 +187,8 @@ def test_the_serving_pass_is_the_heads_forward(dtype):
     with torch.no_grad():
         full, keys, values = head(e, f, torch.arange(n))
     cache = fast.new_cache(3, "cpu")
-    rows = [fast(e[:5], f[:5], cache)]
-    rows += [fast(e[t : t + 1], f[t : t + 1], cache) for t in range(5, n)]
+    rows = [fast(e[:4], f[:4], cache), fast(e[4:7], f[4:7], cache)]  # several rows after others
+    rows += [fast(e[t : t + 1], f[t : t + 1], cache) for t in range(7, n)]
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
     torch.testing.assert_close(torch.cat(rows), full, **tol)
     assert cache.length == n
