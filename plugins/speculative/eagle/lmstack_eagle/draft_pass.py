@@ -23,20 +23,21 @@ from lmstack_eagle.head import EagleHead
 
 
 class DraftCache:
-    """One sequence's head KV as [kv_heads, capacity, head_dim] tensors: positions [0, length)
-    in order, so attention reads `k[:, :length]` without a copy. Then the rows the target
-    computed that the head has not run over yet (`queue`): their features and next tokens, for
-    positions [length, end)."""
+    """One sequence's head KV as [kv_heads, capacity, head_dim] tensors: the entries of positions
+    [first, first + length) in order, so attention reads `k[:, :length]` without a copy. Then the
+    rows the target computed that the head has not run over yet (`queue`): their features and
+    next tokens, for positions [first + length, end). `first` is 0 unless the target never
+    computed the sequence's first positions here (a prompt prefix served from a prefix cache):
+    the head then attends over the positions it was shown, each at its true rotary position."""
 
     def __init__(self, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device: Any) -> None:
         self.k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
+        self.first = 0
         self.length = 0
         # The head's output at the newest committed entry: the predicted feature of the position
         # after it (None until the first entry).
         self.next_feature: torch.Tensor | None = None
-        # True when positions were skipped (a prompt prefix served from a cache): no drafts.
-        self.broken = False
         self.seq: Any = None
         self._feats: list[torch.Tensor] = []
         self._ids: list[int] = []
@@ -47,8 +48,8 @@ class DraftCache:
 
     @property
     def end(self) -> int:
-        """The positions entered or queued."""
-        return self.length + len(self._ids)
+        """The positions entered or queued end here."""
+        return self.first + self.length + len(self._ids)
 
     def queue(self, feats: torch.Tensor, next_ids: list[int]) -> None:
         """Rows at positions [end, end + T): features f_t [T, H] and token_{t+1} each."""
@@ -63,16 +64,24 @@ class DraftCache:
         ids, self._feats, self._ids = self._ids, [], []
         return feats, ids
 
+    def restart(self, position: int) -> None:
+        """Drop every entry and queued row; the next row queued is position `position`."""
+        self.first, self.length = position, 0
+        self._feats, self._ids = [], []
+        self.next_feature = None
+
     def truncate(self, position: int) -> None:
-        """Keep positions [0, position): entered rows past it (drafts) and queued ones go."""
-        if position <= self.length:
-            self.length = position
+        """Keep positions before `position`: entered rows past it (drafts) and queued ones go."""
+        kept = position - self.first
+        if kept <= 0:
+            self.restart(position)
+        elif kept <= self.length:
+            self.length = kept
             self._feats, self._ids = [], []
             self.next_feature = None
         else:
-            keep = position - self.length
+            keep = kept - self.length
             self._feats, self._ids = [self._pending_feats()[:keep]], self._ids[:keep]
-        self.broken = False
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [T, kv_heads, head_dim] as the next T positions."""
@@ -119,13 +128,13 @@ class DraftPass(nn.Module):
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: DraftCache) -> torch.Tensor:
-        """The T positions of one sequence right after the cache's `length` entries (embeds of
-        token t+1 and features f_t, [T, H]): appends their keys and values to `cache` and
-        returns the predicted next features [T, H]."""
+        """The T positions of one sequence right after the cache's entries (embeds of token t+1
+        and features f_t, [T, H]): appends their keys and values to `cache` and returns the
+        predicted next features [T, H]."""
         c = self.cfg
         t = embeds.shape[0]
-        start = cache.length
-        positions = torch.arange(start, start + t, device=embeds.device)
+        start = cache.length  # rows in the cache before these (the causal mask's offset)
+        positions = torch.arange(cache.first + start, cache.first + start + t, device=embeds.device)
         x = self.fc(torch.cat((embeds, features), dim=-1))
         qkv = self.qkv_proj(x)
         rotate_(

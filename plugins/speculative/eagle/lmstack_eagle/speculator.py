@@ -127,9 +127,12 @@ class EagleSpeculator(Speculator):
                 # Rollback: the draft rows past the committed positions (or everything, for a
                 # sequence preempted and recomputed from position 0).
                 cache.truncate(start)
-            if start > cache.end:  # positions the target never showed us
-                cache.broken = True
-                continue
+            if start > cache.end:
+                # Positions the target never computed here (a prompt prefix served from a prefix
+                # cache): the head starts at this one and attends over what it sees from now on.
+                # Its drafts may be a little worse for the missing context; verification keeps
+                # the output exact.
+                cache.restart(start)
             # Entry t reads (f_t, token_{t+1}); every row here has its next token.
             rows = min(states.shape[0], seq.num_tokens - 1 - start)
             if rows <= 0:
@@ -156,7 +159,7 @@ class EagleSpeculator(Speculator):
             return out
         for seq in seqs:
             cache = self.caches.get(seq.seq_id)
-            if cache is None or cache.broken:
+            if cache is None:
                 continue
             if cache.end != seq.num_tokens - 1:
                 continue  # the cache does not end right before the newest token

@@ -103,6 +103,31 @@ def test_greedy_identity_through_the_engine(tiny_model_path, random_head_dir, tr
     assert rates[trained_head_dir] > max(0.15, 2 * rates[random_head_dir]), f"acceptance rates {rates}"
 
 
+def test_a_prompt_served_from_the_prefix_cache_is_drafted(tiny_model_path, trained_head_dir):
+    """A sequence whose prompt prefix comes from the prefix cache (positions the target never
+    computed for it) is drafted all the same: the head starts at the first position the target
+    computes. Greedy output stays plain decoding's."""
+    pytest.importorskip("lmstack_prefix_cache")
+    cached = LLM(
+        eagle_stack(tiny_model_path, trained_head_dir, num_draft_tokens=4, adaptive=False)
+        | {"cache": {"name": "prefix"}}
+    )
+    ref = LLM(tiny_stack(tiny_model_path))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # Two full blocks (16 tokens each) of a shared opening, then different endings.
+    opening = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen " * 2
+    first = cached.generate([opening + "the cat sat on the mat"], params)[0]
+    assert first.num_cached_tokens == 0
+    drafted_before = cached.get_stats().num_draft_tokens
+    prompts = [opening + "hello world", opening + "abc abc abc"]
+    outs = cached.generate(prompts, params)
+    assert all(o.num_cached_tokens >= 16 for o in outs), [o.num_cached_tokens for o in outs]
+    for o, r in zip(outs, ref.generate(prompts, params), strict=True):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+    assert cached.get_stats().num_draft_tokens > drafted_before, "no drafts for prefix-cached prompts"
+    cached.engine.shutdown()
+
+
 def test_draft_cache_rolls_back_to_the_committed_length(tiny_model_path, trained_head_dir):
     """After every step, each live sequence's draft cache holds exactly its committed positions
     (every token but the newest): speculative rows from propose are gone, accepted or not."""
@@ -198,7 +223,8 @@ def test_the_serving_pass_is_the_heads_forward(dtype):
 
 def test_draft_cache_queues_rows_and_truncates_into_them():
     """Rows the target computed wait in the cache (`queue`) until the head runs over them; a
-    rollback keeps the positions before it whether they were entered or still queued."""
+    rollback keeps the positions before it whether they were entered or still queued; a cache
+    may start past position 0 (a prefix it was never shown)."""
     from lmstack_eagle.draft_pass import DraftCache
 
     cache = DraftCache(2, 4, 3, torch.float32, "cpu")
@@ -213,6 +239,15 @@ def test_draft_cache_queues_rows_and_truncates_into_them():
     cache.queue(feats[:1], [9])
     cache.truncate(1)  # into the entered rows: the queue goes too
     assert (cache.length, cache.pending_rows, cache.next_feature) == (1, 0, None)
+    cache.restart(32)  # positions 0-31 never shown (a cached prefix): entries start at 32
+    cache.queue(feats[:3], [1, 2, 3])
+    assert (cache.first, cache.length, cache.end) == (32, 0, 35)
+    cache.append(torch.randn(3, 2, 4), torch.randn(3, 2, 4))
+    cache.take_pending()
+    cache.truncate(34)  # a rollback counts positions, not entries
+    assert (cache.first, cache.length, cache.end) == (32, 2, 34)
+    cache.truncate(0)  # recomputed from the start
+    assert (cache.first, cache.length, cache.end) == (0, 0, 0)
 
 
 def test_mismatched_or_missing_head_is_a_one_line_error(tiny_model_path, tiny_config, tmp_path):
