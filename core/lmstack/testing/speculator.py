@@ -10,7 +10,9 @@ gives exactly the tokens of decoding without one, for prompts that include repet
 every proposal is sane: at most `num_draft_tokens` drafts of valid token ids; the same holds
 under chunked prefill, preemption and requests arriving into a running batch (no KV block
 leaks), with per-token logprobs (equal to plain decoding's), stop strings and `max_tokens`
-landing inside a draft, and n = 2.
+landing inside a draft, and n = 2; and over a prefix cache (prompts whose opening blocks the
+target never computes for them, so a drafter gets no hidden states there), where a `prefix`
+cache is installed.
 """
 
 from __future__ import annotations
@@ -158,6 +160,29 @@ class SpeculatorConformance(ComponentKit):
             )
         alloc = llm.engine.allocator
         assert alloc.num_free_blocks() == alloc.num_blocks, "KV blocks leaked"
+        llm.engine.shutdown()
+
+    def test_greedy_identity_over_a_prefix_cache(self, tiny_model_path) -> None:
+        """Prompts whose first blocks come from the prefix cache: greedy tokens equal plain
+        decoding's. Skipped where no `prefix` cache is installed (lmstack-prefix-cache)."""
+        import pytest
+
+        from lmstack.plugins import build_registry, make_plugin_manager
+
+        if "prefix" not in build_registry(make_plugin_manager()).names("cache"):
+            pytest.skip("no `prefix` cache installed (pip install lmstack-prefix-cache)")
+        llm = kit_llm(self, tiny_model_path, cache={"name": "prefix"})
+        opening = "one two three four five six seven eight nine ten eleven twelve " * 3  # > 2 blocks
+        greedy(llm, [opening + "and so on"], self.max_tokens)  # the opening's blocks are cached now
+        prompts = [opening + p for p in self.prompts]
+        ours = greedy(llm, prompts, self.max_tokens)
+        assert all(o.num_cached_tokens > 0 for o in ours), "kit: these prompts should hit the prefix cache"
+        theirs = greedy(reference_llm(tiny_stack(tiny_model_path)), prompts, self.max_tokens)
+        for prompt, a, b in zip(prompts, ours, theirs, strict=True):
+            assert a.token_ids == b.token_ids, (
+                f"prompt {prompt!r} over a cached prefix: greedy tokens with the speculator "
+                f"{a.token_ids} differ from plain decoding's {b.token_ids}"
+            )
         llm.engine.shutdown()
 
     def test_logprobs_stops_and_samples_compose(self, tiny_model_path) -> None:
