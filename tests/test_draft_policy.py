@@ -79,6 +79,19 @@ def test_a_chain_that_pays_as_a_whole_is_drafted():
     assert policy_steep.limits([0]) == {0: 0}
 
 
+def test_drafting_is_priced_apart_from_the_verification():
+    """A step that is memory-bound for its verification rows still drafts nothing when
+    proposing a token costs more than its expected gain is worth (a draft head's passes, under
+    load); cheap drafting (an n-gram lookup) leaves the decision to the step's cost."""
+    policy = measured(a=0.050, b=0.0)  # memory-bound: verification rows free
+    assert set(policy.limits(list(range(8))).values()) == {4}
+    policy.record_drafting(8, 8 * 0.030)  # 30 ms a drafted token: dearer than 0.6 of a token
+    assert set(policy.limits(list(range(8))).values()) == {0}
+    for _ in range(100):
+        policy.record_drafting(8, 8 * 0.00001)  # the running mean follows cheaper drafting
+    assert set(policy.limits(list(range(8))).values()) == {4}
+
+
 def test_before_two_sizes_are_measured_steps_alternate_one_draft_and_none():
     policy = DraftLengthPolicy(3)
     assert [policy.limits([1, 2]) for _ in range(4)] == [{1: 1, 2: 1}, {1: 0, 2: 0}] * 2

@@ -5,6 +5,7 @@ back to the policy and the speculator."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import torch
@@ -31,6 +32,7 @@ class DraftBook:
         # before the drafting (`step_timed`).
         self.policy = DraftLengthPolicy(k, adaptive=adaptive, cost=StepCostModel())
         self._decode_only = False  # this step's scheduled work was decoding only
+        self._propose_seconds = 0.0  # this step's time in the speculator's propose
         self.feedback: list[DraftFeedback] = []  # this step's, for Speculator.observe
         # Verifications by number of drafts accepted (a metric: the accepted-length histogram).
         self.accepted_lengths: Counter[int] = Counter()
@@ -45,6 +47,7 @@ class DraftBook:
         self.policy.adaptive = bool(getattr(speculator, "adaptive", True))
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
         self._decode_only = False
+        self._propose_seconds = 0.0
         if not decoding:
             self.policy.last_mean_limit = 0.0
             return
@@ -60,7 +63,10 @@ class DraftBook:
                 asked.append(seq)
         if not asked:
             return
+        started = time.perf_counter()
         proposals = speculator.propose(asked)
+        self._propose_seconds = time.perf_counter() - started
+        self.policy.record_drafting(sum(s.draft_limit for s in asked), self._propose_seconds)
         for seq in asked:
             got = proposals.get(seq.seq_id, [])
             draft = (got if isinstance(got, Draft) else Draft(list(got))).truncated(seq.draft_limit)
@@ -91,9 +97,10 @@ class DraftBook:
         )
 
     def step_timed(self, num_tokens: int, seconds: float) -> None:
-        """The step (drafting included) ran `num_tokens` query tokens in `seconds`."""
+        """The step (drafting included) ran `num_tokens` query tokens in `seconds`; the policy
+        prices drafting apart (`record_drafting`), so it gets the step without it."""
         if self._decode_only:
-            self.policy.record_step(num_tokens, seconds)
+            self.policy.record_step(num_tokens, max(seconds - self._propose_seconds, 1e-9))
 
     def step_done(self, speculator: Speculator) -> None:
         """The step is over: hand the speculator its feedback."""

@@ -64,6 +64,13 @@ class DraftCache:
         ids, self._feats, self._ids = self._ids, [], []
         return feats, ids
 
+    def keep_newest(self, rows: int) -> None:
+        """Keep only the newest `rows` queued rows (and no entries): the cache restarts at the
+        first of them."""
+        feats, ids = self._pending_feats()[-rows:], self._ids[-rows:]
+        self.restart(self.end - len(ids))
+        self.queue(feats, ids)
+
     def restart(self, position: int) -> None:
         """Drop every entry and queued row; the next row queued is position `position`."""
         self.first, self.length = position, 0

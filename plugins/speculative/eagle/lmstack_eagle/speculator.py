@@ -25,7 +25,15 @@ from lmstack_eagle.draft_pass import DraftCache, DraftPass, dense_linear
 from lmstack_eagle.head import load_head, read_draft_vocab, read_head_config
 
 PURGE_EVERY = 64  # steps between sweeps of finished sequences' caches
-PENDING_ROWS = 64  # queued rows that make the head run even though the sequence is not drafted
+# A sequence not drafted for a while (a loaded server, where the draft policy finds drafting does
+# not pay) keeps at most MAX_PENDING rows queued over several steps: past that it keeps the newest
+# PENDING_WINDOW, and the head restarts there when the sequence is drafted again, rather than
+# running over every row of text it may never draft from. (A prompt's chunk is queued whole: the
+# head enters it at the sequence's first draft.) 32 rows: one pass through lmstack-int8's kernel
+# with `head_weights: int8` (more rows dequantize the head's weights per linear, measured ~4x dearer
+# a row).
+MAX_PENDING = 32
+PENDING_WINDOW = 16
 
 
 class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -106,9 +114,9 @@ class EagleSpeculator(Speculator):
     @torch.inference_mode()
     def observe(self, feedback: list[DraftFeedback]) -> None:
         """Queue each sequence's newly computed rows (`DraftCache.pending`); the head runs over
-        them when the sequence is next drafted (`propose`), in one pass, or once PENDING_ROWS
-        have gathered. A sequence the adaptive draft length keeps off (a loaded server) then
-        costs the head nothing per step."""
+        them when the sequence is next drafted (`propose`), in one pass. A sequence the adaptive
+        draft length keeps off (a loaded server) costs the head nothing per step: past
+        MAX_PENDING queued rows only the newest PENDING_WINDOW are kept."""
         if self.head is None:
             return
         for fb in feedback:
@@ -138,8 +146,8 @@ class EagleSpeculator(Speculator):
             if rows <= 0:
                 continue
             cache.queue(states[:rows], seq.token_ids[start + 1 : start + 1 + rows])
-            if cache.pending_rows >= PENDING_ROWS:
-                self._enter(cache)
+            if cache.pending_rows > max(MAX_PENDING, rows):
+                cache.keep_newest(PENDING_WINDOW)
 
     def _enter(self, cache: DraftCache) -> None:
         """Run the head over the cache's queued rows (one pass), entering them."""

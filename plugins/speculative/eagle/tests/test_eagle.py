@@ -248,6 +248,11 @@ def test_draft_cache_queues_rows_and_truncates_into_them():
     assert (cache.first, cache.length, cache.end) == (32, 2, 34)
     cache.truncate(0)  # recomputed from the start
     assert (cache.first, cache.length, cache.end) == (0, 0, 0)
+    cache.append(torch.randn(2, 2, 4), torch.randn(2, 2, 4))
+    cache.queue(feats, [20, 21, 22, 23, 24])  # positions 2-6 queued
+    cache.keep_newest(2)  # not drafted for long: only positions 5, 6 are kept, nothing entered
+    got, ids = cache.take_pending()
+    assert (cache.first, cache.length, ids) == (5, 0, [23, 24]) and torch.equal(got, feats[3:])
 
 
 def test_mismatched_or_missing_head_is_a_one_line_error(tiny_model_path, tiny_config, tmp_path):
