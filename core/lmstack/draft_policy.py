@@ -147,9 +147,10 @@ class DraftLengthPolicy:
         # one draft alone does not.
         expected = float(len(seq_ids))  # tokens the step emits: one per sequence, plus gains
         best, best_rate = 0, expected / seconds(tokens)
+        per_draft = self.draft_seconds
         for n, (gain, _) in enumerate(candidates, 1):
             expected += gain
-            rate = expected / (seconds(tokens + n) + n * self.draft_seconds)
+            rate = expected / (seconds(tokens + n) + n * per_draft)
             if rate > best_rate:
                 best, best_rate = n, rate
         for _, sid in candidates[:best]:

@@ -4,8 +4,9 @@ A draft token costs one head pass at one row, so at batch 1 a pass is a dozen sm
 the glue between them, each op paying its dispatch whatever its size. Here q/k/v are one linear
 and gate/up another (their weights concatenated once, at load), the new keys and values go
 straight into the sequence's cache and attention reads the cache in place (the query heads
-that share a KV head attend as one block of rows: grouped-query heads shared, not repeated), and the RMSNorm, rotary embedding and SwiGLU product are the core's
-native layer ops (`lmstack.model.layer_ops`, one call each on an fp32 CPU row). The arithmetic is
+that share a KV head attend as one block of rows: grouped-query heads shared, not repeated),
+and the RMSNorm, rotary embedding and SwiGLU product are the core's native layer ops
+(`lmstack.model.layer_ops`, one call each on an fp32 CPU row). The arithmetic is
 `EagleHead.forward`'s (tested to match it); drafts only propose, so what is emitted never
 depends on it.
 """
