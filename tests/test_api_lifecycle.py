@@ -154,3 +154,45 @@ def test_port_in_use_is_one_line_before_anything_loads(smollm2_path, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}")
     assert "Traceback" not in proc.stderr and "engine ready" not in proc.stderr
+
+
+def test_a_test_server_ends_with_the_process_that_started_it(smollm2_path):
+    """A killed test run must not leave its `lmstack serve` behind (one once survived its
+    pytest for 87 minutes, skewing the benchmarks after it)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    starter = (
+        "import json, time; from lmstack_api.testing import ServerProcess; "
+        f"s = ServerProcess({json.dumps({'model': MODEL, 'max_model_len': 256})}).start(); "
+        "print(s.proc.pid, flush=True); time.sleep(600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(parent.stdout.readline())
+        os.kill(server_pid, 0)  # running
+        parent.send_signal(signal.SIGKILL)  # no cleanup of its own: only the kernel can tell
+        parent.wait(30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if not _running(server_pid):
+                break
+            time.sleep(0.25)
+        else:
+            os.kill(server_pid, signal.SIGKILL)
+            pytest.fail("the server outlived the process that started it")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by whatever adopted it, if anything)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -24,6 +24,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def end_with_parent(parent_pid: int) -> None:
+    """In a child process: have the kernel send SIGTERM (a graceful server shutdown) when the
+    parent ends (Linux `PR_SET_PDEATHSIG`; it fires when the *thread* that started the child
+    ends, so start servers from a thread that outlives them, as tests and benchmarks do). A
+    parent already gone: exit at once. Elsewhere: nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 class ServerProcess:
     """`lmstack serve` on 127.0.0.1 and a free port, started from a stack mapping; `start()`
     returns once /health says ready. Use as a context manager."""
@@ -46,7 +61,14 @@ class ServerProcess:
         self.health_seen: list[int] = []  # distinct /health statuses while starting, in order
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
-        cmd = [sys.executable, "-c", f"import sys; from {self.main_module} import main; sys.exit(main())"]
+        # The server ends with the process that started it (a killed pytest must not leave a
+        # server behind, loading the machine for the runs after it).
+        boot = f"from lmstack_api.testing import end_with_parent; end_with_parent({os.getpid()}); "
+        cmd = [
+            sys.executable,
+            "-c",
+            boot + f"import sys; from {self.main_module} import main; sys.exit(main())",
+        ]
         cmd += ["serve", str(self.stack_path)]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)

@@ -20,10 +20,18 @@ DAMPING = 0.01  # added to H's diagonal, as a fraction of its mean (keeps the Ch
 
 @torch.no_grad()
 def gptq_int4(
-    weight: torch.Tensor, h: torch.Tensor, scheme: Int4Scheme, scale_dtype: torch.dtype
+    weight: torch.Tensor,
+    h: torch.Tensor,
+    scheme: Int4Scheme,
+    scale_dtype: torch.dtype,
+    *,
+    ranges_from: torch.Tensor | None = None,
+    damping: float = DAMPING,
 ) -> Int4Quantized:
     """int4 codes of `weight` [out, in] chosen by GPTQ against inputs with second moment `h`
-    [in, in]; the scales are rounded to `scale_dtype` (what the checkpoint stores) before use."""
+    [in, in]; the scales are rounded to `scale_dtype` (what the checkpoint stores) before use.
+    `ranges_from` (e.g. the weight after a clipping search): every group's scale and zero are
+    set from it beforehand ("static groups") instead of from the partly updated weights."""
     w = weight.float().clone()
     out_f, in_f = w.shape
     group = scheme.effective_group(in_f)
@@ -31,7 +39,7 @@ def gptq_int4(
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    h += DAMPING * torch.diag(h).mean() * torch.eye(in_f)
+    h += damping * torch.diag(h).mean() * torch.eye(in_f)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     groups = num_groups(in_f, group)
     scale = torch.zeros(out_f, groups)
@@ -41,7 +49,8 @@ def gptq_int4(
     # earlier block, before this block's own updates (the reference's order).
     for g, start in enumerate(range(0, in_f, group)):
         end = min(start + group, in_f)
-        s, z = group_params(w[:, start:end], Int4Scheme(end - start, scheme.symmetric), scale_dtype)
+        source = w if ranges_from is None else ranges_from.float()
+        s, z = group_params(source[:, start:end], Int4Scheme(end - start, scheme.symmetric), scale_dtype)
         scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
         s, zf = s[:, 0], z[:, 0].float()
         block = w[:, start:end].clone()

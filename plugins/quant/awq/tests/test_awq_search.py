@@ -107,6 +107,25 @@ def test_gptq_rounding_beats_round_to_nearest_on_the_layer_output(symmetric):
     assert err[0] < 0.8 * err[1]
 
 
+def test_gptq_static_groups_take_their_ranges_from_the_given_weight():
+    from lmstack_awq.gptq import gptq_int4
+    from lmstack_awq.int4_math import Int4Scheme, group_params
+
+    gen = torch.Generator().manual_seed(6)
+    in_f = int(torch.randint(70, 200, (1,), generator=gen))
+    w = torch.randn(24, in_f, generator=gen)
+    x = torch.randn(2000, in_f, generator=gen)
+    h = x.t() @ x / x.shape[0]
+    scheme = Int4Scheme(32, False)
+    clipped = w.clamp(-1.0, 1.0)
+    static = gptq_int4(w, h, scheme, torch.float16, ranges_from=clipped)
+    scale, zero = group_params(clipped, scheme)
+    torch.testing.assert_close(static.scale, scale, rtol=0, atol=0)
+    assert torch.equal(static.zero, zero)
+    walked = gptq_int4(w, h, scheme, torch.float16)  # ranges from the updated, unclipped weights
+    assert not torch.equal(walked.scale, scale)
+
+
 def test_gptq_rounded_linears_are_written_as_rounded():
     from lmstack_awq.int4_format import Int4WeightFormat, decode_ct_codes, decode_ct_zero
     from lmstack_awq.int4_math import Int4Scheme, dequantize_int4

@@ -1,0 +1,202 @@
+"""Where int4 g128's perplexity goes on SmolLM2-135M, and what the AWQ search's alternatives give.
+
+All in one process, fp32, the model held by `lmstack.quantize.CalibrationModel` (the weights
+`lmstack quantize` calibrates), perplexity over `benchmarks/data/heldout_gpl3.txt` in 512-token
+windows with the tied head dense (what the linears cost, not the head):
+
+- `sensitivity`: the dense model, round-to-nearest int4 (asymmetric, min/max) of every linear at
+  group 128 and at group 32, then of one kind of linear at a time (q, k, v, o, gate, up, down).
+- a variant of the AWQ search (`--variant`), calibrated on `--calibration` (default: the model's
+  own answers, made as `lmstack quantize --calibration self` makes them and kept in
+  `--self-text`):
+  - `awq`: the core's search as `lmstack quantize --method awq` runs it (`awq_calibrate`:
+    scales, clipping, round to nearest);
+  - `gptq-static`: the same scales and clipping search, then GPTQ rounding of the unclipped
+    scaled weights with each group's scale and zero fixed beforehand from its clipped range
+    (GPTQ's "static groups"; the shipped `rounding: gptq` sets them as it walks);
+  - `clip2d`: the same scales, then a joint search over both ends of each (row, group)'s range
+    (20 x 20 ratios of its min and max) instead of one shared ratio refined side by side.
+
+Usage: python benchmarks/awq_variants.py sensitivity
+       python benchmarks/awq_variants.py awq|gptq-static|clip2d [--num-samples 32] [--damping 0.01]
+Prints one JSON line per result (name the CPU yourself: the numbers do not depend on it beyond
+fp32 summation order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lmstack.awq_search import (
+    AWQConfig,
+    _clip_error,
+    _fold,
+    _group_size,
+    awq_calibrate,
+    search_clip,
+    search_scales,
+)
+from lmstack.evaluate import load_stack_with_model, read_text, windows_of
+from lmstack.model.source import open_model_source
+from lmstack.quantize import (
+    CalibrationModel,
+    build_weight_format,
+    calibration_samples,
+    generate_calibration_text,
+)
+from lmstack_awq.gptq import gptq_int4
+
+ROOT = Path(__file__).resolve().parent.parent
+HELDOUT = ROOT / "benchmarks/data/heldout_gpl3.txt"
+KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@torch.no_grad()
+def perplexity(model: CalibrationModel, ids: list[int], window: int = 512) -> float:
+    nll, n = 0.0, 0
+    for w in windows_of(ids, window):
+        t = torch.tensor(w)[None]
+        logits = model.logits(t[:, :-1])[0]
+        nll += F.cross_entropy(logits.float(), t[0, 1:], reduction="sum").item()
+        n += len(w) - 1
+    return math.exp(nll / n)
+
+
+def fake_quantize_linears(model: CalibrationModel, fmt, kinds=KINDS) -> None:
+    for i in range(model.num_layers):
+        for name in model.linear_names(i):
+            if any(k in name for k in kinds):
+                model.weights[name] = fmt.fake_quantize(model.weights[name])
+
+
+@torch.no_grad()
+def clip_joint(weight: torch.Tensor, x: torch.Tensor, fmt, steps: int = 20) -> torch.Tensor:
+    """`weight` clipped per (row, group) to the [r_lo min, r_hi max] with the least d^T C d over
+    a steps x steps grid of ratios (1 down to 0.5 each)."""
+    out_f, in_f = weight.shape
+    g = _group_size(fmt, in_f)
+    pad = (-in_f) % g
+    groups = (in_f + pad) // g
+    xp = F.pad(x.float(), (0, pad)).view(-1, groups, g)
+    cov = torch.einsum("ngk,ngl->gkl", xp, xp) / xp.shape[0]
+    wp = F.pad(weight, (0, pad)).view(out_f, groups, g)
+    wmax = wp.amax(-1, keepdim=True).clamp(min=0)
+    wmin = wp.amin(-1, keepdim=True).clamp(max=0)
+    best = torch.full((out_f, groups, 1), float("inf"))
+    lo_best, hi_best = wmin.clone(), wmax.clone()
+    ratios = [1.0 - 0.5 * k / steps for k in range(steps)]
+    for r_hi in ratios:
+        for r_lo in ratios:
+            lo, hi = wmin * r_lo, wmax * r_hi
+            err = _clip_error(weight, wp, lo, hi, fmt, cov).unsqueeze(-1)
+            better = err < best
+            best = torch.where(better, err, best)
+            lo_best, hi_best = torch.where(better, lo, lo_best), torch.where(better, hi, hi_best)
+    return torch.maximum(torch.minimum(wp, hi_best), lo_best).reshape(out_f, -1)[:, :in_f].contiguous()
+
+
+@torch.no_grad()
+def awq_variant(model: CalibrationModel, samples: torch.Tensor, fmt, variant: str, damping: float) -> None:
+    """The core's per-layer AWQ loop (scales, clipping, propagation of quantized outputs) with the
+    clipping or rounding step swapped; clipping runs after every scale of the layer is folded,
+    which gives what `awq_calibrate` gives (a row's clip ratio does not change when the row is
+    scaled)."""
+    cfg, weights = AWQConfig(), model.weights
+    x = model.embed(samples)
+    loss_n = max(1, min(samples.shape[0], cfg.loss_tokens // samples.shape[1]))
+    for i in range(model.num_layers):
+        _, inputs = model.layer_forward(i, x, capture=True)
+        groups = model.scale_groups(i)
+        for group in groups:
+            if group.prev is not None:
+                s_prev, _ = search_scales(group, weights, inputs[group.input][:loss_n], fmt, cfg)
+                _fold(weights, group.prev, s_prev)
+                s = group.expand(s_prev)
+                for name in group.linears:
+                    weights[name] = weights[name] * s
+                inputs[group.input] = inputs[group.input] / s
+        quantized = {}
+        for group in groups:
+            flat = inputs[group.input].reshape(-1, inputs[group.input].shape[-1])
+            sub = flat[:: max(1, flat.shape[0] // cfg.clip_tokens)]
+            h = flat.float().t() @ flat.float() / flat.shape[0]
+            for name in group.linears:
+                clipped = weights[name]
+                if name in group.clip:
+                    clipped = (
+                        clip_joint(clipped, sub, fmt)
+                        if variant == "clip2d"
+                        else search_clip(clipped, sub, fmt, cfg)[0]
+                    )
+                if variant == "gptq-static":
+                    quantized[name] = gptq_int4(
+                        weights[name], h, fmt.scheme, torch.float16, ranges_from=clipped, damping=damping
+                    ).dequantize()
+                else:
+                    quantized[name] = fmt.fake_quantize(clipped)
+        weights.update(quantized)
+        x, _ = model.layer_forward(i, x, quantized)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["sensitivity", "awq", "gptq-static", "clip2d"])
+    ap.add_argument("--stack", default=str(ROOT / "examples/stacks/cpu.yaml"))
+    ap.add_argument("--calibration", default="self", help="a text file, or self (the model's own answers)")
+    ap.add_argument("--self-text", default="/tmp/lmstack-awq-self.txt", help="where the self text is kept")
+    ap.add_argument("--num-samples", type=int, default=32)
+    ap.add_argument("--damping", type=float, default=0.01, help="gptq-static: H's diagonal damping")
+    args = ap.parse_args()
+
+    stack = load_stack_with_model(args.stack, None)
+    source = open_model_source(stack.model)
+    ids = source.tokenizer.encode(read_text(HELDOUT))
+    model = CalibrationModel.load(source)
+    started = time.perf_counter()
+
+    def report(name: str, value: float, **extra) -> None:
+        print(
+            json.dumps(
+                {"what": name, "perplexity": round(value, 4), "seconds": round(time.perf_counter() - started)}
+                | extra
+            ),
+            flush=True,
+        )
+
+    if args.what == "sensitivity":
+        base = {k: v.clone() for k, v in model.weights.items()}
+        report("dense", perplexity(model, ids))
+        for group, kinds in [(128, KINDS), (32, KINDS)] + [(128, (k,)) for k in KINDS]:
+            model.weights.update({k: v.clone() for k, v in base.items()})
+            fake_quantize_linears(
+                model, build_weight_format(stack, "rtn-int4", group, source.config)[0], kinds
+            )
+            report(f"rtn-int4 g{group} " + ("all" if len(kinds) > 1 else kinds[0]), perplexity(model, ids))
+        return
+
+    if args.calibration == "self":
+        path = Path(args.self_text)
+        if not path.exists():
+            path.write_text(generate_calibration_text(stack, 64 * 512), encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
+    else:
+        text = read_text(args.calibration)
+    samples = calibration_samples(source.tokenizer.encode(text), args.num_samples, 512)
+    fmt = build_weight_format(stack, "awq", None, source.config)[0]
+    if args.what == "awq":
+        awq_calibrate(model, samples, fmt, AWQConfig())
+        fake_quantize_linears(model, fmt)
+    else:
+        awq_variant(model, samples, fmt, args.what, args.damping)
+    report(args.what, perplexity(model, ids), num_samples=int(samples.shape[0]), calibration=args.calibration)
+
+
+if __name__ == "__main__":
+    main()
