@@ -24,19 +24,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def end_with_parent(parent_pid: int) -> None:
-    """In a child process: have the kernel send SIGTERM (a graceful server shutdown) when the
-    parent ends (Linux `PR_SET_PDEATHSIG`; it fires when the *thread* that started the child
-    ends, so start servers from a thread that outlives them, as tests and benchmarks do). A
-    parent already gone: exit at once. Elsewhere: nothing."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
-    if os.getppid() != parent_pid:
-        os._exit(1)
+# Run first in the server process (plain stdlib: importing lmstack's packages here would bind
+# names before a `main_module` can patch them): have the kernel send SIGTERM (a graceful server
+# shutdown) when the parent ends (Linux `PR_SET_PDEATHSIG` = 1; it fires when the *thread* that
+# started the child ends, so start servers from a thread that outlives them, as tests and
+# benchmarks do); a parent already gone: exit at once.
+END_WITH_PARENT = (
+    "import sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    import ctypes, os, signal\n"
+    "    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))\n"
+    "    if os.getppid() != {parent}: os._exit(1)\n"
+)
 
 
 class ServerProcess:
@@ -63,12 +62,8 @@ class ServerProcess:
     def start(self, timeout: float = 180.0) -> ServerProcess:
         # The server ends with the process that started it (a killed pytest must not leave a
         # server behind, loading the machine for the runs after it).
-        boot = f"from lmstack_api.testing import end_with_parent; end_with_parent({os.getpid()}); "
-        cmd = [
-            sys.executable,
-            "-c",
-            boot + f"import sys; from {self.main_module} import main; sys.exit(main())",
-        ]
+        boot = END_WITH_PARENT.format(parent=os.getpid())
+        cmd = [sys.executable, "-c", boot + f"from {self.main_module} import main\nsys.exit(main())"]
         cmd += ["serve", str(self.stack_path)]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
