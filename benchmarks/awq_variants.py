@@ -6,7 +6,7 @@ windows with the tied head dense (what the linears cost, not the head):
 
 - `sensitivity`: the dense model, round-to-nearest int4 (asymmetric, min/max) of every linear at
   group 128 and at group 32, then of one kind of linear at a time (q, k, v, o, gate, up, down).
-- a variant of the AWQ search (`--variant`), calibrated on `--calibration` (default: the model's
+- a variant of the AWQ search (the first argument), calibrated on `--calibration` (default: the model's
   own answers, made as `lmstack quantize --calibration self` makes them and kept in
   `--self-text`):
   - `awq`: the core's search as `lmstack quantize --method awq` runs it (`awq_calibrate`:
