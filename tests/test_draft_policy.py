@@ -88,7 +88,7 @@ def test_drafting_is_priced_apart_from_the_verification():
     policy.record_drafting(8, 8 * 0.030)  # 30 ms a drafted token: dearer than 0.6 of a token
     assert set(policy.limits(list(range(8))).values()) == {0}
     for _ in range(100):
-        policy.record_drafting(8, 8 * 0.00001)  # the running mean follows cheaper drafting
+        policy.record_drafting(8, 8 * 0.00001)  # the recent median follows cheaper drafting
     assert set(policy.limits(list(range(8))).values()) == {4}
 
 

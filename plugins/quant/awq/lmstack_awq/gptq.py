@@ -46,10 +46,11 @@ def gptq_int4(
     zero = torch.zeros(out_f, groups, dtype=torch.uint8)
     codes = torch.zeros(out_f, in_f, dtype=torch.uint8)
     # One block per group: the group's parameters come from the weights as updated by every
-    # earlier block, before this block's own updates (the reference's order).
+    # earlier block, before this block's own updates (the reference's order), or from
+    # `ranges_from` (static groups).
+    source = w if ranges_from is None else ranges_from.float()
     for g, start in enumerate(range(0, in_f, group)):
         end = min(start + group, in_f)
-        source = w if ranges_from is None else ranges_from.float()
         s, z = group_params(source[:, start:end], Int4Scheme(end - start, scheme.symmetric), scale_dtype)
         scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
         s, zf = s[:, 0], z[:, 0].float()
