@@ -127,6 +127,27 @@ def test_gguf_blocks_match_the_dequantized_layer_and_give_codes_back(symmetric):
 
 
 @pytest.mark.skipif(not gguf_blocks.available(), reason="lmstack-gguf's kernels are not built here")
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_decode_rows_go_straight_to_the_gguf_op_with_the_kernels_result(int8_activations):
+    """Decode rows skip the generic path (`Int4Kernel.direct`) and give exactly what the kernel
+    object computes; a layer with a bias keeps the generic path (the op adds none)."""
+    rng = random.Random()
+    n, k = rng.randint(1, 70), 32 * rng.randint(1, 20)
+    layer, _ = _layer(n, k, rng.choice((32, 64, 128)))
+    layer.int8_activations = int8_activations
+    layer.prepare()
+    assert isinstance(layer.kernel, GGUFBlocks) and layer._direct is not None
+    for rows in (1, rng.randint(2, layer.kernel.max_rows)):
+        x = torch.randn(rows, k)
+        assert torch.equal(layer(x), layer.kernel(layer, x))
+    layer.bias = torch.nn.Parameter(torch.randn(n), requires_grad=False)
+    layer.kernel = layer.kernel  # set again: the fast path is decided with the kernel
+    assert layer._direct is None
+    x = torch.randn(1, k)
+    assert torch.equal(layer(x), layer.kernel(layer, x) + layer.bias)
+
+
+@pytest.mark.skipif(not gguf_blocks.available(), reason="lmstack-gguf's kernels are not built here")
 def test_int8_activation_batches_take_panels_where_vnni_runs():
     """`fp32_activations: int8` set before the kernel is picked (as the quantizer does): on an
     AVX2 / AVX-512 CPU batches from 6 rows multiply by 16-row panels of the Q4_1 blocks (x rounded

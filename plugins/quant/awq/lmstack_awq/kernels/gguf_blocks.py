@@ -87,6 +87,11 @@ class GGUFBlocks:
             self.dense = dequantize_blocks(layer.w_packed, Q4_1, k).to(torch.bfloat16)
             self.max_rows = BF16_COPY_MIN_ROWS - 1
 
+    def direct(self, layer) -> tuple:
+        """What `__call__` runs on decode rows for `Int4Linear`'s fast path: (ops, weight, type,
+        max rows), ops indexed by `layer.int8_activations` (read per call, as `__call__` does)."""
+        return (self.matmuls, layer.w_packed, Q4_1, self.max_rows)
+
     def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.shape[0] <= self.max_rows and x.stride(-1) == 1:
             # Decode: straight to the kernel (block_matmul's checks cost ~20 us a call, a good
