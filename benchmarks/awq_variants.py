@@ -14,11 +14,13 @@ windows with the tied head dense (what the linears cost, not the head):
   - `gptq-static`: the same scales and clipping search, then GPTQ rounding of the unclipped
     scaled weights with each group's scale and zero fixed beforehand from its clipped range
     (GPTQ's "static groups"; the shipped `rounding: gptq` sets them as it walks);
+  - `awq-dense`: the core's search, but each layer calibrates on the dense model's outputs of
+    the layers before it (as llm-awq and AutoAWQ propagate), not on the quantized layers';
   - `clip2d`: the same scales, then a joint search over both ends of each (row, group)'s range
     (20 x 20 ratios of its min and max) instead of one shared ratio refined side by side.
 
 Usage: python benchmarks/awq_variants.py sensitivity
-       python benchmarks/awq_variants.py awq|gptq-static|clip2d [--num-samples 32] [--damping 0.01]
+       python benchmarks/awq_variants.py awq|awq-dense|gptq-static|clip2d [--num-samples 32] [--damping 0.01]
 Prints one JSON line per result (name the CPU yourself: the numbers do not depend on it beyond
 fp32 summation order).
 """
@@ -112,7 +114,7 @@ def awq_variant(model: CalibrationModel, samples: torch.Tensor, fmt, variant: st
     x = model.embed(samples)
     loss_n = max(1, min(samples.shape[0], cfg.loss_tokens // samples.shape[1]))
     for i in range(model.num_layers):
-        _, inputs = model.layer_forward(i, x, capture=True)
+        dense_out, inputs = model.layer_forward(i, x, capture=True)
         groups = model.scale_groups(i)
         for group in groups:
             if group.prev is not None:
@@ -142,12 +144,14 @@ def awq_variant(model: CalibrationModel, samples: torch.Tensor, fmt, variant: st
                 else:
                     quantized[name] = fmt.fake_quantize(clipped)
         weights.update(quantized)
-        x, _ = model.layer_forward(i, x, quantized)
+        # awq-dense: the next layer calibrates on the dense model's outputs (llm-awq and AutoAWQ
+        # run the layer before its weights change); the others on the quantized layer's.
+        x = dense_out if variant == "awq-dense" else model.layer_forward(i, x, quantized)[0]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["sensitivity", "awq", "gptq-static", "clip2d"])
+    ap.add_argument("what", choices=["sensitivity", "awq", "awq-dense", "gptq-static", "clip2d"])
     ap.add_argument("--stack", default=str(ROOT / "examples/stacks/cpu.yaml"))
     ap.add_argument("--calibration", default="self", help="a text file, or self (the model's own answers)")
     ap.add_argument("--self-text", default="/tmp/lmstack-awq-self.txt", help="where the self text is kept")
