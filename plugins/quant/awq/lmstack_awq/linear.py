@@ -234,11 +234,12 @@ class Int4Linear(nn.Module):
             and x.dim() == 2
             and x.dtype == torch.float32
             and x.stride(1) == 1
-            and x.shape[0] <= direct[3]
+            and x.shape[0] <= direct[2]
         ):
             # Decode rows: the generic path below (reshapes, the kernel object's checks) cost
             # ~8 us a call, ~10 % of a batch-1 token at 120 linears (measured on Zen 4).
-            return direct[0][self.int8_activations](x, direct[1], direct[2])
+            op, args = direct[self.int8_activations]
+            return op(x, *args)
         if self.kernel is None:
             self.kernel = kernels.select(self, x)
         lead = x.shape[:-1]

@@ -137,7 +137,8 @@ def test_decode_rows_go_straight_to_the_gguf_op_with_the_kernels_result(int8_act
     layer.int8_activations = int8_activations
     layer.prepare()
     assert isinstance(layer.kernel, GGUFBlocks) and layer._direct is not None
-    for rows in (1, rng.randint(2, layer.kernel.max_rows)):
+    # max_rows 0: panels for every batch (int8 activations where AVX2 is the widest code).
+    for rows in (1, rng.randint(2, layer.kernel.max_rows or 40)):
         x = torch.randn(rows, k)
         assert torch.equal(layer(x), layer.kernel(layer, x))
     layer.bias = torch.nn.Parameter(torch.randn(n), requires_grad=False)
@@ -150,10 +151,11 @@ def test_decode_rows_go_straight_to_the_gguf_op_with_the_kernels_result(int8_act
 @pytest.mark.skipif(not gguf_blocks.available(), reason="lmstack-gguf's kernels are not built here")
 def test_int8_activation_batches_take_panels_where_vnni_runs():
     """`fp32_activations: int8` set before the kernel is picked (as the quantizer does): on an
-    AVX2 / AVX-512 CPU batches from 6 rows multiply by 16-row panels of the Q4_1 blocks (x rounded
-    to int8 per 32 values, as the block kernel does); smaller ones keep the block kernel."""
+    AVX-512 CPU batches from 6 rows, on an AVX2-only one every batch, multiply by 16-row panels of
+    the Q4_1 blocks (x rounded to int8 per 32 values, as the block kernel does); smaller ones keep
+    the block kernel."""
     from lmstack_gguf.kernel import native_kernel
-    from lmstack_gguf.quantizer import PANELS_MIN_ROWS, panels_cpu
+    from lmstack_gguf.quantizer import layer_panels_min_rows, panels_cpu
 
     rng = random.Random()
     n, k = rng.randint(1, 70), 32 * rng.randint(1, 20)
@@ -165,10 +167,17 @@ def test_int8_activation_batches_take_panels_where_vnni_runs():
     if not panels_cpu():
         assert layer.kernel.panels is None
         pytest.skip("this CPU lacks AVX2: the panels are not made")
-    assert layer.kernel.dense is None and layer.kernel.max_rows == PANELS_MIN_ROWS - 1
-    small, big = torch.randn(PANELS_MIN_ROWS - 1, k), torch.randn(rng.randint(PANELS_MIN_ROWS, 80), k)
-    assert torch.equal(layer(small), ext.gguf_matmul_q8(small, layer.w_packed, 3))
+    first = layer_panels_min_rows()
+    assert first == (1 if ext.best_isa() == 1 else 6)
+    assert layer.kernel.dense is None and layer.kernel.max_rows == first - 1
+    if first > 1:
+        small = torch.randn(first - 1, k)
+        assert torch.equal(layer(small), ext.gguf_matmul_q8(small, layer.w_packed, 3))
+    big = torch.randn(rng.randint(first, 80), k)
     out = layer(big)
+    assert torch.equal(out, ext.gguf_matmul_panels(big, layer.kernel.panels, 3, n))
+    # A row's result is the same whatever batch it is in (the panels sum each row on its own).
+    assert torch.equal(layer(big[:1]), out[:1]) or first > 1
     blocks = ext.gguf_matmul_q8(big, layer.w_packed, 3)
     assert float((out - blocks).abs().max()) <= 1e-5 * float(blocks.abs().max())
     assert _is_int8_rounded_x_times_blocks(out, big, layer)

@@ -12,6 +12,8 @@ rank's rows (whole rows: GGUF blocks run along a row) and input columns (on bloc
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -78,7 +80,8 @@ class GGUFLinear(nn.Module):
             set_weight_loader(self.bias, self._load_bias, num_shards=len(spec.output_sizes))
         # part -> (ggml type, uint8 block rows) or (None, fp32 rows), until finalize().
         self._parts: dict[int, tuple[int | None, torch.Tensor]] = {}
-        # (kernel, blocks, ggml type) once finalized with the kernel built (`forward`).
+        # (op, its arguments after x, most rows it takes) once finalized with the kernels built:
+        # what `forward` calls directly on fp32 rows (`_bind_fast`).
         self._fast: tuple | None = None
         # uint8 panels of the blocks (`panels`) and their kernel, bound by finalize().
         self.panels: torch.Tensor | None = None
@@ -137,15 +140,7 @@ class GGUFLinear(nn.Module):
                     self.copy_dtype
                 )
             if self.use_native:
-                # The decode path, bound once: a module's parameter and buffer lookups and the
-                # checks of `block_matmul` cost ~30 us a call, three times the kernel's own time
-                # for a small layer at batch 1.
-                ext = native_kernel()
-                self._fast = (
-                    ext.gguf_matmul_q8 if self.int8_activations else ext.gguf_matmul,
-                    self.weight.data,
-                    self.ggml_type,
-                )
+                self._bind_fast()
         else:
             k = self.in_features
             self.dense = torch.cat(
@@ -153,6 +148,20 @@ class GGUFLinear(nn.Module):
             )
             self.weight.data = torch.empty(self.out_features, 0, dtype=torch.uint8)
         self._parts = {}
+
+    def _bind_fast(self) -> None:
+        """The decode path, bound once: a module's parameter and buffer lookups and the checks of
+        `block_matmul` cost ~30 us a call, three times the kernel's own time for a small layer at
+        batch 1. The block kernel up to `kernel_max_rows`; with panels for every batch
+        (`kernel_max_rows` 0: an AVX2-only CPU), the panel kernel up to the copy's first row."""
+        ext = native_kernel()
+        if self.panels is not None and self.kernel_max_rows == 0:
+            most = self.copy_min_rows - 1 if self.copy_min_rows and self.dense is not None else sys.maxsize
+            self._fast = (ext.gguf_matmul_panels, (self.panels, self.ggml_type, self.out_features), most)
+        else:
+            op = ext.gguf_matmul_q8 if self.int8_activations else ext.gguf_matmul
+            most = sys.maxsize if self.kernel_max_rows is None else self.kernel_max_rows
+            self._fast = (op, (self.weight.data, self.ggml_type), most)
 
     # --- computing ----------------------------------------------------------------------------
 
@@ -169,10 +178,10 @@ class GGUFLinear(nn.Module):
             and x.dim() == 2
             and x.dtype == torch.float32
             and x.stride(1) == 1
-            and (limit is None or x.shape[0] <= limit)
+            and x.shape[0] <= fast[2]
             and self.bias is None
         ):
-            return fast[0](x, fast[1], fast[2])  # what `block_matmul` would run, without its checks
+            return fast[0](x, *fast[1])  # what the paths below would run, without their checks
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         rows, copy_from = x2.shape[0], self.copy_min_rows

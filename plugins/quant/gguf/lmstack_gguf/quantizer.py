@@ -27,6 +27,20 @@ BF16_COPY_MIN_ROWS = 17
 # AVX-512 VNNI, between 2 and 4 with the AVX2 code (README); one value for both.
 PANELS_MIN_ROWS = 6
 
+# Where AVX2 is the widest code (no AVX-512 VNNI), the panels beat the block kernel from one row
+# on: a batch-1 decode step over SmolLM2's layers on a 2-core Zen 3 EPYC (AVX2 only) took
+# 0.84-0.96x the block kernel's time, ~0.8x at 4 rows (README). (The AVX2 code on a Zen 5, with
+# twice the multiply throughput, crossed over between 2 and 4 rows.) Every batch then takes the
+# panels, which also makes a row's result the same in any batch. The Q8_0 LM head keeps the
+# block kernel below PANELS_MIN_ROWS: it was faster at one row there too (1.1 vs 1.3 ms).
+PANELS_MIN_ROWS_AVX2 = 1
+
+
+def layer_panels_min_rows() -> int:
+    """From how many rows a decoder layer's linears multiply by their panels on this CPU."""
+    ext = native_kernel()
+    return PANELS_MIN_ROWS_AVX2 if ext is not None and ext.best_isa() == 1 else PANELS_MIN_ROWS
+
 
 # With `prefill: panels+bf16`, batches from this many rows multiply by the bfloat16 copy (oneDNN
 # runs them on AMX tiles): measured over a step's layers on a 2-core Intel Xeon with AMX, the
@@ -87,7 +101,7 @@ class GGUFQuantizer(Quantizer):
         if self.prefill == "dense-bf16":
             extra = {"copy_dtype": torch.bfloat16, "kernel_max_rows": BF16_COPY_MIN_ROWS - 1}
         elif self.panels:
-            extra = {"panels": True, "kernel_max_rows": PANELS_MIN_ROWS - 1}
+            extra = {"panels": True, "kernel_max_rows": layer_panels_min_rows() - 1}
             if self.prefill == "panels+bf16":
                 extra.update(copy_dtype=torch.bfloat16, copy_min_rows=AMX_COPY_MIN_ROWS)
 

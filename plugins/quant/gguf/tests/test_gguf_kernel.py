@@ -320,6 +320,47 @@ def test_panels_take_batches_over_the_limit_and_rows_stay_exact(typ):
 
 
 @needs_panels
+@pytest.mark.parametrize("bias", [False, True])
+def test_panels_for_every_batch_make_a_rows_result_the_same_in_any_batch(bias):
+    """`kernel_max_rows` 0 (what an AVX2-only CPU's layers get): every batch, one row included,
+    multiplies by the panels, through the direct path when there is no bias; a row's result is
+    then the same bits whatever batch it is in."""
+    k, n = 32 * random.randint(1, 6), random.randint(1, 40)
+    raw, _ = blocks_of(np.random.randn(n, k), T.Q4_1)
+    spec = LinearSpec(k, n, bias, "layers.0.down_proj", (n,), "row", torch.float32)
+    layer = GGUFLinear(spec, int8_activations=True, kernel_max_rows=0, panels=True)
+    layer.weight.weight_loader(layer.weight, _gguf(raw, T.Q4_1, k), None)
+    if bias:
+        layer.bias.data.normal_()
+    layer.finalize()
+    assert (layer._fast is None) == bias or layer._fast[0] is ext.gguf_matmul_panels
+    plus = layer.bias.data if bias else 0
+    x = torch.randn(random.randint(2, 40), k)
+    out = layer(x)
+    assert torch.equal(out, ext.gguf_matmul_panels(x, layer.panels, int(T.Q4_1), n) + plus)
+    for i in (0, x.shape[0] - 1):
+        assert torch.equal(layer(x[i : i + 1]), out[i : i + 1])
+
+
+def test_layers_take_panels_from_one_row_where_avx2_is_the_widest_code(monkeypatch):
+    """The crossover the quantizer uses for decoder layers: every batch with AVX2 as the widest
+    code (measured on Zen 3), from PANELS_MIN_ROWS with AVX-512 VNNI; no kernels, no panels."""
+    from lmstack_gguf import quantizer
+
+    class Ext:
+        def __init__(self, isa):
+            self.isa = isa
+
+        def best_isa(self):
+            return self.isa
+
+    for isa, first in ((1, quantizer.PANELS_MIN_ROWS_AVX2), (2, quantizer.PANELS_MIN_ROWS)):
+        monkeypatch.setattr(quantizer, "native_kernel", lambda isa=isa: Ext(isa))
+        assert quantizer.layer_panels_min_rows() == first
+    assert quantizer.PANELS_MIN_ROWS_AVX2 == 1 < quantizer.PANELS_MIN_ROWS
+
+
+@needs_panels
 def test_panels_then_the_bf16_copy_take_batches_by_size():
     """`prefill: panels+bf16`: the block kernel up to its limit, the panels up to `copy_min_rows`,
     the bfloat16 copy from there; the rows a batch holds do not change which path its rows take."""

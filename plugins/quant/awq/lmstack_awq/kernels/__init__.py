@@ -10,9 +10,9 @@
 
 A kernel is an object with `__call__(layer, x [M, in]) -> [M, out]` in x's dtype and
 `codes(layer) -> uint8 [out, in]` (the codes back from whatever layout it keeps); optionally
-`direct(layer) -> (ops, weight, type, max_rows)`: ops that `Int4Linear` calls as
-`ops[layer.int8_activations](x, weight, type)` on fp32 rows [M <= max_rows, in] in place of
-`__call__` (the same result).
+`direct(layer) -> ((op, args), (op, args), max_rows)`: what `Int4Linear` calls as
+`op(x, *args)`, the pair picked by `layer.int8_activations`, on fp32 rows [M <= max_rows, in] in
+place of `__call__` (the same result).
 """
 
 from __future__ import annotations

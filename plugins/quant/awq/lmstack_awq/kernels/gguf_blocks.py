@@ -12,14 +12,16 @@ Batches of at most `lmstack_gguf.kernel.NATIVE_MAX_ROWS` rows take the kernel wi
 activations (the dequantized model's result up to fp32 summation order), or with
 `layer.int8_activations` the kernel that rounds x to int8 per 32 values first (llama.cpp's
 scheme, `fp32_activations: int8`); larger ones dequantize the blocks a slab at a time and
-multiply densely in fp32 — or, with int8 activations on a CPU with AVX2 or AVX-512, from 6 rows,
-multiply by the blocks re-laid out in 16-row panels (lmstack-gguf's `prefill: panels`) — or, on
-a CPU with native bf16, from 17 rows, by a bf16 copy of the layer made at load (x rounded to
-bf16). The blocks replace the layer's nibble buffer,
-so the module holds one copy of the weight; `codes` reads the nibbles back.
+multiply densely in fp32 — or, with int8 activations on a CPU with AVX2 or AVX-512, from 6 rows
+(every batch where AVX2 is the widest code), multiply by the blocks re-laid out in 16-row panels
+(lmstack-gguf's `prefill: panels`) — or, on a CPU with native bf16, from 17 rows, by a bf16 copy
+of the layer made at load (x rounded to bf16). The blocks replace the layer's nibble buffer, so
+the module holds one copy of the weight; `codes` reads the nibbles back.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -64,17 +66,18 @@ class GGUFBlocks:
         d, m = fp16_bytes(scale), fp16_bytes(-zero * scale)
         layer.w_packed = torch.cat((d, m, nibbles), dim=-1).reshape(n, nb * BLOCK_BYTES).contiguous()
         from lmstack_gguf.kernel import NATIVE_MAX_ROWS, native_kernel
-        from lmstack_gguf.quantizer import BF16_COPY_MIN_ROWS, PANELS_MIN_ROWS, panels_cpu
+        from lmstack_gguf.quantizer import BF16_COPY_MIN_ROWS, layer_panels_min_rows, panels_cpu
 
         ext = native_kernel()
         self.matmuls, self.max_rows = (ext.gguf_matmul, ext.gguf_matmul_q8), NATIVE_MAX_ROWS
         self.dense: torch.Tensor | None = None
         # With int8 activations where the panel kernel runs (AVX2 or AVX-512): panels (0.75 bytes a weight) take
-        # batches from 6 rows, the crossover with the block kernel lmstack-gguf measured.
+        # batches from 6 rows (AVX-512) or every batch (AVX2 only), the crossovers with the block
+        # kernel lmstack-gguf measured.
         self.panels: torch.Tensor | None = None
         if layer.int8_activations and panels_cpu():
             self.panels = ext.gguf_pack_panels(layer.w_packed, Q4_1, k)
-            self.panel_matmul, self.max_rows = ext.gguf_matmul_panels, PANELS_MIN_ROWS - 1
+            self.panel_matmul, self.max_rows = ext.gguf_matmul_panels, layer_panels_min_rows() - 1
             return
         # On a CPU with native bf16 a bfloat16 copy (2 bytes a weight) takes batches over 16 rows
         # (prefill): its matmul runs ~4x faster than fp32 there, and rebuilding the layer in
@@ -88,9 +91,15 @@ class GGUFBlocks:
             self.max_rows = BF16_COPY_MIN_ROWS - 1
 
     def direct(self, layer) -> tuple:
-        """What `__call__` runs on decode rows for `Int4Linear`'s fast path: (ops, weight, type,
-        max rows), ops indexed by `layer.int8_activations` (read per call, as `__call__` does)."""
-        return (self.matmuls, layer.w_packed, Q4_1, self.max_rows)
+        """What `__call__` runs on decode rows, for `Int4Linear`'s fast path: ((op, args) with
+        fp32 activations, (op, args) with int8 ones, most rows), the pair indexed by
+        `layer.int8_activations` (read per call, as `__call__` does). With panels for every
+        batch, both are the panel op, as in `__call__`."""
+        if self.panels is not None and self.max_rows == 0:
+            panels = (self.panel_matmul, (self.panels, Q4_1, layer.out_features))
+            return (panels, panels, sys.maxsize)
+        blocks = (layer.w_packed, Q4_1)
+        return ((self.matmuls[0], blocks), (self.matmuls[1], blocks), self.max_rows)
 
     def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.shape[0] <= self.max_rows and x.stride(-1) == 1:
