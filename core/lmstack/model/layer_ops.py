@@ -47,7 +47,9 @@ def native() -> ModuleType | None:
 
 
 def _takes(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad
+    # `is_cpu` rather than `device.type`: this runs ~240 times a decode step, and building the
+    # device object cost ~0.5 us of the 0.7 (Zen 3).
+    return x.dtype is torch.float32 and x.is_cpu and not x.requires_grad
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
