@@ -344,7 +344,7 @@ def test_panels_for_every_batch_make_a_rows_result_the_same_in_any_batch(bias):
 
 def test_layers_take_panels_from_one_row_where_avx2_is_the_widest_code(monkeypatch):
     """The crossover the quantizer uses for decoder layers: every batch with AVX2 as the widest
-    code (measured on Zen 3), from PANELS_MIN_ROWS with AVX-512 VNNI; no kernels, no panels."""
+    code (measured on Zen 3), from PANELS_MIN_ROWS with AVX-512 VNNI."""
     from lmstack_gguf import quantizer
 
     class Ext:
