@@ -69,8 +69,8 @@ class Int4Linear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out, dtype=spec.params_dtype), requires_grad=False)
             set_weight_loader(self.bias, self._bias_loader(), num_shards=len(spec.output_sizes))
         self._kernel: kernels.Int4Kernel | None = None
-        # (ops by int8_activations, weight, type, max rows): decode rows straight to the
-        # kernel's C++ op, set with the kernel (`Int4Kernel.direct`).
+        # ((op, args) fp32, (op, args) int8, most rows): decode rows straight to the kernel's
+        # C++ op, set with the kernel (`Int4Kernel.direct`).
         self._direct: tuple | None = None
         # fp32 activations on the CPU computed exactly (else small batches run the op in bf16):
         # the quantizer's `fp32_activations` option.

@@ -176,8 +176,8 @@ def test_int8_activation_batches_take_panels_where_vnni_runs():
     big = torch.randn(rng.randint(first, 80), k)
     out = layer(big)
     assert torch.equal(out, ext.gguf_matmul_panels(big, layer.kernel.panels, 3, n))
-    # A row's result is the same whatever batch it is in (the panels sum each row on its own).
-    assert torch.equal(layer(big[:1]), out[:1]) or first > 1
+    if first == 1:  # a row's result is the same whatever batch it is in (panels sum rows alone)
+        assert torch.equal(layer(big[:1]), out[:1])
     blocks = ext.gguf_matmul_q8(big, layer.w_packed, 3)
     assert float((out - blocks).abs().max()) <= 1e-5 * float(blocks.abs().max())
     assert _is_int8_rounded_x_times_blocks(out, big, layer)

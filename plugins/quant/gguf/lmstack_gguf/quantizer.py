@@ -24,12 +24,12 @@ BF16_COPY_MIN_ROWS = 17
 
 # With panels, batches from this many rows multiply by them: the crossover with the block
 # kernel over a decode step's layers on a 2-core Zen 5 EPYC was between 5 and 6 rows with
-# AVX-512 VNNI, between 2 and 4 with the AVX2 code (README); one value for both.
+# AVX-512 VNNI, between 2 and 4 with the AVX2 code on that CPU (README). AVX2-only CPUs: below.
 PANELS_MIN_ROWS = 6
 
 # Where AVX2 is the widest code (no AVX-512 VNNI), the panels beat the block kernel from one row
-# on: a batch-1 decode step over SmolLM2's layers on a 2-core Zen 3 EPYC (AVX2 only) took
-# 0.84-0.96x the block kernel's time, ~0.8x at 4 rows (README). (The AVX2 code on a Zen 5, with
+# on: a decode step over SmolLM2's layers on a 2-core Zen 3 EPYC (AVX2 only) took 0.73x the
+# block kernel's time at 4 rows, 0.88-0.99x at one (benchmarks/panels_from_ab.py, README). (The AVX2 code on a Zen 5, with
 # twice the multiply throughput, crossed over between 2 and 4 rows.) Every batch then takes the
 # panels, which also makes a row's result the same in any batch. The Q8_0 LM head keeps the
 # block kernel below PANELS_MIN_ROWS: it was faster at one row there too (1.1 vs 1.3 ms).
