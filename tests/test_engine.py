@@ -300,6 +300,9 @@ class ReplayDrafter(Speculator):
     acceptance and rejection paths run."""
 
     num_draft_tokens = 4
+    # The verification seam is under test, not the draft length policy: on the shared engine the
+    # policy's cost measurements from earlier tests may rightly say no draft pays on this CPU.
+    adaptive = False
 
     def __init__(self, continuation: list[int], prompt_len: int, vocab: int | None = None):
         self.cont, self.prompt_len = continuation, prompt_len

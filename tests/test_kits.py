@@ -328,6 +328,8 @@ def test_a_lossy_quantizer_passes_within_its_declared_error_and_fails_without(ti
 class Greedy(Speculator):
     """Proposes `k` copies of the sequence's last token; wrong in the ways set below."""
 
+    adaptive = False  # asked every step: what the kit catches must not hang on the policy's timing
+
     def __init__(self, k: int, declared: int, mutate: bool = False) -> None:
         self.k, self.num_draft_tokens, self.mutate = k, declared, mutate
         self.mutated: set[int] = set()
@@ -336,8 +338,8 @@ class Greedy(Speculator):
         out = {}
         for seq in seqs:
             out[seq.seq_id] = [seq.token_ids[-1]] * self.k
-            # A drafter editing the sequence it reads, once per sequence (whichever step the
-            # adaptive draft length first asks it on after two output tokens).
+            # A drafter editing the sequence it reads, once per sequence (the first step it is
+            # asked on after two output tokens).
             if self.mutate and seq.num_output_tokens >= 2 and seq.seq_id not in self.mutated:
                 self.mutated.add(seq.seq_id)
                 seq.token_ids[-1] = (seq.token_ids[-1] + 1) % 200

@@ -228,6 +228,7 @@ class CorruptingDrafter(Speculator):
     """Drafts a known continuation with every other draft corrupted (rejections, rollbacks)."""
 
     num_draft_tokens = 3
+    adaptive = False  # drafts on every step, whatever the policy would measure on this CPU
 
     def __init__(self, continuation: list[int], prompt_len: int):
         self.cont, self.prompt_len, self.proposed = continuation, prompt_len, 0
