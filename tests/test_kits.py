@@ -259,6 +259,32 @@ class DropsBias(Quantizer):
         return make
 
 
+class ReusesOutput(Quantizer):
+    """Builds layers that write every call's result into one kept buffer (right values, but the
+    model's in-place residual adds would overwrite the previous result)."""
+
+    def linear_factory(self):
+        def make(spec):
+            layer = default_linear(spec)
+            plain = layer.forward
+
+            def forward(x):
+                out = plain(x)
+                kept = layer.__dict__.setdefault("kept", torch.empty_like(out))
+                return kept.resize_as_(out).copy_(out)
+
+            layer.forward = forward
+            return layer
+
+        return make
+
+
+def test_quantizer_kit_catches_a_layer_that_returns_a_kept_buffer():
+    reuse = replace(none_quantizer.COMPONENT, name="reuses-output", factory=lambda o, c: ReusesOutput())
+    with pytest.raises(AssertionError, match="output shares memory .* a new tensor the caller owns"):
+        kit(QuantizerConformance, reuse).test_linear_layers_match_dense_reference()
+
+
 def test_quantizer_kit_checks_the_declared_kv_cache_dtype():
     liar = replace(none_quantizer.COMPONENT, capabilities={"kv_cache_dtype": "float16"})
     with pytest.raises(AssertionError, match="declares kv_cache_dtype 'float16', its instance has None"):

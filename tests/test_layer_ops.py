@@ -119,6 +119,40 @@ def test_rotate_in_place_is_the_reference_bit_for_bit(scaling, tokens, heads, kv
     assert torch.equal(qkv, expected)  # V untouched, Q and K the reference's bits
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("pad", [0, 3])
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "d"), [(1, 9, 3, 64), (7, 5, 1, 18), (70, 4, 2, 32)])
+def test_qkv_split_and_rotation_is_the_reference_bit_for_bit(isa, pad, tokens, heads, kv_heads, d):
+    """`qkv_rope_`: Q and K rotated in place, V untouched, and q / k / v views of the fused
+    output, on its own rows or a column slice of a wider tensor (`pad`); the native op with each
+    build, and the torch fallback (bf16) the same views."""
+    g = torch.Generator().manual_seed(tokens * d + pad)
+    rope = RotaryEmbedding(d, 4096, 10000.0, None)
+    tables = rope.tables_full(torch.randint(0, 4096, (tokens,), generator=g), torch.float32)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d + pad, generator=g)[:, pad:]
+    expected = qkv.clone()
+    heads_view = expected.view(tokens, -1, d)
+    rotate_reference(heads_view[:, : heads + kv_heads], *tables)
+    if NATIVE is not None:
+        halves = (tables[0][:, 0, 0], tables[1][:, 0, 1])
+        q, k, v = NATIVE.qkv_rope_(qkv, *halves, heads, kv_heads, isa)
+    else:
+        q, k, v = layer_ops.qkv_rope_(qkv, *tables, heads, kv_heads)
+    assert torch.equal(qkv, expected)
+    for got, want in zip((q, k, v), expected.view(tokens, -1, d).split((heads, kv_heads, kv_heads), 1)):
+        assert got.shape == want.shape and torch.equal(got, want)
+    assert q.data_ptr() == qkv.data_ptr()
+    assert k.data_ptr() == qkv.data_ptr() + heads * d * 4 and v.data_ptr() == k.data_ptr() + kv_heads * d * 4
+    # The wrapper off the native op's dtype (bf16): the torch ops, the same split.
+    half = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(torch.bfloat16)
+    half_tables = rope.tables_full(torch.randint(0, 4096, (tokens,), generator=g), torch.bfloat16)
+    ref = half.clone()
+    rotate_reference(ref.view(tokens, -1, d)[:, : heads + kv_heads], *half_tables)
+    hq, hk, hv = layer_ops.qkv_rope_(half, *half_tables, heads, kv_heads)
+    assert torch.equal(half, ref)
+    assert torch.equal(torch.cat((hq, hk, hv), 1), ref.view(tokens, -1, d))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_other_dtypes_take_the_reference_ops(dtype):
     g = torch.Generator().manual_seed(3)
@@ -149,6 +183,8 @@ def test_bad_input_is_a_clear_error():
         NATIVE.silu_mul_(torch.randn(2, 7), -1)
     with pytest.raises(RuntimeError, match="gate_up must be"):
         NATIVE.silu_mul_(torch.randn(2, 8, dtype=torch.float64), -1)
+    with pytest.raises(RuntimeError, match="are not 5 heads"):
+        NATIVE.qkv_rope_(torch.randn(2, 24), torch.randn(2, 2), torch.randn(2, 2), 3, 1, -1)
 
 
 @needs_native

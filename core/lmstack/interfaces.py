@@ -405,10 +405,11 @@ class LinearSpec:
 
 
 LinearFactory = Callable[[LinearSpec], nn.Module]
-"""LinearSpec -> a module mapping [..., in] -> [..., out]. Every parameter it loads from the
-checkpoint carries a `weight_loader` (`lmstack.model.weight_loader`); the module's parameter
-names are what the checkpoint's tensor suffixes map to (`qkv_proj.weight`, `qkv_proj.bias`, or a
-quantizer's own, e.g. `qkv_proj.qweight`)."""
+"""LinearSpec -> a module mapping [..., in] -> [..., out], each call's output a new tensor the
+caller owns (the model rotates, and adds residuals into, projections' outputs in place). Every
+parameter it loads from the checkpoint carries a `weight_loader` (`lmstack.model.weight_loader`);
+the module's parameter names are what the checkpoint's tensor suffixes map to
+(`qkv_proj.weight`, `qkv_proj.bias`, or a quantizer's own, e.g. `qkv_proj.qweight`)."""
 
 
 class Quantizer(ABC):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from lmstack.model.checkpoint import CheckpointTensor
 from lmstack.model.config import ModelConfig
 from lmstack.model.gguf_loader import llama_gguf_tensor, load_gguf_config
 from lmstack.model.hf_loader import parse_llama_config
-from lmstack.model.layer_ops import rms_norm, rotate_, silu_mul
+from lmstack.model.layer_ops import qkv_rope_, rms_norm, silu_mul
 from lmstack.model.linear import default_linear, dense_parameter
 from lmstack.model.rope import RotaryEmbedding
 from lmstack.model.stages import StageLayers
@@ -108,17 +109,15 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] (left untouched: a caller may keep it as a layer's hidden state);
         rope: the step's full-width cos / sin tables (`RotaryEmbedding.tables_full`)."""
-        t, qs, kvs = x.shape[0], self.q_size, self.kv_size
         qkv = self.qkv_proj(self.input_layernorm(x))
-        # Q and K heads sit side by side in the fused projection: rotate them in one go, in place.
-        rotate_(qkv[:, : qs + kvs].view(t, -1, self.head_dim), *rope)
-        q = qkv[:, :qs].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, qs : qs + kvs].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, qs + kvs :].view(t, self.num_kv_heads, self.head_dim)
+        # Q and K heads sit side by side in the fused projection: rotated in one go, in place.
+        q, k, v = qkv_rope_(qkv, *rope, self.num_heads, self.num_kv_heads)
         o = attn.attend(self.index, q, k, v)
-        # The residual add happens in place on o_proj's (fresh) output, inside the norm.
-        h, x = self.post_attention_layernorm(tp_all_reduce(self.o_proj(o.reshape(t, qs))), x)
-        return x + self.mlp(h)
+        # The residual adds happen in place on o_proj's and down_proj's (fresh) outputs.
+        h, x = self.post_attention_layernorm(
+            tp_all_reduce(self.o_proj(o.reshape(x.shape[0], self.q_size))), x
+        )
+        return self.mlp(h).add_(x)
 
 
 class LlamaModel(nn.Module):
@@ -215,7 +214,8 @@ class LlamaModel(nn.Module):
         hidden: dict[int, torch.Tensor] = {}
         want = set(hidden_state_layers)
         rows = hidden_rows if hidden_rows is not None else logits_indices
-        for layer in self.layers[stage.start : stage.end]:
+        # islice, not `self.layers[start:end]`: slicing a ModuleList builds a new one (~130 us).
+        for layer in islice(self.layers, stage.start, stage.end):
             x = layer(x, rope, attn)
             if layer.index in want:
                 hidden[layer.index] = x if rows is None else x[rows]

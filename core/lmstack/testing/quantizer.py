@@ -141,10 +141,18 @@ class QuantizerConformance(ComponentKit):
                 x = torch.randn(rng.randint(1, 9), in_features)
                 w, b = torch.cat(weights), torch.cat(biases) if bias else None
                 with torch.no_grad():
-                    out = layer(x.to(dtype))
+                    x_in = x.to(dtype)
+                    out = layer(x_in)
+                    again = layer(x_in)
                     ref = nn.functional.linear(x, w, b)
                     plain = self._plain(x, w, b, dtype)
                 where = f"{dtype} linear {spec.name} ({in_features} -> {sizes}, bias={bias})"
+                # The model rotates and adds residuals into a projection's output in place.
+                shared = [t for t in (x_in, again, *layer.parameters(), *layer.buffers()) if _aliases(out, t)]
+                assert not shared, (
+                    f"{where}: the output shares memory with the input, the layer's tensors or the "
+                    "next call's output; a linear must return a new tensor the caller owns"
+                )
                 assert tuple(out.shape) == tuple(ref.shape), f"{where}: output shape {tuple(out.shape)}"
                 assert out.dtype == dtype, f"{where}: output dtype {out.dtype}"
                 err = rel_error(out, ref)
@@ -367,3 +375,8 @@ def write_quantized_folder(src, dst, weight_format, ignore: tuple[str, ...] = ("
     config["quantization_config"] = weight_format.quantization_config(list(ignore))
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are views of one storage."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
