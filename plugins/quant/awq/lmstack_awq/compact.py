@@ -67,6 +67,11 @@ class Int4Rows(nn.Module):
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         lin = self.linear
+        if lin.kernel is None:
+            lin.prepare()  # the kernel says how its rows read back (as the head multiplies by them)
+        row_values = getattr(lin.kernel, "row_values", None)
+        if row_values is not None:
+            return row_values(lin, ids, dtype)
         codes = lin.row_codes(ids)
         return dequantize_int4(codes, lin.w_scales[ids], lin.w_zeros[ids], lin.group_size, dtype)
 

@@ -117,6 +117,17 @@ def test_gguf_blocks_match_the_dequantized_layer_and_give_codes_back(symmetric):
     assert torch.equal(layer.codes(), codes)
     ids = torch.tensor([0, n - 1, n // 2])
     assert torch.equal(layer.row_codes(ids), codes[ids])
+    # The embedding lookup of a tied int4 head: the rows of the blocks the matmul multiplies by,
+    # the dequantized weight's up to m's fp16 rounding.
+    rows = layer.kernel.row_values(layer, ids, torch.float32)
+    assert torch.equal(rows, layer(torch.eye(k)).t()[ids])
+    assert torch.all((rows - w[ids]).abs() <= 2**-12 * 15 * w.abs().max() + 1e-7)
+    from lmstack_awq.compact import Int4Rows
+
+    table = Int4Rows(torch.randn(n, k), group)
+    assert torch.equal(
+        table.rows(ids, torch.bfloat16), table.linear.kernel.row_values(table.linear, ids, torch.bfloat16)
+    )
     # fp32_activations: int8: decode batches round x to int8 per 32 values (lmstack-gguf's q8 kernel).
     layer.int8_activations = True
     from lmstack_gguf.kernel import native_kernel
