@@ -80,3 +80,38 @@ def test_matches_transformers_llama(tiny_model_path):
     theirs = torch.stack([logprobs[i - 1, ids[i]] for i in range(1, len(ids))])
     assert (ours - theirs).abs().max() < 1e-4
     assert out.token_ids == expected.tolist()
+
+
+def test_hooks_on_the_models_modules_still_run(tiny_model_path):
+    """The decoder calls its modules' `forward` directly where no hook is registered (a CPU
+    saving at batch 1); a module's own hooks and global ones still run, and change the output
+    when they change a module's."""
+    llm = reference_llm(tiny_stack(tiny_model_path))
+    model = llm.engine.executor.runner.model
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate(PROMPT, params)[0].token_ids
+    seen: list[str] = []
+    handles = [
+        model.layers[0].register_forward_pre_hook(lambda m, a: seen.append("layer 0")),
+        model.layers[1].qkv_proj.register_forward_hook(lambda m, a, out: seen.append("qkv 1")),
+        model.layers[1].post_attention_layernorm.register_forward_hook(
+            lambda m, a, out: seen.append("norm 1")
+        ),
+        # Zeroing every MLP's contribution changes what the model says.
+        *(layer.down_proj.register_forward_hook(lambda m, a, out: out * 0) for layer in model.layers),
+    ]
+    try:
+        hooked = llm.generate(PROMPT, params)[0].token_ids
+    finally:
+        for h in handles:
+            h.remove()
+    assert {"layer 0", "qkv 1", "norm 1"} <= set(seen)
+    assert hooked != plain
+    calls: list[type] = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: calls.append(type(m)))
+    try:
+        assert llm.generate(PROMPT, params)[0].token_ids == plain
+    finally:
+        handle.remove()
+    assert model.layers[0].qkv_proj.__class__ in calls and model.layers[0].__class__ in calls
+    assert llm.generate(PROMPT, params)[0].token_ids == plain
