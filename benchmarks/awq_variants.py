@@ -17,10 +17,15 @@ windows with the tied head dense (what the linears cost, not the head):
   - `awq-dense`: the core's search, but each layer calibrates on the dense model's outputs of
     the layers before it (as llm-awq and AutoAWQ propagate), not on the quantized layers';
   - `clip2d`: the same scales, then a joint search over both ends of each (row, group)'s range
-    (20 x 20 ratios of its min and max) instead of one shared ratio refined side by side.
+    (20 x 20 ratios of its min and max) instead of one shared ratio refined side by side;
+  - `flip`: the same scales and clipping search, then the round-to-nearest codes refined by
+    greedy flips (one code per row per pass moved to its other neighbour on the grid, the flip
+    that lowers the row's e^T H e the most, H the captured inputs' second moments) until no flip
+    helps or `--flip-passes` passes; `rtn-flip`: the same flips of plain round-to-nearest codes
+    (no scale or clipping search), against `sensitivity`'s round-to-nearest row.
 
 Usage: python benchmarks/awq_variants.py sensitivity
-       python benchmarks/awq_variants.py awq|awq-dense|gptq-static|clip2d [--num-samples 32] [--damping 0.01]
+       python benchmarks/awq_variants.py awq|awq-dense|gptq-static|clip2d|flip|rtn-flip [--num-samples 32] [--damping 0.01]
 Prints one JSON line per result (name the CPU yourself: the numbers do not depend on it beyond
 fp32 summation order).
 """
@@ -54,6 +59,7 @@ from lmstack.quantize import (
     generate_calibration_text,
 )
 from lmstack_awq.gptq import gptq_int4
+from lmstack_awq.int4_math import QMAX, expand_groups, group_params
 
 ROOT = Path(__file__).resolve().parent.parent
 HELDOUT = ROOT / "benchmarks/data/heldout_gpl3.txt"
@@ -105,7 +111,44 @@ def clip_joint(weight: torch.Tensor, x: torch.Tensor, fmt, steps: int = 20) -> t
 
 
 @torch.no_grad()
-def awq_variant(model: CalibrationModel, samples: torch.Tensor, fmt, variant: str, damping: float) -> None:
+def flip_round(weight: torch.Tensor, h: torch.Tensor, fmt, passes: int, damping: float) -> torch.Tensor:
+    """`weight` quantized with round-to-nearest's group scales and zeros, its codes then moved
+    one at a time to the other grid neighbour of the value while that lowers e^T H e per row
+    (e: the row's weight error; H damped by `damping` x its mean diagonal). Returns the
+    dequantized weight. He is kept up to date as codes move (one row of H per flip)."""
+    out_f, in_f = weight.shape
+    scale, zero = group_params(weight, fmt.scheme)
+    g = fmt.scheme.effective_group(in_f)
+    s, z = expand_groups(scale, in_f, g), expand_groups(zero.float(), in_f, g)
+    u = weight.float() / s + z
+    q = u.round().clamp(0, QMAX)
+    hd = h.float().clone()
+    hd.diagonal().add_(damping * hd.diagonal().mean())
+    diag = hd.diagonal()
+    e = (q - u) * s
+    he = e @ hd
+    rows = torch.arange(out_f)
+    for _ in range(passes):
+        d = torch.where(q > u, -1.0, 1.0)
+        step = d * s
+        gain = 2 * step * he + step * step * diag  # the change of e^T H e if this code flips
+        gain = gain.masked_fill(((q + d) < 0) | ((q + d) > QMAX), float("inf"))
+        best, col = gain.min(dim=-1)
+        take = best < 0
+        if not take.any():
+            break
+        r, c = rows[take], col[take]
+        st = step[r, c]
+        q[r, c] += d[r, c]
+        e[r, c] += st
+        he[r] += st[:, None] * hd[c]
+    return (q - z) * s
+
+
+@torch.no_grad()
+def awq_variant(
+    model: CalibrationModel, samples: torch.Tensor, fmt, variant: str, damping: float, flip_passes: int = 256
+) -> None:
     """The core's per-layer AWQ loop (scales, clipping, propagation of quantized outputs) with the
     clipping or rounding step swapped; clipping runs after every scale of the layer is folded,
     which gives what `awq_calibrate` gives (a row's clip ratio does not change when the row is
@@ -117,7 +160,7 @@ def awq_variant(model: CalibrationModel, samples: torch.Tensor, fmt, variant: st
         dense_out, inputs = model.layer_forward(i, x, capture=True)
         groups = model.scale_groups(i)
         for group in groups:
-            if group.prev is not None:
+            if group.prev is not None and variant != "rtn-flip":
                 s_prev, _ = search_scales(group, weights, inputs[group.input][:loss_n], fmt, cfg)
                 _fold(weights, group.prev, s_prev)
                 s = group.expand(s_prev)
@@ -131,13 +174,15 @@ def awq_variant(model: CalibrationModel, samples: torch.Tensor, fmt, variant: st
             h = flat.float().t() @ flat.float() / flat.shape[0]
             for name in group.linears:
                 clipped = weights[name]
-                if name in group.clip:
+                if name in group.clip and variant != "rtn-flip":
                     clipped = (
                         clip_joint(clipped, sub, fmt)
                         if variant == "clip2d"
                         else search_clip(clipped, sub, fmt, cfg)[0]
                     )
-                if variant == "gptq-static":
+                if variant in ("flip", "rtn-flip"):
+                    quantized[name] = flip_round(clipped, h, fmt, flip_passes, damping)
+                elif variant == "gptq-static":
                     quantized[name] = gptq_int4(
                         weights[name], h, fmt.scheme, torch.float16, ranges_from=clipped, damping=damping
                     ).dequantize()
@@ -151,12 +196,15 @@ def awq_variant(model: CalibrationModel, samples: torch.Tensor, fmt, variant: st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["sensitivity", "awq", "awq-dense", "gptq-static", "clip2d"])
+    ap.add_argument(
+        "what", choices=["sensitivity", "awq", "awq-dense", "gptq-static", "clip2d", "flip", "rtn-flip"]
+    )
     ap.add_argument("--stack", default=str(ROOT / "examples/stacks/cpu.yaml"))
     ap.add_argument("--calibration", default="self", help="a text file, or self (the model's own answers)")
     ap.add_argument("--self-text", default="/tmp/lmstack-awq-self.txt", help="where the self text is kept")
     ap.add_argument("--num-samples", type=int, default=32)
-    ap.add_argument("--damping", type=float, default=0.01, help="gptq-static: H's diagonal damping")
+    ap.add_argument("--damping", type=float, default=0.01, help="gptq-static, flip: H's diagonal damping")
+    ap.add_argument("--flip-passes", type=int, default=256, help="flip: at most this many flips per row")
     args = ap.parse_args()
 
     stack = load_stack_with_model(args.stack, None)
@@ -198,7 +246,7 @@ def main() -> None:
         awq_calibrate(model, samples, fmt, AWQConfig())
         fake_quantize_linears(model, fmt)
     else:
-        awq_variant(model, samples, fmt, args.what, args.damping)
+        awq_variant(model, samples, fmt, args.what, args.damping, args.flip_passes)
     report(args.what, perplexity(model, ids), num_samples=int(samples.shape[0]), calibration=args.calibration)
 
 

@@ -483,23 +483,59 @@ static inline vf lane_sums(const vf* p) {
 #endif
 }
 
-// acc rows [g0, g0 + R) += p rows x the tile's V rows, R accumulator rows held in registers.
-template <int Kind, int NV, int R>
-static inline void pv_rows(float* acc, const float* s, const char* vc, const int64_t* off, int n, int g0,
+// Vector columns per pass over a tile's V rows: all NV of a row where four rows' accumulators, the
+// V vectors and a broadcast fit in the registers, else the widest power of two that does (AVX2
+// with a 64-wide head: 2 of 8), so that each V vector is widened once for up to four rows instead
+// of once per row.
+constexpr int pv_cols(int nv) {
+  int c = nv;
+  while (c > 1 && 4 * c + c + 1 > NREG) c /= 2;
+  return c;
+}
+
+// acc rows [g0, g0 + R), vector columns [c0, c0 + CV) of their NV, += p rows x the tile's V rows:
+// R x CV accumulators held in registers, each V vector loaded (widened) once for all R rows. Every
+// accumulator lane takes the same multiply-adds in the same key order whatever R and CV are.
+template <int Kind, int NV, int CV, int R>
+static inline void pv_rows(float* acc, const float* s, const char* vc, const int64_t* off, int n, int g0, int c0,
                            const float* lut) {
-  vf a[R][NV];
+  vf a[R][CV];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) a[r][c] = vload(acc + size_t(g0 + r) * NV * W + c * W);
+    for (int c = 0; c < CV; ++c) a[r][c] = vload(acc + size_t(g0 + r) * NV * W + (c0 + c) * W);
   for (int j = 0; j < n; ++j) {
-    vf v[NV];
-    for (int c = 0; c < NV; ++c) v[c] = load_vec<Kind>(vc + off[j], c, lut);
+    vf v[CV];
+    for (int c = 0; c < CV; ++c) v[c] = load_vec<Kind>(vc + off[j], c0 + c, lut);
     for (int r = 0; r < R; ++r) {
       const vf p = vset1(s[size_t(g0 + r) * KEY_TILE + j]);
-      for (int c = 0; c < NV; ++c) a[r][c] = vfma(p, v[c], a[r][c]);
+      for (int c = 0; c < CV; ++c) a[r][c] = vfma(p, v[c], a[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) vstore(acc + size_t(g0 + r) * NV * W + c * W, a[r][c]);
+    for (int c = 0; c < CV; ++c) vstore(acc + size_t(g0 + r) * NV * W + (c0 + c) * W, a[r][c]);
+}
+
+// Scores of rows [g0, g1) against the tile's n keys (key j's row at row(j), Kind), W keys at a
+// time summed by the shuffle tree; each query row stays in registers while it is scored.
+template <int Kind, int NV, typename RowFn>
+static inline void score_rows(const float* q, int g0, int g1, int n, RowFn row, float* s, const float* lut) {
+  for (int g = g0; g < g1; ++g) {
+    vf qv[NV];
+    for (int c = 0; c < NV; ++c) qv[c] = vload(q + size_t(g) * NV * W + c * W);
+    for (int j0 = 0; j0 < n; j0 += W) {
+      vf p[W];
+#pragma GCC unroll 16
+      for (int j = 0; j < W; ++j) {
+        vf a = vzero();
+        if (j0 + j < n) {
+          const char* k = row(j0 + j);
+#pragma GCC unroll 8
+          for (int c = 0; c < NV; ++c) a = vfma(qv[c], load_vec<Kind>(k, c, lut), a);
+        }
+        p[key_slot(j)] = a;
+      }
+      vstore(s + size_t(g) * KEY_TILE + j0, lane_sums(p));
+    }
+  }
 }
 
 template <int Kind, int NV>
@@ -514,8 +550,12 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
   const int64_t head_bytes = int64_t(NV) * W * esize;
   const int heads = (rows + group - 1) / group;
   const PosRange span(pos, rows);
-  // Accumulator rows per pass over the tile's V rows: half the registers, at most 4.
-  constexpr int RC = NREG / 2 / NV >= 4 ? 4 : NREG / 2 / NV > 0 ? NREG / 2 / NV : 1;
+  // Per pass over the tile's V rows: CV vector columns of up to RC accumulator rows. fp32 V rows
+  // are used as they lie (loads folded into the multiply-adds): whole rows, accumulators in half
+  // the registers (at most 4 rows), measured faster than column passes; bf16 / fp8 rows cost a
+  // widening per vector, so column passes share each widened vector among up to 4 rows.
+  constexpr int CV = Kind == KV_F32 ? NV : pv_cols(NV);
+  constexpr int RC = Kind != KV_F32 ? 4 : NREG / 2 / NV >= 4 ? 4 : NREG / 2 / NV > 0 ? NREG / 2 / NV : 1;
   const int nkeys = k_end - k_begin;
   if (sc.offs.size() < size_t(nkeys)) sc.offs.resize(size_t(nkeys) * 2);
   int64_t* offs = sc.offs.data();
@@ -554,22 +594,21 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
         for (int64_t b = 0; b < row_bytes; b += 64) sum += *reinterpret_cast<const volatile char*>(vc + o[j] + b);
       sc.sink += sum;
     }
-    for (int g = 0; g < rows; ++g) {
-      const char* kh = kc + (g / group) * head_bytes;
-      vf qv[NV];
-      for (int c = 0; c < NV; ++c) qv[c] = vload(q + size_t(g) * NV * W + c * W);
-      for (int j0 = 0; j0 < n; j0 += W) {
-        vf p[W];
-#pragma GCC unroll 16
-        for (int j = 0; j < W; ++j) {
-          vf a = vzero();
-          if (j0 + j < n) {
-#pragma GCC unroll 8
-            for (int c = 0; c < NV; ++c) a = vfma(qv[c], load_vec<Kind>(kh + o[j0 + j], c, lut), a);
-          }
-          p[key_slot(j)] = a;
-        }
-        vstore(s + size_t(g) * KEY_TILE + j0, lane_sums(p));
+    for (int h0 = 0; h0 < rows; h0 += group) {  // each KV head's rows
+      const char* kh = kc + (h0 / group) * head_bytes;
+      const int h1 = std::min(rows, h0 + group);
+      if constexpr (Kind == KV_F32) {
+        score_rows<KV_F32, NV>(q, h0, h1, n, [&](int j) { return kh + o[j]; }, s, lut);
+      } else if (h1 - h0 == 1) {
+        score_rows<Kind, NV>(q, h0, h1, n, [&](int j) { return kh + o[j]; }, s, lut);
+      } else {
+        // The head's K rows widened to fp32 once (exactly: bf16 / fp8 values are fp32 values),
+        // then read from L1 by each of its query rows, rather than widened once per row.
+        float* kb = sc.kbuf.data();
+        for (int j = 0; j < n; ++j)
+          for (int c = 0; c < NV; ++c) vstore(kb + (size_t(j) * NV + c) * W, load_vec<Kind>(kh + o[j], c, lut));
+        const char* kbytes = reinterpret_cast<const char*>(kb);
+        score_rows<KV_F32, NV>(q, h0, h1, n, [&](int j) { return kbytes + size_t(j) * NV * W * sizeof(float); }, s, lut);
       }
     }
     const bool masked = span.masks(t0, n, window);
@@ -581,13 +620,15 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
     for (int h0 = 0; h0 < rows; h0 += group) {  // each KV head's rows
       const char* vh = vc + (h0 / group) * head_bytes;
       const int h1 = std::min(rows, h0 + group);
-      int g0 = h0;
-      for (; g0 + RC <= h1; g0 += RC) pv_rows<Kind, NV, RC>(acc, s, vh, o, n, g0, lut);
-      switch (h1 - g0) {  // the rest in one pass too (RC <= 4)
-        case 3: pv_rows<Kind, NV, 3>(acc, s, vh, o, n, g0, lut); break;
-        case 2: pv_rows<Kind, NV, 2>(acc, s, vh, o, n, g0, lut); break;
-        case 1: pv_rows<Kind, NV, 1>(acc, s, vh, o, n, g0, lut); break;
-        default: break;
+      for (int c0 = 0; c0 < NV; c0 += CV) {
+        int g0 = h0;
+        for (; g0 + RC <= h1; g0 += RC) pv_rows<Kind, NV, CV, RC>(acc, s, vh, o, n, g0, c0, lut);
+        switch (h1 - g0) {  // the rest in one pass too (RC <= 4)
+          case 3: pv_rows<Kind, NV, CV, 3>(acc, s, vh, o, n, g0, c0, lut); break;
+          case 2: pv_rows<Kind, NV, CV, 2>(acc, s, vh, o, n, g0, c0, lut); break;
+          case 1: pv_rows<Kind, NV, CV, 1>(acc, s, vh, o, n, g0, c0, lut); break;
+          default: break;
+        }
       }
     }
   }
