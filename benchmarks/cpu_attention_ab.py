@@ -8,8 +8,8 @@ source hash) and called with the same inputs: SmolLM2-135M's geometry (9 query /
 head dim 64) and a Llama-8B-like one (32 / 8, 128), block size 16 with shuffled block tables, a
 bf16, fp32 and scaled fp8 (e4m3) cache, for decode at batch 1 (300 and 2,000 keys) and 32
 (~220 keys), a 5-row speculative verification over 1,000 keys, one 512-token prompt and 256
-tokens over 1,024 cached. Each case must give the same bits in both versions (checked before
-timing). Reports the median time per call and after / before; writes JSON naming the CPU and a
+tokens over 1,024 cached. Each case is checked before timing: both versions must agree to fp32
+rounding (relative error <= 1e-5; `bit_identical` records whether the bits are the same). Reports the median time per call and after / before; writes JSON naming the CPU and a
 bar plot to benchmarks/results/cpu_attention_ab-<date>/. Machines are noisy: quote the ratios.
 """
 
@@ -123,8 +123,12 @@ def main() -> None:
                     return ext.paged_attention(q, kc, vc, tables, starts, context, scale, 0, s, s, -1, 256)
 
                 fns = {v: (lambda e=e: call(e)) for v, e in exts.items()}
-                if not torch.equal(fns["before"](), fns["after"]()):
-                    raise SystemExit(f"{geometry} {dname} {case}: the two versions give different bits")
+                before, after = fns["before"](), fns["after"]()
+                identical = torch.equal(before, after)
+                # Another summation order may move the last bits; anything more is a bug.
+                err = ((after - before).norm() / before.norm()).item()
+                if err > 1e-5:
+                    raise SystemExit(f"{geometry} {dname} {case}: the versions differ (relative error {err:.2e})")
                 rounds = args.rounds if not case.startswith("prefill") else max(3, args.rounds // 5)
                 times = {v: [] for v in fns}
                 for _ in range(rounds):
@@ -140,7 +144,8 @@ def main() -> None:
                     "before_us": round(med["before"] * 1e6, 1),
                     "after_us": round(med["after"] * 1e6, 1),
                     "after_over_before": round(med["after"] / med["before"], 3),
-                    "bit_identical": True,
+                    "bit_identical": identical,
+                    "relative_error": float(f"{err:.2e}"),
                 }
                 results.append(row)
                 print(json.dumps(row), flush=True)

@@ -88,7 +88,7 @@ def test_bf16_queries_over_bf16_cache_match_fp32_math(isa):
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_decode_path_every_head_width_and_group(isa, kv_dtype):
-    """Decode items have their own path where the head dim is 1, 2, 4 or 8 whole registers (a
+    """Decode items have their own path where the head dim is 1, 2, 4, 8 or 16 whole registers (a
     shuffle tree sums 8 or 16 keys' products at once, V is read once for up to 4 query rows):
     head dims 16-128 cover every register count on AVX2 and AVX-512, groups 1-8 every split of
     the rows, and contexts of odd lengths the partial key tiles. Against the plain reference
@@ -158,14 +158,15 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(isa, kv_dtype):
     one sequence, in a batch with decode rows and a prefill chunk) equal decode calls made for
     each of those positions alone, and a decode row equals itself alone. Alone, a long context's
     parts run on different threads; in the batch, one after the other. Contexts that cross a
-    part boundary within the chunk, head dims of the fast (64) and the general (80) path,
-    sliding windows."""
+    part boundary within the chunk, head dims of the fast (64; 128, whose rows fill the AVX2
+    registers: bf16 V rows widened once for many rows, few rows' widened per pass) and the
+    general (80) path, sliding windows."""
     ext = builder.load()
     level = {"scalar": 0, "avx2": 1, "avx512": 2}[isa]
     c, ql = 507, 7  # positions 507..513 cross 512, a multiple of both part sizes
     spans = [(40, 1), (300, 1), (c, ql), (0, 9)]
     rows = [(40, 0), (300, 1)] + [(c + t, 2) for t in range(ql)]  # (context, sequence) of q's rows
-    for head_dim, window, min_part in itertools.product((64, 80), (0, 45), (32, 256)):
+    for head_dim, window, min_part in itertools.product((64, 80, 128), (0, 45), (32, 256)):
         q, _, _, kc, vc, meta, _ = paged_batch(spans, 2, 3, head_dim, 16, kv_dtype=kv_dtype)
         fixed = (0.125, window, None, None, level, min_part)
         batch = ext.paged_attention(

@@ -422,7 +422,7 @@ static void attend(const float* q, const int* pos, int rows, int group, int d, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// The same work item where the head dim is NV whole registers (NV = 1, 2, 4, 8). The general path
+// The same work item where the head dim is NV whole registers (NV = 1, 2, 4, 8, 16). The general path
 // above spends most of its time in one horizontal sum per (row, key); here W keys' partial
 // products are summed together by a shuffle tree (15 adds for 16 keys), each query row stays in
 // registers while it is scored, each V row is widened once for up to four rows whose
@@ -514,6 +514,28 @@ static inline void pv_rows(float* acc, const float* s, const char* vc, const int
     for (int c = 0; c < CV; ++c) vstore(acc + size_t(g0 + r) * NV * W + (c0 + c) * W, a[r][c]);
 }
 
+// acc rows [h0, h1) (one KV head's query rows) += their p rows x the tile's V rows of that head.
+// Per pass over the V rows: CV vector columns of up to RC accumulator rows. fp32 V rows are used
+// as they lie (loads folded into the multiply-adds): whole rows where the accumulators fit in half
+// the registers (at most 4 rows), measured faster than column passes; bf16 / fp8 rows cost a
+// widening per vector, so column passes share each widened vector among up to 4 rows.
+template <int Kind, int NV>
+static inline void pv_head(float* acc, const float* s, const char* vh, const int64_t* o, int n, int h0, int h1,
+                           const float* lut) {
+  constexpr int CV = Kind == KV_F32 && NREG / 2 / NV > 0 ? NV : pv_cols(NV);
+  constexpr int RC = CV < NV ? 4 : NREG / 2 / NV >= 4 ? 4 : NREG / 2 / NV;
+  for (int c0 = 0; c0 < NV; c0 += CV) {
+    int g0 = h0;
+    for (; g0 + RC <= h1; g0 += RC) pv_rows<Kind, NV, CV, RC>(acc, s, vh, o, n, g0, c0, lut);
+    switch (h1 - g0) {  // the rest in one pass too (RC <= 4)
+      case 3: pv_rows<Kind, NV, CV, 3>(acc, s, vh, o, n, g0, c0, lut); break;
+      case 2: pv_rows<Kind, NV, CV, 2>(acc, s, vh, o, n, g0, c0, lut); break;
+      case 1: pv_rows<Kind, NV, CV, 1>(acc, s, vh, o, n, g0, c0, lut); break;
+      default: break;
+    }
+  }
+}
+
 // Scores of rows [g0, g1) against the tile's n keys (key j's row at row(j), Kind), W keys at a
 // time summed by the shuffle tree; each query row stays in registers while it is scored.
 template <int Kind, int NV, typename RowFn>
@@ -550,12 +572,6 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
   const int64_t head_bytes = int64_t(NV) * W * esize;
   const int heads = (rows + group - 1) / group;
   const PosRange span(pos, rows);
-  // Per pass over the tile's V rows: CV vector columns of up to RC accumulator rows. fp32 V rows
-  // are used as they lie (loads folded into the multiply-adds): whole rows, accumulators in half
-  // the registers (at most 4 rows), measured faster than column passes; bf16 / fp8 rows cost a
-  // widening per vector, so column passes share each widened vector among up to 4 rows.
-  constexpr int CV = Kind == KV_F32 ? NV : pv_cols(NV);
-  constexpr int RC = Kind != KV_F32 ? 4 : NREG / 2 / NV >= 4 ? 4 : NREG / 2 / NV > 0 ? NREG / 2 / NV : 1;
   const int nkeys = k_end - k_begin;
   if (sc.offs.size() < size_t(nkeys)) sc.offs.resize(size_t(nkeys) * 2);
   int64_t* offs = sc.offs.data();
@@ -620,16 +636,24 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
     for (int h0 = 0; h0 < rows; h0 += group) {  // each KV head's rows
       const char* vh = vc + (h0 / group) * head_bytes;
       const int h1 = std::min(rows, h0 + group);
-      for (int c0 = 0; c0 < NV; c0 += CV) {
-        int g0 = h0;
-        for (; g0 + RC <= h1; g0 += RC) pv_rows<Kind, NV, CV, RC>(acc, s, vh, o, n, g0, c0, lut);
-        switch (h1 - g0) {  // the rest in one pass too (RC <= 4)
-          case 3: pv_rows<Kind, NV, CV, 3>(acc, s, vh, o, n, g0, c0, lut); break;
-          case 2: pv_rows<Kind, NV, CV, 2>(acc, s, vh, o, n, g0, c0, lut); break;
-          case 1: pv_rows<Kind, NV, CV, 1>(acc, s, vh, o, n, g0, c0, lut); break;
-          default: break;
+      // More rows than one pass holds (prefill, verification): fp8 V rows (a table lookup per
+      // value) widened to fp32 once, as K above, instead of once per 4 rows, then the fp32
+      // passes; bf16 rows too where a row fills the registers (AVX2, d = 128), as fp32 rows then
+      // go in column passes as well. A bf16 row of 8 registers widens for less than the store and
+      // reloads cost (measured: 5-16 % slower so at d = 64 on AVX2).
+      if constexpr (Kind == KV_FP8 || (Kind == KV_BF16 && NREG / 2 / NV == 0)) {
+        if (h1 - h0 > 4) {
+          float* vb = sc.vbuf.data();
+          int64_t lin[KEY_TILE];
+          for (int j = 0; j < n; ++j) {
+            for (int c = 0; c < NV; ++c) vstore(vb + (size_t(j) * NV + c) * W, load_vec<Kind>(vh + o[j], c, lut));
+            lin[j] = int64_t(j) * NV * W * int64_t(sizeof(float));
+          }
+          pv_head<KV_F32, NV>(acc, s, reinterpret_cast<const char*>(vb), lin, n, h0, h1, lut);
+          continue;
         }
       }
+      pv_head<Kind, NV>(acc, s, vh, o, n, h0, h1, lut);
     }
   }
 }
@@ -641,7 +665,7 @@ static FastFn fast_for(int kind) {
   return kind == KV_F32 ? &attend_fast<KV_F32, NV> : kind == KV_BF16 ? &attend_fast<KV_BF16, NV> : &attend_fast<KV_FP8, NV>;
 }
 
-// The fast path for a cache of `kind` and head dim d, or nullptr where d is not 1, 2, 4 or 8
+// The fast path for a cache of `kind` and head dim d, or nullptr where d is not 1, 2, 4, 8 or 16
 // whole registers (the general path then serves every item).
 static FastFn pick_fast(int kind, int d) {
   if (d % W) return nullptr;
@@ -650,6 +674,7 @@ static FastFn pick_fast(int kind, int d) {
     case 2: return fast_for<2>(kind);
     case 4: return fast_for<4>(kind);
     case 8: return fast_for<8>(kind);
+    case 16: return fast_for<16>(kind);
     default: return nullptr;
   }
 }

@@ -11,7 +11,7 @@
 // whatever the batch), merged in key order, so that each query row's result is the same bits
 // whichever rows share its call (batch invariance: a speculative verification row equals the
 // decode row at its position); a decode item's parts run on different threads when the batch
-// alone would leave threads idle. Where the head dim is 1, 2, 4 or 8 whole registers, items
+// alone would leave threads idle. Where the head dim is 1, 2, 4, 8 or 16 whole registers, items
 // take a faster path (attend_fast: keys scored W at a time through a shuffle tree, V read once
 // for up to four query rows); any other head dim takes the general one.
 //
@@ -244,7 +244,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     }
     items.swap(split);
   }
-  // The fast path where the head dim is 1, 2, 4 or 8 whole registers.
+  // The fast path where the head dim is 1, 2, 4, 8 or 16 whole registers.
   if (isa < 0) isa = best_isa();
   AttendFn fast = isa == ISA_AVX512 ? avx512::pick_fast(kind, D) : isa == ISA_AVX2 ? avx2::pick_fast(kind, D) : nullptr;
   // There, unsplit decode sequences are one item over all their KV heads (contiguous reads),
