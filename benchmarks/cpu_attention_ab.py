@@ -128,7 +128,9 @@ def main() -> None:
                 # Another summation order may move the last bits; anything more is a bug.
                 err = ((after - before).norm() / before.norm()).item()
                 if err > 1e-5:
-                    raise SystemExit(f"{geometry} {dname} {case}: the versions differ (relative error {err:.2e})")
+                    raise SystemExit(
+                        f"{geometry} {dname} {case}: the versions differ (relative error {err:.2e})"
+                    )
                 rounds = args.rounds if not case.startswith("prefill") else max(3, args.rounds // 5)
                 times = {v: [] for v in fns}
                 for _ in range(rounds):

@@ -15,6 +15,8 @@ Paths (W = q * scale[:, None]; q int8 [N, K], scale fp32 [N]):
                    `dequant_matmul`: slabs of at most 8 MB in a reused buffer)
   dequant_bf16     the same, the slab cast to bf16 and F.linear in bf16
   native_fp32      lmstack_int8's C++ kernel (x fp32, int8 rows widened in registers, fp32 sums)
+  native_q8        its `int8_matmul_q8` (`activations: int8`: x rounded to int8 per 32 values,
+                   integer dot products)
 
 Each call uses the next of several copies of the layer (together at least `--stream-mb` of fp32
 weights, 128 MB by default: more than the CPU's caches), so weights come from memory as they do
@@ -60,6 +62,7 @@ PATHS = (
     "dequant_fp32",
     "dequant_bf16",
     "native_fp32",
+    "native_q8",
 )
 
 
@@ -99,13 +102,14 @@ def make_one(path: str, w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, x
     if path == "dequant_bf16":
         xb = x.to(bf16)
         return lambda: dequant_matmul(xb, q, scale)
-    if path == "native_fp32":
+    if path in ("native_fp32", "native_q8"):
         ext = native_kernel()
         if ext is None:
             raise SystemExit(
-                "native_fp32: lmstack-int8's C++ kernel is not built (python -m lmstack_int8.native)"
+                f"{path}: lmstack-int8's C++ kernel is not built (python -m lmstack_int8.native)"
             )
-        return lambda: ext.int8_matmul(x, q, scale)
+        fn = ext.int8_matmul if path == "native_fp32" else ext.int8_matmul_q8
+        return lambda: fn(x, q, scale)
     raise ValueError(path)
 
 

@@ -24,17 +24,21 @@ class Int8Embedding(nn.Module):
         return self.table.rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, -1)
 
 
-def int8_table(weight: torch.Tensor, exact_fp32: bool, use_native: bool = True) -> Int8Linear:
+def int8_table(
+    weight: torch.Tensor, exact_fp32: bool, use_native: bool = True, int8_activations: bool = False
+) -> Int8Linear:
     """weight [rows, cols] (dense, the serving dtype) -> an Int8Linear cols -> rows."""
     rows, cols = weight.shape
     spec = LinearSpec(cols, rows, False, "lm_head", params_dtype=weight.dtype)
     with torch.device(weight.device):
-        table = Int8Linear(spec, exact_fp32, use_native)
+        table = Int8Linear(spec, exact_fp32, use_native, int8_activations)
     table.weight.weight_loader(table.weight, weight, None)
     return table
 
 
-def quantize_embedding_and_head(model: nn.Module, exact_fp32: bool, use_native: bool = True) -> list[str]:
+def quantize_embedding_and_head(
+    model: nn.Module, exact_fp32: bool, use_native: bool = True, int8_activations: bool = False
+) -> list[str]:
     """Swap a plain `embed_tokens` (nn.Embedding) and `lm_head` (nn.Linear without bias) for
     int8 ones; returns the names swapped. Others (a tensor-parallel vocabulary shard, a head
     with a bias) stay as they are."""
@@ -44,11 +48,13 @@ def quantize_embedding_and_head(model: nn.Module, exact_fp32: bool, use_native: 
     swapped = []
     embed_table = None
     if embed_ok:
-        embed_table = int8_table(embed.weight.data, exact_fp32, use_native)
+        embed_table = int8_table(embed.weight.data, exact_fp32, use_native, int8_activations)
         model.embed_tokens = Int8Embedding(embed_table, embed.weight.dtype)
         swapped.append("embed_tokens")
     if head_ok:
         tied = embed_ok and head.weight is embed.weight
-        model.lm_head = embed_table if tied else int8_table(head.weight.data, exact_fp32, use_native)
+        model.lm_head = (
+            embed_table if tied else int8_table(head.weight.data, exact_fp32, use_native, int8_activations)
+        )
         swapped.append("lm_head")
     return swapped

@@ -11,6 +11,8 @@ README, `benchmarks/int8_cpu_matmul.py`; an AVX2 CPU, one thread):
 - CPU, fp32 activations, at most `NATIVE_MAX_ROWS` rows (decode batches): this plugin's C++ kernel
   (csrc/int8_matmul.cpp), which widens int8 weights to fp32 in registers, 2-3x faster than
   the paths below at M = 1 and fp32 throughout; where it cannot be built, the paths below.
+  With `int8_activations` (the quantizer's `activations: int8`) and K a multiple of 32, its
+  `int8_matmul_q8` instead: x rounded to int8 per 32 values, integer dot products.
 - CPU, bf16 activations: `torch.ops.aten._weight_int8pack_mm` (fp32 accumulation), 2x faster
   than the dense fp32 matmul at M = 1 and 3x faster than the dense bf16 one at M = 512.
 - CPU, fp32 activations: the op's fp32 path is 5-40x slower than the dense matmul, so below
@@ -39,6 +41,8 @@ NATIVE_MAX_ROWS = 32
 # measured crossover with dequantize + fp32 matmul lies between 8 and 32 rows for every
 # SmolLM2 shape (README).
 FP32_DEQUANT_MIN_ROWS = 16
+# x values per int8 block with int8 activations (the C++ kernel's `int8_matmul_q8`).
+INT8_ACT_BLOCK = 32
 # The largest dequantized weight slab made at once (the 49152 x 576 LM head is 113 MB in fp32).
 SLAB_BYTES = 8 << 20
 
@@ -103,9 +107,12 @@ class Int8Matmul:
     """The matmul of one int8 weight, holding the scales in the dtypes the op wants.
     `use_native=False` keeps to torch's ops (A/B measurements)."""
 
-    def __init__(self, exact_fp32: bool = False, use_native: bool = True) -> None:
+    def __init__(
+        self, exact_fp32: bool = False, use_native: bool = True, int8_activations: bool = False
+    ) -> None:
         self.exact_fp32 = exact_fp32
         self.use_native = use_native
+        self.int8_activations = int8_activations
         self._scales: dict[torch.dtype, torch.Tensor] = {}
 
     def reset(self) -> None:
@@ -116,6 +123,11 @@ class Int8Matmul:
         if s is None:
             s = self._scales[dtype] = scale.to(dtype)
         return s
+
+    def native_fn(self, ext, k: int):
+        """The C++ kernel's function for a weight of k columns: the int8-activation one where
+        asked for and k is whole 32-blocks, else the fp32 one."""
+        return ext.int8_matmul_q8 if self.int8_activations and k % INT8_ACT_BLOCK == 0 else ext.int8_matmul
 
     def path(self, x: torch.Tensor, q: torch.Tensor) -> str:
         """Which computation x gets: "native" (the C++ kernel, fp32), "op" (the int8 op in x's
@@ -146,7 +158,8 @@ class Int8Matmul:
         if path == "dequant-bf16":
             return dequant_matmul(x.to(torch.bfloat16), q, scale).float()
         if path == "native":
-            return native_kernel().int8_matmul(x if x.stride(-1) == 1 else x.contiguous(), q, scale)
+            ext = native_kernel()
+            return self.native_fn(ext, q.shape[1])(x if x.stride(-1) == 1 else x.contiguous(), q, scale)
         if path == "op":
             return _OP(aligned(x), q, self.scales_as(scale, x.dtype))
         if path == "op-bf16":

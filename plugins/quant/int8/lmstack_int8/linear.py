@@ -20,7 +20,13 @@ from lmstack_int8.kernel import NATIVE_MAX_ROWS, Int8Matmul, dequantize_rows, na
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, spec: LinearSpec, exact_fp32: bool = False, use_native: bool = True) -> None:
+    def __init__(
+        self,
+        spec: LinearSpec,
+        exact_fp32: bool = False,
+        use_native: bool = True,
+        int8_activations: bool = False,
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
@@ -36,7 +42,7 @@ class Int8Linear(nn.Module):
                 torch.zeros(self.out_features, dtype=spec.params_dtype), requires_grad=False
             )
             set_weight_loader(self.bias, self._load_bias, num_shards=parts)
-        self.matmul = Int8Matmul(exact_fp32, use_native)
+        self.matmul = Int8Matmul(exact_fp32, use_native, int8_activations)
         # (kernel, weight, scales) bound at the first call after loading, or False without the
         # kernel: a module's parameter / buffer lookups and `Int8Matmul.path`'s checks cost
         # ~30 us a call, more than the kernel itself for a small layer at batch 1.
@@ -73,7 +79,10 @@ class Int8Linear(nn.Module):
 
     def _bind(self) -> tuple | bool:
         ext = native_kernel() if self.matmul.use_native and self.weight.device.type == "cpu" else None
-        self._fast = (ext.int8_matmul, self.weight.data, self.weight_scale) if ext is not None else False
+        if ext is None:
+            self._fast = False
+        else:
+            self._fast = (self.matmul.native_fn(ext, self.in_features), self.weight.data, self.weight_scale)
         return self._fast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

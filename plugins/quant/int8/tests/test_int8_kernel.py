@@ -224,3 +224,35 @@ def test_embedding_and_head_become_int8_rows(tied):
     x = torch.randn(3, hidden)
     assert _rel(model.lm_head(x), x @ head_w.T) <= 0.03
     assert not any(p.dtype.is_floating_point and p.numel() >= vocab * hidden for p in model.parameters())
+
+
+@pytest.mark.skipif(kernel.native_kernel() is None, reason="the C++ kernel did not build here")
+def test_int8_activations_take_the_rounding_kernel_where_k_allows():
+    """`activations: int8`: a layer whose K is whole 32-blocks multiplies decode rows through
+    `int8_matmul_q8` (the same bits, by the direct path and through `Int8Matmul`, with a bias,
+    for a 3-D batch, and the tied head), one whose K is not keeps the fp32 kernel; batches above
+    `NATIVE_MAX_ROWS` keep the dequantized fp32 matmul either way."""
+    ext = kernel.native_kernel()
+    for k, fn in ((64, ext.int8_matmul_q8), (37, ext.int8_matmul)):
+        for bias in (False, True):
+            spec = LinearSpec(k, 45, bias, "layers.0.test_proj", (45,), "column", torch.float32)
+            layer = Int8Linear(spec, use_native=True, int8_activations=True)
+            layer.weight.weight_loader(layer.weight, torch.randn(45, k), None)
+            if bias:
+                layer.bias.weight_loader(layer.bias, torch.randn(45), None)
+            x = torch.randn(3, k)
+            want = fn(x, layer.weight.data, layer.weight_scale)
+            if bias:
+                want = want + layer.bias
+            assert torch.equal(layer(x), want), (k, bias)
+            assert torch.equal(layer(x.reshape(3, 1, k)).reshape(3, 45), want), (k, bias)
+            big = torch.randn(NATIVE_MAX_ROWS + 1, k)
+            assert _rel(layer(big), _reference(layer, big, layer.bias)) < 1e-5
+    model = nn.Module()
+    model.embed_tokens, model.lm_head = nn.Embedding(70, 96), None
+    model.lm_head = nn.Linear(96, 70, bias=False)
+    model.lm_head.weight = model.embed_tokens.weight
+    quantize_embedding_and_head(model, exact_fp32=False, use_native=True, int8_activations=True)
+    h = torch.randn(2, 96)
+    table = model.lm_head
+    assert torch.equal(table(h), ext.int8_matmul_q8(h, table.weight.data, table.weight_scale))

@@ -102,3 +102,36 @@ def test_example_stack_resolves():
     quantizer = resolved.selected["quantizer"]
     assert quantizer.component.name == "int8" and quantizer.options.lm_head == "int8"
     assert resolved.checkpoint_format == "gguf"
+
+
+@pytest.mark.parametrize(
+    "options, reason",
+    [
+        (
+            {"activations": "int8", "kernel": "torch"},
+            "activations: int8 runs in this plugin's C\\+\\+ kernel",
+        ),
+        ({"activations": "int8", "fp32_activations": "exact"}, "fp32_activations: exact asks for none"),
+        ({"activations": "int8", "dtype": torch.bfloat16}, "this stack is bfloat16 on cpu"),
+        ({"activations": "int8", "device": "cuda"}, "this stack is float32 on cuda"),
+    ],
+)
+def test_contradicting_activation_options_are_refused(options, reason):
+    """Nothing silently ignored: int8 activations exist only in the CPU kernel for fp32 stacks."""
+    from types import SimpleNamespace
+
+    from lmstack.testing.components import TINY_MODEL_CONFIG
+    from lmstack_int8.plugin import Int8Options
+    from lmstack_int8.quantizer import Int8Quantizer
+
+    options = dict(options)
+    where = {"device": options.pop("device", "cpu"), "dtype": options.pop("dtype", torch.float32)}
+    ctx = SimpleNamespace(
+        model_config=TINY_MODEL_CONFIG, device=torch.device(where["device"]), dtype=where["dtype"]
+    )
+    with pytest.raises(ConfigError, match=reason):
+        Int8Quantizer(Int8Options(**options), ctx)
+    Int8Quantizer(
+        Int8Options(activations="int8"),
+        SimpleNamespace(model_config=TINY_MODEL_CONFIG, device=torch.device("cpu"), dtype=torch.float32),
+    )
