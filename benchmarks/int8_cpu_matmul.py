@@ -131,6 +131,12 @@ def median_s(fn, reps: int, skip_s: float) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument(
+        "--rows",
+        type=lambda v: [int(r) for r in v.split(",")],
+        default=list(ROWS),
+        help="comma-separated M values",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-s", type=float, default=10.0)
     ap.add_argument("--stream-mb", type=float, default=128.0)
@@ -153,7 +159,7 @@ def main() -> None:
             for _ in range(count):
                 w = torch.randn(n, k) * k**-0.5
                 copies.append((w, *quantize_rows(w)))
-            for m in ROWS:
+            for m in args.rows:
                 x = torch.randn(m, k)
                 for path in paths:
                     t = median_s(make_call(path, copies, x), args.reps, args.skip_s)

@@ -43,6 +43,9 @@ NATIVE_MAX_ROWS = 32
 FP32_DEQUANT_MIN_ROWS = 16
 # x values per int8 block with int8 activations (the C++ kernel's `int8_matmul_q8`).
 INT8_ACT_BLOCK = 32
+# With int8 activations, batches of at most this many rows run `int8_matmul_q8` (prefill chunks
+# included): measured faster than dequantize + fp32 matmul up to here (README).
+INT8_ACT_MAX_ROWS = 128
 # The largest dequantized weight slab made at once (the 49152 x 576 LM head is 113 MB in fp32).
 SLAB_BYTES = 8 << 20
 
@@ -127,7 +130,14 @@ class Int8Matmul:
     def native_fn(self, ext, k: int):
         """The C++ kernel's function for a weight of k columns: the int8-activation one where
         asked for and k is whole 32-blocks, else the fp32 one."""
-        return ext.int8_matmul_q8 if self.int8_activations and k % INT8_ACT_BLOCK == 0 else ext.int8_matmul
+        return ext.int8_matmul_q8 if self.rounds_activations(k) else ext.int8_matmul
+
+    def rounds_activations(self, k: int) -> bool:
+        return self.int8_activations and k % INT8_ACT_BLOCK == 0
+
+    def native_max_rows(self, k: int) -> int:
+        """The most rows the C++ kernel takes for a weight of k columns."""
+        return INT8_ACT_MAX_ROWS if self.rounds_activations(k) else NATIVE_MAX_ROWS
 
     def path(self, x: torch.Tensor, q: torch.Tensor) -> str:
         """Which computation x gets: "native" (the C++ kernel, fp32), "op" (the int8 op in x's
@@ -139,7 +149,7 @@ class Int8Matmul:
         if (
             self.use_native
             and x.dtype == torch.float32
-            and x.shape[0] <= NATIVE_MAX_ROWS
+            and x.shape[0] <= self.native_max_rows(q.shape[1])
             and native_kernel() is not None
         ):
             return "native"

@@ -16,7 +16,7 @@ from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, to_dense
 from lmstack.model.tp_shard import input_columns, part_rows
 from lmstack.model.weight_loader import load_bias_parts, loaded_parts, set_weight_loader, take_rows
-from lmstack_int8.kernel import NATIVE_MAX_ROWS, Int8Matmul, dequantize_rows, native_kernel, quantize_rows
+from lmstack_int8.kernel import Int8Matmul, dequantize_rows, native_kernel, quantize_rows
 
 
 class Int8Linear(nn.Module):
@@ -43,7 +43,7 @@ class Int8Linear(nn.Module):
             )
             set_weight_loader(self.bias, self._load_bias, num_shards=parts)
         self.matmul = Int8Matmul(exact_fp32, use_native, int8_activations)
-        # (kernel, weight, scales) bound at the first call after loading, or False without the
+        # (kernel, weight, scales, most rows) bound at the first call after loading, or False without the
         # kernel: a module's parameter / buffer lookups and `Int8Matmul.path`'s checks cost
         # ~30 us a call, more than the kernel itself for a small layer at batch 1.
         self._fast: tuple | bool | None = None
@@ -82,7 +82,13 @@ class Int8Linear(nn.Module):
         if ext is None:
             self._fast = False
         else:
-            self._fast = (self.matmul.native_fn(ext, self.in_features), self.weight.data, self.weight_scale)
+            k = self.in_features
+            self._fast = (
+                self.matmul.native_fn(ext, k),
+                self.weight.data,
+                self.weight_scale,
+                self.matmul.native_max_rows(k),
+            )
         return self._fast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +98,7 @@ class Int8Linear(nn.Module):
             and x.dim() == 2
             and x.dtype == torch.float32
             and x.stride(1) == 1
-            and x.shape[0] <= NATIVE_MAX_ROWS
+            and x.shape[0] <= fast[3]
             and self.bias is None
         ):
             return fast[0](x, fast[1], fast[2])  # the "native" path of `Int8Matmul`, without its checks

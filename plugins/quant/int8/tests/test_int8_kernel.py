@@ -231,7 +231,8 @@ def test_int8_activations_take_the_rounding_kernel_where_k_allows():
     """`activations: int8`: a layer whose K is whole 32-blocks multiplies decode rows through
     `int8_matmul_q8` (the same bits, by the direct path and through `Int8Matmul`, with a bias,
     for a 3-D batch, and the tied head), one whose K is not keeps the fp32 kernel; batches above
-    `NATIVE_MAX_ROWS` keep the dequantized fp32 matmul either way."""
+    the kernel's row limit (`INT8_ACT_MAX_ROWS` with int8 activations, else `NATIVE_MAX_ROWS`)
+    keep the dequantized fp32 matmul."""
     ext = kernel.native_kernel()
     for k, fn in ((64, ext.int8_matmul_q8), (37, ext.int8_matmul)):
         for bias in (False, True):
@@ -246,7 +247,12 @@ def test_int8_activations_take_the_rounding_kernel_where_k_allows():
                 want = want + layer.bias
             assert torch.equal(layer(x), want), (k, bias)
             assert torch.equal(layer(x.reshape(3, 1, k)).reshape(3, 45), want), (k, bias)
-            big = torch.randn(NATIVE_MAX_ROWS + 1, k)
+            most = layer.matmul.native_max_rows(k)
+            assert most == (kernel.INT8_ACT_MAX_ROWS if k == 64 else NATIVE_MAX_ROWS)
+            edge = torch.randn(most, k)
+            want = fn(edge, layer.weight.data, layer.weight_scale)
+            assert torch.equal(layer(edge), want if not bias else want + layer.bias), (k, bias)
+            big = torch.randn(most + 1, k)
             assert _rel(layer(big), _reference(layer, big, layer.bias)) < 1e-5
     model = nn.Module()
     model.embed_tokens, model.lm_head = nn.Embedding(70, 96), None
