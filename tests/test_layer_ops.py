@@ -202,3 +202,33 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) == NATIVE.best_isa()
     assert not (copy / "lock").exists()
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_argmax_is_torchs(isa):
+    """The greedy sampler's argmax: torch.argmax(x, dim=-1) exactly, on fresh random rows of odd
+    widths (the vector loop's tail) and a row stride, with ties (the first index wins, also where
+    the tie straddles the tail), -inf and +inf, NaN (torch takes the first NaN), all-equal rows."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for width in (1, 7, 8, 9, 63, 1000, 49152 + 5):
+        x = _rows(6, width, g, pad=3)
+        top = x.max(dim=1).values
+        # Row 1: its maximum again at a later place (a tie: the first wins), and near the end.
+        x[1, -1] = top[1]
+        if width > 2:
+            x[1, width // 2] = top[1]
+        x[2].fill_(-float("inf"))
+        x[3].fill_(0.5)
+        if width > 3:
+            x[4, width - 2] = float("nan")
+            x[4, 1] = float("inf")
+            x[5, 2] = float("inf")
+            x[5, width - 1] = float("inf")
+        want = torch.argmax(x, dim=-1)
+        assert torch.equal(NATIVE.argmax_rows(x, isa), want), width
+    assert torch.equal(layer_ops.argmax_rows(x), want)
+    half = x.to(torch.bfloat16)
+    assert torch.equal(layer_ops.argmax_rows(half), torch.argmax(half, dim=-1))  # torch's own
+    with pytest.raises(RuntimeError, match="argmax over an empty row"):
+        NATIVE.argmax_rows(torch.zeros(2, 0), isa)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmstack.grammar import GrammarError
+from lmstack.model.layer_ops import argmax_rows
 from lmstack.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -144,8 +145,8 @@ class Sampler:
         logits = self.process(logits, rows)
         if all(r.params.greedy and r.params.logprobs is None for r in rows):
             # The common greedy batch: one argmax over it, no per-row work.
-            return [Sampled(tok, 0.0) for tok in torch.argmax(logits, dim=-1).tolist()]
-        greedy = torch.argmax(logits, dim=-1).tolist()
+            return [Sampled(tok, 0.0) for tok in argmax_rows(logits).tolist()]
+        greedy = argmax_rows(logits).tolist()
         need_lp = [r.params.logprobs is not None for r in rows]
         logprobs = torch.log_softmax(logits, dim=-1) if any(need_lp) else None
         out: list[Sampled] = []

@@ -1,5 +1,7 @@
 // The decoder layer's small per-token ops on the CPU, one call each: RMSNorm (with the residual
-// add in front of it), the rotary embedding in place and SwiGLU's silu(gate) * up in place. At
+// add in front of it), the rotary embedding in place and SwiGLU's silu(gate) * up in place; and
+// the greedy sampler's argmax over each logits row (torch's CPU argmax does not vectorise it:
+// ~50 us a 49,152-wide row on Zen 3, ~1 ms a step at batch 32). At
 // batch 1 a 576-wide RMSNorm done as five torch ops costs ~60-70 us of dispatch for ~1 us of
 // arithmetic; 61 of them per token were ~12 % of a decode step (lmstack.model.layer_ops says when
 // these are used).
@@ -89,6 +91,17 @@ namespace scalar {
 LAYER_OPS_BODIES
 }  // namespace scalar
 
+// The index of a row's largest value, the first of equal ones; where the row holds a NaN, the
+// first NaN (torch.argmax's rule: NaN counts as the largest).
+static int64_t argmax_row_plain(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[best]) best = i;
+  }
+  return best;
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
@@ -119,6 +132,35 @@ static void silu_mul_row_vec(float* g, const float* u, int64_t n) {
     _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(gv, e), _mm256_loadu_ps(u + i)));
   }
   silu_mul_row(g + i, u + i, n - i);
+}
+
+// argmax_row_plain's result in two vector passes: the maximum (and whether any NaN is there),
+// then the first index holding it. A row with a NaN goes to the plain loop.
+static int64_t argmax_row_vec(const float* x, int64_t n) {
+  __m256 mx = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, v);
+  }
+  if (_mm256_movemask_ps(nan)) return argmax_row_plain(x, n);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  float m = _mm_cvtss_f32(m4);
+  for (int64_t j = i; j < n; ++j) {
+    if (std::isnan(x[j])) return argmax_row_plain(x, n);
+    m = x[j] > m ? x[j] : m;
+  }
+  const __m256 mv = _mm256_set1_ps(m);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), mv, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (; i < n; ++i)
+    if (x[i] == m) return i;
+  return 0;
 }
 }  // namespace avx2
 #pragma GCC pop_options
@@ -228,6 +270,23 @@ torch::Tensor silu_mul_(torch::Tensor gate_up, int64_t isa) {
   return gate_up.narrow(1, 0, n);
 }
 
+// argmax_rows(x [T, V] with contiguous rows, isa) -> int64 [T]: each row's argmax, as
+// torch.argmax(x, dim=-1) gives it (the first of equal maxima; the first NaN where there is one).
+torch::Tensor argmax_rows(const torch::Tensor& x, int64_t isa) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) > 0, "argmax over an empty row");
+  if (isa < 0) isa = best_isa();
+  const int64_t t = x.size(0), n = x.size(1), ld = x.stride(0);
+  auto out = torch::empty({t}, x.options().dtype(torch::kInt64));
+  const float* p = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, t, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t r = t0; r < t1; ++r)
+      o[r] = isa >= ISA_AVX2 ? avx2::argmax_row_vec(p + r * ld, n) : argmax_row_plain(p + r * ld, n);
+  });
+  return out;
+}
+
 }  // namespace layer_ops
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -242,5 +301,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa") = -1);
   m.def("silu_mul_", &layer_ops::silu_mul_, "silu(gate) * up into the gate half of gate_up [T, 2I], in place",
         py::arg("gate_up"), py::arg("isa") = -1);
+  m.def("argmax_rows", &layer_ops::argmax_rows, "each row's argmax of x [T, V] (torch.argmax's ties and NaN rule)",
+        py::arg("x"), py::arg("isa") = -1);
   m.def("best_isa", &layer_ops::best_isa, "1: AVX2+FMA, 0: scalar");
 }
