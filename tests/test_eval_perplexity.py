@@ -86,6 +86,7 @@ def test_command_prints_json(tiny_model_path, tmp_path, capsys):
     report = json.loads(captured.out)
     assert report["tokens"] == 99 and report["windows"] == 4
     assert report["quantizer"] == "none" and report["model"] == str(tiny_model_path)
+    assert report["cpu_model"] and isinstance(report["cpu_flags"], list)
     assert math.isfinite(report["perplexity"]) and report["perplexity"] > 1
     assert "perplexity [" in captured.err  # the progress bar
 

@@ -133,6 +133,7 @@ def run_cli(args: Any) -> int:
     import json
 
     from lmstack.engine import LLMEngine
+    from lmstack.hardware import cpu_description
     from lmstack.resolve import DTYPE_NAMES
 
     text = read_text(args.text)
@@ -151,6 +152,7 @@ def run_cli(args: Any) -> int:
         "dtype": DTYPE_NAMES[engine.stack.dtype],
         "kv_cache_dtype": DTYPE_NAMES.get(engine.stack.kv_cache_dtype),
         "checkpoint_format": _checkpoint_format(engine),
+        **cpu_description(),  # a result file names the CPU it ran on (fp32 sums differ by kernel)
     }
     if args.json:
         print(json.dumps(report, default=str))
