@@ -8,6 +8,7 @@ folder per source hash) and run over a whole decode step's worth of weights: Smo
 layers (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576) plus the LM head
 576->49152, every layer its own copy, so weights stream from memory as in serving. Paths:
   int8         lmstack-int8 `int8_matmul` (int8 weights, fp32 activations)
+  int8_q8      lmstack-int8 `int8_matmul_q8` (the same weights, activations rounded to int8)
   gguf         lmstack-gguf `gguf_matmul` (Q4_1 layers, Q8_0 head, fp32 activations)
   gguf_q8      lmstack-gguf `gguf_matmul_q8` (the same weights, activations rounded to int8)
 The two versions must agree to fp32 rounding (checked first; `bit_identical` records whether
@@ -75,8 +76,9 @@ def weights(seed: int) -> dict[str, list[tuple[torch.Tensor, int, int]]]:
 
 
 def pass_fn(ext, path: str, ws, xs, scales):
-    if path == "int8":
-        return lambda: [ext.int8_matmul(xs[k], w, scales[w.shape[0]]) for w, _, k in ws]
+    if path in ("int8", "int8_q8"):
+        fn = ext.int8_matmul_q8 if path == "int8_q8" else ext.int8_matmul
+        return lambda: [fn(xs[k], w, scales[w.shape[0]]) for w, _, k in ws]
     fn = ext.gguf_matmul_q8 if path == "gguf_q8" else ext.gguf_matmul
     return lambda: [fn(xs[k], w, t, -1) for w, t, k in ws]
 
@@ -104,7 +106,7 @@ def main() -> None:
     scales = {n: torch.rand(n) * 0.01 for n, _ in LAYER_SHAPES + [HEAD]}
     results = []
     for path in paths:
-        family = "int8" if path == "int8" else "gguf"
+        family = "int8" if path.startswith("int8") else "gguf"
         w = ws[family]
         nbytes = sum(t.numel() * t.element_size() for t, _, _ in w)
         for m in rows:

@@ -44,8 +44,11 @@ FP32_DEQUANT_MIN_ROWS = 16
 # x values per int8 block with int8 activations (the C++ kernel's `int8_matmul_q8`).
 INT8_ACT_BLOCK = 32
 # With int8 activations, batches of at most this many rows run `int8_matmul_q8` (prefill chunks
-# included): measured faster than dequantize + fp32 matmul up to here (README).
+# included): measured faster than dequantize + fp32 matmul up to here (README). On a CPU with
+# native bf16 the batches above go to dequantize + bf16 matmul instead, which overtakes the
+# kernel sooner: between 64 and 128 rows on a Zen 5 EPYC (README).
 INT8_ACT_MAX_ROWS = 128
+INT8_ACT_MAX_ROWS_NATIVE_BF16 = 64
 # The largest dequantized weight slab made at once (the 49152 x 576 LM head is 113 MB in fp32).
 SLAB_BYTES = 8 << 20
 
@@ -137,7 +140,9 @@ class Int8Matmul:
 
     def native_max_rows(self, k: int) -> int:
         """The most rows the C++ kernel takes for a weight of k columns."""
-        return INT8_ACT_MAX_ROWS if self.rounds_activations(k) else NATIVE_MAX_ROWS
+        if not self.rounds_activations(k):
+            return NATIVE_MAX_ROWS
+        return INT8_ACT_MAX_ROWS_NATIVE_BF16 if native_bf16_cpu() else INT8_ACT_MAX_ROWS
 
     def path(self, x: torch.Tensor, q: torch.Tensor) -> str:
         """Which computation x gets: "native" (the C++ kernel, fp32), "op" (the int8 op in x's

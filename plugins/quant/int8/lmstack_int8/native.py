@@ -19,7 +19,7 @@ EXTENSION = NativeExtension(
     cache_name="int8_matmul",
     sources=[Path(__file__).resolve().parent / "csrc" / "int8_matmul.cpp"],
 )
-ISA_NAMES = {2: "AVX-512 (F, BW, VL)", 1: "AVX2+FMA", 0: "scalar"}
+ISA_NAMES = {3: "AVX-512 (F, BW, VL) + VNNI", 2: "AVX-512 (F, BW, VL)", 1: "AVX2+FMA", 0: "scalar"}
 
 
 def load() -> ModuleType:

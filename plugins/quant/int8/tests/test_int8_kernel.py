@@ -227,11 +227,22 @@ def test_embedding_and_head_become_int8_rows(tied):
 
 
 @pytest.mark.skipif(kernel.native_kernel() is None, reason="the C++ kernel did not build here")
+@pytest.mark.parametrize("native_bf16", [False, True], ids=["fp32-cpu", "native-bf16-cpu"])
+def test_int8_activation_row_limit_follows_what_takes_the_batches_above(native_bf16, monkeypatch):
+    """Above the kernel's row limit a native-bf16 CPU multiplies in bf16 (dequant-bf16), which
+    overtakes the int8-activation kernel sooner than the fp32 matmul does elsewhere."""
+    monkeypatch.setattr(kernel, "native_bf16_cpu", lambda: native_bf16)
+    matmul = Int8Matmul(use_native=True, int8_activations=True)
+    want = kernel.INT8_ACT_MAX_ROWS_NATIVE_BF16 if native_bf16 else kernel.INT8_ACT_MAX_ROWS
+    assert matmul.native_max_rows(64) == want and matmul.native_max_rows(48) == NATIVE_MAX_ROWS
+    assert Int8Matmul(use_native=True, int8_activations=False).native_max_rows(64) == NATIVE_MAX_ROWS
+
+
 def test_int8_activations_take_the_rounding_kernel_where_k_allows():
     """`activations: int8`: a layer whose K is whole 32-blocks multiplies decode rows through
     `int8_matmul_q8` (the same bits, by the direct path and through `Int8Matmul`, with a bias,
     for a 3-D batch, and the tied head), one whose K is not keeps the fp32 kernel; batches above
-    the kernel's row limit (`INT8_ACT_MAX_ROWS` with int8 activations, else `NATIVE_MAX_ROWS`)
+    the kernel's row limit (`INT8_ACT_MAX_ROWS`, or `..._NATIVE_BF16` on such a CPU, with int8 activations, else `NATIVE_MAX_ROWS`)
     keep the dequantized fp32 matmul."""
     ext = kernel.native_kernel()
     for k, fn in ((64, ext.int8_matmul_q8), (37, ext.int8_matmul)):
@@ -248,12 +259,22 @@ def test_int8_activations_take_the_rounding_kernel_where_k_allows():
             assert torch.equal(layer(x), want), (k, bias)
             assert torch.equal(layer(x.reshape(3, 1, k)).reshape(3, 45), want), (k, bias)
             most = layer.matmul.native_max_rows(k)
-            assert most == (kernel.INT8_ACT_MAX_ROWS if k == 64 else NATIVE_MAX_ROWS)
+            int8_most = (
+                kernel.INT8_ACT_MAX_ROWS_NATIVE_BF16 if kernel.native_bf16_cpu() else kernel.INT8_ACT_MAX_ROWS
+            )
+            assert most == (int8_most if k == 64 else NATIVE_MAX_ROWS)
             edge = torch.randn(most, k)
             want = fn(edge, layer.weight.data, layer.weight_scale)
             assert torch.equal(layer(edge), want if not bias else want + layer.bias), (k, bias)
             big = torch.randn(most + 1, k)
-            assert _rel(layer(big), _reference(layer, big, layer.bias)) < 1e-5
+            path = layer.matmul.path(big, layer.weight)
+            if path == "dequant-bf16":  # a CPU with native bf16: x and the weight rounded to bf16
+                ref = _reference(layer, big.to(torch.bfloat16), None, torch.bfloat16, torch.bfloat16).float()
+                ref, bound = ref + (layer.bias if bias else 0), torch.finfo(torch.bfloat16).eps / 8
+            else:
+                assert path == "dequant", path
+                ref, bound = _reference(layer, big, layer.bias), 1e-5
+            assert _rel(layer(big), ref) < bound, (k, bias, path)
     model = nn.Module()
     model.embed_tokens, model.lm_head = nn.Embedding(70, 96), None
     model.lm_head = nn.Linear(96, 70, bias=False)

@@ -95,7 +95,7 @@ def reference_q8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple
     return (dots * weight).sum(dim=2), mag.sum(dim=2)
 
 
-@pytest.mark.parametrize("isa", [0, 1, 2], ids=["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", [0, 1, 2, 3], ids=["scalar", "avx2", "avx512", "avx512-vnni"])
 def test_int8_activations_match_their_reference_on_random_shapes(isa):
     """`int8_matmul_q8` (the quantizer's `activations: int8`): x rounded exactly as documented
     (one rounding step off anywhere would move an output by far more than the bound), the
@@ -125,7 +125,7 @@ def test_int8_activations_match_their_reference_on_random_shapes(isa):
         )
 
 
-@pytest.mark.parametrize("isa", [0, 1, 2], ids=["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", [0, 1, 2, 3], ids=["scalar", "avx2", "avx512", "avx512-vnni"])
 def test_int8_activations_a_row_gets_the_same_bits_in_any_batch(isa):
     """A decode row and the same row inside a speculative verification's batch must give the
     same logits (greedy identity): every tile shape computes an output the same way."""
