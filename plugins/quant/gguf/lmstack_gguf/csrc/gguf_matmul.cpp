@@ -594,14 +594,14 @@ inline void load_pair(const uint8_t* blk, int64_t bb, __m512i& q, __m512& d, __m
     q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + bb + 2)), 1);
   } else {
-    // [16 bytes of b | 16 bytes of b + 1] -> low nibbles [lo b | lo b+1], high ones [hi b | hi b+1];
-    // the lane shuffle puts them in block order: lo b, hi b, lo b+1, hi b+1.
-    const __m256i raw = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(q_bytes(TYPE, blk + bb)),
-                                            reinterpret_cast<const __m128i*>(q_bytes(TYPE, blk)));
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, mask)),
-                                            _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), 1);
-    q = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+    // Each block's 16 bytes broadcast to two 128-bit lanes by the loads themselves (no shuffle
+    // instruction): [b | b | b+1 | b+1]; the low nibbles of lanes 0 and 2 and the high ones of
+    // lanes 1 and 3 are then the values in block order: q0-15 of b, q16-31 of b, same for b + 1.
+    const __m512i both = _mm512_mask_blend_epi64(
+        0xF0, _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q_bytes(TYPE, blk)))),
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q_bytes(TYPE, blk + bb)))));
+    const __m512i nibbles = _mm512_mask_mov_epi8(both, 0xFFFF0000FFFF0000ull, _mm512_srli_epi16(both, 4));
+    q = _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F));
   }
   // The fp16 scales (and Q4_1's offsets) of both blocks converted at once, then spread.
   if constexpr (TYPE == Q4_1) {
