@@ -146,8 +146,66 @@ def flip_round(weight: torch.Tensor, h: torch.Tensor, fmt, passes: int, damping:
 
 
 @torch.no_grad()
+def refit_scales(
+    weight: torch.Tensor, clipped: torch.Tensor, h: torch.Tensor, fmt, damping: float, rounds: int
+) -> torch.Tensor:
+    """Round-to-nearest of `clipped` (codes, group scales, zeros), then each row's group scales
+    refitted by least squares to `weight` under e^T H e (H damped by `damping` x its mean
+    diagonal; zeros kept, scales rounded to fp16 as stored) and the codes rounded again on the new
+    scales, `rounds` times; per row, the best of every round by that error. G unknowns per row
+    (groups), where GPTQ and the flips move every code. Returns the dequantized weight."""
+    out_f, in_f = weight.shape
+    g = fmt.scheme.effective_group(in_f)
+    w = weight.float()
+    scale, zero = group_params(clipped, fmt.scheme)
+    groups = scale.shape[1]
+    spans = [(j * g, min(in_f, (j + 1) * g)) for j in range(groups)]
+    z = expand_groups(zero.float(), in_f, g)
+    hd = h.float().clone()
+    hd.diagonal().add_(damping * hd.diagonal().mean())
+
+    def dequant(sc: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return (q - z) * expand_groups(sc, in_f, g)
+
+    def error(wq: torch.Tensor) -> torch.Tensor:
+        e = w - wq
+        return ((e @ hd) * e).sum(-1)
+
+    q = (clipped.float() / expand_groups(scale, in_f, g) + z).round().clamp(0, QMAX)
+    best_w = dequant(scale, q)
+    best = error(best_w)
+    for _ in range(rounds):
+        v = q - z
+        vh = [v[:, a:b] @ hd[a:b, :] for a, b in spans]
+        lhs = torch.empty(out_f, groups, groups)
+        rhs = torch.empty(out_f, groups)
+        for i in range(groups):
+            rhs[:, i] = (vh[i] * w).sum(-1)
+            for j, (c, d) in enumerate(spans):
+                lhs[:, i, j] = (vh[i][:, c:d] * v[:, c:d]).sum(-1)
+        ridge = 1e-6 * lhs.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-30)
+        lhs.diagonal(dim1=1, dim2=2).add_(ridge[:, None])
+        scale = torch.linalg.solve(lhs, rhs.unsqueeze(-1)).squeeze(-1).clamp(min=1e-6).half().float()
+        for candidate in (dequant(scale, q), None):
+            if candidate is None:  # the codes rounded again on the new scales
+                q = (w / expand_groups(scale, in_f, g) + z).round().clamp(0, QMAX)
+                candidate = dequant(scale, q)
+            err = error(candidate)
+            better = err < best
+            best = torch.where(better, err, best)
+            best_w = torch.where(better[:, None], candidate, best_w)
+    return best_w
+
+
+@torch.no_grad()
 def awq_variant(
-    model: CalibrationModel, samples: torch.Tensor, fmt, variant: str, damping: float, flip_passes: int = 256
+    model: CalibrationModel,
+    samples: torch.Tensor,
+    fmt,
+    variant: str,
+    damping: float,
+    flip_passes: int = 256,
+    lsq_rounds: int = 3,
 ) -> None:
     """The core's per-layer AWQ loop (scales, clipping, propagation of quantized outputs) with the
     clipping or rounding step swapped; clipping runs after every scale of the layer is folded,
@@ -180,7 +238,9 @@ def awq_variant(
                         if variant == "clip2d"
                         else search_clip(clipped, sub, fmt, cfg)[0]
                     )
-                if variant in ("flip", "rtn-flip"):
+                if variant == "lsq":
+                    quantized[name] = refit_scales(weights[name], clipped, h, fmt, damping, lsq_rounds)
+                elif variant in ("flip", "rtn-flip"):
                     quantized[name] = flip_round(clipped, h, fmt, flip_passes, damping)
                 elif variant == "gptq-static":
                     quantized[name] = gptq_int4(
@@ -197,7 +257,8 @@ def awq_variant(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "what", choices=["sensitivity", "awq", "awq-dense", "gptq-static", "clip2d", "flip", "rtn-flip"]
+        "what",
+        choices=["sensitivity", "awq", "awq-dense", "gptq-static", "clip2d", "flip", "rtn-flip", "lsq"],
     )
     ap.add_argument("--stack", default=str(ROOT / "examples/stacks/cpu.yaml"))
     ap.add_argument("--calibration", default="self", help="a text file, or self (the model's own answers)")
@@ -205,6 +266,9 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=32)
     ap.add_argument("--damping", type=float, default=0.01, help="gptq-static, flip: H's diagonal damping")
     ap.add_argument("--flip-passes", type=int, default=256, help="flip: at most this many flips per row")
+    ap.add_argument(
+        "--lsq-rounds", type=int, default=3, help="lsq: scale refits (each followed by re-rounding)"
+    )
     args = ap.parse_args()
 
     stack = load_stack_with_model(args.stack, None)
@@ -246,7 +310,7 @@ def main() -> None:
         awq_calibrate(model, samples, fmt, AWQConfig())
         fake_quantize_linears(model, fmt)
     else:
-        awq_variant(model, samples, fmt, args.what, args.damping, args.flip_passes)
+        awq_variant(model, samples, fmt, args.what, args.damping, args.flip_passes, args.lsq_rounds)
     report(args.what, perplexity(model, ids), num_samples=int(samples.shape[0]), calibration=args.calibration)
 
 
