@@ -16,10 +16,8 @@ bar plot to benchmarks/results/cpu_attention_ab-<date>/. Machines are noisy: quo
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,8 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmstack.hardware import cpu_description
 from lmstack.native import NativeExtension
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_record import git_show, record_path, write_record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = "plugins/attention/cpu-paged/lmstack_cpu_paged/csrc"
@@ -59,10 +59,7 @@ def build(sources: Path, version: str) -> object:
 
 def git_sources(rev: str, into: Path) -> Path:
     for name in ("cpu_paged.cpp", "attention_impl.h"):
-        text = subprocess.run(
-            ["git", "show", f"{rev}:{CSRC}/{name}"], cwd=ROOT, check=True, capture_output=True
-        ).stdout
-        (into / name).write_bytes(text)
+        git_show(rev, f"{CSRC}/{name}", into)
     return into
 
 
@@ -151,26 +148,9 @@ def main() -> None:
                 }
                 results.append(row)
                 print(json.dumps(row), flush=True)
-    out = (
-        args.out
-        or ROOT
-        / "benchmarks"
-        / "results"
-        / f"cpu_attention_ab-{datetime.date.today()}"
-        / "cpu_attention_ab.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {
-        **cpu_description(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "before": args.before,
-        "after": "working tree",
-        "command": " ".join(["python", *sys.argv]),
-        "note": "one process, versions alternating call by call; medians; quote ratios",
-        "results": results,
-    }
-    out.write_text(json.dumps(summary, indent=1) + "\n")
+    out = record_path(args.out, "cpu_attention_ab")
+    note = "one process, versions alternating call by call; medians; quote ratios"
+    summary = write_record(out, args.before, args.threads, note, results)
     plot(results, out.with_suffix(".png"), summary["cpu_model"])
     print("| geometry | KV | case | before us | after us | after/before |\n|---|---|---|---|---|---|")
     for r in results:

@@ -21,10 +21,8 @@ benchmarks/results/cpu_kernel_ab-<date>/. Machines are noisy: quote the ratios.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,8 +33,10 @@ import torch
 from gguf import GGMLQuantizationType as GT
 from gguf import quants
 
-from lmstack.hardware import cpu_description
 from lmstack.native import NativeExtension
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_record import git_show, record_path, write_record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = {  # name: (source in the repository, extension module name)
@@ -51,13 +51,6 @@ def build(kernel: str, source: Path, version: str) -> object:
     _, name = KERNELS[kernel]
     ext = NativeExtension(name=f"{name}_{version}", cache_name=f"kernel_ab/{kernel}", sources=[source])
     return ext.load()
-
-
-def git_source(rev: str, path: str, into: Path) -> Path:
-    text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True).stdout
-    out = into / Path(path).name
-    out.write_bytes(text)
-    return out
 
 
 def weights(seed: int) -> dict[str, list[tuple[torch.Tensor, int, int]]]:
@@ -99,7 +92,7 @@ def main() -> None:
         exts = {}
         for kernel, (path, _) in KERNELS.items():
             exts[kernel] = {
-                "before": build(kernel, git_source(args.before, path, Path(tmp)), "before"),
+                "before": build(kernel, git_show(args.before, path, Path(tmp)), "before"),
                 "after": build(kernel, ROOT / path, "after"),
             }
     ws = weights(0)
@@ -142,22 +135,9 @@ def main() -> None:
             }
             results.append(row)
             print(json.dumps(row), flush=True)
-    out = (
-        args.out
-        or ROOT / "benchmarks" / "results" / f"cpu_kernel_ab-{datetime.date.today()}" / "cpu_kernel_ab.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {
-        **cpu_description(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "before": args.before,
-        "after": "working tree",
-        "command": " ".join(["python", *sys.argv]),
-        "note": "one process, versions alternating; medians of --rounds passes; quote ratios",
-        "results": results,
-    }
-    out.write_text(json.dumps(summary, indent=1) + "\n")
+    out = record_path(args.out, "cpu_kernel_ab")
+    note = "one process, versions alternating; medians of --rounds passes; quote ratios"
+    summary = write_record(out, args.before, args.threads, note, results)
     plot(results, out.with_suffix(".png"), summary["cpu_model"])
     print(
         "| path | rows | before ms | after ms | after/before | GB/s before -> after |\n|---|---|---|---|---|---|"
