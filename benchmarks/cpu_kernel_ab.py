@@ -11,6 +11,7 @@ layers (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576) plus the LM
   int8_q8      lmstack-int8 `int8_matmul_q8` (the same weights, activations rounded to int8)
   gguf         lmstack-gguf `gguf_matmul` (Q4_1 layers, Q8_0 head, fp32 activations)
   gguf_q8      lmstack-gguf `gguf_matmul_q8` (the same weights, activations rounded to int8)
+  gguf_panels  lmstack-gguf `gguf_matmul_panels` (the same weights in 16-row panels, int8 activations)
 The two versions must agree to fp32 rounding (checked first; `bit_identical` records whether
 they gave the same bits). Reports the median time of a pass per
 (path, rows) and after / before; the bytes a pass reads over its time (GB/s) says how close the
@@ -72,6 +73,9 @@ def pass_fn(ext, path: str, ws, xs, scales):
     if path in ("int8", "int8_q8"):
         fn = ext.int8_matmul_q8 if path == "int8_q8" else ext.int8_matmul
         return lambda: [fn(xs[k], w, scales[w.shape[0]]) for w, _, k in ws]
+    if path == "gguf_panels":
+        packed = [(ext.gguf_pack_panels(w, t, k), t, k, w.shape[0]) for w, t, k in ws]
+        return lambda: [ext.gguf_matmul_panels(xs[k], p, t, n) for p, t, k, n in packed]
     fn = ext.gguf_matmul_q8 if path == "gguf_q8" else ext.gguf_matmul
     return lambda: [fn(xs[k], w, t, -1) for w, t, k in ws]
 

@@ -732,6 +732,13 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
+    // Each panel is its own stream of PB-byte blocks: every line of a block PREFETCH_BYTES ahead
+    // of it (a hint: no fault past the end). Without it a decode row read the panels at ~37 GB/s
+    // on a Zen 5, where the block kernel's software prefetch streams its rows at ~50.
+    for (int c = 0; c < NR; ++c) {
+      const char* next = reinterpret_cast<const char*>(w + c * panel_bytes + b * PB) + PREFETCH_BYTES;
+      for (int64_t o = 0; o < PB; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+    }
     __m512i dot[MR][NR];
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NR; ++c) dot[r][c] = _mm512_setzero_si512();
