@@ -69,15 +69,15 @@ def weights(seed: int) -> dict[str, list[tuple[torch.Tensor, int, int]]]:
     return {"int8": int8, "gguf": gguf}
 
 
-def pass_fn(ext, path: str, ws, xs, scales):
+def pass_fn(ext, path: str, ws, xs, scales, isa: int = -1):
     if path in ("int8", "int8_q8"):
         fn = ext.int8_matmul_q8 if path == "int8_q8" else ext.int8_matmul
         return lambda: [fn(xs[k], w, scales[w.shape[0]]) for w, _, k in ws]
     if path == "gguf_panels":
         packed = [(ext.gguf_pack_panels(w, t, k), t, k, w.shape[0]) for w, t, k in ws]
-        return lambda: [ext.gguf_matmul_panels(xs[k], p, t, n) for p, t, k, n in packed]
+        return lambda: [ext.gguf_matmul_panels(xs[k], p, t, n, isa) for p, t, k, n in packed]
     fn = ext.gguf_matmul_q8 if path == "gguf_q8" else ext.gguf_matmul
-    return lambda: [fn(xs[k], w, t, -1) for w, t, k in ws]
+    return lambda: [fn(xs[k], w, t, isa) for w, t, k in ws]
 
 
 def main() -> None:
@@ -88,6 +88,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--paths", default="int8,gguf,gguf_q8")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--isa", type=int, default=-1, help="gguf paths: force the kernels' ISA (1: AVX2); -1: the CPU's best"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     paths = args.paths.split(",")
@@ -108,7 +111,7 @@ def main() -> None:
         nbytes = sum(t.numel() * t.element_size() for t, _, _ in w)
         for m in rows:
             xs = {k: torch.randn(m, k) for k in (576, 1536)}
-            fns = {v: pass_fn(exts[family][v], path, w, xs, scales) for v in ("before", "after")}
+            fns = {v: pass_fn(exts[family][v], path, w, xs, scales, args.isa) for v in ("before", "after")}
             a, b = fns["before"](), fns["after"]()
             # Bit-identical unless the compiler contracted a scalar multiply-add differently.
             identical = all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -495,6 +495,10 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    // The panel's stream PREFETCH_BYTES ahead (as the AVX-512 panel tile; the second half's pass
+    // finds these lines in cache already).
+    const char* next = reinterpret_cast<const char*>(w + b * PB) + PREFETCH_BYTES;
+    for (int64_t o = 0; o < PB; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
     const uint8_t* blk = w + b * PB + 32 * half;
     const int8_t* xb = qx + b * QK;
     __m256i dot[MR];
