@@ -165,10 +165,9 @@ def test_decode_rows_go_straight_to_the_gguf_op_with_the_kernels_result(int8_act
 
 @pytest.mark.skipif(not gguf_blocks.available(), reason="lmstack-gguf's kernels are not built here")
 def test_int8_activation_batches_take_panels_where_vnni_runs():
-    """`fp32_activations: int8` set before the kernel is picked (as the quantizer does): on an
-    AVX-512 CPU batches from 6 rows, on an AVX2-only one every batch, multiply by 16-row panels of
-    the Q4_1 blocks (x rounded to int8 per 32 values, as the block kernel does); smaller ones keep
-    the block kernel."""
+    """`fp32_activations: int8` set before the kernel is picked (as the quantizer does): wherever
+    the panels run (AVX2 or AVX-512 VNNI) every batch multiplies by 16-row panels of the Q4_1
+    blocks (x rounded to int8 per 32 values, as the block kernel does)."""
     from lmstack_gguf.kernel import native_kernel
     from lmstack_gguf.quantizer import layer_panels_min_rows, panels_cpu
 
@@ -183,7 +182,7 @@ def test_int8_activation_batches_take_panels_where_vnni_runs():
         assert layer.kernel.panels is None
         pytest.skip("this CPU lacks AVX2: the panels are not made")
     first = layer_panels_min_rows()
-    assert first == (1 if ext.best_isa() == 1 else 6)
+    assert first == 1
     assert layer.kernel.dense is None and layer.kernel.max_rows == first - 1
     if first > 1:
         small = torch.randn(first - 1, k)

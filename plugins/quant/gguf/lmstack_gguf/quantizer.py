@@ -22,24 +22,23 @@ from lmstack_gguf.linear import GGUFLinear
 BF16_COPY_MIN_ROWS = 17
 
 
-# With panels, batches from this many rows multiply by them: the crossover with the block
-# kernel over a decode step's layers on a 2-core Zen 5 EPYC was between 5 and 6 rows with
-# AVX-512 VNNI, between 2 and 4 with the AVX2 code on that CPU (README). AVX2-only CPUs: below.
+# The Q8_0 LM head multiplies batches from this many rows by its panels and fewer by the block
+# kernel: before the panel kernel prefetched its stream, the crossover over a decode step's layers
+# on a 2-core Zen 5 EPYC was between 5 and 6 rows with AVX-512 VNNI, and the head was faster on
+# the block kernel at one row on a Zen 3 (1.1 vs 1.3 ms) (README).
 PANELS_MIN_ROWS = 6
 
-# Where AVX2 is the widest code (no AVX-512 VNNI), the panels beat the block kernel from one row
-# on: a decode step over SmolLM2's layers on a 2-core Zen 3 EPYC (AVX2 only) took 0.73x the
-# block kernel's time at 4 rows, 0.88-0.99x at one (benchmarks/panels_from_ab.py, README). (The AVX2 code on a Zen 5, with
-# twice the multiply throughput, crossed over between 2 and 4 rows.) Every batch then takes the
-# panels, which also makes a row's result the same in any batch. The Q8_0 LM head keeps the
-# block kernel below PANELS_MIN_ROWS: it was faster at one row there too (1.1 vs 1.3 ms).
-PANELS_MIN_ROWS_AVX2 = 1
+# Decoder layers take the panels for every batch wherever the panel kernel runs (AVX2 or AVX-512
+# VNNI), which also makes a row's result the same bits in any batch. Measured with
+# benchmarks/panels_from_ab.py (a decode step, panels from one row against from PANELS_MIN_ROWS):
+# AVX2-only Zen 3 0.88-0.99x at batch 1, 0.73x at 4; Zen 5 (AVX-512, with the panels' prefetch)
+# 0.87-1.005x at batch 1, 0.88x at 3-5, the awq stack 0.94-0.95x at 1 and 0.82x at 3-5 (README).
+LAYER_PANELS_MIN_ROWS = 1
 
 
 def layer_panels_min_rows() -> int:
-    """From how many rows a decoder layer's linears multiply by their panels on this CPU."""
-    ext = native_kernel()
-    return PANELS_MIN_ROWS_AVX2 if ext is not None and ext.best_isa() == 1 else PANELS_MIN_ROWS
+    """From how many rows a decoder layer's linears multiply by their panels (where they run)."""
+    return LAYER_PANELS_MIN_ROWS
 
 
 # With `prefill: panels+bf16`, batches from this many rows multiply by the bfloat16 copy (oneDNN

@@ -342,22 +342,13 @@ def test_panels_for_every_batch_make_a_rows_result_the_same_in_any_batch(bias):
         assert torch.equal(layer(x[i : i + 1]), out[i : i + 1])
 
 
-def test_layers_take_panels_from_one_row_where_avx2_is_the_widest_code(monkeypatch):
-    """The crossover the quantizer uses for decoder layers: every batch with AVX2 as the widest
-    code (measured on Zen 3), from PANELS_MIN_ROWS with AVX-512 VNNI."""
+def test_layers_take_panels_for_every_batch_the_head_from_panels_min_rows():
+    """The quantizer gives decoder layers the panels for every batch (kernel_max_rows 0) and
+    keeps the LM head's block kernel below PANELS_MIN_ROWS, wherever the panels run."""
     from lmstack_gguf import quantizer
 
-    class Ext:
-        def __init__(self, isa):
-            self.isa = isa
-
-        def best_isa(self):
-            return self.isa
-
-    for isa, first in ((1, quantizer.PANELS_MIN_ROWS_AVX2), (2, quantizer.PANELS_MIN_ROWS)):
-        monkeypatch.setattr(quantizer, "native_kernel", lambda isa=isa: Ext(isa))
-        assert quantizer.layer_panels_min_rows() == first
-    assert quantizer.PANELS_MIN_ROWS_AVX2 == 1 < quantizer.PANELS_MIN_ROWS
+    assert quantizer.layer_panels_min_rows() == quantizer.LAYER_PANELS_MIN_ROWS == 1
+    assert quantizer.PANELS_MIN_ROWS > 1
 
 
 @needs_panels

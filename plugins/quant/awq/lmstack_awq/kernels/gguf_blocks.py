@@ -12,9 +12,8 @@ Batches of at most `lmstack_gguf.kernel.NATIVE_MAX_ROWS` rows take the kernel wi
 activations (the dequantized model's result up to fp32 summation order), or with
 `layer.int8_activations` the kernel that rounds x to int8 per 32 values first (llama.cpp's
 scheme, `fp32_activations: int8`); larger ones dequantize the blocks a slab at a time and
-multiply densely in fp32 — or, with int8 activations on a CPU with AVX2 or AVX-512, from 6 rows
-(every batch where AVX2 is the widest code), multiply by the blocks re-laid out in 16-row panels
-(lmstack-gguf's `prefill: panels`) — or, on a CPU with native bf16, from 17 rows, by a bf16 copy
+multiply densely in fp32 — or, with int8 activations on a CPU with AVX2 or AVX-512 VNNI, every
+batch multiplies by the blocks re-laid out in 16-row panels (lmstack-gguf's `prefill: panels`) — or, on a CPU with native bf16, from 17 rows, by a bf16 copy
 of the layer made at load (x rounded to bf16). The blocks replace the layer's nibble buffer, so
 the module holds one copy of the weight; `codes` reads the nibbles back.
 """
@@ -71,9 +70,8 @@ class GGUFBlocks:
         ext = native_kernel()
         self.matmuls, self.max_rows = (ext.gguf_matmul, ext.gguf_matmul_q8), NATIVE_MAX_ROWS
         self.dense: torch.Tensor | None = None
-        # With int8 activations where the panel kernel runs (AVX2 or AVX-512): panels (0.75 bytes a weight) take
-        # batches from 6 rows (AVX-512) or every batch (AVX2 only), the crossovers with the block
-        # kernel lmstack-gguf measured.
+        # With int8 activations where the panel kernel runs (AVX2 or AVX-512 VNNI): panels (0.75
+        # bytes a weight) take every batch (`layer_panels_min_rows`, measured by lmstack-gguf).
         self.panels: torch.Tensor | None = None
         if layer.int8_activations and panels_cpu():
             self.panels = ext.gguf_pack_panels(layer.w_packed, Q4_1, k)
