@@ -1,13 +1,13 @@
-"""Decode steps with the decoder layers' GGUF panels from one row against from PANELS_MIN_ROWS
-(the AVX-512 crossover), in one process: two engines of the same stack, alternating run by run
+"""Decode steps with the decoder layers' (or, `--what head`, the Q8_0 LM head's) GGUF panels from
+one row against from PANELS_MIN_ROWS, in one process: two engines of the same stack, alternating run by run
 (ABBA), so that a noisy machine's drift falls on both alike.
 
     python benchmarks/panels_from_ab.py --stack examples/stacks/cpu.yaml [--batches 1 4 8] \\
         [--rounds 12] [--new-tokens 24] [--out DIR]
 
-`lmstack_gguf.quantizer.layer_panels_min_rows` picks the crossover per CPU (1 where AVX2 is the
-widest code); this script builds engine A with PANELS_MIN_ROWS and engine B with one row, on any
-CPU whose kernels run the panels, whatever it would pick. Each run submits `batch` prompts of 200
+`lmstack_gguf.quantizer.layer_panels_min_rows` / `head_panels_min_rows` pick the crossovers the
+stack gets (README); this script builds engine A with PANELS_MIN_ROWS and engine B with one row
+for the part under test, on any CPU whose kernels run the panels, whatever they would pick. Each run submits `batch` prompts of 200
 token ids, takes the prefill step, then times the decode steps to the end (exactly
 `--new-tokens` tokens each, greedy). Writes `panels_from_ab.json` (CPU named; every run's ms per
 decode step; medians, their ratio B / A and the median of the paired ratios) and prints them.
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--what", choices=["layers", "head"], default="layers", help="whose crossover to vary")
     args = ap.parse_args(argv)
 
     from lmstack_gguf import quantizer
@@ -60,14 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     if not quantizer.panels_cpu():
         print("the GGUF panel kernel does not run on this machine (AVX2 and the built kernels needed)")
         return 1
-    chosen = quantizer.layer_panels_min_rows
+    # The choice under test (the decoder layers' or the LM head's crossover) from PANELS_MIN_ROWS
+    # in engine A and from one row in engine B; the other as the quantizer picks it.
+    name = "layer_panels_min_rows" if args.what == "layers" else "head_panels_min_rows"
+    chosen = getattr(quantizer, name)
     try:
-        quantizer.layer_panels_min_rows = lambda: quantizer.PANELS_MIN_ROWS
+        setattr(quantizer, name, lambda: quantizer.PANELS_MIN_ROWS)
         engine_a = LLMEngine(load_stack(args.stack))
-        quantizer.layer_panels_min_rows = lambda: 1
+        setattr(quantizer, name, lambda: 1)
         engine_b = LLMEngine(load_stack(args.stack))
     finally:
-        quantizer.layer_panels_min_rows = chosen
+        setattr(quantizer, name, chosen)
     decode_ms_per_step(engine_a, 1, 4)  # warm-up
     decode_ms_per_step(engine_b, 1, 4)
 
@@ -103,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         **cpu_description(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "stack": str(args.stack),
+        "what": args.what,
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
         "results": results,

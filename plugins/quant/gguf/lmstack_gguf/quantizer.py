@@ -22,11 +22,19 @@ from lmstack_gguf.linear import GGUFLinear
 BF16_COPY_MIN_ROWS = 17
 
 
-# The Q8_0 LM head multiplies batches from this many rows by its panels and fewer by the block
-# kernel: before the panel kernel prefetched its stream, the crossover over a decode step's layers
-# on a 2-core Zen 5 EPYC was between 5 and 6 rows with AVX-512 VNNI, and the head was faster on
-# the block kernel at one row on a Zen 3 (1.1 vs 1.3 ms) (README).
+# Where AVX2 is the widest code the Q8_0 LM head multiplies batches from this many rows by its
+# panels and fewer by the block kernel, which was faster at one row on a Zen 3 (1.1 vs 1.3 ms).
+# (It was also the layers' crossover on a Zen 5 before the panel kernel prefetched its stream.)
 PANELS_MIN_ROWS = 6
+
+
+def head_panels_min_rows() -> int:
+    """From how many rows the Q8_0 LM head multiplies by its panels: every batch with AVX-512
+    VNNI (Zen 5, with the panels' prefetch: 351 vs 455 us at one row, 584 vs 772 at five, README),
+    PANELS_MIN_ROWS where AVX2 is the widest code."""
+    ext = native_kernel()
+    return 1 if ext is not None and ext.best_isa() >= 2 else PANELS_MIN_ROWS
+
 
 # Decoder layers take the panels for every batch wherever the panel kernel runs (AVX2 or AVX-512
 # VNNI), which also makes a row's result the same bits in any batch. Measured with
@@ -117,7 +125,7 @@ class GGUFQuantizer(Quantizer):
                 module.finalize()
         if self.options.lm_head == "blocks":
             keep_embedding_and_head_as_blocks(
-                model, self.use_native, self.int8_activations, PANELS_MIN_ROWS if self.panels else None
+                model, self.use_native, self.int8_activations, head_panels_min_rows() if self.panels else None
             )
 
     def shard_alignment(self, spec: LinearSpec) -> int:

@@ -342,12 +342,23 @@ def test_panels_for_every_batch_make_a_rows_result_the_same_in_any_batch(bias):
         assert torch.equal(layer(x[i : i + 1]), out[i : i + 1])
 
 
-def test_layers_take_panels_for_every_batch_the_head_from_panels_min_rows():
-    """The quantizer gives decoder layers the panels for every batch (kernel_max_rows 0) and
-    keeps the LM head's block kernel below PANELS_MIN_ROWS, wherever the panels run."""
+def test_layers_take_panels_for_every_batch_and_the_head_where_vnni_runs(monkeypatch):
+    """The quantizer gives decoder layers the panels for every batch wherever they run, and the
+    Q8_0 LM head too with AVX-512 VNNI; where AVX2 is the widest code the head keeps the block
+    kernel below PANELS_MIN_ROWS (measured on Zen 3)."""
     from lmstack_gguf import quantizer
 
-    assert quantizer.layer_panels_min_rows() == quantizer.LAYER_PANELS_MIN_ROWS == 1
+    class Ext:
+        def __init__(self, isa):
+            self.isa = isa
+
+        def best_isa(self):
+            return self.isa
+
+    for isa, head_first in ((1, quantizer.PANELS_MIN_ROWS), (2, 1)):
+        monkeypatch.setattr(quantizer, "native_kernel", lambda isa=isa: Ext(isa))
+        assert quantizer.layer_panels_min_rows() == 1
+        assert quantizer.head_panels_min_rows() == head_first
     assert quantizer.PANELS_MIN_ROWS > 1
 
 
