@@ -219,7 +219,8 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = "dense fp32" if self.ggml_type is None else f"GGML type {self.ggml_type} blocks"
         if self.panels is not None:
-            kind += f", 16-row panels for batches over {self.kernel_max_rows} rows"
+            over = f"batches over {self.kernel_max_rows} rows" if self.kernel_max_rows else "every batch"
+            kind += f", 16-row panels for {over}"
         if self.ggml_type is not None and self.dense is not None:
             first = self.copy_min_rows if self.panels is not None else (self.kernel_max_rows or 0) + 1
             kind += f", {str(self.dense.dtype).removeprefix('torch.')} copy for batches from {first} rows"
