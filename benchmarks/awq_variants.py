@@ -186,14 +186,13 @@ def refit_scales(
         ridge = 1e-6 * lhs.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-30)
         lhs.diagonal(dim1=1, dim2=2).add_(ridge[:, None])
         scale = torch.linalg.solve(lhs, rhs.unsqueeze(-1)).squeeze(-1).clamp(min=1e-6).half().float()
-        for candidate in (dequant(scale, q), None):
-            if candidate is None:  # the codes rounded again on the new scales
-                q = (w / expand_groups(scale, in_f, g) + z).round().clamp(0, QMAX)
-                candidate = dequant(scale, q)
+        rounded = (w / expand_groups(scale, in_f, g) + z).round().clamp(0, QMAX)  # on the new scales
+        for candidate in (dequant(scale, q), dequant(scale, rounded)):
             err = error(candidate)
             better = err < best
             best = torch.where(better, err, best)
             best_w = torch.where(better[:, None], candidate, best_w)
+        q = rounded
     return best_w
 
 

@@ -23,10 +23,11 @@ class GGUFOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # matmul dequantizes and multiplies densely (A/B runs).
     kernel: Literal["auto", "torch"] = "auto"
     # Batches the kernel does not take: "panels" (int8 activations): every batch of a decoder
-    # layer, and the LM head's (from 6 rows where AVX2 is the widest code), the blocks re-laid out at load in panels of 16 weight rows, so that one instruction multiplies
-    # 4 values of x by 16 (AVX-512 VNNI) or 8 (AVX2) rows at once (0.75 more bytes a weight
-    # resident; batches of 8-64 rows ~2-4x faster than the block kernel, prefill ~1.5x the
-    # bfloat16 copy on a Zen 5, README); "dense-copy" multiplies by an fp32 copy of each layer
+    # layer, and the LM head's (from 6 rows where AVX2 is the widest code), the blocks re-laid
+    # out at load in panels of 16 weight rows, so that one instruction multiplies 4 values of x
+    # by 16 (AVX-512 VNNI) or 8 (AVX2) rows at once (0.75 more bytes a weight resident; batches
+    # of 8-64 rows ~2-4x faster than the block kernel, prefill ~1.5x the bfloat16 copy on a Zen
+    # 5, README); "dense-copy" multiplies by an fp32 copy of each layer
     # kept beside its blocks (prefill as fast as `none`'s; 4 more bytes a weight resident; decode
     # still reads the blocks) from 33 rows; "dense-bf16" by a bfloat16 copy (2 bytes a weight), x
     # rounded to bfloat16, from 17 rows (the crossover with the kernel measured on a CPU with

@@ -119,6 +119,8 @@ class Int8Matmul:
         self.exact_fp32 = exact_fp32
         self.use_native = use_native
         self.int8_activations = int8_activations
+        # The int8-activation kernel's row limit on this CPU (what takes the batches above differs).
+        self._int8_max_rows = INT8_ACT_MAX_ROWS_NATIVE_BF16 if native_bf16_cpu() else INT8_ACT_MAX_ROWS
         self._scales: dict[torch.dtype, torch.Tensor] = {}
 
     def reset(self) -> None:
@@ -140,9 +142,7 @@ class Int8Matmul:
 
     def native_max_rows(self, k: int) -> int:
         """The most rows the C++ kernel takes for a weight of k columns."""
-        if not self.rounds_activations(k):
-            return NATIVE_MAX_ROWS
-        return INT8_ACT_MAX_ROWS_NATIVE_BF16 if native_bf16_cpu() else INT8_ACT_MAX_ROWS
+        return self._int8_max_rows if self.rounds_activations(k) else NATIVE_MAX_ROWS
 
     def path(self, x: torch.Tensor, q: torch.Tensor) -> str:
         """Which computation x gets: "native" (the C++ kernel, fp32), "op" (the int8 op in x's

@@ -43,8 +43,8 @@ class Int8Linear(nn.Module):
             )
             set_weight_loader(self.bias, self._load_bias, num_shards=parts)
         self.matmul = Int8Matmul(exact_fp32, use_native, int8_activations)
-        # (kernel, weight, scales, most rows) bound at the first call after loading, or False without the
-        # kernel: a module's parameter / buffer lookups and `Int8Matmul.path`'s checks cost
+        # (kernel, weight, scales, most rows) bound at the first call after loading, or False
+        # without the kernel: a module's parameter / buffer lookups and `Int8Matmul.path`'s checks cost
         # ~30 us a call, more than the kernel itself for a small layer at batch 1.
         self._fast: tuple | bool | None = None
 

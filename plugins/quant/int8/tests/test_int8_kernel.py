@@ -242,8 +242,8 @@ def test_int8_activations_take_the_rounding_kernel_where_k_allows():
     """`activations: int8`: a layer whose K is whole 32-blocks multiplies decode rows through
     `int8_matmul_q8` (the same bits, by the direct path and through `Int8Matmul`, with a bias,
     for a 3-D batch, and the tied head), one whose K is not keeps the fp32 kernel; batches above
-    the kernel's row limit (`INT8_ACT_MAX_ROWS`, or `..._NATIVE_BF16` on such a CPU, with int8 activations, else `NATIVE_MAX_ROWS`)
-    keep the dequantized fp32 matmul."""
+    the kernel's row limit (with int8 activations `INT8_ACT_MAX_ROWS`, or `..._NATIVE_BF16` on
+    such a CPU; else `NATIVE_MAX_ROWS`) keep the dequantized matmul."""
     ext = kernel.native_kernel()
     for k, fn in ((64, ext.int8_matmul_q8), (37, ext.int8_matmul)):
         for bias in (False, True):

@@ -13,8 +13,9 @@ activations (the dequantized model's result up to fp32 summation order), or with
 `layer.int8_activations` the kernel that rounds x to int8 per 32 values first (llama.cpp's
 scheme, `fp32_activations: int8`); larger ones dequantize the blocks a slab at a time and
 multiply densely in fp32 — or, with int8 activations on a CPU with AVX2 or AVX-512 VNNI, every
-batch multiplies by the blocks re-laid out in 16-row panels (lmstack-gguf's `prefill: panels`) — or, on a CPU with native bf16, from 17 rows, by a bf16 copy
-of the layer made at load (x rounded to bf16). The blocks replace the layer's nibble buffer, so
+batch multiplies by the blocks re-laid out in 16-row panels (lmstack-gguf's `prefill: panels`)
+— or, on a CPU with native bf16, from 17 rows, by a bf16 copy of the layer made at load (x
+rounded to bf16). The blocks replace the layer's nibble buffer, so
 the module holds one copy of the weight; `codes` reads the nibbles back.
 """
 
