@@ -92,6 +92,33 @@ def test_drafting_is_priced_apart_from_the_verification():
     assert set(policy.limits(list(range(8))).values()) == {4}
 
 
+def test_a_first_draft_and_a_further_one_are_priced_apart():
+    """Batch 1 on a CPU (a 5 ms step, 0.4 ms a further row) with a draft head whose first draft
+    takes 0.8 ms (a pass over the rows verified since, then the draft) and each further one
+    0.3 ms, each accepted half the time: priced alike (the mean of one- and two-draft steps) a
+    second draft looks dearer than its gain; priced apart, two or more pay."""
+    alike, apart = measured(a=0.005, b=0.0004), measured(a=0.005, b=0.0004)
+    for policy in (alike, apart):
+        for _ in range(40):
+            policy.record_verification(0, 2, 1)
+    for _ in range(8):
+        alike.record_drafting(1, 0.0008)  # a speculator that does not say: all drafts alike
+        alike.record_drafting(2, 0.0011)
+        apart.record_drafting(1, 0.0008, 1, 0.0008)
+        apart.record_drafting(2, 0.0011, 1, 0.0008)
+    assert apart.first_draft_seconds == 0.0008 and abs(apart.draft_seconds - 0.0003) < 1e-12
+    assert alike.limits([0]) == {0: 1}
+    assert apart.limits([0])[0] >= 2
+    # Only one-draft steps measured: a further draft is priced as a first one until measured.
+    fresh = measured(a=0.005, b=0.0004)
+    fresh.record_drafting(1, 0.0008, 1, 0.0008)
+    assert fresh.draft_seconds == fresh.first_draft_seconds == 0.0008
+    # A first draft dearer than the whole chain's gain: nothing drafted, however cheap the rest.
+    for _ in range(16):
+        apart.record_drafting(2, 0.0203, 1, 0.02)
+    assert apart.limits([0]) == {0: 0}
+
+
 def test_before_two_sizes_are_measured_steps_alternate_one_draft_and_none():
     policy = DraftLengthPolicy(3)
     assert [policy.limits([1, 2]) for _ in range(4)] == [{1: 1, 2: 1}, {1: 0, 2: 0}] * 2

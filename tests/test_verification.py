@@ -111,6 +111,32 @@ def test_greedy_accepts_while_drafts_equal_the_argmax():
     assert [s.token_id for s in first_wrong.tokens] == [1] and first_wrong.num_accepted == 0
 
 
+def test_greedy_fast_path_gives_the_general_walks_outcome():
+    """A greedy row nothing processes is verified by one argmax over the rows; a processor that
+    changes nothing sends the same row through the general walk (process, one-hot, argmax per
+    row): same tokens and count on random logits (ties and a NaN row included), random drafts
+    that match the argmax for a random prefix."""
+    gen = torch.Generator().manual_seed(7)
+    fast_params = SamplingParams(temperature=0.0)
+    walk_params = SamplingParams(temperature=0.0, logits_processors=[lambda ids, logits: logits])
+    verifier = RejectionSampler(Sampler(1000, seed=0))
+    for trial in range(300):
+        k = int(torch.randint(1, 9, (1,), generator=gen))
+        logits = torch.randn(k + 1, 1000, generator=gen)
+        if trial % 5 == 0:  # ties: the first of equal maxima wins, in both paths
+            logits[:, 17] = logits[:, 3] = logits.max() + 1
+        if trial % 7 == 0:
+            logits[int(torch.randint(0, k + 1, (1,), generator=gen)), 11] = float("nan")
+        best = torch.argmax(logits, dim=-1).tolist()
+        keep = int(torch.randint(0, k + 1, (1,), generator=gen))
+        draft = best[:keep] + torch.randint(0, 1000, (k - keep,), generator=gen).tolist()
+        fast = verifier.verify(logits, Draft(draft), _row_for(fast_params))
+        walk = verifier.verify(logits, Draft(draft), _row_for(walk_params))
+        assert fast.num_accepted == walk.num_accepted, (trial, draft, best)
+        assert [t.token_id for t in fast.tokens] == [t.token_id for t in walk.tokens]
+        assert fast.num_accepted == next((j for j in range(k) if draft[j] != best[j]), k)
+
+
 def test_seeded_requests_verify_reproducibly():
     params = SamplingParams(temperature=1.0, seed=42)
 

@@ -25,11 +25,18 @@ head's passes; an n-gram lookup costs ~nothing), measured and kept out of the st
 line is fitted to, so n drafts cost t(T + n) + n * d. A head's pass is not a query token: priced
 as one, a draft looked cheap exactly where a step is compute-bound and a head pass is not
 (32 streams: EAGLE ran at 0.86x plain decoding, drafting ~4 tokens a step for 0.4 accepted each).
+A draft head's first draft of a sequence costs more than a further one (its pass enters the
+tokens verified since the sequence last drafted, a further pass one row); where the speculator
+says what its first drafts took (`Speculator.first_draft_seconds`), a sequence's first draft is
+priced at c, the median of those per sequence, and each further one at d, the median of the
+rest per draft, so s sequences drafting n tokens in all cost t(T + n) + s * c + (n - s) * d.
+Priced alike, one-draft steps (batch 1, mostly) priced a second draft at c, about twice d.
 
 Draft slots are ordered best expected gain first, and the step takes the prefix of that order
-that maximizes expected tokens per second, N(T) / (t(T) + n * d), each size T priced by the
-measured cost around it. Memory-bound (b ~ 0): every draft up to `num_draft_tokens`. Compute-bound
-(a ~ 0): N / T falls with every draft whose gain is below 1, so none.
+that maximizes expected tokens per second, N(T) / (t(T + n) + s * c + (n - s) * d), each size
+priced by the measured cost around it. Memory-bound (b ~ 0): every draft up to
+`num_draft_tokens`. Compute-bound (a ~ 0): N / T falls with every draft whose gain is below 1,
+so none.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class DraftLengthPolicy:
     _seqs: dict[int, _Acceptance] = field(default_factory=dict)
     last_mean_limit: float = 0.0  # the mean limit of the last step (a metric)
     _draft_costs: list[float] = field(default_factory=list)  # recent propose seconds per draft
+    _first_costs: list[float] = field(default_factory=list)  # ... of a sequence's first draft
     _decisions: int = 0
 
     # --- measurements ------------------------------------------------------------------------
@@ -77,18 +85,40 @@ class DraftLengthPolicy:
         """A step of `num_tokens` query tokens took `seconds`, its drafting excluded."""
         self.cost.record(num_tokens, seconds)
 
-    def record_drafting(self, num_drafts: int, seconds: float) -> None:
-        """The speculator proposed `num_drafts` tokens in `seconds`."""
+    def record_drafting(
+        self, num_drafts: int, seconds: float, num_seqs: int = 0, first_seconds: float = 0.0
+    ) -> None:
+        """The speculator proposed `num_drafts` tokens for `num_seqs` sequences in `seconds`, of
+        which `first_seconds` went to their first drafts (0: not told; every draft priced alike)."""
         if num_drafts <= 0:
             return
-        self._draft_costs = [*self._draft_costs[-(DRAFT_SAMPLES - 1) :], seconds / num_drafts]
+        keep = DRAFT_SAMPLES - 1
+        if num_seqs > 0 and first_seconds > 0.0:
+            self._first_costs = [*self._first_costs[-keep:], first_seconds / num_seqs]
+            if num_drafts > num_seqs:
+                further = (seconds - first_seconds) / (num_drafts - num_seqs)
+                self._draft_costs = [*self._draft_costs[-keep:], further]
+        else:
+            per_draft = seconds / num_drafts
+            self._first_costs = [*self._first_costs[-keep:], per_draft]
+            self._draft_costs = [*self._draft_costs[-keep:], per_draft]
+
+    @staticmethod
+    def _median(costs: list[float]) -> float:
+        ordered = sorted(costs)
+        return ordered[len(ordered) // 2] if ordered else 0.0
 
     @property
     def draft_seconds(self) -> float:
-        """What proposing one draft token costs: the median of the recent measurements (a
-        sequence's first draft also runs the head over its prompt: an outlier, not the rule)."""
-        costs = sorted(self._draft_costs)
-        return costs[len(costs) // 2] if costs else 0.0
+        """What proposing a further draft token costs: the median of the recent measurements;
+        a first draft's until a further one was measured."""
+        return self._median(self._draft_costs) if self._draft_costs else self.first_draft_seconds
+
+    @property
+    def first_draft_seconds(self) -> float:
+        """What a sequence's first draft costs: the median of the recent measurements (a
+        sequence's very first also runs the head over its prompt: an outlier, not the rule)."""
+        return self._median(self._first_costs)
 
     def record_verification(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:
@@ -133,13 +163,13 @@ class DraftLengthPolicy:
             per_seq = self._decisions % 2
             self.last_mean_limit = float(per_seq)
             return dict.fromkeys(seq_ids, per_seq)
-        # Candidate (gain, seq) for every draft slot; gains fall along a chain, so taking them
+        # Candidate (gain, k, seq) for every draft slot; gains fall along a chain, so taking them
         # best first respects each chain's order.
         candidates = []
         for sid in seq_ids:
             alpha = self.acceptance(sid)
-            candidates += [(alpha**k, sid) for k in range(1, k_max + 1)]
-        candidates.sort(key=lambda c: -c[0])
+            candidates += [(alpha**k, k, sid) for k in range(1, k_max + 1)]
+        candidates.sort(key=lambda c: (-c[0], c[1]))
         # Of the prefixes of that order, the one whose step emits the most expected tokens per
         # second, each size priced by the measured cost around it. Not the first draft whose
         # marginal cost exceeds its gain: a verification's first row may cost more than the next
@@ -147,18 +177,21 @@ class DraftLengthPolicy:
         # one draft alone does not.
         expected = float(len(seq_ids))  # tokens the step emits: one per sequence, plus gains
         best, best_rate = 0, expected / seconds(tokens)
-        per_draft = self.draft_seconds
-        for n, (gain, _) in enumerate(candidates, 1):
+        first, further = self.first_draft_seconds, self.draft_seconds
+        drafting = 0.0
+        for n, (gain, k, _) in enumerate(candidates, 1):
             expected += gain
-            rate = expected / (seconds(tokens + n) + n * per_draft)
+            drafting += first if k == 1 else further
+            rate = expected / (seconds(tokens + n) + drafting)
             if rate > best_rate:
                 best, best_rate = n, rate
-        for _, sid in candidates[:best]:
+        for _, _, sid in candidates[:best]:
             limits[sid] += 1
         if not best:
             # Nothing drafted, so nothing new is measured: the remembered drafting cost fades,
             # and drafting is tried again later (the load, or the speculator's cost, may change).
             self._draft_costs = [c * DRAFT_IDLE_DECAY for c in self._draft_costs]
+            self._first_costs = [c * DRAFT_IDLE_DECAY for c in self._first_costs]
         for sid, n in limits.items():
             own = self._seqs.get(sid)
             if not n and own is not None:

@@ -66,12 +66,17 @@ class DraftBook:
         started = time.perf_counter()
         proposals = speculator.propose(asked)
         self._propose_seconds = time.perf_counter() - started
-        self.policy.record_drafting(sum(s.draft_limit for s in asked), self._propose_seconds)
+        drafted = 0  # tokens proposed, and by how many sequences: what the time bought
+        drafting_seqs = 0
         for seq in asked:
             got = proposals.get(seq.seq_id, [])
             draft = (got if isinstance(got, Draft) else Draft(list(got))).truncated(seq.draft_limit)
             seq.draft_token_ids = list(draft.token_ids)
             self._drafts[seq.seq_id] = draft
+            drafted += len(draft)
+            drafting_seqs += bool(len(draft))
+        first = min(max(float(getattr(speculator, "first_draft_seconds", 0.0)), 0.0), self._propose_seconds)
+        self.policy.record_drafting(drafted, self._propose_seconds, drafting_seqs, first)
 
     def take(self, seq: Sequence, scheduled: list[int]) -> Draft:
         """The proposal behind the drafts scheduled for `seq` this step (with the drafter's

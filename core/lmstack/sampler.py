@@ -52,7 +52,9 @@ def _seed_for(row: SampleRow) -> int:
     return (row.params.seed * 1_000_003 + row.sample_index * 7_919 + row.num_output) % (2**63 - 1)
 
 
-def _needs_processing(row: SampleRow) -> bool:
+def needs_processing(row: SampleRow) -> bool:
+    """Whether anything edits the row's logits before it samples (a grammar, a processor, a
+    penalty, min_tokens holding back its stop tokens)."""
     p = row.params
     return bool(
         row.grammar is not None
@@ -121,7 +123,7 @@ class Sampler:
 
     def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The logits each row samples from (processors, masks and penalties applied)."""
-        todo = [i for i, row in enumerate(rows) if _needs_processing(row)]
+        todo = [i for i, row in enumerate(rows) if needs_processing(row)]
         if not todo:
             return logits.float()
         logits = logits.float().clone()  # the caller's tensor stays untouched

@@ -108,8 +108,15 @@ def test_fp32_layer_matches_dequantized_reference(exact, use_native):
                 assert path == "dequant", path
                 ref, bound = _reference(layer, x, b), 1e-6
             assert _rel(out, ref) <= bound, f"{path} k={layer.in_features} m={m}: {_rel(out, ref):.2e}"
-            # ... and the int8 weight is the loaded one to within its rounding.
-            assert _rel(out, x @ w.T + (0 if b is None else b)) <= 0.02
+            # ... and the int8 weight is the loaded one to within its rounding: per output, at
+            # most sum |x| * scale / 2 (each weight within half a step), plus, where x and the
+            # product are rounded to bf16, a bf16 step of |x| @ |w| each. (A relative bound over
+            # the whole output fails now and then: two outputs that nearly cancel.)
+            exact_out = x @ w.T + (0 if b is None else b)
+            limit = x.abs().sum(-1, keepdim=True) * layer.weight_scale / 2
+            if path in ("op-bf16", "dequant-bf16"):
+                limit = limit + 2 * torch.finfo(torch.bfloat16).eps * (x.abs() @ w.abs().T)
+            assert torch.all((out - exact_out).abs() <= limit * (1 + 1e-4) + 1e-5), path
 
 
 @pytest.mark.parametrize("native_bf16", [False, True], ids=["fp32-cpu", "native-bf16-cpu"])

@@ -422,12 +422,18 @@ def test_reduced_draft_vocabulary(tiny_model_path, trained_head_dir):
         eagle_stack(tiny_model_path, trained_head_dir, num_draft_tokens=4, adaptive=False, draft_vocab=20)
     )
     spec = llm.engine.speculator
+    # A drafted token's embedding comes from the table gathered at start-up: the target's own.
+    ids = torch.tensor(vocab[:20])
+    assert torch.equal(spec.vocab_embeds, spec.embed(ids).to(spec.dtype))
     drafted: set[int] = set()
     inner = spec.propose
+
+    firsts: list[float] = []
 
     def recording(seqs):
         out = inner(seqs)
         drafted.update(t for d in out.values() for t in d)
+        firsts.append(spec.first_draft_seconds)
         return out
 
     spec.propose = recording
@@ -437,6 +443,10 @@ def test_reduced_draft_vocabulary(tiny_model_path, trained_head_dir):
     theirs = LLM(tiny_stack(tiny_model_path)).generate(prompts, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
     assert drafted and drafted <= set(vocab[:20]), f"drafted {sorted(drafted - set(vocab[:20]))} outside"
+    # propose tells the core what its first drafts took, which prices them apart from the rest.
+    assert max(firsts) > 0
+    policy = llm.engine.drafts.policy
+    assert policy.first_draft_seconds > 0 and policy.draft_seconds > 0
     with pytest.raises(LmstackError, match="draft_vocab.json"):
         LLM(eagle_stack(tiny_model_path, tiny_model_path, draft_vocab=20))
 
