@@ -14,14 +14,17 @@ decoding's (it must), drafts proposed / accepted and the mean accepted drafts pe
 With `--streams N`, also N requests at once (the held-out prompts cycled, the scheduler's
 max_num_seqs raised to N), each system in its own engine: output tok/s of wall time, median
 over `--repeats` runs alternating the systems (the adaptive draft length under load).
-Prints one JSON object.
+Prints one JSON object; with `--out DIR` also writes it as DIR/eagle.json, with the exact
+command (command.txt) and a plot (eagle.png).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
 from pathlib import Path
 
 
@@ -52,6 +55,7 @@ def main() -> None:
         help="the eagle systems' head_weights (int8: lmstack-int8's Int8Linear and CPU kernel)",
     )
     ap.add_argument("--streams", type=int, default=0, help="also measure N concurrent requests")
+    ap.add_argument("--out", default=None, help="a folder for eagle.json, command.txt and eagle.png")
     args = ap.parse_args()
 
     from lmstack import LLM, SamplingParams
@@ -118,27 +122,77 @@ def main() -> None:
             "mean_tokens_per_verification": 1 + stats.num_accepted_tokens / max(verifications, 1),
             "accepted_length_histogram": hist,
         }
-    print(
-        json.dumps(
+    result = {
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "cpu": cpu_description(),
+        "model": args.model,
+        "head": args.head,
+        "stack_file": args.stack,
+        "stack": base,
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "num_draft_tokens": args.num_draft_tokens,
+        "adaptive": not args.fixed,
+        "head_weights": args.head_weights,
+        "plain_decode_tok_s": tok_s["plain"],
+        "systems": systems,
+        "streams": loaded,
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eagle.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "command.txt").write_text(result["command"] + "\n")
+        plot(result, out / "eagle.png")
+
+
+def plot(result: dict, path: Path) -> None:
+    """Batch-1 decode tok/s per system (and, with streams, output tok/s), ratios to plain."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        (
+            "batch 1: decode tok/s",
+            {"plain": result["plain_decode_tok_s"]}
+            | {n: s["decode_tok_s"] for n, s in result["systems"].items()},
             {
-                "cpu": cpu_description(),
-                "model": args.model,
-                "head": args.head,
-                "stack_file": args.stack,
-                "stack": base,
-                "prompts": len(prompts),
-                "max_tokens": args.max_tokens,
-                "repeats": args.repeats,
-                "num_draft_tokens": args.num_draft_tokens,
-                "adaptive": not args.fixed,
-                "head_weights": args.head_weights,
-                "plain_decode_tok_s": tok_s["plain"],
-                "systems": systems,
-                "streams": loaded,
+                n: f"{s['speedup']:.2f}x, {s['mean_tokens_per_verification']:.2f} tok/step"
+                for n, s in result["systems"].items()
             },
-            indent=1,
         )
-    )
+    ]
+    if result["streams"]:
+        st = result["streams"]
+        ratios = {n: f"{r:.2f}x" for n, r in st["ratio_vs_plain"].items()}
+        panels.append((f"{st['streams']} streams: output tok/s", st["output_tok_s"], ratios))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 3.8), squeeze=False)
+    for ax, (title, values, labels) in zip(axes[0], panels, strict=True):
+        bars = ax.bar(
+            list(values), list(values.values()), color=["tab:gray", "tab:blue", "tab:orange"][: len(values)]
+        )
+        for bar, name in zip(bars, values, strict=True):
+            if name in labels:
+                ax.annotate(
+                    labels[name],
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    cpu = result["cpu"]
+    isa = [f for f in ("avx512_vnni", "avx512_bf16", "amx_tile") if f in cpu.get("cpu_flags", [])]
+    name = f"{cpu.get('cpu_model', '?')} ({', '.join(isa) or 'no AVX-512 VNNI'})"
+    fig.suptitle(f"EAGLE vs plain decoding, {result['model']}, {name}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def concurrent(args, base, spec, llms, prompts, params) -> dict:
@@ -170,4 +224,8 @@ def concurrent(args, base, spec, llms, prompts, params) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--replot":  # redraw DIR/eagle.png from DIR/eagle.json
+        folder = Path(sys.argv[2])
+        plot(json.loads((folder / "eagle.json").read_text()), folder / "eagle.png")
+    else:
+        main()
