@@ -224,8 +224,4 @@ def concurrent(args, base, spec, llms, prompts, params) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--replot":  # redraw DIR/eagle.png from DIR/eagle.json
-        folder = Path(sys.argv[2])
-        plot(json.loads((folder / "eagle.json").read_text()), folder / "eagle.png")
-    else:
-        main()
+    main()

@@ -487,11 +487,10 @@ class Speculator(ABC):
     # every position the step computed and kept (a prompt chunk's every token too: a draft model
     # that keeps a KV cache of the target's states, as EAGLE's does, needs them all).
     hidden_state_positions: Literal["sampled", "all"] = "sampled"
-    # (Plugin API 1.5.) Of the last `propose`, the seconds its sequences' first drafts took (a draft head's pass
-    # over the tokens verified since it last drafted, which yields the first draft); 0 if not
-    # told. The core prices a sequence's first draft at its share and each further draft at the
-    # rest's: priced alike, a draft head's one-draft steps made a second draft look twice as
-    # dear as it is, and one pass over several rows cheaper than it is.
+    # (Plugin API 1.5.) Of the last `propose`, the seconds its sequences' first drafts took (a
+    # draft head's pass over the tokens verified since it last drafted, which yields the first
+    # draft); 0 if not told. The core then prices a sequence's first draft at its share and each
+    # further draft at the rest's (`lmstack.draft_policy`).
     first_draft_seconds: float = 0.0
 
     @abstractmethod

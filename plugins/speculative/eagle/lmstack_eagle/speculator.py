@@ -90,6 +90,7 @@ class EagleSpeculator(Speculator):
         self.vocab_ids: torch.Tensor | None = None
         self.vocab_head: Any = None  # [N] logits of a feature: a Linear of those rows
         self.vocab_embeds: torch.Tensor | None = None  # [N, H]: their embeddings
+        self._vocab_list: list[int] = list(vocab_ids or ())  # the ids, read per draft
         if vocab_ids and lm_head is not None and head is not None:
             self.vocab_ids = torch.tensor(vocab_ids, device=self.device)
             rows = lm_head_rows(lm_head, self.vocab_ids, head.cfg.hidden_size, self.device)
@@ -208,7 +209,7 @@ class EagleSpeculator(Speculator):
         if self.vocab_head is not None:
             logits = self.vocab_head(feature.float())
             i = int(logits[-1].argmax())
-            return int(self.vocab_ids[i]), self.vocab_embeds[i : i + 1]  # type: ignore[index]
+            return self._vocab_list[i], self.vocab_embeds[i : i + 1]  # type: ignore[index]
         return int(self.lm_head(feature.to(self.lm_dtype)).argmax(-1)[-1]), None
 
     @property
