@@ -49,6 +49,23 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# Programs a decode-sized quantized GEMM should launch: about four per SM of an H200 (132 SMs),
+# where the best K-split counts of lmstack-awq's and lmstack-nvfp4's sweep landed
+# (benchmarks/results/gpu-2026-12-04-h200).
+SPLIT_K_TARGET_PROGRAMS = 512
+
+
+def split_k(tiles: int, k_steps: int) -> int:
+    """How many programs should share each output tile's K range: a power of two, doubled while
+    the grid (`tiles` output tiles) holds fewer than SPLIT_K_TARGET_PROGRAMS programs and each
+    split keeps at least two of the `k_steps` steps. A decode matmul has few output tiles, too
+    few to keep every SM streaming the weight."""
+    split = 1
+    while tiles * split < SPLIT_K_TARGET_PROGRAMS and k_steps // (split * 2) >= 2:
+        split *= 2
+    return split
+
+
 def capabilities_with_interpreter(
     capabilities: Mapping[str, Any], interpret_option: bool
 ) -> Mapping[str, Any]:

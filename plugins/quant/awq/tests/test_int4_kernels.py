@@ -28,7 +28,7 @@ def _layer(out: int, k: int, group: int, symmetric: bool = False) -> tuple[Int4L
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_triton_w4a16_matches_dequantized_reference(dtype):
-    from lmstack_awq.kernels.triton_w4a16 import w4a16_matmul
+    from lmstack_awq.kernels.triton_w4a16 import GemmConfig, w4a16_gemm, w4a16_matmul
 
     rng = random.Random()
     # 576 = 4.5 groups of 128 (SmolLM2's hidden size); the rest are fresh and odd.
@@ -39,14 +39,20 @@ def test_triton_w4a16_matches_dequantized_reference(dtype):
     for m, n, k, group in shapes:
         layer, w = _layer(n, k, group, symmetric=rng.random() < 0.5)
         x = torch.randn(m, k)
-        out = w4a16_matmul(
-            x.to(dtype), layer.w_packed, layer.w_scales, layer.w_zeros, k, group, interpret=True
-        )
         ref = x @ w.t()
         plain = (x.to(dtype) @ w.to(dtype).t()).float()
         bound = 2 * rel_error(plain, ref) + torch.finfo(dtype).eps + 1e-6
-        assert out.dtype == dtype and out.shape == (m, n)
-        assert rel_error(out.float(), ref) <= bound, f"{(m, n, k, group)} {dtype}"
+        args = (x.to(dtype), layer.w_packed, layer.w_scales, layer.w_zeros, k, group)
+        # The chosen path, the dequantize-then-matmul path, and the GEMM with split K and with
+        # steps of 32 columns (one scale per step where the group allows, else per column).
+        outs = {
+            "default": w4a16_matmul(*args, interpret=True),
+            "dequant": w4a16_matmul(*args, interpret=True, dequant_min_rows=1),
+            "split": w4a16_gemm(*args, GemmConfig(16, 16, 16, split_k=3), interpret=True),
+        }
+        for name, out in outs.items():
+            assert out.dtype == dtype and out.shape == (m, n), name
+            assert rel_error(out.float(), ref) <= bound, f"{name} {(m, n, k, group)} {dtype}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

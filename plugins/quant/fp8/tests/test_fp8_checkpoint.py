@@ -168,3 +168,29 @@ def test_compressed_tensors_reads_what_we_write():
     theirs = compressor.decompress(dict(tensors), scheme)["weight"]
     torch.testing.assert_close(theirs.float(), Fp8WeightFormat().fake_quantize(w))
     assert math.isclose(float((theirs.float() - w).norm() / w.norm()), 0.02, abs_tol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_activation_quantization_matches_torch_ops(dtype):
+    """The CUDA path's one-kernel quantization (in the Triton interpreter here) gives fp8.py's
+    scales and codes. The interpreter rounds fp32 to e4m3 wrongly where rounding carries into the
+    exponent, so the rows are built of values that need no rounding: e4m3 codes times a power of
+    two, with each row's absmax 448 times it (its scale then exact), taken by a negative value. Row 2 is all zeros (the tiny
+    scale); 3000 columns cover a masked tail block. On a GPU the sweep checked the kernel against
+    the torch ops on random data (benchmarks/results/gpu-2026-12-04-h200)."""
+    pytest.importorskip("triton")
+    from lmstack_fp8.quantize_kernel import quantize_tokens
+
+    m, k = 5, 3000
+    codes = torch.randint(0, 256, (m, k), dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+    codes[codes == 0x7E] = 0x7D  # +448 only where placed: the absmax is a negative value
+    values = codes.view(fp8.FP8).float()
+    values[:, 7] = -448.0
+    powers = torch.tensor([2.0**-6, 1.0, 0.0, 2.0**3, 2.0**-9])[:, None]
+    x = (values * powers).to(dtype)  # representable in bf16 too (4 significant bits)
+    q, scales = quantize_tokens(x, interpret=True)
+    ref_scales = fp8.token_scales(x)
+    ref_codes = fp8.to_fp8(x, ref_scales)
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(q.float(), ref_codes.float())

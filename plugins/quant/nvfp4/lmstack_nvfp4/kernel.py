@@ -1,20 +1,61 @@
-"""A Triton dequantizing GEMM for NVFP4 weights: out = x @ W^T with W decoded tile by tile.
+"""Triton kernels for NVFP4 weights: out = x @ W^T, two ways.
 
-Hopper (and anything before Blackwell) has no FP4 tensor cores, so the kernel widens the e2m1
-codes and their e4m3 group scales (two small lookup tables) into the activation dtype inside
-each K tile and runs the tile on the ordinary bf16 / fp16 / fp32 tensor cores; the per-row
-factor (1 / global scale) multiplies the fp32 accumulator once at the end. Weights cross memory
-at 4.5 bits each, which is what a memory-bound decode step pays for.
+Hopper (and anything before Blackwell) has no FP4 tensor cores, so the e2m1 codes and their e4m3
+group scales are widened in registers, by bit arithmetic rather than table lookups (a gather per
+element from a table in global memory was the slowest part of an earlier version), into the
+activation dtype; the per-row factor (1 / global scale) multiplies the fp32 accumulator once.
+e2m1 x e4m3 products are exact in bf16 / fp16.
+
+- `_nvfp4_gemm`, for few rows (decode): tiles of x and W, the dot on the ordinary bf16 / fp16 /
+  fp32 tensor cores. SPLIT_K programs share a row block's K range (a decode matmul has too few
+  row blocks to keep every SM streaming); each writes its fp32 partial sum to its own slice of a
+  workspace that one `sum` reduces (deterministic, unlike atomics). Weights cross memory at 4.5
+  bits each, which is what a memory-bound decode step pays for.
+- `_nvfp4_dequant` + `F.linear`, for many rows: the weight written out in the activation dtype
+  once, the matmul on the vendor library's GEMM (as lmstack-awq does; see its kernel module).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lmstack.triton_support import enable_interpreter
-from lmstack_nvfp4.nvfp4 import E2M1, E4M3
+from lmstack.triton_support import enable_interpreter, split_k
+
+
+@triton.jit
+def _e2m1(code):
+    """fp32 value of 4-bit e2m1 codes (sign, 2 exponent bits with bias 1, 1 mantissa bit)."""
+    mag = code & 7
+    exp = mag >> 1
+    normal = (((exp + 126) << 23) | ((mag & 1) << 22)).to(tl.float32, bitcast=True)
+    value = tl.where(exp == 0, (mag & 1).to(tl.float32) * 0.5, normal)
+    return tl.where((code & 8) != 0, -value, value)
+
+
+@triton.jit
+def _e4m3(byte):
+    """fp32 value of e4m3 bytes (sign, 4 exponent bits with bias 7, 3 mantissa bits; the NaN
+    codes 0x7f / 0xff never occur as NVFP4 scales)."""
+    exp = (byte >> 3) & 0xF
+    man = byte & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man * 2^-9
+    return tl.where((byte & 0x80) != 0, -value, value)
+
+
+@triton.jit
+def _weight_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn):
+    """Decoded W[rn, rk] (fp32, without the row factor), zero outside [N, K]."""
+    w_mask = (rn[:, None] < N) & (rk[None, :] < K)
+    byte = tl.load(packed_ptr + rn[:, None] * stride_pn + (rk // 2)[None, :], mask=w_mask, other=0)
+    code = (byte.to(tl.int32) >> ((rk % 2) * 4)[None, :]) & 0xF  # even column: low nibble
+    sbyte = tl.load(scale_ptr + rn[:, None] * stride_sn + (rk // 16)[None, :], mask=w_mask, other=0)
+    return _e2m1(code) * _e4m3(sbyte.to(tl.int32))
 
 
 @triton.jit
@@ -23,9 +64,7 @@ def _nvfp4_gemm(
     packed_ptr,
     scale_ptr,
     factor_ptr,
-    e2m1_ptr,
-    e4m3_ptr,
-    out_ptr,
+    out_ptr,  # [SPLIT_K, M, N]: fp32 partial sums when split, else [M, N] in x's dtype
     M,
     N,
     K,
@@ -33,43 +72,171 @@ def _nvfp4_gemm(
     stride_pn,
     stride_sn,
     stride_om,
+    k_per_split,  # a multiple of BLOCK_K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # multiply in fp32 (fp32 inputs; the interpreter's bf16 is wrong)
 ):
+    pid_k = tl.program_id(2)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        in_k = rk[None, :] < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & in_k, other=0.0)
-        w_mask = (rn[:, None] < N) & in_k
-        byte = tl.load(packed_ptr + rn[:, None] * stride_pn + (rk // 2)[None, :], mask=w_mask, other=0)
-        code = (byte.to(tl.int32) >> ((rk % 2) * 4)[None, :]) & 0xF  # even column: low nibble
-        sbyte = tl.load(scale_ptr + rn[:, None] * stride_sn + (rk // 16)[None, :], mask=w_mask, other=0)
-        w = tl.load(e2m1_ptr + code) * tl.load(e4m3_ptr + sbyte.to(tl.int32))  # [BLOCK_N, BLOCK_K]
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + rk[None, :],
+            mask=(rm[:, None] < M) & (rk[None, :] < K),
+            other=0.0,
+        )
+        w = _weight_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn)  # [BLOCK_N, BLOCK_K]
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))  # e2m1 x e4m3 products are exact in bf16/fp16
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     factor = tl.load(factor_ptr + rn, mask=rn < N, other=0.0)
     acc = acc * factor[None, :]
     out_mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    dst = out_ptr + pid_k * M * N + rm[:, None] * stride_om + rn[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+@triton.jit
+def _nvfp4_dequant(
+    packed_ptr,
+    scale_ptr,
+    factor_ptr,
+    out_ptr,  # [N, K] in the activation dtype
+    N,
+    K,
+    stride_pn,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    w = _weight_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn)
+    w = w * tl.load(factor_ptr + rn, mask=rn < N, other=0.0)[:, None]
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    tl.store(out_ptr + rn[:, None] * K + rk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The e2m1 code -> value table (16, signed) and the e4m3 byte -> value table (256), fp32."""
-    if device not in _TABLES:
-        e2m1 = torch.cat((E2M1, -E2M1))
-        e4m3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
-        _TABLES[device] = (e2m1.to(device), torch.nan_to_num(e4m3).to(device))
-    return _TABLES[device]
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiles of `_nvfp4_gemm`; split_k programs share a row block's K range."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# From DEQUANT_MIN_ROWS rows the weight is dequantized and multiplied by the vendor GEMM (on an
+# H200 the dequantize path at 128 rows, 109-695 us on Llama-3-8B shapes, was already about what
+# the GEMM took at 64 rows, 94-452 us: benchmarks/results/gpu-2026-12-04-h200).
+DEQUANT_MIN_ROWS = 128
+
+
+def default_config(
+    m: int, n: int, k: int, interpret: bool = False, dtype: torch.dtype = torch.bfloat16
+) -> GemmConfig:
+    """128 weight rows by 128 columns a step, enough K splits (each at least two steps long) to
+    fill the GPU; 4 warps, 3 stages: within 7 % of the best of 32 configurations on the H200
+    sweep's shapes at 1 and 16 rows (12 % at 64; bf16). fp32 activations keep 64-row tiles: the
+    sweep timed bf16 only, and 64 is what ran (correctly) in fp32 on the GPU."""
+    if interpret:
+        return GemmConfig(16 if m <= 16 else 64, 32, 32)
+    block_m, block_k = (16 if m <= 16 else 64), 128
+    block_n = 64 if dtype == torch.float32 else 128
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    return GemmConfig(block_m, block_n, block_k, split_k(tiles, k // block_k))
+
+
+def _check_device(x: torch.Tensor, interpret: bool) -> None:
+    if interpret:
+        enable_interpreter("nvfp4")
+    elif not x.is_cuda:
+        raise RuntimeError(
+            "nvfp4: the Triton kernel needs CUDA tensors, or interpret=True (the Triton interpreter)"
+        )
+
+
+def nvfp4_gemm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    factor: torch.Tensor,
+    config: GemmConfig,
+    interpret: bool = False,
+) -> torch.Tensor:
+    """`_nvfp4_gemm` under `config`: x [M, K] -> [M, N] in x's dtype."""
+    _check_device(x, interpret)
+    x = x.contiguous()
+    m, k = x.shape
+    n = packed.shape[0]
+    c = config
+    per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
+    splits = triton.cdiv(k, per_split)
+    if splits == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), splits)
+    _nvfp4_gemm[grid](
+        x,
+        packed,
+        scale.view(torch.uint8),
+        factor.float().contiguous(),
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        packed.stride(0),
+        scale.stride(0),
+        n,
+        per_split,
+        BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k,
+        UPCAST=interpret or x.dtype == torch.float32,
+        **({} if interpret else {"num_warps": c.num_warps, "num_stages": c.num_stages}),
+    )
+    return out if splits == 1 else out.sum(0).to(x.dtype)
+
+
+def nvfp4_dequantize(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    factor: torch.Tensor,
+    in_features: int,
+    dtype: torch.dtype,
+    interpret: bool = False,
+) -> torch.Tensor:
+    """The weight [N, in_features] in `dtype`, row factors applied, decoded by `_nvfp4_dequant`."""
+    _check_device(packed, interpret)
+    n = packed.shape[0]
+    out = torch.empty(n, in_features, dtype=dtype, device=packed.device)
+    block_n, block_k = 32, 128
+    grid = (triton.cdiv(n, block_n), triton.cdiv(in_features, block_k))
+    _nvfp4_dequant[grid](
+        packed,
+        scale.view(torch.uint8),
+        factor.float().contiguous(),
+        out,
+        n,
+        in_features,
+        packed.stride(0),
+        scale.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    return out
 
 
 def nvfp4_matmul(
@@ -78,41 +245,13 @@ def nvfp4_matmul(
     scale: torch.Tensor,
     factor: torch.Tensor,
     interpret: bool = False,
+    dequant_min_rows: int = DEQUANT_MIN_ROWS,
 ) -> torch.Tensor:
     """x [M, K] @ dequantized(packed [N, >= K/2], scale [N, >= K/16] e4m3, factor [N])^T -> [M, N]
     in x's dtype."""
-    if interpret:
-        enable_interpreter("nvfp4")
-    elif not x.is_cuda:
-        raise RuntimeError(
-            "nvfp4: the Triton kernel needs CUDA tensors, or interpret=True (the Triton interpreter)"
-        )
-    x = x.contiguous()
+    _check_device(x, interpret)
     m, k = x.shape
-    n = packed.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    e2m1, e4m3 = _tables(x.device)
-    block_m = 16 if m <= 16 else 64
-    block_n, block_k = (32, 32) if interpret else (64, 64)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _nvfp4_gemm[grid](
-        x,
-        packed,
-        scale.view(torch.uint8),
-        factor.float().contiguous(),
-        e2m1,
-        e4m3,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        packed.stride(0),
-        scale.stride(0),
-        out.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        UPCAST=interpret or x.dtype == torch.float32,
-    )
-    return out
+    if m >= dequant_min_rows:
+        return F.linear(x, nvfp4_dequantize(packed, scale, factor, k, x.dtype, interpret))
+    config = default_config(m, packed.shape[0], k, interpret, x.dtype)
+    return nvfp4_gemm(x, packed, scale, factor, config, interpret)

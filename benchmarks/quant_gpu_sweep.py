@@ -1,0 +1,283 @@
+"""Tile sweep for the quantizers' GPU kernels, to choose their defaults: lmstack-awq's W4A16 and
+lmstack-nvfp4's GEMMs under several tiles, K splits, warps and stages, and their
+dequantize-then-matmul path, against bf16 `F.linear`; plus where fp8's scaled_mm layer spends
+its time (activation quantization in torch ops vs one fused Triton kernel vs the matmul).
+
+    python benchmarks/quant_gpu_sweep.py --out DIR    # one CUDA device, a few minutes
+
+Each timed call is first checked against bf16 `F.linear` on the dequantized weight (relative
+error <= 2e-2, bf16 rounding of a long dot; the kernels' exact checks are in gpu_check.py and the
+plugins' tests). Median of `triton.testing.do_bench` with the L2 flushed between calls.
+Writes DIR/quant_gpu_sweep.json; prints the best configuration per shape and row count.
+"""
+
+# The timed lambdas run inside the loop iteration that defines them (B023 cannot see it).
+# ruff: noqa: B023
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "plugins" / "quant" / n) for n in ("awq", "nvfp4", "fp8")] + [str(REPO / "core")]
+
+SHAPES = ((4096, 4096), (28672, 4096), (4096, 14336))
+SWEEP_ROWS = (1, 16, 64)
+PATH_ROWS = (1, 4, 16, 32, 64, 128, 256, 1024)
+TILES = ((32, 64), (64, 64), (64, 128), (128, 64))  # (BN, bytes or columns per step)
+SPLITS = (1, 4, 8, 16)
+WARPS_STAGES = ((4, 3), (8, 4))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument(
+        "--smoke", action="store_true", help="CPU, Triton interpreter, tiny sizes: checks the script"
+    )
+    args = p.parse_args()
+    global SHAPES, SWEEP_ROWS, PATH_ROWS, TILES, SPLITS, WARPS_STAGES
+    if args.smoke:
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"
+        SHAPES, SWEEP_ROWS, PATH_ROWS = ((48, 160),), (1,), (1, 20)
+        TILES, SPLITS, WARPS_STAGES = ((32, 16),), (1, 2), ((4, 3),)
+    interp = args.smoke
+    import torch
+    import torch.nn.functional as F
+    import triton
+    import triton.language as tl
+    import triton.testing
+
+    from lmstack.interfaces import LinearSpec
+    from lmstack_awq.int4_math import Int4Scheme, quantize_int4
+    from lmstack_awq.kernels import triton_w4a16 as w4
+    from lmstack_awq.linear import Int4Linear
+    from lmstack_fp8 import fp8
+    from lmstack_nvfp4 import kernel as nk
+    from lmstack_nvfp4 import nvfp4
+
+    dev = "cpu" if args.smoke else "cuda"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "rows": [],
+    }
+    path = out / "quant_gpu_sweep.json"
+
+    def bench(fn) -> float:
+        if args.smoke:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1000
+        return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+    def rel(a, b) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    def record(**row) -> None:
+        result["rows"].append(row)
+
+    t_start = time.perf_counter()
+    for n, k in SHAPES:
+        w = torch.randn(n, k, device=dev) * k**-0.5
+        # int4, groups of 128, asymmetric: the layer's buffers.
+        with torch.device(dev):
+            layer = Int4Linear(LinearSpec(k, n, False, "sweep"), Int4Scheme(128, False), "dense")
+        layer.weight.weight_loader(layer.weight, w, None)
+        packed4, scales4, zeros4 = layer.w_packed, layer.w_scales, layer.w_zeros
+        deq4 = quantize_int4(w, Int4Scheme(128, False)).dequantize().to(dev).bfloat16()
+        packedf, scalef, gs = nvfp4.quantize(w)
+        factorf = (1.0 / gs).expand(n).contiguous()
+        deqf = nvfp4.dequantize(packedf, scalef, factorf, k).bfloat16()
+        wb = w.bfloat16()
+        for m in PATH_ROWS:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            base = bench(lambda x=x: F.linear(x, wb))
+            record(kernel="bf16", shape=[n, k], rows=m, ms=base)
+            ref4, reff = F.linear(x, deq4), F.linear(x, deqf)
+            for name, fn, ref in (
+                (
+                    "w4a16.default",
+                    lambda x=x: w4.w4a16_matmul(x, packed4, scales4, zeros4, k, 128, interpret=interp),
+                    ref4,
+                ),
+                (
+                    "w4a16.dequant",
+                    lambda x=x: w4.w4a16_matmul(
+                        x, packed4, scales4, zeros4, k, 128, interpret=interp, dequant_min_rows=1
+                    ),
+                    ref4,
+                ),
+                ("nvfp4.default", lambda x=x: nk.nvfp4_matmul(x, packedf, scalef, factorf, interp), reff),
+                (
+                    "nvfp4.dequant",
+                    lambda x=x: nk.nvfp4_matmul(x, packedf, scalef, factorf, interp, dequant_min_rows=1),
+                    reff,
+                ),
+            ):
+                try:
+                    err = rel(fn(), ref)
+                    ms = bench(fn) if err <= 2e-2 else None
+                    record(
+                        kernel=name,
+                        shape=[n, k],
+                        rows=m,
+                        ms=ms,
+                        rel_error=err,
+                        speedup=base / ms if ms else None,
+                    )
+                except Exception as exc:
+                    record(kernel=name, shape=[n, k], rows=m, error=f"{type(exc).__name__}: {exc}"[:300])
+            if m not in SWEEP_ROWS:
+                continue
+            for (bn, bk), split, (warps, stages) in (
+                (t, s, ws) for t in TILES for s in SPLITS for ws in WARPS_STAGES
+            ):
+                bm = 16 if m <= 16 else 64
+                for name, fn, ref in (
+                    (
+                        "w4a16.gemm",
+                        lambda x=x, c=w4.GemmConfig(bm, bn, bk, split, warps, stages): w4.w4a16_gemm(
+                            x, packed4, scales4, zeros4, k, 128, c, interpret=interp
+                        ),
+                        ref4,
+                    ),
+                    (
+                        "nvfp4.gemm",
+                        lambda x=x, c=nk.GemmConfig(bm, bn, 2 * bk, split, warps, stages): nk.nvfp4_gemm(
+                            x, packedf, scalef, factorf, c, interp
+                        ),
+                        reff,
+                    ),
+                ):
+                    config = {
+                        "bm": bm,
+                        "bn": bn,
+                        "bk": bk if name.startswith("w4") else 2 * bk,
+                        "split_k": split,
+                        "num_warps": warps,
+                        "num_stages": stages,
+                    }
+                    try:
+                        err = rel(fn(), ref)
+                        ms = bench(fn) if err <= 2e-2 else None
+                        record(
+                            kernel=name,
+                            shape=[n, k],
+                            rows=m,
+                            config=config,
+                            ms=ms,
+                            rel_error=err,
+                            speedup=base / ms if ms else None,
+                        )
+                    except Exception as exc:
+                        record(
+                            kernel=name,
+                            shape=[n, k],
+                            rows=m,
+                            config=config,
+                            error=f"{type(exc).__name__}: {exc}"[:300],
+                        )
+            path.write_text(json.dumps(result, indent=1))
+        print(f"{n}x{k} done at {time.perf_counter() - t_start:.0f} s", flush=True)
+
+    # fp8: where the layer's time goes at decode sizes.
+    @triton.jit
+    def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            rk = k0 + tl.arange(0, BLOCK)
+            xv = tl.load(x_ptr + row * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(xv))
+        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):
+            rk = k0 + tl.arange(0, BLOCK)
+            xv = tl.load(x_ptr + row * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
+            qv = tl.clamp(xv / scale, -448.0, 448.0)
+            tl.store(q_ptr + row * stride_q + rk, qv.to(q_ptr.dtype.element_ty), mask=rk < K)
+
+    def fused_quant(x):
+        m, kk = x.shape
+        qx = torch.empty(m, kk, dtype=fp8.FP8, device=x.device)
+        sx = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+        _quantize_rows[(m,)](x, qx, sx, kk, x.stride(0), qx.stride(0), BLOCK=1024)
+        return qx, sx
+
+    for n, k in () if args.smoke else SHAPES:
+        w = torch.randn(n, k, device=dev) * k**-0.5
+        wq, ws = fp8.quantize_weight(w)
+        wt, wsr, wbf = wq.t(), ws.reshape(1, -1), w.bfloat16()
+        for m in (1, 16, 64, 1024):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            try:
+                sx = fp8.token_scales(x)
+                qx = fp8.to_fp8(x, sx)
+                fq, fs = fused_quant(x)
+                same = bool(torch.equal(fq.view(torch.uint8), qx.view(torch.uint8)) and torch.equal(fs, sx))
+                record(
+                    kernel="fp8.parts",
+                    shape=[n, k],
+                    rows=m,
+                    fused_quant_identical=same,
+                    torch_quant_ms=bench(lambda x=x: fp8.to_fp8(x, fp8.token_scales(x))),
+                    fused_quant_ms=bench(lambda x=x: fused_quant(x)),
+                    scaled_mm_ms=bench(
+                        lambda qx=qx, sx=sx: torch._scaled_mm(
+                            qx, wt, scale_a=sx, scale_b=wsr, out_dtype=torch.bfloat16
+                        )
+                    ),
+                    bf16_ms=bench(lambda x=x: F.linear(x, wbf)),
+                )
+            except Exception:
+                record(kernel="fp8.parts", shape=[n, k], rows=m, error=traceback.format_exc(limit=3)[-600:])
+    path.write_text(json.dumps(result, indent=1))
+
+    # Summary: per (kernel family, shape, rows) the best configuration.
+    print("\nbest GEMM configuration per shape and rows (speedup over bf16 F.linear)")
+    rows = [r for r in result["rows"] if r.get("ms")]
+    for fam in ("w4a16", "nvfp4"):
+        for n, k in SHAPES:
+            for m in PATH_ROWS:
+                mine = [
+                    r for r in rows if r["kernel"].startswith(fam) and r["shape"] == [n, k] and r["rows"] == m
+                ]
+                if not mine:
+                    continue
+                best = min(mine, key=lambda r: r["ms"])
+                dflt = next((r for r in mine if r["kernel"] == f"{fam}.default"), None)
+                deq = next((r for r in mine if r["kernel"] == f"{fam}.dequant"), None)
+                print(
+                    f"  {fam} {n}x{k} M={m}: best {best['kernel']} {best.get('config', '')} "
+                    f"{best['ms'] * 1000:.1f} us ({best['speedup']:.2f}x); default "
+                    f"{dflt['ms'] * 1000 if dflt else float('nan'):.1f} us; dequant "
+                    f"{deq['ms'] * 1000 if deq else float('nan'):.1f} us"
+                )
+    for r in result["rows"]:
+        if r["kernel"] == "fp8.parts":
+            if "error" in r:
+                print("  fp8", r["shape"], r["rows"], r["error"][-200:])
+            else:
+                print(
+                    f"  fp8 {r['shape']} M={r['rows']}: quant torch {r['torch_quant_ms'] * 1000:.1f} us, fused "
+                    f"{r['fused_quant_ms'] * 1000:.1f} us (identical {r['fused_quant_identical']}), scaled_mm "
+                    f"{r['scaled_mm_ms'] * 1000:.1f} us, bf16 {r['bf16_ms'] * 1000:.1f} us"
+                )
+    errors = [r for r in result["rows"] if "error" in r]
+    print(f"{len(errors)} errors; wrote {path} ({time.perf_counter() - t_start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

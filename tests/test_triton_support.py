@@ -1,0 +1,20 @@
+"""`lmstack.triton_support.split_k`: how many programs share a quantized GEMM's K range."""
+
+from __future__ import annotations
+
+from lmstack.triton_support import SPLIT_K_TARGET_PROGRAMS, split_k
+
+
+def test_splits_fill_the_grid_and_keep_two_steps_each():
+    # Llama-3-8B's layers at decode sizes, 128-row tiles (the H200 sweep's best split counts).
+    assert split_k(32, 32) == 16  # 4096 x 4096: 32 tiles, 32 steps of 128 columns
+    assert split_k(224, 32) == 4  # 28672 x 4096
+    assert split_k(32, 112) == 16  # 4096 x 14336
+    assert split_k(SPLIT_K_TARGET_PROGRAMS, 100) == 1  # a full grid is not split
+    assert split_k(1, 3) == 1  # too short to split into two-step pieces
+    assert split_k(1, 4) == 2
+    for tiles in range(1, 600, 7):
+        for steps in range(1, 200, 11):
+            s = split_k(tiles, steps)
+            assert s & (s - 1) == 0 and (s == 1 or steps // s >= 2)
+            assert tiles * s >= SPLIT_K_TARGET_PROGRAMS or steps // (2 * s) < 2
