@@ -1,7 +1,9 @@
 """Tile sweep for the quantizers' GPU kernels, to choose their defaults: lmstack-awq's W4A16 and
 lmstack-nvfp4's GEMMs under several tiles, K splits, warps and stages, and their
 dequantize-then-matmul path, against bf16 `F.linear`; plus where fp8's scaled_mm layer spends
-its time (activation quantization in torch ops vs one fused Triton kernel vs the matmul).
+its time (activation quantization in torch ops vs one fused Triton kernel vs the matmul); the
+dequantize kernels alone under five tiles (each checked equal to the default tile's output); and
+an empty Triton kernel's launch-to-end time, which every small timed call includes.
 
     python benchmarks/quant_gpu_sweep.py --out DIR    # one CUDA device, a few minutes
 
@@ -191,6 +193,50 @@ def main() -> int:
             path.write_text(json.dumps(result, indent=1))
         print(f"{n}x{k} done at {time.perf_counter() - t_start:.0f} s", flush=True)
 
+    # The dequantize kernels alone, under a few tiles, and an empty kernel's launch (what every
+    # small timed call above includes: do_bench's events wait for the host to launch).
+    @triton.jit
+    def _empty(x_ptr):
+        pass
+
+    probe = torch.empty(1, device=dev)
+    result["empty_kernel_ms"] = bench(lambda: _empty[(1,)](probe))
+    for n, k in SHAPES[:2]:
+        w = torch.randn(n, k, device=dev) * k**-0.5
+        with torch.device(dev):
+            layer = Int4Linear(LinearSpec(k, n, False, "sweep"), Int4Scheme(128, False), "dense")
+        layer.weight.weight_loader(layer.weight, w, None)
+        packedf, scalef, gs = nvfp4.quantize(w)
+        factorf = (1.0 / gs).expand(n).contiguous()
+        ref4 = w4.w4a16_dequantize(layer.w_packed, layer.w_scales, layer.w_zeros, k, 128, torch.bfloat16)
+        reff = nk.nvfp4_dequantize(packedf, scalef, factorf, k, torch.bfloat16, interp)
+        for tile in ((32, 64), (64, 64), (16, 256), (64, 128), (128, 32)):
+            tile_f = (tile[0], 2 * tile[1])
+            same = torch.equal(
+                w4.w4a16_dequantize(
+                    layer.w_packed, layer.w_scales, layer.w_zeros, k, 128, torch.bfloat16, tile
+                ),
+                ref4,
+            ) and torch.equal(
+                nk.nvfp4_dequantize(packedf, scalef, factorf, k, torch.bfloat16, interp, tile_f), reff
+            )
+            ms4 = bench(
+                lambda t=tile: w4.w4a16_dequantize(
+                    layer.w_packed, layer.w_scales, layer.w_zeros, k, 128, torch.bfloat16, t
+                )
+            )
+            msf = bench(
+                lambda t=tile_f: nk.nvfp4_dequantize(packedf, scalef, factorf, k, torch.bfloat16, interp, t)
+            )
+            record(
+                kernel="dequant_only",
+                shape=[n, k],
+                tile=list(tile),
+                same_as_default=same,
+                w4a16_ms=ms4,
+                nvfp4_ms=msf,
+            )
+
     # fp8: where the layer's time goes at decode sizes.
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
@@ -274,6 +320,13 @@ def main() -> int:
                     f"{r['fused_quant_ms'] * 1000:.1f} us (identical {r['fused_quant_identical']}), scaled_mm "
                     f"{r['scaled_mm_ms'] * 1000:.1f} us, bf16 {r['bf16_ms'] * 1000:.1f} us"
                 )
+    print(f"  empty Triton kernel, launch to end: {result['empty_kernel_ms'] * 1000:.1f} us")
+    for r in result["rows"]:
+        if r["kernel"] == "dequant_only":
+            print(
+                f"  dequantize {r['shape']} tile {r['tile']}: W4A16 {r['w4a16_ms'] * 1000:.1f} us, "
+                f"NVFP4 {r['nvfp4_ms'] * 1000:.1f} us (same weight as the default tile: {r['same_as_default']})"
+            )
     errors = [r for r in result["rows"] if "error" in r]
     print(f"{len(errors)} errors; wrote {path} ({time.perf_counter() - t_start:.0f} s)")
     return 0

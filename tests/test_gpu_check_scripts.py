@@ -51,3 +51,5 @@ def test_quant_gpu_sweep_smoke_runs(tmp_path):
     kernels = {r["kernel"] for r in rows}
     assert {"bf16", "w4a16.default", "w4a16.dequant", "w4a16.gemm", "nvfp4.gemm", "nvfp4.dequant"} <= kernels
     assert all(r["rel_error"] <= 2e-2 for r in rows if "rel_error" in r)
+    tiles = [r for r in rows if r["kernel"] == "dequant_only"]
+    assert tiles and all(r["same_as_default"] for r in tiles)

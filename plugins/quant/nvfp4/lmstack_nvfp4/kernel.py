@@ -217,12 +217,13 @@ def nvfp4_dequantize(
     in_features: int,
     dtype: torch.dtype,
     interpret: bool = False,
+    tile: tuple[int, int] = (32, 128),
 ) -> torch.Tensor:
     """The weight [N, in_features] in `dtype`, row factors applied, decoded by `_nvfp4_dequant`."""
     _check_device(packed, interpret)
     n = packed.shape[0]
     out = torch.empty(n, in_features, dtype=dtype, device=packed.device)
-    block_n, block_k = 32, 128
+    block_n, block_k = tile
     grid = (triton.cdiv(n, block_n), triton.cdiv(in_features, block_k))
     _nvfp4_dequant[grid](
         packed,

@@ -234,11 +234,13 @@ def w4a16_dequantize(
     in_features: int,
     group_size: int,
     dtype: torch.dtype,
+    tile: tuple[int, int] = (32, 64),
 ) -> torch.Tensor:
-    """The weight [N, K] in `dtype`, decoded on the GPU (or in the interpreter)."""
+    """The weight [N, K] in `dtype`, decoded on the GPU (or in the interpreter) in tiles of
+    (weight rows, bytes)."""
     n, kb = packed.shape
     out = torch.empty(n, in_features, dtype=dtype, device=packed.device)
-    bn, bkh = 32, 64
+    bn, bkh = tile
     grid = (triton.cdiv(n, bn), triton.cdiv(kb, bkh))
     _w4a16_dequant[grid](
         packed, scales, zeros, out, n, in_features, kb, scales.shape[1], group_size, BN=bn, BKH=bkh
