@@ -269,12 +269,15 @@ class Bench:
         torch = self.torch
         import triton
 
+        from lmstack.hardware import cpu_description
+
         info = {
             "python": platform.python_version(),
             "torch": torch.__version__,
             "triton": triton.__version__,
             "platform": platform.platform(),
             "git": _git(),
+            **cpu_description(),
         }
         if self.device.type == "cuda":
             props = torch.cuda.get_device_properties(0)

@@ -465,13 +465,16 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     import triton
 
+    from lmstack.hardware import cpu_description
+
     result: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "device": torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+        **cpu_description(),  # the host's, where the engine's CPU comparisons run
     }
     if dev == "cuda":
         props = torch.cuda.get_device_properties(0)

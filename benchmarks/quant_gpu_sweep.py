@@ -57,6 +57,7 @@ def main() -> int:
     import triton.language as tl
     import triton.testing
 
+    from lmstack.hardware import cpu_description
     from lmstack.interfaces import LinearSpec
     from lmstack_awq.int4_math import Int4Scheme, quantize_int4
     from lmstack_awq.kernels import triton_w4a16 as w4
@@ -70,6 +71,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
+        **cpu_description(),  # the host's: the GPU does the timed work
         "torch": torch.__version__,
         "triton": triton.__version__,
         "rows": [],
@@ -88,6 +90,15 @@ def main() -> int:
 
     def record(**row) -> None:
         result["rows"].append(row)
+
+    def measure(fn, ref, base: float, **where) -> None:
+        """Check fn() against ref, then time it (not when it is wrong) and record the row."""
+        try:
+            err = rel(fn(), ref)
+            ms = bench(fn) if err <= 2e-2 else None
+            record(**where, ms=ms, rel_error=err, speedup=base / ms if ms else None)
+        except Exception as exc:
+            record(**where, error=f"{type(exc).__name__}: {exc}"[:300])
 
     t_start = time.perf_counter()
     for n, k in SHAPES:
@@ -127,19 +138,7 @@ def main() -> int:
                     reff,
                 ),
             ):
-                try:
-                    err = rel(fn(), ref)
-                    ms = bench(fn) if err <= 2e-2 else None
-                    record(
-                        kernel=name,
-                        shape=[n, k],
-                        rows=m,
-                        ms=ms,
-                        rel_error=err,
-                        speedup=base / ms if ms else None,
-                    )
-                except Exception as exc:
-                    record(kernel=name, shape=[n, k], rows=m, error=f"{type(exc).__name__}: {exc}"[:300])
+                measure(fn, ref, base, kernel=name, shape=[n, k], rows=m)
             if m not in SWEEP_ROWS:
                 continue
             for (bn, bk), split, (warps, stages) in (
@@ -170,26 +169,7 @@ def main() -> int:
                         "num_warps": warps,
                         "num_stages": stages,
                     }
-                    try:
-                        err = rel(fn(), ref)
-                        ms = bench(fn) if err <= 2e-2 else None
-                        record(
-                            kernel=name,
-                            shape=[n, k],
-                            rows=m,
-                            config=config,
-                            ms=ms,
-                            rel_error=err,
-                            speedup=base / ms if ms else None,
-                        )
-                    except Exception as exc:
-                        record(
-                            kernel=name,
-                            shape=[n, k],
-                            rows=m,
-                            config=config,
-                            error=f"{type(exc).__name__}: {exc}"[:300],
-                        )
+                    measure(fn, ref, base, kernel=name, shape=[n, k], rows=m, config=config)
             path.write_text(json.dumps(result, indent=1))
         print(f"{n}x{k} done at {time.perf_counter() - t_start:.0f} s", flush=True)
 
