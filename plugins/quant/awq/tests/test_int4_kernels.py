@@ -28,7 +28,7 @@ def _layer(out: int, k: int, group: int, symmetric: bool = False) -> tuple[Int4L
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_triton_w4a16_matches_dequantized_reference(dtype):
-    from lmstack_awq.kernels.triton_w4a16 import GemmConfig, w4a16_gemm, w4a16_matmul
+    from lmstack_awq.kernels.triton_w4a16 import GemmConfig, w4a16_dequantize, w4a16_gemm, w4a16_matmul
 
     rng = random.Random()
     # 576 = 4.5 groups of 128 (SmolLM2's hidden size); the rest are fresh and odd.
@@ -43,11 +43,13 @@ def test_triton_w4a16_matches_dequantized_reference(dtype):
         plain = (x.to(dtype) @ w.to(dtype).t()).float()
         bound = 2 * rel_error(plain, ref) + torch.finfo(dtype).eps + 1e-6
         args = (x.to(dtype), layer.w_packed, layer.w_scales, layer.w_zeros, k, group)
-        # The chosen path, the dequantize-then-matmul path, and the GEMM with split K and with
-        # steps of 32 columns (one scale per step where the group allows, else per column).
+        # The chosen path, the dequantize-then-matmul path (tiles of 128 columns: one scale per
+        # row only for groups of 128; of 32: for every group here), and the GEMM with split K and
+        # with steps of 32 columns (one scale per step where the group allows, else per column).
         outs = {
             "default": w4a16_matmul(*args, interpret=True),
             "dequant": w4a16_matmul(*args, interpret=True, dequant_min_rows=1),
+            "dequant, 32-column tiles": x.to(dtype) @ w4a16_dequantize(*args[1:], dtype, (16, 16)).t(),
             "split": w4a16_gemm(*args, GemmConfig(16, 16, 16, split_k=3), interpret=True),
         }
         for name, out in outs.items():

@@ -49,13 +49,26 @@ def _e4m3(byte):
 
 
 @triton.jit
-def _weight_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn):
-    """Decoded W[rn, rk] (fp32, without the row factor), zero outside [N, K]."""
-    w_mask = (rn[:, None] < N) & (rk[None, :] < K)
-    byte = tl.load(packed_ptr + rn[:, None] * stride_pn + (rk // 2)[None, :], mask=w_mask, other=0)
-    code = (byte.to(tl.int32) >> ((rk % 2) * 4)[None, :]) & 0xF  # even column: low nibble
-    sbyte = tl.load(scale_ptr + rn[:, None] * stride_sn + (rk // 16)[None, :], mask=w_mask, other=0)
-    return _e2m1(code) * _e4m3(sbyte.to(tl.int32))
+def _weight_tile(
+    packed_ptr, scale_ptr, rn, k0, N, K, stride_pn, stride_sn, BN: tl.constexpr, BK: tl.constexpr
+):
+    """Decoded W[rn, k0:k0 + BK] (fp32, without the row factor), zero outside [N, K]. Each byte
+    is loaded once and split into its two codes, and each e4m3 scale is decoded once for its 16
+    columns: decoding per element (a scale decode and a byte load per weight) made the kernels
+    bound by integer arithmetic, not memory, on an H200 (benchmarks/results/gpu-2026-12-04-h200)."""
+    rb = k0 // 2 + tl.arange(0, BK // 2)
+    rg = k0 // 16 + tl.arange(0, BK // 16)
+    n_ok = (rn < N)[:, None]
+    byte = tl.load(
+        packed_ptr + rn[:, None] * stride_pn + rb[None, :], mask=n_ok & (2 * rb < K)[None, :], other=0
+    ).to(tl.int32)
+    codes = tl.join(_e2m1(byte & 0xF), _e2m1(byte >> 4))  # [BN, BK / 2, 2]: columns 2b, 2b + 1
+    sbyte = tl.load(
+        scale_ptr + rn[:, None] * stride_sn + rg[None, :], mask=n_ok & (16 * rg < K)[None, :], other=0
+    ).to(tl.int32)
+    w = tl.reshape(codes, (BN, BK // 16, 16)) * _e4m3(sbyte)[:, :, None]
+    rk = k0 + tl.arange(0, BK)
+    return tl.where(rk[None, :] < K, tl.reshape(w, (BN, BK)), 0.0)
 
 
 @triton.jit
@@ -91,7 +104,7 @@ def _nvfp4_gemm(
             mask=(rm[:, None] < M) & (rk[None, :] < K),
             other=0.0,
         )
-        w = _weight_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn)  # [BLOCK_N, BLOCK_K]
+        w = _weight_tile(packed_ptr, scale_ptr, rn, k0, N, K, stride_pn, stride_sn, BLOCK_N, BLOCK_K)
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
@@ -117,8 +130,9 @@ def _nvfp4_dequant(
     BLOCK_K: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    w = _weight_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn)
+    k0 = tl.program_id(1) * BLOCK_K
+    rk = k0 + tl.arange(0, BLOCK_K)
+    w = _weight_tile(packed_ptr, scale_ptr, rn, k0, N, K, stride_pn, stride_sn, BLOCK_N, BLOCK_K)
     w = w * tl.load(factor_ptr + rn, mask=rn < N, other=0.0)[:, None]
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     tl.store(out_ptr + rn[:, None] * K + rk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
