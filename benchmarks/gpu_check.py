@@ -149,8 +149,9 @@ def check_kernels(torch, dev, interpret: bool, trials: int) -> list[dict[str, An
                 layers[kernel].weight.weight_loader(layers[kernel].weight, w, None)
             for name in ("bfloat16", "float16", "float32"):
                 dt = getattr(torch, name)
-                out, ref = layers["scaled_mm"](x.to(dt)), layers["emulate"](x.float())
-                # Both round x and W to e4m3 identically; what differs is the product's
+                xd = x.to(dt)
+                out, ref = layers["scaled_mm"](xd), layers["emulate"](xd.float())
+                # Both round the same x and W to e4m3 identically; what differs is the product's
                 # accumulation and the bf16 result: a few bf16 steps.
                 record("fp8_scaled_mm", name, [m, n16, k16], rel_error(out, ref), 4 * 2**-8)
     return rows

@@ -30,8 +30,11 @@ def quantize_weight(weight: torch.Tensor, per_channel: bool = True) -> tuple[tor
 
 
 def token_scales(x: torch.Tensor) -> torch.Tensor:
-    """Dynamic per-token activation scales [..., 1] (fp32)."""
-    return (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+    """Dynamic per-token activation scales [..., 1] (fp32): absmax times fp32(1 / 448). A
+    multiplication, not a division, so that every device agrees to the bit: torch on CUDA divides
+    by a Python number through its reciprocal, on the CPU it divides (the two differ in the last
+    bit for about half of all values), and quantize_kernel.py multiplies as here."""
+    return (x.float().abs().amax(dim=-1, keepdim=True) * (1.0 / FP8_MAX)).clamp(min=_TINY)
 
 
 def fake_quantize_activations(x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:

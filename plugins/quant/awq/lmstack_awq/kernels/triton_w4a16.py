@@ -174,10 +174,10 @@ class GemmConfig:
 
 
 # From DEQUANT_MIN_ROWS rows the weight is dequantized and multiplied by the vendor GEMM. On an
-# H200 (benchmarks/results/gpu-2026-12-04-h200) the GEMM took 72-375 us at 64 rows on Llama-3-8B
-# shapes and the dequantize path 303-1877 us at 128 rows and 333-2115 us at 1024; the GEMM's time
-# grows with its row blocks (at most 2x for 128 rows, 4x for 256), so it stays ahead below ~256.
-DEQUANT_MIN_ROWS = 256
+# H200 (benchmarks/results/gpu-2026-12-04-h200, second sweep) dequantizing a 4096 x 4096 weight
+# takes ~17 us (2.6 TB/s); the dequantize path beat the GEMM at 32 rows on all three Llama-3-8B
+# shapes (42 / 168 / 86 us against 77 / 248 / 130) and lost at 16 on the two large ones.
+DEQUANT_MIN_ROWS = 32
 
 
 def default_config(
