@@ -26,28 +26,26 @@ import triton.language as tl
 
 from lmstack.triton_support import enable_interpreter, split_k
 
-# Both small float formats decode by moving their bits into an fp16's: sign to bit 15, exponent
-# and mantissa to the top of fp16's. The fp16 then holds the value times 2^-(15 - bias), for
-# subnormals too (fp16's subnormals line up with theirs), so a power of two restores it. A few
-# integer operations and no branches: the decode is what bounds these kernels on an H200.
-E2M1_SHIFT = tl.constexpr(16384.0)  # 2^14: fp16's exponent bias 15 against e2m1's 1
-E4M3_SHIFT = tl.constexpr(256.0)  # 2^8: against e4m3's 7
-
 
 @triton.jit
-def _e2m1_shifted(code):
-    """4-bit e2m1 codes (sign, 2 exponent bits with bias 1, 1 mantissa bit) as fp32 values
-    divided by E2M1_SHIFT."""
-    bits = ((code & 8) << 12) | ((code & 7) << 9)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+def _e2m1(code):
+    """fp32 value of 4-bit e2m1 codes (sign, 2 exponent bits with bias 1, 1 mantissa bit)."""
+    mag = code & 7
+    exp = mag >> 1
+    normal = (((exp + 126) << 23) | ((mag & 1) << 22)).to(tl.float32, bitcast=True)
+    value = tl.where(exp == 0, (mag & 1).to(tl.float32) * 0.5, normal)
+    return tl.where((code & 8) != 0, -value, value)
 
 
 @triton.jit
 def _e4m3(byte):
     """fp32 value of e4m3 bytes (sign, 4 exponent bits with bias 7, 3 mantissa bits; the NaN
     codes 0x7f / 0xff never occur as NVFP4 scales)."""
-    bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * E4M3_SHIFT
+    exp = (byte >> 3) & 0xF
+    man = byte & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man * 2^-9
+    return tl.where((byte & 0x80) != 0, -value, value)
 
 
 @triton.jit
@@ -64,11 +62,11 @@ def _weight_tile(
     byte = tl.load(
         packed_ptr + rn[:, None] * stride_pn + rb[None, :], mask=n_ok & (2 * rb < K)[None, :], other=0
     ).to(tl.int32)
-    codes = tl.join(_e2m1_shifted(byte & 0xF), _e2m1_shifted(byte >> 4))  # [BN, BK / 2, 2]: 2b, 2b + 1
+    codes = tl.join(_e2m1(byte & 0xF), _e2m1(byte >> 4))  # [BN, BK / 2, 2]: columns 2b, 2b + 1
     sbyte = tl.load(
         scale_ptr + rn[:, None] * stride_sn + rg[None, :], mask=n_ok & (16 * rg < K)[None, :], other=0
     ).to(tl.int32)
-    w = tl.reshape(codes, (BN, BK // 16, 16)) * (_e4m3(sbyte) * E2M1_SHIFT)[:, :, None]
+    w = tl.reshape(codes, (BN, BK // 16, 16)) * _e4m3(sbyte)[:, :, None]
     rk = k0 + tl.arange(0, BK)
     return tl.where(rk[None, :] < K, tl.reshape(w, (BN, BK)), 0.0)
 
