@@ -89,7 +89,41 @@ def test_drafting_is_priced_apart_from_the_verification():
     assert set(policy.limits(list(range(8))).values()) == {0}
     for _ in range(100):
         policy.record_drafting(8, 8 * 0.00001)  # the recent median follows cheaper drafting
+    assert sorted(policy.limits(list(range(8))).values()) == [0] * 4 + [4] * 4  # a probe first
     assert set(policy.limits(list(range(8))).values()) == {4}
+
+
+def test_after_steps_without_drafts_a_few_sequences_retry_first():
+    """32 streams where drafting does not pay (each first draft enters the rows its sequence
+    queued meanwhile: 30 ms here). Steps without drafts fade the remembered cost until drafting
+    is tried again: by PROBE_SEQS sequences, not the whole batch, and what the probe cost
+    replaces the faded prices, so the next step drafts nothing again (a cheap probe: everyone)."""
+    seqs = list(range(32))
+
+    def until_retry(policy: DraftLengthPolicy) -> dict[int, int]:
+        for _ in range(1000):
+            limits = policy.limits(seqs)
+            if any(limits.values()):
+                return limits
+        raise AssertionError("never tried again")
+
+    policy = measured(a=0.050, b=0.0)
+    for _ in range(16):
+        policy.record_drafting(32, 32 * 0.030, 32, 32 * 0.030)
+    assert set(policy.limits(seqs).values()) == {0}
+    probe = until_retry(policy)
+    assert sum(1 for n in probe.values() if n) == policy.probe_seqs == 4
+    policy.record_drafting(16, 4 * 0.030, 4, 4 * 0.030)  # as dear as before
+    assert set(policy.limits(seqs).values()) == {0}
+    until_retry(policy)
+    policy.record_drafting(16, 16 * 0.00001, 4, 4 * 0.00001)  # cheap now
+    assert set(policy.limits(seqs).values()) == {4}
+
+    uncapped = measured(a=0.050, b=0.0)
+    uncapped.probe_seqs = 0
+    for _ in range(16):
+        uncapped.record_drafting(32, 32 * 0.030, 32, 32 * 0.030)
+    assert all(until_retry(uncapped).values())  # the whole batch at once
 
 
 def test_a_first_draft_and_a_further_one_are_priced_apart():
