@@ -13,7 +13,9 @@ systems alternating prompt by prompt in one process; decode tok/s = (output toke
 decoding's (it must), drafts proposed / accepted and the mean accepted drafts per verification.
 With `--streams N`, also N requests at once (the held-out prompts cycled, the scheduler's
 max_num_seqs raised to N), each system in its own engine: output tok/s of wall time, median
-over `--repeats` runs alternating the systems (the adaptive draft length under load).
+over `--repeats` runs alternating the systems (the adaptive draft length under load), and the
+median of each repeat's ratio to plain decoding's; `--compare-probe` adds an eagle engine whose
+draft policy retries drafting with the whole batch at once (as before `PROBE_SEQS`).
 Prints one JSON object; with `--out DIR` also writes it as DIR/eagle.json, with the exact
 command (command.txt) and a plot (eagle.png).
 """
@@ -55,6 +57,12 @@ def main() -> None:
         help="the eagle systems' head_weights (int8: lmstack-int8's Int8Linear and CPU kernel)",
     )
     ap.add_argument("--streams", type=int, default=0, help="also measure N concurrent requests")
+    ap.add_argument(
+        "--compare-probe",
+        action="store_true",
+        help="with --streams: also an eagle engine whose draft policy retries drafting with the "
+        "whole batch at once (probe_seqs = 0, the behaviour before the probe)",
+    )
     ap.add_argument("--out", default=None, help="a folder for eagle.json, command.txt and eagle.png")
     args = ap.parse_args()
 
@@ -168,12 +176,18 @@ def plot(result: dict, path: Path) -> None:
     ]
     if result["streams"]:
         st = result["streams"]
-        ratios = {n: f"{r:.2f}x" for n, r in st["ratio_vs_plain"].items()}
+        paired = st.get("paired_ratio_vs_plain", {})
+        ratios = {
+            n: f"{r:.2f}x" + (f"\npaired {paired[n]:.2f}x" if n in paired else "")
+            for n, r in st["ratio_vs_plain"].items()
+        }
         panels.append((f"{st['streams']} streams: output tok/s", st["output_tok_s"], ratios))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 3.8), squeeze=False)
     for ax, (title, values, labels) in zip(axes[0], panels, strict=True):
         bars = ax.bar(
-            list(values), list(values.values()), color=["tab:gray", "tab:blue", "tab:orange"][: len(values)]
+            list(values),
+            list(values.values()),
+            color=["tab:gray", "tab:blue", "tab:orange", "tab:green"][: len(values)],
         )
         for bar, name in zip(bars, values, strict=True):
             if name in labels:
@@ -185,7 +199,7 @@ def plot(result: dict, path: Path) -> None:
                     fontsize=8,
                 )
         ax.set_title(title, fontsize=9)
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=7, labelrotation=12)
     cpu = result["cpu"]
     isa = [f for f in ("avx512_vnni", "avx512_bf16", "amx_tile") if f in cpu.get("cpu_flags", [])]
     name = f"{cpu.get('cpu_model', '?')} ({', '.join(isa) or 'no AVX-512 VNNI'})"
@@ -208,7 +222,13 @@ def concurrent(args, base, spec, llms, prompts, params) -> dict:
     for llm in llms.values():  # one set of engines in memory at a time
         llm.engine.shutdown()
     batch = [prompts[i % len(prompts)] for i in range(args.streams)]
+    if args.compare_probe:
+        last = list(specs)[-1]
+        specs[f"{last}-no-probe"] = specs[last]
     engines = {name: LLM({**wide, "speculator": s}) for name, s in specs.items()}
+    for name, llm in engines.items():
+        if name.endswith("-no-probe"):
+            llm.engine.drafts.policy.probe_seqs = 0
     rates: dict[str, list[float]] = {n: [] for n in engines}
     for r in range(args.repeats):
         for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
@@ -216,9 +236,18 @@ def concurrent(args, base, spec, llms, prompts, params) -> dict:
             outs = engines[name].generate(batch, params)
             rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - started))
     tok_s = {n: statistics.median(v) for n, v in rates.items()}
+    # Each repeat's ratio to plain decoding in the same repeat (the systems run back to back):
+    # steadier than the ratio of medians where the machine's speed drifts between repeats.
+    paired = {
+        n: statistics.median(a / b for a, b in zip(v, rates["plain"], strict=True))
+        for n, v in rates.items()
+        if n != "plain"
+    }
     return {
         "streams": args.streams,
+        "paired_ratio_vs_plain": paired,
         "output_tok_s": tok_s,
+        "output_tok_s_runs": rates,  # per repeat, in the order run (the noise, for the reader)
         "ratio_vs_plain": {n: tok_s[n] / tok_s["plain"] for n in tok_s if n != "plain"},
     }
 

@@ -88,7 +88,9 @@ class DraftLengthPolicy:
     _decisions: int = 0
     _idle: bool = False  # the last decision drafted nothing
     _faded: bool = False  # the remembered drafting costs were faded since the last measurement
-    probe_seqs: int = PROBE_SEQS  # 0: no cap (the whole batch retries at once)
+    # 0: no probe (the whole batch retries at once, priced by the faded costs: as before the
+    # probe; benchmarks/eagle.py --compare-probe measures the two)
+    probe_seqs: int = PROBE_SEQS
 
     # --- measurements ------------------------------------------------------------------------
 
@@ -103,7 +105,7 @@ class DraftLengthPolicy:
         which `first_seconds` went to their first drafts (0: not told; every draft priced alike)."""
         if num_drafts <= 0:
             return
-        if self._faded:
+        if self._faded and self.probe_seqs > 0:
             # Faded costs were a reason to try again, not measurements: the first measurement
             # after them replaces them (else one probe's cost barely moves the median, and the
             # whole batch retries in the next step at the faded price).
