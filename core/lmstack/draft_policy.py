@@ -33,11 +33,12 @@ rest per draft, so s sequences drafting n tokens in all cost t(T + n) + s * c + 
 Priced alike, one-draft steps (batch 1, mostly) priced a second draft at c, about twice d.
 
 Where drafting does not pay (32 streams on a CPU), steps without drafts fade the remembered
-drafting costs until drafting is tried again. That retry is a probe: PROBE_SEQS sequences draft
-(each first enters the rows it queued meanwhile, the dear part of a retry), and the probe's
-measured cost replaces the faded ones, so the next step prices everyone from it. Retried by the
-whole batch at once and priced by the faded median, the retries cost EAGLE ~6 % of a 32-stream
-run on a CPU (0.94x plain decoding against 0.97x with the probe: same-process runs).
+drafting costs until drafting is tried again. In a batch of more than PROBE_SEQS sequences that
+retry is a probe: PROBE_SEQS sequences draft (each first enters the rows it queued meanwhile,
+the dear part of a retry), and the probe's measured cost replaces the faded ones, so the next
+step prices everyone from it. Retried by the whole batch at once and priced by the faded median,
+the retries cost EAGLE ~5 % of a 32-stream run on a CPU (benchmarks/eagle.py --compare-probe).
+A smaller batch retries whole, priced as before (its retry is cheap).
 
 Draft slots are ordered best expected gain first, and the step takes the prefix of that order
 that maximizes expected tokens per second, N(T) / (t(T + n) + s * c + (n - s) * d), each size
@@ -88,6 +89,7 @@ class DraftLengthPolicy:
     _decisions: int = 0
     _idle: bool = False  # the last decision drafted nothing
     _faded: bool = False  # the remembered drafting costs were faded since the last measurement
+    _probing: bool = False  # this step's drafts are a probe: their cost replaces the faded ones
     # 0: no probe (the whole batch retries at once, priced by the faded costs: as before the
     # probe; benchmarks/eagle.py --compare-probe measures the two)
     probe_seqs: int = PROBE_SEQS
@@ -105,11 +107,12 @@ class DraftLengthPolicy:
         which `first_seconds` went to their first drafts (0: not told; every draft priced alike)."""
         if num_drafts <= 0:
             return
-        if self._faded and self.probe_seqs > 0:
-            # Faded costs were a reason to try again, not measurements: the first measurement
-            # after them replaces them (else one probe's cost barely moves the median, and the
-            # whole batch retries in the next step at the faded price).
-            self._first_costs, self._draft_costs, self._faded = [], [], False
+        if self._probing:
+            # Faded costs were a reason to try again, not measurements: a probe's measurement
+            # replaces them (else one probe's cost barely moves the median, and the whole batch
+            # retries in the next step at the faded price).
+            self._first_costs, self._draft_costs = [], []
+        self._faded = self._probing = False
         keep = DRAFT_SAMPLES - 1
         if num_seqs > 0 and first_seconds > 0.0:
             self._first_costs = [*self._first_costs[-keep:], first_seconds / num_seqs]
@@ -203,11 +206,14 @@ class DraftLengthPolicy:
             rate = expected / (seconds(tokens + n) + drafting)
             if rate > best_rate:
                 best, best_rate = n, rate
-        # A retry after steps without drafts is a probe: what a first draft costs now was not
-        # measured (each sequence has the rows verified while it was not drafted to enter: up to
-        # 32 one-row steps' worth, ~13 ms a step at 32 streams on a CPU when all retried at once),
-        # so a few sequences try, and the next step prices the rest from what theirs cost.
-        cap = self.probe_seqs if self._idle and self.probe_seqs > 0 else len(seq_ids)
+        # A retry after steps without drafts, in a batch of more than PROBE_SEQS sequences, is a
+        # probe: what a first draft costs now was not measured (each sequence has the rows
+        # verified while it was not drafted to enter: up to 32 one-row steps' worth, ~13 ms a
+        # step at 32 streams on a CPU when all retried at once), so a few sequences try, and the
+        # next step prices the rest from what theirs cost. A small batch retries whole, priced
+        # as before: its retry costs little, and one catch-up pass is no price for the next steps.
+        self._probing = bool(best) and self._idle and self._faded and len(seq_ids) > self.probe_seqs > 0
+        cap = self.probe_seqs if self._probing else len(seq_ids)
         drafting_seqs = 0
         for _, _, sid in candidates[:best]:
             if not limits[sid]:  # a sequence's first slot (its further ones come after it)
