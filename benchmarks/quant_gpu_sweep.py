@@ -22,6 +22,7 @@ import json
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,25 @@ def main() -> int:
                     lambda x=x: nk.nvfp4_matmul(x, packedf, scalef, factorf, interp, dequant_min_rows=1),
                     reff,
                 ),
+                # The FP16_DECODE variant of the weight decode: the GEMM under the default tiles,
+                # and the dequantize path.
+                (
+                    "nvfp4.fp16_decode",
+                    lambda x=x, c=replace(nk.default_config(m, n, k, interp), fp16_decode=True): (
+                        nk.nvfp4_gemm(x, packedf, scalef, factorf, c, interp)
+                    ),
+                    reff,
+                ),
+                (
+                    "nvfp4.fp16_decode_dequant",
+                    lambda x=x: F.linear(
+                        x,
+                        nk.nvfp4_dequantize(
+                            packedf, scalef, factorf, k, torch.bfloat16, interp, fp16_decode=True
+                        ),
+                    ),
+                    reff,
+                ),
             ):
                 measure(fn, ref, base, kernel=name, shape=[n, k], rows=m)
             if m not in SWEEP_ROWS:
@@ -215,6 +235,14 @@ def main() -> int:
             msf = bench(
                 lambda t=tile_f: nk.nvfp4_dequantize(packedf, scalef, factorf, k, torch.bfloat16, interp, t)
             )
+            msf16 = bench(
+                lambda t=tile_f: nk.nvfp4_dequantize(
+                    packedf, scalef, factorf, k, torch.bfloat16, interp, t, fp16_decode=True
+                )
+            )
+            same = same and torch.equal(
+                nk.nvfp4_dequantize(packedf, scalef, factorf, k, torch.bfloat16, interp, tile_f, True), reff
+            )
             record(
                 kernel="dequant_only",
                 shape=[n, k],
@@ -222,6 +250,7 @@ def main() -> int:
                 same_as_default=same,
                 w4a16_ms=ms4,
                 nvfp4_ms=msf,
+                nvfp4_fp16_decode_ms=msf16,
             )
 
     # fp8: where the layer's time goes at decode sizes (activation quantization in torch ops vs
@@ -267,13 +296,21 @@ def main() -> int:
                 if not mine:
                     continue
                 best = min(mine, key=lambda r: r["ms"])
-                dflt = next((r for r in mine if r["kernel"] == f"{fam}.default"), None)
-                deq = next((r for r in mine if r["kernel"] == f"{fam}.dequant"), None)
+
+                def us(kernel: str) -> float:
+                    r = next((r for r in mine if r["kernel"] == kernel), None)
+                    return r["ms"] * 1000 if r else float("nan")
+
+                variants = (
+                    f"; fp16 decode {us('nvfp4.fp16_decode'):.1f} us, its dequant "
+                    f"{us('nvfp4.fp16_decode_dequant'):.1f} us"
+                    if fam == "nvfp4"
+                    else ""
+                )
                 print(
                     f"  {fam} {n}x{k} M={m}: best {best['kernel']} {best.get('config', '')} "
                     f"{best['ms'] * 1000:.1f} us ({best['speedup']:.2f}x); default "
-                    f"{dflt['ms'] * 1000 if dflt else float('nan'):.1f} us; dequant "
-                    f"{deq['ms'] * 1000 if deq else float('nan'):.1f} us"
+                    f"{us(f'{fam}.default'):.1f} us; dequant {us(f'{fam}.dequant'):.1f} us{variants}"
                 )
     for r in result["rows"]:
         if r["kernel"] == "fp8.parts":
@@ -294,7 +331,8 @@ def main() -> int:
         if r["kernel"] == "dequant_only":
             print(
                 f"  dequantize {r['shape']} tile {r['tile']}: W4A16 {r['w4a16_ms'] * 1000:.1f} us, "
-                f"NVFP4 {r['nvfp4_ms'] * 1000:.1f} us (same weight as the default tile: {r['same_as_default']}; "
+                f"NVFP4 {r['nvfp4_ms'] * 1000:.1f} us (fp16 decode {r['nvfp4_fp16_decode_ms'] * 1000:.1f} us; "
+                f"same weight as the default tile: {r['same_as_default']}; "
                 f"{moved(r['shape']) / r['w4a16_ms'] / 1e6:.0f} / {moved(r['shape']) / r['nvfp4_ms'] / 1e6:.0f} GB/s)"
             )
     errors = [r for r in result["rows"] if "error" in r]

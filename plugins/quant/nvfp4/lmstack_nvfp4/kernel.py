@@ -48,9 +48,42 @@ def _e4m3(byte):
     return tl.where((byte & 0x80) != 0, -value, value)
 
 
+# The FP16_DECODE variant (not the default until timed on a GPU: the second H200 lease ended
+# before it ran) decodes both formats by moving their bits into an fp16's: sign to bit 15,
+# exponent and mantissa to the top of fp16's. The fp16 then holds the value times 2^-(15 - bias),
+# subnormals included (fp16's line up with theirs), and a power of two restores it: a few integer
+# operations and no selects per element, where decoding looked like the kernels' bound.
+E2M1_SHIFT = tl.constexpr(16384.0)  # 2^14: fp16's exponent bias 15 against e2m1's 1
+E4M3_SHIFT = tl.constexpr(256.0)  # 2^8: against e4m3's 7
+
+
+@triton.jit
+def _e2m1_fp16(code):
+    """4-bit e2m1 codes as fp32 values divided by E2M1_SHIFT (through an fp16's bits)."""
+    bits = ((code & 8) << 12) | ((code & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e4m3_fp16(byte):
+    """fp32 value of e4m3 bytes, through an fp16's bits (NaN codes never occur as scales)."""
+    bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * E4M3_SHIFT
+
+
 @triton.jit
 def _weight_tile(
-    packed_ptr, scale_ptr, rn, k0, N, K, stride_pn, stride_sn, BN: tl.constexpr, BK: tl.constexpr
+    packed_ptr,
+    scale_ptr,
+    rn,
+    k0,
+    N,
+    K,
+    stride_pn,
+    stride_sn,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    FP16_DECODE: tl.constexpr,
 ):
     """Decoded W[rn, k0:k0 + BK] (fp32, without the row factor), zero outside [N, K]. Each byte
     is loaded once and split into its two codes, and each e4m3 scale is decoded once for its 16
@@ -62,11 +95,16 @@ def _weight_tile(
     byte = tl.load(
         packed_ptr + rn[:, None] * stride_pn + rb[None, :], mask=n_ok & (2 * rb < K)[None, :], other=0
     ).to(tl.int32)
-    codes = tl.join(_e2m1(byte & 0xF), _e2m1(byte >> 4))  # [BN, BK / 2, 2]: columns 2b, 2b + 1
     sbyte = tl.load(
         scale_ptr + rn[:, None] * stride_sn + rg[None, :], mask=n_ok & (16 * rg < K)[None, :], other=0
     ).to(tl.int32)
-    w = tl.reshape(codes, (BN, BK // 16, 16)) * _e4m3(sbyte)[:, :, None]
+    if FP16_DECODE:
+        codes = tl.join(_e2m1_fp16(byte & 0xF), _e2m1_fp16(byte >> 4))
+        scales = _e4m3_fp16(sbyte) * E2M1_SHIFT
+    else:
+        codes = tl.join(_e2m1(byte & 0xF), _e2m1(byte >> 4))  # [BN, BK / 2, 2]: columns 2b, 2b + 1
+        scales = _e4m3(sbyte)
+    w = tl.reshape(codes, (BN, BK // 16, 16)) * scales[:, :, None]
     rk = k0 + tl.arange(0, BK)
     return tl.where(rk[None, :] < K, tl.reshape(w, (BN, BK)), 0.0)
 
@@ -90,6 +128,7 @@ def _nvfp4_gemm(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # multiply in fp32 (fp32 inputs; the interpreter's bf16 is wrong)
+    FP16_DECODE: tl.constexpr,
 ):
     pid_k = tl.program_id(2)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -104,7 +143,9 @@ def _nvfp4_gemm(
             mask=(rm[:, None] < M) & (rk[None, :] < K),
             other=0.0,
         )
-        w = _weight_tile(packed_ptr, scale_ptr, rn, k0, N, K, stride_pn, stride_sn, BLOCK_N, BLOCK_K)
+        w = _weight_tile(
+            packed_ptr, scale_ptr, rn, k0, N, K, stride_pn, stride_sn, BLOCK_N, BLOCK_K, FP16_DECODE
+        )
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
@@ -128,11 +169,12 @@ def _nvfp4_dequant(
     stride_sn,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FP16_DECODE: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     rk = k0 + tl.arange(0, BLOCK_K)
-    w = _weight_tile(packed_ptr, scale_ptr, rn, k0, N, K, stride_pn, stride_sn, BLOCK_N, BLOCK_K)
+    w = _weight_tile(packed_ptr, scale_ptr, rn, k0, N, K, stride_pn, stride_sn, BLOCK_N, BLOCK_K, FP16_DECODE)
     w = w * tl.load(factor_ptr + rn, mask=rn < N, other=0.0)[:, None]
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     tl.store(out_ptr + rn[:, None] * K + rk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
@@ -148,6 +190,7 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    fp16_decode: bool = False  # the FP16_DECODE variant of the weight decode (see above)
 
 
 # From DEQUANT_MIN_ROWS rows the weight is dequantized and multiplied by the vendor GEMM (on an
@@ -219,6 +262,7 @@ def nvfp4_gemm(
         BLOCK_N=c.block_n,
         BLOCK_K=c.block_k,
         UPCAST=interpret or x.dtype == torch.float32,
+        FP16_DECODE=c.fp16_decode,
         **({} if interpret else {"num_warps": c.num_warps, "num_stages": c.num_stages}),
     )
     return out if splits == 1 else out.sum(0).to(x.dtype)
@@ -232,6 +276,7 @@ def nvfp4_dequantize(
     dtype: torch.dtype,
     interpret: bool = False,
     tile: tuple[int, int] = (32, 128),
+    fp16_decode: bool = False,
 ) -> torch.Tensor:
     """The weight [N, in_features] in `dtype`, row factors applied, decoded by `_nvfp4_dequant`."""
     _check_device(packed, interpret)
@@ -250,6 +295,7 @@ def nvfp4_dequantize(
         scale.stride(0),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        FP16_DECODE=fp16_decode,
     )
     return out
 

@@ -27,6 +27,14 @@ def test_kernel_matches_dequantized_reference(dtype):
             "default": nvfp4_matmul(x, packed, scale, factor, interpret=True),
             "dequant": nvfp4_matmul(x, packed, scale, factor, interpret=True, dequant_min_rows=1),
             "split": nvfp4_gemm(x, packed, scale, factor, GemmConfig(16, 16, 16, split_k=3), interpret=True),
+            # The FP16_DECODE variant of the weight decode (not the default yet), both kernels.
+            "fp16 decode": nvfp4_gemm(
+                x, packed, scale, factor, GemmConfig(16, 32, 32, split_k=2, fp16_decode=True), interpret=True
+            ),
+            "fp16 decode, dequant": (
+                x.float()
+                @ nvfp4_dequantize(packed, scale, factor, k, torch.float32, True, fp16_decode=True).T
+            ).to(dtype),
         }
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         for name, out in outs.items():
@@ -36,7 +44,8 @@ def test_kernel_matches_dequantized_reference(dtype):
             )
 
 
-def test_every_code_and_scale_byte_decodes_as_the_tables_say():
+@pytest.mark.parametrize("fp16_decode", [False, True])
+def test_every_code_and_scale_byte_decodes_as_the_tables_say(fp16_decode):
     # Rows of one 16-column group: row r has scale byte r (all 256 but the two NaN codes) and
     # codes 0..15 (value 1.0 for the e4m3 check), so the decoded weight lists each value.
     scale_bytes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
@@ -44,7 +53,13 @@ def test_every_code_and_scale_byte_decodes_as_the_tables_say():
     codes = torch.arange(16, dtype=torch.uint8)
     packed = (codes[0::2] | (codes[1::2] << 4)).expand(n, 8).contiguous()
     w = nvfp4_dequantize(
-        packed, scale_bytes.view(nvfp4.E4M3)[:, None], torch.ones(n), 16, torch.float32, True
+        packed,
+        scale_bytes.view(nvfp4.E4M3)[:, None],
+        torch.ones(n),
+        16,
+        torch.float32,
+        True,
+        fp16_decode=fp16_decode,
     )
     e2m1 = torch.cat((nvfp4.E2M1, -nvfp4.E2M1))
     expected = e2m1[None, :] * scale_bytes.view(nvfp4.E4M3).float()[:, None]
