@@ -3,6 +3,8 @@ length, and a fixed one for contrast), the same model and stack otherwise, in on
 
     .venv/bin/python benchmarks/speculative.py            # the full run (~15 minutes on 2 cores)
     .venv/bin/python benchmarks/speculative.py --quick    # a smoke run
+    .venv/bin/python benchmarks/speculative.py ... --eagle-head ~/.cache/lmstack/eagle/smollm2-135m-instruct
+        # also eagle, through benchmarks/eagle.py (below)
     .venv/bin/python benchmarks/speculative.py --stack examples/stacks/cpu.yaml --num-draft-tokens 4
         # every system on the default CPU stack's weights and attention (GGUF blocks, int8
         # activations, cpu-paged): verifications of up to 5 rows take the kernels that compute a
@@ -19,6 +21,12 @@ quote the sentences that say X). Chat template applied, greedy, EOS respected.
 
 Also recorded: whether every greedy output with drafts equals plain decoding's (it must), and the
 drafts proposed / accepted, mean accepted length per verification, and steps.
+
+With `--eagle-head DIR` the same run also measures the `eagle` speculator (a head from `lmstack
+eagle train`) on its own workload, chat prompts held out from the head's training, through
+`benchmarks/eagle.py` (batch 1 and --streams, adaptive, `draft_vocab` and `head_weights` as
+given, --repeats and the stack's weights the same): its JSON and plot go to DIR/eagle/, its
+numbers and targets into speculative.json under "eagle".
 Writes speculative.json, speculative.png and command.txt under
 benchmarks/results/speculative-<date>/. Timings on a shared machine are noisy: quote the ratios.
 """
@@ -198,6 +206,9 @@ def main() -> int:
     )
     ap.add_argument("--num-draft-tokens", type=int, default=None, help="the ngram systems' draft limit")
     ap.add_argument("--quick", action="store_true", help="3 prompts, 32 tokens, 8 streams, 1 repeat")
+    ap.add_argument("--eagle-head", default=None, help="also measure eagle with this head (eagle.py)")
+    ap.add_argument("--eagle-draft-vocab", type=int, default=2048)
+    ap.add_argument("--eagle-head-weights", default="int8", choices=("fp32", "int8"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -263,6 +274,14 @@ def main() -> int:
     result["targets"]["streams ngram >= 0.95x plain"] = result["streams"]["ratio_vs_plain"]["ngram"] >= 0.95
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"speculative-{dt.date.today()}"
     out.mkdir(parents=True, exist_ok=True)
+    for llm in llms.values():  # one set of engines in memory at a time
+        llm.engine.shutdown()
+    if args.eagle_head:
+        result["eagle"] = _eagle(args, out / "eagle")
+        result["targets"].update(result["eagle"]["targets"])
+        result["greedy_outputs_identical"] = identical and all(
+            s["identical_outputs"] for s in result["eagle"]["systems"].values()
+        )
     (out / "speculative.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "command.txt").write_text(result["command"] + "\n")
     _plot(result, out / "speculative.png")
@@ -273,9 +292,45 @@ def main() -> int:
         )
     )
     print(f"wrote {out}")
-    for llm in llms.values():
-        llm.engine.shutdown()
     return 0
+
+
+def _eagle(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """benchmarks/eagle.py in a child process (its engines apart from this run's), and its
+    result with the issue's targets: batch 1 >= 1.3x plain with >= 1.8 tokens per verification,
+    >= 0.95x plain under --streams (each eagle system, by the median paired ratio)."""
+    import subprocess
+
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "eagle.py"),
+        "--head",
+        args.eagle_head,
+        "--head-weights",
+        args.eagle_head_weights,
+        "--draft-vocab",
+        str(args.eagle_draft_vocab),
+        "--repeats",
+        str(args.repeats),
+        "--streams",
+        str(args.streams),
+        "--max-tokens",
+        str(min(args.max_tokens, 128)),
+        "--out",
+        str(out),
+        *(["--stack", args.stack] if args.stack else []),
+    ]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    result = json.loads((out / "eagle.json").read_text())
+    paired = result["streams"]["paired_ratio_vs_plain"]
+    result["targets"] = {
+        "batch1 eagle >= 1.3x plain and >= 1.8 tokens per verification": any(
+            s["speedup"] >= 1.3 and s["mean_tokens_per_verification"] >= 1.8
+            for s in result["systems"].values()
+        ),
+        "streams eagle >= 0.95x plain": min(paired.values()) >= 0.95,
+    }
+    return result
 
 
 def _spec_stats(llm) -> dict[str, Any]:
