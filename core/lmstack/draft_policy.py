@@ -87,7 +87,6 @@ class DraftLengthPolicy:
     _draft_costs: list[float] = field(default_factory=list)  # recent propose seconds per draft
     _first_costs: list[float] = field(default_factory=list)  # ... of a sequence's first draft
     _decisions: int = 0
-    _idle: bool = False  # the last decision drafted nothing
     _faded: bool = False  # the remembered drafting costs were faded since the last measurement
     _probing: bool = False  # this step's drafts are a probe: their cost replaces the faded ones
     # 0: no probe (the whole batch retries at once, priced by the faded costs: as before the
@@ -212,7 +211,7 @@ class DraftLengthPolicy:
         # step at 32 streams on a CPU when all retried at once), so a few sequences try, and the
         # next step prices the rest from what theirs cost. A small batch retries whole, priced
         # as before: its retry costs little, and one catch-up pass is no price for the next steps.
-        self._probing = bool(best) and self._idle and self._faded and len(seq_ids) > self.probe_seqs > 0
+        self._probing = bool(best) and self._faded and len(seq_ids) > self.probe_seqs > 0
         cap = self.probe_seqs if self._probing else len(seq_ids)
         drafting_seqs = 0
         for _, _, sid in candidates[:best]:
@@ -221,7 +220,6 @@ class DraftLengthPolicy:
                     continue
                 drafting_seqs += 1
             limits[sid] += 1
-        self._idle = not best
         if not best:
             # Nothing drafted, so nothing new is measured: the remembered drafting cost fades,
             # and drafting is tried again later (the load, or the speculator's cost, may change).

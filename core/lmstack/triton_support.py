@@ -66,6 +66,30 @@ def split_k(tiles: int, k_steps: int) -> int:
     return split
 
 
+def split_k_output(
+    length: int, split: int, step: int, m: int, n: int, dtype: Any, device: Any
+) -> tuple[int, int, Any]:
+    """(per_split, splits, out) for a GEMM whose K range [0, length) is cut into `split` pieces of
+    whole `step`s (fewer where the last would be empty): `out` is [m, n] in `dtype` when one
+    piece covers K, else an fp32 workspace [splits, m, n] of partial sums for `reduce_splits`."""
+    import torch
+
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    per_split = cdiv(cdiv(length, split), step) * step
+    splits = cdiv(length, per_split)
+    if splits == 1:
+        return per_split, 1, torch.empty(m, n, dtype=dtype, device=device)
+    return per_split, splits, torch.empty(splits, m, n, dtype=torch.float32, device=device)
+
+
+def reduce_splits(out: Any, dtype: Any) -> Any:
+    """`split_k_output`'s result in `dtype`: one `sum` over the pieces (deterministic, unlike
+    atomics), or the output itself when K was not split."""
+    return out if out.dim() == 2 else out.sum(0).to(dtype)
+
+
 def capabilities_with_interpreter(
     capabilities: Mapping[str, Any], interpret_option: bool
 ) -> Mapping[str, Any]:

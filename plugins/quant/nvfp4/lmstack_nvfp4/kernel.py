@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lmstack.triton_support import enable_interpreter, split_k
+from lmstack.triton_support import enable_interpreter, reduce_splits, split_k, split_k_output
 
 
 @triton.jit
@@ -237,12 +237,7 @@ def nvfp4_gemm(
     m, k = x.shape
     n = packed.shape[0]
     c = config
-    per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
-    splits = triton.cdiv(k, per_split)
-    if splits == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    per_split, splits, out = split_k_output(k, c.split_k, c.block_k, m, n, x.dtype, x.device)
     grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), splits)
     _nvfp4_gemm[grid](
         x,
@@ -265,7 +260,7 @@ def nvfp4_gemm(
         FP16_DECODE=c.fp16_decode,
         **({} if interpret else {"num_warps": c.num_warps, "num_stages": c.num_stages}),
     )
-    return out if splits == 1 else out.sum(0).to(x.dtype)
+    return reduce_splits(out, x.dtype)
 
 
 def nvfp4_dequantize(

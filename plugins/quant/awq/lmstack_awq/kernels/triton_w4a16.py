@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lmstack.triton_support import split_k
+from lmstack.triton_support import reduce_splits, split_k, split_k_output
 
 
 @triton.jit
@@ -160,6 +160,11 @@ def _w4a16_dequant(
     )
 
 
+def _grouped(groups: int, group_size: int, bkh: int) -> bool:
+    """Whether every tile of 2 * bkh columns lies in one group (the kernels' GROUPED path)."""
+    return groups == 1 or group_size % (2 * bkh) == 0
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """Tiles of `_w4a16_gemm`: BM rows of x, BN weight rows, BKH bytes (2 * BKH input columns)
@@ -209,14 +214,8 @@ def w4a16_gemm(
     m, k = x.shape
     n, kb = packed.shape
     c = config
-    per_split = triton.cdiv(triton.cdiv(kb, c.split_k), c.bkh) * c.bkh
-    splits = triton.cdiv(kb, per_split)
-    if splits == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    per_split, splits, out = split_k_output(kb, c.split_k, c.bkh, m, n, x.dtype, x.device)
     groups = scales.shape[1]
-    grouped = groups == 1 or group_size % (2 * c.bkh) == 0
     grid = (triton.cdiv(m, c.bm), triton.cdiv(n, c.bn), splits)
     _w4a16_gemm[grid](
         x,
@@ -236,12 +235,12 @@ def w4a16_gemm(
         BM=c.bm,
         BN=c.bn,
         BKH=c.bkh,
-        GROUPED=grouped,
+        GROUPED=_grouped(groups, group_size, c.bkh),
         UPCAST=interpret and x.dtype != torch.float32,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpret else "tf32",
         **({} if interpret else {"num_warps": c.num_warps, "num_stages": c.num_stages}),
     )
-    return out if splits == 1 else out.sum(0).to(x.dtype)
+    return reduce_splits(out, x.dtype)
 
 
 def w4a16_dequantize(
@@ -272,7 +271,7 @@ def w4a16_dequantize(
         group_size,
         BN=bn,
         BKH=bkh,
-        GROUPED=groups == 1 or group_size % (2 * bkh) == 0,
+        GROUPED=_grouped(groups, group_size, bkh),
     )
     return out
 
