@@ -57,6 +57,13 @@ def main() -> None:
         default="fp32",
         help="the eagle systems' head_weights (int8: lmstack-int8's Int8Linear and CPU kernel)",
     )
+    ap.add_argument(
+        "--min-draft-prob",
+        type=float,
+        default=None,
+        help="the eagle systems' min_draft_prob (a chain stops before a draft the head gives less; "
+        "default: the plugin's)",
+    )
     ap.add_argument("--streams", type=int, default=0, help="also measure N concurrent requests")
     ap.add_argument(
         "--compare-probe",
@@ -90,6 +97,8 @@ def main() -> None:
         "adaptive": not args.fixed,
         "head_weights": args.head_weights,
     }
+    if args.min_draft_prob is not None:
+        spec["min_draft_prob"] = args.min_draft_prob
     llms = {
         "plain": LLM({**base, "speculator": {"name": "none"}}),
         "eagle": LLM({**base, "speculator": spec}),
@@ -102,11 +111,15 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rates: dict[str, list[float]] = {n: [] for n in llms}
     outputs: dict[str, list[list[int]]] = {n: [] for n in llms}
+    generated = dict.fromkeys(llms, 0)  # tokens and requests per system (batch 1)
+    requests = dict.fromkeys(llms, 0)
     for r in range(args.repeats):
         for p in prompts:
             for name in list(llms) if r % 2 == 0 else list(llms)[::-1]:
                 out = llms[name].generate([p], params)[0]
                 m, n = out.metrics, len(out.token_ids)
+                generated[name] += n
+                requests[name] += 1
                 if n > 1 and m.first_token_time is not None and m.finished_time is not None:
                     rates[name].append((n - 1) / (m.finished_time - m.first_token_time))
                 if r == 0:
@@ -130,6 +143,11 @@ def main() -> None:
             # (the accepted drafts plus the target's own next token).
             "mean_tokens_per_verification": 1 + stats.num_accepted_tokens / max(verifications, 1),
             "accepted_length_histogram": hist,
+            # Over every decode step, those without drafts too (a sequence the policy or
+            # min_draft_prob kept from drafting emits one token): at batch 1 each request's
+            # first token comes from its prefill step, one per request (prompts < 2,048 tokens).
+            "mean_tokens_per_decode_step": (generated[name] - requests[name])
+            / max(stats.num_steps - requests[name], 1),
         }
     result = {
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
@@ -144,6 +162,7 @@ def main() -> None:
         "num_draft_tokens": args.num_draft_tokens,
         "adaptive": not args.fixed,
         "head_weights": args.head_weights,
+        "min_draft_prob": spec.get("min_draft_prob"),
         "plain_decode_tok_s": tok_s["plain"],
         "systems": systems,
         "streams": loaded,

@@ -209,6 +209,12 @@ def main() -> int:
     ap.add_argument("--eagle-head", default=None, help="also measure eagle with this head (eagle.py)")
     ap.add_argument("--eagle-draft-vocab", type=int, default=2048)
     ap.add_argument("--eagle-head-weights", default="int8", choices=("fp32", "int8"))
+    ap.add_argument(
+        "--eagle-min-draft-prob",
+        type=float,
+        default=None,
+        help="eagle's min_draft_prob (default: the plugin's)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -319,13 +325,20 @@ def _eagle(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "--out",
         str(out),
         *(["--stack", args.stack] if args.stack else []),
+        *(
+            ["--min-draft-prob", str(args.eagle_min_draft_prob)]
+            if args.eagle_min_draft_prob is not None
+            else []
+        ),
     ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     result = json.loads((out / "eagle.json").read_text())
     paired = result["streams"]["paired_ratio_vs_plain"]
+    # Tokens per decode step, steps without drafts counted (1 token each): with drafts skipped
+    # where they would not pay, tokens per verification alone would flatter the head.
     result["targets"] = {
-        "batch1 eagle >= 1.3x plain and >= 1.8 tokens per verification": any(
-            s["speedup"] >= 1.3 and s["mean_tokens_per_verification"] >= 1.8
+        "batch1 eagle >= 1.3x plain and >= 1.8 tokens per decode step": any(
+            s["speedup"] >= 1.3 and s["mean_tokens_per_decode_step"] >= 1.8
             for s in result["systems"].values()
         ),
         "streams eagle >= 0.95x plain": min(paired.values()) >= 0.95,

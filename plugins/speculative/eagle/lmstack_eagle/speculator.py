@@ -55,10 +55,17 @@ class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # reads its weights once per draft token: a quarter of the bytes makes drafting cheaper
     # (README); drafts may differ slightly, verification keeps the output exact.
     head_weights: Literal["fp32", "int8"] = "fp32"
+    # A chain stops before a draft token the head gives less than this probability (softmax of
+    # its draft logits; a sequence whose first draft falls below it is not drafted this step).
+    # The head's probability tracks acceptance closely (README), so low-confidence drafts, which
+    # cost a verification row and a head pass each, are mostly the rejected ones. 0: never stop.
+    min_draft_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 16:
             raise ConfigError(f"must be in 1..16, got {self.num_draft_tokens}", "speculator.num_draft_tokens")
+        if not 0.0 <= self.min_draft_prob < 1.0:
+            raise ConfigError(f"must be in [0, 1), got {self.min_draft_prob}", "speculator.min_draft_prob")
         if self.draft_vocab < 0:
             raise ConfigError(f"must be >= 0, got {self.draft_vocab}", "speculator.draft_vocab")
 
@@ -190,9 +197,11 @@ class EagleSpeculator(Speculator):
             feature = cache.next_feature
             drafts: list[int] = []
             while True:
-                token, embedding = self._argmax(feature)
+                token, embedding, prob = self._argmax(feature)
                 if not drafts:
                     self.first_draft_seconds += time.perf_counter() - started
+                if prob < self.options.min_draft_prob:
+                    break
                 drafts.append(token)
                 if len(drafts) >= limit:
                     break
@@ -200,17 +209,27 @@ class EagleSpeculator(Speculator):
                     embedding = self.embed(torch.tensor([token], device=self.device)).to(self.dtype)
                 # The draft's K/V enter the cache speculatively: the next observe truncates them.
                 feature = self.head(embedding, feature, cache)
-            out[seq.seq_id] = drafts
+            if drafts:
+                out[seq.seq_id] = drafts
         return out
 
-    def _argmax(self, feature: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """The draft token the feature predicts, and its embedding [1, H] where it is at hand
-        (a reduced draft vocabulary's table), else None."""
+    def _argmax(self, feature: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        """The draft token the feature predicts, its embedding [1, H] where it is at hand (a
+        reduced draft vocabulary's table, else None), and the head's probability for it (the
+        softmax over the draft vocabulary; 1.0 unless `min_draft_prob` asks for it)."""
         if self.vocab_head is not None:
-            logits = self.vocab_head(feature.float())
-            i = int(logits[-1].argmax())
-            return self._vocab_list[i], self.vocab_embeds[i : i + 1]  # type: ignore[index]
-        return int(self.lm_head(feature.to(self.lm_dtype)).argmax(-1)[-1]), None
+            logits = self.vocab_head(feature.float())[-1]
+            i = int(logits.argmax())
+            token, embedding = self._vocab_list[i], self.vocab_embeds[i : i + 1]  # type: ignore[index]
+        else:
+            logits = self.lm_head(feature.to(self.lm_dtype))[-1]
+            i = int(logits.argmax())
+            token, embedding = i, None
+        prob = 1.0
+        if self.options.min_draft_prob > 0.0:
+            # p(argmax) = 1 / sum(exp(logits - max)): no full softmax tensor needed.
+            prob = float(1.0 / torch.exp(logits.float() - logits[i].float()).sum())
+        return token, embedding, prob
 
     @property
     def lm_dtype(self) -> torch.dtype:

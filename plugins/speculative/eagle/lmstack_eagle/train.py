@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from lmstack.errors import ConfigError
 from lmstack.progress import Progress
-from lmstack_eagle.head import EagleHead, HeadConfig, save_draft_vocab, save_head
+from lmstack_eagle.head import EagleHead, HeadConfig, load_head, save_draft_vocab, save_head
 
 DEFAULT_STACK = {
     "model": "smollm2-135m-instruct",
@@ -222,9 +222,17 @@ def train_head(
     batch_size: int = 8,
     unroll: int = 3,
     progress: bool = True,
+    init: EagleHead | None = None,
 ) -> tuple[EagleHead, list[float]]:
+    """`init`: a head to continue training (same shape as `config`), else a fresh one."""
     torch.manual_seed(seed)
-    head = EagleHead(config).float().train()
+    if init is not None:
+        shape = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+        shape += ("head_dim", "vocab_size")
+        have, want = ({k: getattr(c, k) for k in shape} for c in (init.cfg, config))
+        if have != want:
+            raise ConfigError(f"the head to continue is shaped {have}, this target's head {want}")
+    head = (init if init is not None else EagleHead(config)).float().train()
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     batches = -(-len(sequences) // batch_size)
     total = epochs * batches
@@ -317,13 +325,14 @@ def train(
     samples: int = 0,
     temperature: float = 0.8,
     data: str | Path | None = None,
+    init: str | Path | None = None,
     plugin_manager: Any = None,
     progress: bool = True,
 ) -> TrainResult:
     """Train a head on the target's answers to `prompts` (greedy, plus `samples` sampled ones
     per prompt at `temperature`: more, and more varied, text); with `heldout` prompts, also
     measure the head offline on the target's greedy answers to those (`chain_acceptance`, 4
-    drafts)."""
+    drafts). `init`: a head folder to continue training from (its weights are the start)."""
     from lmstack.llm import LLM
     from lmstack.quantize import CalibrationModel
 
@@ -347,10 +356,14 @@ def train(
     else:
         both = generate_answers(llm, prompts + heldout, max_tokens)
         sequences, held, sampled = both[: len(prompts)], both[len(prompts) :], []
-    if len(sampled) != samples * len(prompts):
-        sampled = [
+    have = len(sampled) // len(prompts) if prompts and len(sampled) % len(prompts) == 0 else 0
+    if have > samples:
+        sampled, have = sampled[: samples * len(prompts)], samples
+    if have < samples:
+        # Sample set j is seeded by j alone: sets already in the data file are kept, the rest made.
+        sampled = sampled[: have * len(prompts)] + [
             seq
-            for j in range(samples)
+            for j in range(have, samples)
             for seq in generate_answers(llm, prompts, max_tokens, temperature, seed + 1_000_003 * (j + 1))
         ]
     answers = {"train": sequences, "heldout": held, "sampled": sampled}
@@ -374,6 +387,7 @@ def train(
     seconds["features"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     config = HeadConfig.for_target(source.config)
+    start = load_head(init) if init is not None else None
     head, losses = train_head(
         target,
         config,
@@ -386,6 +400,7 @@ def train(
         batch_size=batch_size,
         unroll=unroll,
         progress=progress,
+        init=start,
     )
     seconds["train"] = time.perf_counter() - t0
     extra: dict[str, Any] = {
@@ -393,7 +408,15 @@ def train(
         "eagle_train_prompts": len(prompts),
         "eagle_train_sequences": len(sequences),
         "eagle_train_tokens": sum(len(ids) for ids in sequences),
+        "eagle_train_epochs": epochs,
+        "eagle_train_lr": lr,
     }
+    if start is not None:
+        # What it continued from, and that folder's own history (epochs add up over a chain).
+        before = json.loads((Path(init).expanduser() / "config.json").read_text())  # type: ignore[arg-type]
+        extra["eagle_continued_from"] = {
+            k: v for k, v in before.items() if k.startswith("eagle_") and k != "eagle_heldout"
+        } | {"folder": str(init), "heldout": before.get("eagle_heldout")}
     measured: dict[str, Any] = {}
     if held:
         t0 = time.perf_counter()
@@ -474,6 +497,12 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         help="a JSON file of the target's token sequences: read if it exists (no generation), "
         "else written after generating (retrain with other epochs without regenerating)",
     )
+    t.add_argument(
+        "--init",
+        default=None,
+        help="a head folder to continue training from (e.g. more epochs or more data on a head "
+        "already trained; --lr then sets the new run's peak rate)",
+    )
     t.set_defaults(handler=_cmd_train)
 
 
@@ -520,6 +549,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         samples=args.samples,
         temperature=args.temperature,
         data=args.data,
+        init=args.init,
     )
     per_epoch = ", ".join(f"{x:.3f}" for x in result.losses)
     parts = ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items())

@@ -278,7 +278,7 @@ def test_trainer_loss_decreases(tiny_model_path, tiny_config):
     # Target.features is the full model's final norm output: its LM head gives the model's logits.
     logits = F.linear(feats[0], target.lm_head)
     assert torch.allclose(logits, cm.logits(torch.tensor([seqs[0]]))[0], atol=1e-4)
-    _, losses = train_head(
+    head, losses = train_head(
         target,
         HeadConfig.for_target(tiny_config),
         seqs,
@@ -289,6 +289,15 @@ def test_trainer_loss_decreases(tiny_model_path, tiny_config):
         progress=False,
     )
     assert losses[-1] < 0.8 * losses[0], f"loss per epoch {losses}"
+    # Continuing from the trained head (`--init`) starts where it stopped, not from scratch.
+    kw = dict(epochs=1, lr=1e-3, batch_size=2, progress=False)
+    config = HeadConfig.for_target(tiny_config)
+    _, fresh = train_head(target, config, seqs, feats, **kw)
+    _, continued = train_head(target, config, seqs, feats, init=head, **kw)
+    assert continued[0] < 0.8 * fresh[0], f"continued {continued}, fresh {fresh}"
+    other = EagleHead(HeadConfig(**{**vars(config), "intermediate_size": config.intermediate_size + 8}))
+    with pytest.raises(LmstackError, match="intermediate_size"):
+        train_head(target, config, seqs, feats, init=other, **kw)
 
 
 def test_the_unrolled_training_chain_is_the_inference_chain():
@@ -366,6 +375,18 @@ def test_sampled_answers_join_the_training_text_and_the_data_file(tiny_model_pat
 
     monkeypatch.setattr(trainer, "generate_answers", generated)
     train(tiny_stack(tiny_model_path), tmp_path / "c", TRAIN_PROMPTS[:2], samples=2, temperature=1.0, **kw)
+    # One more sample set: the two in the file are kept, only the third is generated.
+    made: list[int] = []
+
+    def counted(llm, prompts, *a, **k):
+        made.append(len(prompts))
+        return [[1, 2, 3] for _ in prompts]
+
+    monkeypatch.setattr(trainer, "generate_answers", counted)
+    train(tiny_stack(tiny_model_path), tmp_path / "d", TRAIN_PROMPTS[:2], samples=3, temperature=1.0, **kw)
+    assert made == [2]
+    grown = json.loads(data.read_text())["sampled"]
+    assert grown[:4] == saved["sampled"] and grown[4:] == [[1, 2, 3], [1, 2, 3]]
 
 
 def test_the_trainer_measures_the_head_on_heldout_prompts(trained_head_dir):
@@ -499,3 +520,70 @@ def test_int8_head_is_refused_off_the_cpu_or_without_its_kernel(
         LmstackError, match="needs lmstack-int8's kernel, which did not build: no C\\+\\+ compiler"
     ):
         resolve(load_stack(stack), default_registry())
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 20])
+def test_min_draft_prob_stops_a_chain_before_an_unlikely_draft(
+    tiny_model_path, trained_head_dir, draft_vocab
+):
+    """min_draft_prob p: every drafted token had the head's probability >= p (the softmax over
+    the draft vocabulary), a chain shorter than its limit stopped at a token below p (a
+    sequence whose first draft is below p gets none), and greedy output is plain decoding's."""
+    prompts = [*TRAIN_PROMPTS, *HELDOUT_PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def engine(threshold):
+        options = dict(num_draft_tokens=4, adaptive=False, draft_vocab=draft_vocab, min_draft_prob=threshold)
+        return LLM(eagle_stack(tiny_model_path, trained_head_dir, **options))
+
+    # The tiny model's probabilities are its own: the threshold is the median of what its head
+    # gives the drafts of a first run (so that some chains stop early and some do not).
+    first = engine(1e-9)
+    seen: list[float] = []
+    inner = first.engine.speculator._argmax
+    first.engine.speculator._argmax = lambda f: (out := inner(f), seen.append(out[2]))[0]
+    first.generate(chat_ids(first, prompts), params)
+    threshold = sorted(seen)[len(seen) // 2]
+    llm = engine(threshold)
+    spec = llm.engine.speculator
+    # The probability is the softmax's maximum over the draft logits.
+    feature = torch.randn(1, spec.head.cfg.hidden_size)
+    token, _, prob = spec._argmax(feature)
+    head = spec.vocab_head if draft_vocab else spec.lm_head
+    logits = head(feature.float())[-1].float()
+    assert prob == pytest.approx(float(torch.softmax(logits, -1).max()), rel=1e-5)
+    assert token == (spec._vocab_list[int(logits.argmax())] if draft_vocab else int(logits.argmax()))
+
+    chains: list[tuple[list[float], list[int], int]] = []  # probabilities, drafts, the limit
+    seen.clear()
+    inner_argmax, inner_propose = spec._argmax, spec.propose
+
+    def argmax(feature):
+        out = inner_argmax(feature)
+        seen.append(out[2])
+        return out
+
+    def propose(seqs):
+        assert len(seqs) == 1
+        seen.clear()
+        out = inner_propose(seqs)
+        chains.append((list(seen), out.get(seqs[0].seq_id, []), min(seqs[0].draft_limit, 4)))
+        return out
+
+    spec._argmax, spec.propose = argmax, propose
+    ref = LLM(tiny_stack(tiny_model_path))
+    for p in chat_ids(llm, prompts):  # one at a time: one sequence per propose
+        assert llm.generate([p], params)[0].token_ids == ref.generate([p], params)[0].token_ids
+    stopped = full = 0
+    for probs, drafts, limit in chains:
+        if not probs:
+            continue  # nothing to draft from yet (the step after a prefill chunk)
+        assert all(q >= threshold for q in probs[: len(drafts)]), (probs, drafts)
+        if len(drafts) < limit:
+            assert probs[len(drafts)] < threshold, (probs, drafts)
+            stopped += 1
+        else:
+            full += 1
+    assert stopped and full, f"{stopped} chains stopped early, {full} full: the test saw no contrast"
+    with pytest.raises(LmstackError, match="min_draft_prob"):
+        LLM(eagle_stack(tiny_model_path, trained_head_dir, min_draft_prob=1.0))
