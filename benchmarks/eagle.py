@@ -58,11 +58,11 @@ def main() -> None:
         help="the eagle systems' head_weights (int8: lmstack-int8's Int8Linear and CPU kernel)",
     )
     ap.add_argument(
-        "--min-draft-prob",
+        "--min-chain-prob",
         type=float,
         default=None,
-        help="the eagle systems' min_draft_prob (a chain stops before a draft the head gives less; "
-        "default: the plugin's)",
+        help="the eagle systems' min_chain_prob (a chain stops before a draft whose chain "
+        "probability, by the head, is below it; default: the plugin's)",
     )
     ap.add_argument("--streams", type=int, default=0, help="also measure N concurrent requests")
     ap.add_argument(
@@ -97,8 +97,8 @@ def main() -> None:
         "adaptive": not args.fixed,
         "head_weights": args.head_weights,
     }
-    if args.min_draft_prob is not None:
-        spec["min_draft_prob"] = args.min_draft_prob
+    if args.min_chain_prob is not None:
+        spec["min_chain_prob"] = args.min_chain_prob
     llms = {
         "plain": LLM({**base, "speculator": {"name": "none"}}),
         "eagle": LLM({**base, "speculator": spec}),
@@ -144,7 +144,7 @@ def main() -> None:
             "mean_tokens_per_verification": 1 + stats.num_accepted_tokens / max(verifications, 1),
             "accepted_length_histogram": hist,
             # Over every decode step, those without drafts too (a sequence the policy or
-            # min_draft_prob kept from drafting emits one token): at batch 1 each request's
+            # min_chain_prob kept from drafting emits one token): at batch 1 each request's
             # first token comes from its prefill step, one per request (prompts < 2,048 tokens).
             "mean_tokens_per_decode_step": (generated[name] - requests[name])
             / max(stats.num_steps - requests[name], 1),
@@ -162,7 +162,7 @@ def main() -> None:
         "num_draft_tokens": args.num_draft_tokens,
         "adaptive": not args.fixed,
         "head_weights": args.head_weights,
-        "min_draft_prob": spec.get("min_draft_prob"),
+        "min_chain_prob": spec.get("min_chain_prob"),
         "plain_decode_tok_s": tok_s["plain"],
         "systems": systems,
         "streams": loaded,

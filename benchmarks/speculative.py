@@ -210,10 +210,10 @@ def main() -> int:
     ap.add_argument("--eagle-draft-vocab", type=int, default=2048)
     ap.add_argument("--eagle-head-weights", default="int8", choices=("fp32", "int8"))
     ap.add_argument(
-        "--eagle-min-draft-prob",
+        "--eagle-min-chain-prob",
         type=float,
         default=None,
-        help="eagle's min_draft_prob (default: the plugin's)",
+        help="eagle's min_chain_prob (default: the plugin's)",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -326,8 +326,8 @@ def _eagle(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         str(out),
         *(["--stack", args.stack] if args.stack else []),
         *(
-            ["--min-draft-prob", str(args.eagle_min_draft_prob)]
-            if args.eagle_min_draft_prob is not None
+            ["--min-chain-prob", str(args.eagle_min_chain_prob)]
+            if args.eagle_min_chain_prob is not None
             else []
         ),
     ]

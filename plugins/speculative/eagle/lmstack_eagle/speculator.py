@@ -55,17 +55,19 @@ class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # reads its weights once per draft token: a quarter of the bytes makes drafting cheaper
     # (README); drafts may differ slightly, verification keeps the output exact.
     head_weights: Literal["fp32", "int8"] = "fp32"
-    # A chain stops before a draft token the head gives less than this probability (softmax of
-    # its draft logits; a sequence whose first draft falls below it is not drafted this step).
-    # The head's probability tracks acceptance closely (README), so low-confidence drafts, which
-    # cost a verification row and a head pass each, are mostly the rejected ones. 0: never stop.
-    min_draft_prob: float = 0.0
+    # A chain stops before a draft whose chain probability falls below this: the product of the
+    # head's probabilities (softmax of its draft logits) of the drafts up to it, the head's own
+    # estimate that verification accepts them all (a sequence whose first draft falls below it
+    # is not drafted this step). The head's probability tracks acceptance closely (README), so
+    # the drafts cut, each a verification row and a head pass, are mostly ones that would be
+    # rejected or never reached. 0: chains run to the length the draft policy allows.
+    min_chain_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 16:
             raise ConfigError(f"must be in 1..16, got {self.num_draft_tokens}", "speculator.num_draft_tokens")
-        if not 0.0 <= self.min_draft_prob < 1.0:
-            raise ConfigError(f"must be in [0, 1), got {self.min_draft_prob}", "speculator.min_draft_prob")
+        if not 0.0 <= self.min_chain_prob < 1.0:
+            raise ConfigError(f"must be in [0, 1), got {self.min_chain_prob}", "speculator.min_chain_prob")
         if self.draft_vocab < 0:
             raise ConfigError(f"must be >= 0, got {self.draft_vocab}", "speculator.draft_vocab")
 
@@ -196,11 +198,13 @@ class EagleSpeculator(Speculator):
             limit = min(seq.draft_limit or self.num_draft_tokens, self.num_draft_tokens)
             feature = cache.next_feature
             drafts: list[int] = []
+            chain_prob = 1.0
             while True:
                 token, embedding, prob = self._argmax(feature)
                 if not drafts:
                     self.first_draft_seconds += time.perf_counter() - started
-                if prob < self.options.min_draft_prob:
+                chain_prob *= prob
+                if chain_prob < self.options.min_chain_prob:
                     break
                 drafts.append(token)
                 if len(drafts) >= limit:
@@ -216,7 +220,7 @@ class EagleSpeculator(Speculator):
     def _argmax(self, feature: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
         """The draft token the feature predicts, its embedding [1, H] where it is at hand (a
         reduced draft vocabulary's table, else None), and the head's probability for it (the
-        softmax over the draft vocabulary; 1.0 unless `min_draft_prob` asks for it)."""
+        softmax over the draft vocabulary; 1.0 unless `min_chain_prob` asks for it)."""
         if self.vocab_head is not None:
             logits = self.vocab_head(feature.float())[-1]
             i = int(logits.argmax())
@@ -226,7 +230,7 @@ class EagleSpeculator(Speculator):
             i = int(logits.argmax())
             token, embedding = i, None
         prob = 1.0
-        if self.options.min_draft_prob > 0.0:
+        if self.options.min_chain_prob > 0.0:
             # p(argmax) = 1 / sum(exp(logits - max)): no full softmax tensor needed.
             prob = float(1.0 / torch.exp(logits.float() - logits[i].float()).sum())
         return token, embedding, prob

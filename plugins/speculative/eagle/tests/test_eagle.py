@@ -7,6 +7,7 @@ rollback, the EAGLE head folder format, build-time errors and the trainer.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -523,27 +524,40 @@ def test_int8_head_is_refused_off_the_cpu_or_without_its_kernel(
 
 
 @pytest.mark.parametrize("draft_vocab", [0, 20])
-def test_min_draft_prob_stops_a_chain_before_an_unlikely_draft(
+def test_min_chain_prob_stops_a_chain_before_an_unlikely_draft(
     tiny_model_path, trained_head_dir, draft_vocab
 ):
-    """min_draft_prob p: every drafted token had the head's probability >= p (the softmax over
-    the draft vocabulary), a chain shorter than its limit stopped at a token below p (a
-    sequence whose first draft is below p gets none), and greedy output is plain decoding's."""
+    """min_chain_prob c: every draft's chain probability (the product of the head's
+    probabilities, softmax over the draft vocabulary, of the drafts up to it) is >= c, a chain
+    shorter than its limit stopped where the next draft's fell below c (a sequence whose first
+    draft is below c gets none), and greedy output is plain decoding's."""
     prompts = [*TRAIN_PROMPTS, *HELDOUT_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     def engine(threshold):
-        options = dict(num_draft_tokens=4, adaptive=False, draft_vocab=draft_vocab, min_draft_prob=threshold)
+        options = dict(num_draft_tokens=4, adaptive=False, draft_vocab=draft_vocab, min_chain_prob=threshold)
         return LLM(eagle_stack(tiny_model_path, trained_head_dir, **options))
 
-    # The tiny model's probabilities are its own: the threshold is the median of what its head
-    # gives the drafts of a first run (so that some chains stop early and some do not).
-    first = engine(1e-9)
+    # The tiny model's probabilities are its own: the threshold is the median chain probability
+    # of a first run's four-draft chains (so that some chains stop early and some do not).
+    first = engine(1e-30)  # > 0: the probabilities are computed, and no chain stops
     seen: list[float] = []
-    inner = first.engine.speculator._argmax
-    first.engine.speculator._argmax = lambda f: (out := inner(f), seen.append(out[2]))[0]
-    first.generate(chat_ids(first, prompts), params)
-    threshold = sorted(seen)[len(seen) // 2]
+    full: list[float] = []
+    inner_first, inner_first_propose = first.engine.speculator._argmax, first.engine.speculator.propose
+
+    def propose_first(seqs):
+        seen.clear()
+        out = inner_first_propose(seqs)
+        if len(seen) == 4:
+            full.append(math.prod(seen))
+        return out
+
+    first.engine.speculator._argmax = lambda f: (out := inner_first(f), seen.append(out[2]))[0]
+    first.engine.speculator.propose = propose_first
+    for ids in chat_ids(first, prompts):  # one at a time: one sequence per propose
+        first.generate([ids], params)
+    assert full, f"no four-draft chains in the first run ({len(seen)} probabilities in its last)"
+    threshold = sorted(full)[len(full) // 2]
     llm = engine(threshold)
     spec = llm.engine.speculator
     # The probability is the softmax's maximum over the draft logits.
@@ -578,12 +592,13 @@ def test_min_draft_prob_stops_a_chain_before_an_unlikely_draft(
     for probs, drafts, limit in chains:
         if not probs:
             continue  # nothing to draft from yet (the step after a prefill chunk)
-        assert all(q >= threshold for q in probs[: len(drafts)]), (probs, drafts)
+        chain = [math.prod(probs[: j + 1]) for j in range(len(probs))]
+        assert all(q >= threshold for q in chain[: len(drafts)]), (probs, drafts)
         if len(drafts) < limit:
-            assert probs[len(drafts)] < threshold, (probs, drafts)
+            assert chain[len(drafts)] < threshold, (probs, drafts)
             stopped += 1
         else:
             full += 1
     assert stopped and full, f"{stopped} chains stopped early, {full} full: the test saw no contrast"
-    with pytest.raises(LmstackError, match="min_draft_prob"):
-        LLM(eagle_stack(tiny_model_path, trained_head_dir, min_draft_prob=1.0))
+    with pytest.raises(LmstackError, match="min_chain_prob"):
+        LLM(eagle_stack(tiny_model_path, trained_head_dir, min_chain_prob=1.0))
