@@ -164,6 +164,39 @@ def test_a_first_draft_and_a_further_one_are_priced_apart():
     assert apart.limits([0]) == {0: 0}
 
 
+def test_a_confident_drafter_gets_whole_chains_and_the_break_even_gain():
+    """A speculator that stops by its own confidence: the sequences chosen to draft get the
+    whole num_draft_tokens and min_gain is what one more query token adds to the step times the
+    step's expected rate; under load nobody drafts and the gain is 0; not adaptive, 0 too."""
+    policy = measured(a=0.005, b=0.0004, k=6)
+    for _ in range(40):
+        policy.record_verification(0, 2, 1)
+    for _ in range(8):
+        policy.record_drafting(2, 0.0011, 1, 0.0008)  # first draft 0.8 ms, a further one 0.3 ms
+    plain = policy.limits([0])[0]
+    assert 1 <= plain < 6
+    policy.confidence = True
+    assert policy.limits([0]) == {0: 6}
+    # Recompute what limits chose (expected tokens per second over the prefixes) by hand.
+    alpha = policy.acceptance(0)
+    best_rate, best, expected, drafting = 1 / 0.0054, 0, 1.0, 0.0
+    for n in range(1, 7):
+        expected += alpha**n
+        drafting += 0.0008 if n == 1 else 0.0003
+        rate = expected / (0.005 + 0.0004 * (1 + n) + drafting)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    assert best == plain
+    assert abs(policy.min_gain - 0.0004 * best_rate) < 1e-9 * best_rate
+    assert 0.05 < policy.min_gain < 0.5
+    # Compute-bound: nobody drafts, no bar.
+    loaded = measured(a=0.0005, b=0.002, k=6)
+    loaded.confidence = True
+    assert set(loaded.limits(list(range(32))).values()) == {0} and loaded.min_gain == 0.0
+    fixed = DraftLengthPolicy(6, adaptive=False, confidence=True)
+    assert fixed.limits([0]) == {0: 6} and fixed.min_gain == 0.0
+
+
 def test_before_two_sizes_are_measured_steps_alternate_one_draft_and_none():
     policy = DraftLengthPolicy(3)
     assert [policy.limits([1, 2]) for _ in range(4)] == [{1: 1, 2: 1}, {1: 0, 2: 0}] * 2

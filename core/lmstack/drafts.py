@@ -45,6 +45,7 @@ class DraftBook:
         # Read each step: the engine's speculator may be swapped (tests, a reconfigured engine).
         self.policy.max_draft_tokens = speculator.num_draft_tokens
         self.policy.adaptive = bool(getattr(speculator, "adaptive", True))
+        self.policy.confidence = bool(getattr(speculator, "stops_by_confidence", False))
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
         self._decode_only = False
         self._propose_seconds = 0.0
@@ -58,6 +59,7 @@ class DraftBook:
         for seq in decoding:
             # Never draft past max_tokens or the context: the step adds one token of its own.
             seq.draft_limit = max(0, min(limits[seq.seq_id], self.outputs.room(seq) - 1))
+            seq.draft_min_gain = self.policy.min_gain
             seq.draft_token_ids = []
             if seq.draft_limit:
                 asked.append(seq)

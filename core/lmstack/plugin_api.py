@@ -29,7 +29,7 @@ Everything else in lmstack is internal and may change in any release.
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.5"  # 1.5: `Speculator.first_draft_seconds`
+PLUGIN_API_VERSION = "1.6"  # 1.6: `Speculator.stops_by_confidence`, `Sequence.draft_min_gain`
 """The plugin API this lmstack provides; see the module docstring for when it changes."""
 
 PUBLIC_API: dict[str, tuple[str, ...]] = {

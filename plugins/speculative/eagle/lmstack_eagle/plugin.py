@@ -27,7 +27,7 @@ COMPONENT = Component(
     check=check,
     requires={"allocator.truncate": True},
     description="EAGLE-1 draft head: one decoder layer over the target's final hidden states.",
-    api=">=1.3,<2",
+    api=">=1.6,<2",
 )
 
 

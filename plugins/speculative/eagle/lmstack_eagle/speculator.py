@@ -60,14 +60,19 @@ class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # estimate that verification accepts them all (a sequence whose first draft falls below it
     # is not drafted this step). The head's probability tracks acceptance closely (README), so
     # the drafts cut, each a verification row and a head pass, are mostly ones that would be
-    # rejected or never reached. 0: chains run to the length the draft policy allows.
-    min_chain_prob: float = 0.0
+    # rejected or never reached. "auto" (with `adaptive`): the core's draft policy picks the
+    # sequences that draft and sets the bar each step at what a further draft costs
+    # (`Sequence.draft_min_gain`), chains up to num_draft_tokens. A number: a fixed bar under
+    # the policy's own chain lengths. 0: chains run to the length the draft policy allows.
+    min_chain_prob: float | Literal["auto"] = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 16:
             raise ConfigError(f"must be in 1..16, got {self.num_draft_tokens}", "speculator.num_draft_tokens")
-        if not 0.0 <= self.min_chain_prob < 1.0:
-            raise ConfigError(f"must be in [0, 1), got {self.min_chain_prob}", "speculator.min_chain_prob")
+        if self.min_chain_prob != "auto" and not 0.0 <= self.min_chain_prob < 1.0:
+            raise ConfigError(
+                f"must be 'auto' or in [0, 1), got {self.min_chain_prob}", "speculator.min_chain_prob"
+            )
         if self.draft_vocab < 0:
             raise ConfigError(f"must be >= 0, got {self.draft_vocab}", "speculator.draft_vocab")
 
@@ -90,6 +95,10 @@ class EagleSpeculator(Speculator):
         self.embed, self.lm_head = embed, lm_head
         self.num_draft_tokens = options.num_draft_tokens if head is not None else 0
         self.adaptive = options.adaptive
+        self.auto_stop = options.min_chain_prob == "auto"
+        # The core's policy sets the bar per step (Sequence.draft_min_gain) and the length is ours.
+        self.stops_by_confidence = self.auto_stop and options.adaptive
+        self._probs = self.auto_stop or options.min_chain_prob > 0.0  # type: ignore[operator]
         self.hidden_state_layers = (num_layers,)
         self.layer = num_layers
         self.device = torch.device(device)
@@ -196,6 +205,7 @@ class EagleSpeculator(Speculator):
             if cache.next_feature is None:
                 continue
             limit = min(seq.draft_limit or self.num_draft_tokens, self.num_draft_tokens)
+            bar = seq.draft_min_gain if self.auto_stop else self.options.min_chain_prob
             feature = cache.next_feature
             drafts: list[int] = []
             chain_prob = 1.0
@@ -204,7 +214,7 @@ class EagleSpeculator(Speculator):
                 if not drafts:
                     self.first_draft_seconds += time.perf_counter() - started
                 chain_prob *= prob
-                if chain_prob < self.options.min_chain_prob:
+                if chain_prob < bar:
                     break
                 drafts.append(token)
                 if len(drafts) >= limit:
@@ -230,7 +240,7 @@ class EagleSpeculator(Speculator):
             i = int(logits.argmax())
             token, embedding = i, None
         prob = 1.0
-        if self.options.min_chain_prob > 0.0:
+        if self._probs:
             # p(argmax) = 1 / sum(exp(logits - max)): no full softmax tensor needed.
             prob = float(1.0 / torch.exp(logits.float() - logits[i].float()).sum())
         return token, embedding, prob

@@ -602,3 +602,48 @@ def test_min_chain_prob_stops_a_chain_before_an_unlikely_draft(
     assert stopped and full, f"{stopped} chains stopped early, {full} full: the test saw no contrast"
     with pytest.raises(LmstackError, match="min_chain_prob"):
         LLM(eagle_stack(tiny_model_path, trained_head_dir, min_chain_prob=1.0))
+
+
+def test_min_chain_prob_auto_takes_the_bar_from_the_draft_policy(tiny_model_path, trained_head_dir):
+    """min_chain_prob: auto (adaptive): the speculator stops by confidence, the core grants a
+    drafting sequence the whole num_draft_tokens once it has measured two step sizes, and each
+    chain runs while its chain probability stays at or above the step's `draft_min_gain`;
+    greedy output is plain decoding's. Not adaptive, auto leaves the length to the policy."""
+    llm = LLM(eagle_stack(tiny_model_path, trained_head_dir, num_draft_tokens=6, min_chain_prob="auto"))
+    spec = llm.engine.speculator
+    assert spec.stops_by_confidence
+    seen: list[float] = []
+    chains: list[tuple[list[float], list[int], int, float]] = []
+    inner_argmax, inner_propose = spec._argmax, spec.propose
+
+    def argmax(feature):
+        out = inner_argmax(feature)
+        seen.append(out[2])
+        return out
+
+    def propose(seqs):
+        seen.clear()
+        out = inner_propose(seqs)
+        chains.append((list(seen), out.get(seqs[0].seq_id, []), seqs[0].draft_limit, seqs[0].draft_min_gain))
+        return out
+
+    spec._argmax, spec.propose = argmax, propose
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ref = LLM(tiny_stack(tiny_model_path))
+    for p in chat_ids(llm, [*TRAIN_PROMPTS, *HELDOUT_PROMPTS]):
+        assert llm.generate([p], params)[0].token_ids == ref.generate([p], params)[0].token_ids
+    room = [c for c in chains if c[0] and c[2] > 1]
+    assert room and {limit for _, _, limit, _ in room} <= set(range(2, 7)), (
+        "no chain was granted more than one draft"
+    )
+    stopped = 0
+    for probs, drafts, limit, bar in chains:
+        chain = [math.prod(probs[: j + 1]) for j in range(len(probs))]
+        assert all(q >= bar for q in chain[: len(drafts)]), (probs, drafts, bar)
+        if probs and len(drafts) < limit:
+            assert chain[len(drafts)] < bar, (probs, drafts, bar)
+            stopped += 1
+    assert stopped, "no chain stopped at the policy's bar"
+    assert not LLM(
+        eagle_stack(tiny_model_path, trained_head_dir, min_chain_prob="auto", adaptive=False)
+    ).engine.speculator.stops_by_confidence
