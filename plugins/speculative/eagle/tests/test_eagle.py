@@ -523,6 +523,50 @@ def test_int8_head_is_refused_off_the_cpu_or_without_its_kernel(
         resolve(load_stack(stack), default_registry())
 
 
+class ChainRecorder:
+    """Wraps a speculator's propose (one sequence per call) to keep, per call, the head's
+    probability of every draft token it computed, the drafts returned, the sequence's
+    draft_limit and draft_min_gain."""
+
+    def __init__(self, spec) -> None:
+        self.chains: list[tuple[list[float], list[int], int, float]] = []
+        self._seen: list[float] = []
+        argmax, propose = spec._argmax, spec.propose
+
+        def recording_argmax(feature):
+            out = argmax(feature)
+            self._seen.append(out[2])
+            return out
+
+        def recording_propose(seqs):
+            assert len(seqs) == 1
+            self._seen = []
+            out = propose(seqs)
+            seq = seqs[0]
+            self.chains.append((self._seen, out.get(seq.seq_id, []), seq.draft_limit, seq.draft_min_gain))
+            return out
+
+        spec._argmax, spec.propose = recording_argmax, recording_propose
+
+    def check(self, bar_of) -> tuple[int, int]:
+        """Every draft's chain probability (the product of the head's probabilities up to it)
+        is >= its bar and a chain shorter than its limit stopped where the next fell below;
+        returns (chains stopped early, chains at their limit)."""
+        stopped = full = 0
+        for probs, drafts, limit, min_gain in self.chains:
+            if not probs:
+                continue  # nothing to draft from yet (the step after a prefill chunk)
+            bar = bar_of(min_gain)
+            chain = [math.prod(probs[: j + 1]) for j in range(len(probs))]
+            assert all(q >= bar for q in chain[: len(drafts)]), (probs, drafts, bar)
+            if len(drafts) < limit:
+                assert chain[len(drafts)] < bar, (probs, drafts, bar)
+                stopped += 1
+            else:
+                full += 1
+        return stopped, full
+
+
 @pytest.mark.parametrize("draft_vocab", [0, 20])
 def test_min_chain_prob_stops_a_chain_before_an_unlikely_draft(
     tiny_model_path, trained_head_dir, draft_vocab
@@ -541,22 +585,11 @@ def test_min_chain_prob_stops_a_chain_before_an_unlikely_draft(
     # The tiny model's probabilities are its own: the threshold is the median chain probability
     # of a first run's four-draft chains (so that some chains stop early and some do not).
     first = engine(1e-30)  # > 0: the probabilities are computed, and no chain stops
-    seen: list[float] = []
-    full: list[float] = []
-    inner_first, inner_first_propose = first.engine.speculator._argmax, first.engine.speculator.propose
-
-    def propose_first(seqs):
-        seen.clear()
-        out = inner_first_propose(seqs)
-        if len(seen) == 4:
-            full.append(math.prod(seen))
-        return out
-
-    first.engine.speculator._argmax = lambda f: (out := inner_first(f), seen.append(out[2]))[0]
-    first.engine.speculator.propose = propose_first
+    recorded = ChainRecorder(first.engine.speculator)
     for ids in chat_ids(first, prompts):  # one at a time: one sequence per propose
         first.generate([ids], params)
-    assert full, f"no four-draft chains in the first run ({len(seen)} probabilities in its last)"
+    full = [math.prod(probs) for probs, drafts, _, _ in recorded.chains if len(drafts) == 4]
+    assert full, "no four-draft chains in the first run"
     threshold = sorted(full)[len(full) // 2]
     llm = engine(threshold)
     spec = llm.engine.speculator
@@ -568,38 +601,12 @@ def test_min_chain_prob_stops_a_chain_before_an_unlikely_draft(
     assert prob == pytest.approx(float(torch.softmax(logits, -1).max()), rel=1e-5)
     assert token == (spec._vocab_list[int(logits.argmax())] if draft_vocab else int(logits.argmax()))
 
-    chains: list[tuple[list[float], list[int], int]] = []  # probabilities, drafts, the limit
-    seen.clear()
-    inner_argmax, inner_propose = spec._argmax, spec.propose
-
-    def argmax(feature):
-        out = inner_argmax(feature)
-        seen.append(out[2])
-        return out
-
-    def propose(seqs):
-        assert len(seqs) == 1
-        seen.clear()
-        out = inner_propose(seqs)
-        chains.append((list(seen), out.get(seqs[0].seq_id, []), min(seqs[0].draft_limit, 4)))
-        return out
-
-    spec._argmax, spec.propose = argmax, propose
+    recorded = ChainRecorder(spec)
     ref = LLM(tiny_stack(tiny_model_path))
     for p in chat_ids(llm, prompts):  # one at a time: one sequence per propose
         assert llm.generate([p], params)[0].token_ids == ref.generate([p], params)[0].token_ids
-    stopped = full = 0
-    for probs, drafts, limit in chains:
-        if not probs:
-            continue  # nothing to draft from yet (the step after a prefill chunk)
-        chain = [math.prod(probs[: j + 1]) for j in range(len(probs))]
-        assert all(q >= threshold for q in chain[: len(drafts)]), (probs, drafts)
-        if len(drafts) < limit:
-            assert chain[len(drafts)] < threshold, (probs, drafts)
-            stopped += 1
-        else:
-            full += 1
-    assert stopped and full, f"{stopped} chains stopped early, {full} full: the test saw no contrast"
+    stopped, full_chains = recorded.check(lambda _: threshold)
+    assert stopped and full_chains, f"{stopped} chains stopped early, {full_chains} full: no contrast"
     with pytest.raises(LmstackError, match="min_chain_prob"):
         LLM(eagle_stack(tiny_model_path, trained_head_dir, min_chain_prob=1.0))
 
@@ -612,37 +619,16 @@ def test_min_chain_prob_auto_takes_the_bar_from_the_draft_policy(tiny_model_path
     llm = LLM(eagle_stack(tiny_model_path, trained_head_dir, num_draft_tokens=6, min_chain_prob="auto"))
     spec = llm.engine.speculator
     assert spec.stops_by_confidence
-    seen: list[float] = []
-    chains: list[tuple[list[float], list[int], int, float]] = []
-    inner_argmax, inner_propose = spec._argmax, spec.propose
-
-    def argmax(feature):
-        out = inner_argmax(feature)
-        seen.append(out[2])
-        return out
-
-    def propose(seqs):
-        seen.clear()
-        out = inner_propose(seqs)
-        chains.append((list(seen), out.get(seqs[0].seq_id, []), seqs[0].draft_limit, seqs[0].draft_min_gain))
-        return out
-
-    spec._argmax, spec.propose = argmax, propose
+    recorded = ChainRecorder(spec)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     ref = LLM(tiny_stack(tiny_model_path))
     for p in chat_ids(llm, [*TRAIN_PROMPTS, *HELDOUT_PROMPTS]):
         assert llm.generate([p], params)[0].token_ids == ref.generate([p], params)[0].token_ids
-    room = [c for c in chains if c[0] and c[2] > 1]
+    room = [c for c in recorded.chains if c[0] and c[2] > 1]
     assert room and {limit for _, _, limit, _ in room} <= set(range(2, 7)), (
         "no chain was granted more than one draft"
     )
-    stopped = 0
-    for probs, drafts, limit, bar in chains:
-        chain = [math.prod(probs[: j + 1]) for j in range(len(probs))]
-        assert all(q >= bar for q in chain[: len(drafts)]), (probs, drafts, bar)
-        if probs and len(drafts) < limit:
-            assert chain[len(drafts)] < bar, (probs, drafts, bar)
-            stopped += 1
+    stopped, _ = recorded.check(lambda min_gain: min_gain)
     assert stopped, "no chain stopped at the policy's bar"
     assert not LLM(
         eagle_stack(tiny_model_path, trained_head_dir, min_chain_prob="auto", adaptive=False)
