@@ -59,10 +59,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--min-chain-prob",
-        type=float,
+        type=lambda v: v if v == "auto" else float(v),
         default=None,
-        help="the eagle systems' min_chain_prob (a chain stops before a draft whose chain "
-        "probability, by the head, is below it; default: the plugin's)",
+        help="the eagle systems' min_chain_prob: a number (a chain stops before a draft whose chain "
+        "probability, by the head, is below it) or auto (the draft policy sets the bar); default: "
+        "the plugin's",
     )
     ap.add_argument("--streams", type=int, default=0, help="also measure N concurrent requests")
     ap.add_argument(

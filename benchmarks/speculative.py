@@ -211,9 +211,8 @@ def main() -> int:
     ap.add_argument("--eagle-head-weights", default="int8", choices=("fp32", "int8"))
     ap.add_argument(
         "--eagle-min-chain-prob",
-        type=float,
         default=None,
-        help="eagle's min_chain_prob (default: the plugin's)",
+        help="eagle's min_chain_prob, a number or auto (default: the plugin's)",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
