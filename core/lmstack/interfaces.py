@@ -495,9 +495,10 @@ class Speculator(ABC):
     # (Plugin API 1.6.) True: the speculator ends each chain where its own estimate that the
     # chain so far is accepted (a draft head's probabilities multiplied along it) falls below
     # `seq.draft_min_gain`, the expected tokens a further draft must bring to pay for the query
-    # token it adds to this step. The adaptive policy then picks which sequences draft and lets their chains run up
-    # to `num_draft_tokens`: the length is the drafter's call, draft by draft. False: the policy
-    # sets each chain's length from measured acceptance (`seq.draft_limit`).
+    # token it adds to this step. The adaptive policy then picks which sequences draft and lets
+    # their chains run up to `num_draft_tokens`: the length is the drafter's call, draft by
+    # draft. False: the policy sets each chain's length from measured acceptance
+    # (`seq.draft_limit`).
     stops_by_confidence: bool = False
 
     @abstractmethod

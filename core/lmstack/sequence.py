@@ -46,8 +46,9 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     # How many drafts the speculator may propose this step (set before it is asked).
     draft_limit: int = 0
-    # The expected tokens a further draft must bring to pay for itself this step (the adaptive
-    # policy's break-even; 0 when not adaptive): for a speculator that `stops_by_confidence`.
+    # The expected tokens a further draft must bring to pay for the query token it adds this
+    # step (the adaptive policy's break-even; 0 when not adaptive): for a speculator that
+    # `stops_by_confidence`.
     draft_min_gain: float = 0.0
 
     @property
