@@ -61,9 +61,11 @@ class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # is not drafted this step). The head's probability tracks acceptance closely (README), so
     # the drafts cut, each a verification row and a head pass, are mostly ones that would be
     # rejected or never reached. "auto" (with `adaptive`): the core's draft policy picks the
-    # sequences that draft and sets the bar each step at what a further draft costs
-    # (`Sequence.draft_min_gain`), chains up to num_draft_tokens. A number: a fixed bar under
-    # the policy's own chain lengths. 0: chains run to the length the draft policy allows.
+    # sequences that draft, grants them chains up to num_draft_tokens and sets the bar each step
+    # at what one more query token costs it, in tokens at the step's rate
+    # (`Sequence.draft_min_gain`); without `adaptive` there is no bar. A number: a fixed bar
+    # under the policy's own chain lengths. 0: chains run to the length the policy allows.
+    # Not the default: on a 2-core Zen 5 neither beat the policy's own lengths (README).
     min_chain_prob: float | Literal["auto"] = 0.0
 
     def __post_init__(self) -> None:
