@@ -208,6 +208,15 @@ def eagle_loss(
     return total
 
 
+def check_same_shape(have: HeadConfig, want: HeadConfig) -> None:
+    """A head to continue training must be shaped like the one this target gets."""
+    shape = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    shape += ("head_dim", "vocab_size")
+    got, needed = ({k: getattr(c, k) for k in shape} for c in (have, want))
+    if got != needed:
+        raise ConfigError(f"the head to continue is shaped {got}, this target's head {needed}")
+
+
 def train_head(
     target: Target,
     config: HeadConfig,
@@ -227,11 +236,7 @@ def train_head(
     """`init`: a head to continue training (same shape as `config`), else a fresh one."""
     torch.manual_seed(seed)
     if init is not None:
-        shape = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
-        shape += ("head_dim", "vocab_size")
-        have, want = ({k: getattr(c, k) for k in shape} for c in (init.cfg, config))
-        if have != want:
-            raise ConfigError(f"the head to continue is shaped {have}, this target's head {want}")
+        check_same_shape(init.cfg, config)
     head = (init if init is not None else EagleHead(config)).float().train()
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     batches = -(-len(sequences) // batch_size)
@@ -342,6 +347,11 @@ def train(
     kw = {"plugin_manager": plugin_manager} if plugin_manager is not None else {}
     llm = LLM(stack, **kw)
     source = llm.engine.source
+    config = HeadConfig.for_target(source.config)
+    # A head to continue is read and checked first, not after the answers and hidden states.
+    start = load_head(init) if init is not None else None
+    if start is not None:
+        check_same_shape(start.cfg, config)
     starts = [len(llm.tokenizer.encode_chat([{"role": "user", "content": p}])) for p in heldout]
     cached = Path(data).expanduser() if data else None
     saved: dict[str, Any] = {}
@@ -360,7 +370,7 @@ def train(
     if have > samples:
         sampled, have = sampled[: samples * len(prompts)], samples
     if have < samples:
-        # Sample set j is seeded by j alone: sets already in the data file are kept, the rest made.
+        # Sample set j is seeded by --seed and j: sets already in the data file are kept, the rest made.
         sampled = sampled[: have * len(prompts)] + [
             seq
             for j in range(have, samples)
@@ -386,8 +396,6 @@ def train(
         bar.close()
     seconds["features"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    config = HeadConfig.for_target(source.config)
-    start = load_head(init) if init is not None else None
     head, losses = train_head(
         target,
         config,
