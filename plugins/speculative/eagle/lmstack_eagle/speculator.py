@@ -111,6 +111,7 @@ class EagleSpeculator(Speculator):
         self.vocab_head: Any = None  # [N] logits of a feature: a Linear of those rows
         self.vocab_embeds: torch.Tensor | None = None  # [N, H]: their embeddings
         self._vocab_list: list[int] = list(vocab_ids or ())  # the ids, read per draft
+        self._vocab_row: dict[int, int] = {}  # id -> its row in vocab_embeds
         if vocab_ids and lm_head is not None and head is not None:
             self.vocab_ids = torch.tensor(vocab_ids, device=self.device)
             rows = lm_head_rows(lm_head, self.vocab_ids, head.cfg.hidden_size, self.device)
@@ -121,6 +122,7 @@ class EagleSpeculator(Speculator):
             # row of this table is a plain index where the target's embedding (GGUF or int8
             # rows) decodes a row per call (~50 us a draft on a CPU).
             self.vocab_embeds = embed(self.vocab_ids).to(head.dtype).contiguous()
+            self._vocab_row = {t: i for i, t in enumerate(self._vocab_list)}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -179,9 +181,13 @@ class EagleSpeculator(Speculator):
     def _enter(self, cache: DraftCache) -> None:
         """Run the head over the cache's queued rows (one pass), entering them."""
         feats, ids = cache.take_pending()
-        tokens = torch.tensor(ids, device=self.device)
         assert self.head is not None
-        out = self.head(self.embed(tokens).to(self.dtype), feats.to(self.device, self.dtype), cache)
+        rows = [self._vocab_row.get(t, -1) for t in ids] if self._vocab_row else [-1]
+        if min(rows) >= 0:  # all in the draft vocabulary (mostly drafts just accepted): its table
+            embeds = self.vocab_embeds[torch.tensor(rows, device=self.device)]  # type: ignore[index]
+        else:
+            embeds = self.embed(torch.tensor(ids, device=self.device)).to(self.dtype)
+        out = self.head(embeds, feats.to(self.device, self.dtype), cache)
         cache.next_feature = out[-1:]
 
     @torch.inference_mode()

@@ -469,6 +469,20 @@ def test_reduced_draft_vocabulary(tiny_model_path, trained_head_dir):
     assert max(firsts) > 0
     policy = llm.engine.drafts.policy
     assert policy.first_draft_seconds > 0 and policy.draft_seconds > 0
+    # Verified rows whose tokens are all in the draft vocabulary enter the head with embeddings
+    # from its table, not the target's embedding: the same features either way.
+    embed, calls = spec.embed, []
+    spec.embed = lambda t: calls.append(t) or embed(t)
+    feats = torch.randn(3, spec.head.cfg.hidden_size)
+    outside = next(t for t in range(spec.head.cfg.vocab_size) if t not in vocab[:20])
+    for ids, via_target in ((vocab[:3], 0), ([vocab[0], outside, vocab[1]], 1)):
+        calls.clear()
+        cache = spec.head.new_cache(8, "cpu")
+        cache.queue(feats, ids)
+        spec._enter(cache)
+        assert len(calls) == via_target
+        ref = spec.head(embed(torch.tensor(ids)).to(spec.dtype), feats, spec.head.new_cache(8, "cpu"))
+        assert torch.equal(cache.next_feature, ref[-1:])
     with pytest.raises(LmstackError, match="draft_vocab.json"):
         LLM(eagle_stack(tiny_model_path, tiny_model_path, draft_vocab=20))
 
