@@ -147,10 +147,14 @@ class DraftPass(nn.Module):
         return DraftCache(c.num_key_value_heads, c.head_dim, capacity, self.dtype, device)
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: DraftCache) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, features: torch.Tensor, cache: DraftCache, last_only: bool = False
+    ) -> torch.Tensor:
         """The T positions of one sequence right after the cache's entries (embeds of token t+1
         and features f_t, [T, H]): appends their keys and values to `cache` and returns the
-        predicted next features [T, H]."""
+        predicted next features [T, H], or with `last_only` the last position's alone [1, H]:
+        the others' keys and values are all that drafting reads of them (entering the rows a
+        verification accepted), so their attention and MLP are skipped."""
         c = self.cfg
         t = embeds.shape[0]
         start = cache.length  # rows in the cache before these (the causal mask's offset)
@@ -167,6 +171,8 @@ class DraftPass(nn.Module):
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, c.num_key_value_heads, c.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_key_value_heads, c.head_dim)
         cache.append(k, v)
+        if last_only and t > 1:
+            q, x, t = q[-1:], x[-1:], 1  # the newest position attends to every entry: no mask
         keys, values = cache.k[:, : cache.length], cache.v[:, : cache.length]
         # Grouped-query attention as plain attention per KV head: the query heads sharing a KV
         # head are rows of one query block [kv_heads, group * T, head_dim]. (SDPA's enable_gqa

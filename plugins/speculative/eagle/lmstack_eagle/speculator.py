@@ -187,8 +187,7 @@ class EagleSpeculator(Speculator):
             embeds = self.vocab_embeds[torch.tensor(rows, device=self.device)]  # type: ignore[index]
         else:
             embeds = self.embed(torch.tensor(ids, device=self.device)).to(self.dtype)
-        out = self.head(embeds, feats.to(self.device, self.dtype), cache)
-        cache.next_feature = out[-1:]
+        cache.next_feature = self.head(embeds, feats.to(self.device, self.dtype), cache, last_only=True)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:

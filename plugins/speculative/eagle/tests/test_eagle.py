@@ -220,6 +220,14 @@ def test_the_serving_pass_is_the_heads_forward(dtype):
     assert cache.length == n
     torch.testing.assert_close(cache.k[:, :n], keys.transpose(0, 1), **tol)
     torch.testing.assert_close(cache.v[:, :n], values.transpose(0, 1), **tol)
+    # Entering verified rows: only the newest position's output, the same keys and values.
+    cache = fast.new_cache(3, "cpu")
+    last = [fast(e[:4], f[:4], cache, last_only=True), fast(e[4:7], f[4:7], cache, last_only=True)]
+    last.append(fast(e[7:8], f[7:8], cache, last_only=True))
+    assert [tuple(r.shape) for r in last] == [(1, 48)] * 3
+    torch.testing.assert_close(torch.cat(last), full[[3, 6, 7]], **tol)
+    torch.testing.assert_close(cache.k[:, :8], keys[:8].transpose(0, 1), **tol)
+    torch.testing.assert_close(cache.v[:, :8], values[:8].transpose(0, 1), **tol)
 
 
 def test_draft_cache_queues_rows_and_truncates_into_them():
@@ -481,8 +489,8 @@ def test_reduced_draft_vocabulary(tiny_model_path, trained_head_dir):
         cache.queue(feats, ids)
         spec._enter(cache)
         assert len(calls) == via_target
-        ref = spec.head(embed(torch.tensor(ids)).to(spec.dtype), feats, spec.head.new_cache(8, "cpu"))
-        assert torch.equal(cache.next_feature, ref[-1:])
+        ref = spec.head(embed(torch.tensor(ids)).to(spec.dtype), feats, spec.head.new_cache(8, "cpu"), True)
+        assert torch.equal(cache.next_feature, ref)
     with pytest.raises(LmstackError, match="draft_vocab.json"):
         LLM(eagle_stack(tiny_model_path, tiny_model_path, draft_vocab=20))
 
