@@ -16,7 +16,9 @@ max_num_seqs raised to N), each system in its own engine, after one warm-up roun
 (recorded apart): output tok/s of wall time, median over `--repeats` runs alternating the
 systems (the adaptive draft length under load), and the
 median of each repeat's ratio to plain decoding's; `--compare-probe` adds an eagle engine whose
-draft policy retries drafting with the whole batch at once (as before `PROBE_SEQS`).
+draft policy retries drafting with the whole batch at once (as before `PROBE_SEQS`), and
+`--compare-pooled` (batch 1 and streams) one whose policy prices every depth of a chain at the
+pooled acceptance rate (`DraftLengthPolicy.by_depth = False`, as before the per-depth rates).
 Prints one JSON object; with `--out DIR` also writes it as DIR/eagle.json, with the exact
 command (command.txt) and a plot (eagle.png).
 """
@@ -72,6 +74,12 @@ def main() -> None:
         help="with --streams: also an eagle engine whose draft policy retries drafting with the "
         "whole batch at once (probe_seqs = 0, the behaviour before the probe)",
     )
+    ap.add_argument(
+        "--compare-pooled",
+        action="store_true",
+        help="also the last eagle system with its draft policy pricing every depth at the pooled "
+        "acceptance rate (alpha**k, by_depth = False: the policy before the per-depth rates)",
+    )
     ap.add_argument("--out", default=None, help="a folder for eagle.json, command.txt and eagle.png")
     args = ap.parse_args()
 
@@ -107,6 +115,11 @@ def main() -> None:
     if args.draft_vocab:
         vocab_spec = {**spec, "draft_vocab": args.draft_vocab}
         llms[f"eagle-vocab{args.draft_vocab}"] = LLM({**base, "speculator": vocab_spec})
+    if args.compare_pooled:
+        last = list(llms)[-1]
+        last_spec = {**spec, "draft_vocab": args.draft_vocab} if args.draft_vocab else spec
+        llms[f"{last}-pooled"] = LLM({**base, "speculator": last_spec})
+        llms[f"{last}-pooled"].engine.drafts.policy.by_depth = False
     tok = llms["plain"].tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in bundled_prompts("prompts_eval.txt")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -247,10 +260,15 @@ def concurrent(args, base, spec, llms, prompts, params) -> dict:
     if args.compare_probe:
         last = list(specs)[-1]
         specs[f"{last}-no-probe"] = specs[last]
+    if args.compare_pooled:
+        last = [n for n in specs if not n.endswith("-no-probe")][-1]
+        specs[f"{last}-pooled"] = specs[last]
     engines = {name: LLM({**wide, "speculator": s}) for name, s in specs.items()}
     for name, llm in engines.items():
         if name.endswith("-no-probe"):
             llm.engine.drafts.policy.probe_seqs = 0
+        if name.endswith("-pooled"):
+            llm.engine.drafts.policy.by_depth = False
     # Each fresh engine serves the batch once untimed first: its kernels and caches warm up, and
     # its draft policy, which alternates one draft per sequence with none until it has measured
     # two step sizes, makes its first measurements (each of the 32 sequences' first drafts then

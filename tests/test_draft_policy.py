@@ -144,8 +144,8 @@ def test_a_first_draft_and_a_further_one_are_priced_apart():
     second draft looks dearer than its gain; priced apart, two or more pay."""
     alike, apart = measured(a=0.005, b=0.0004), measured(a=0.005, b=0.0004)
     for policy in (alike, apart):
-        for _ in range(40):
-            policy.record_verification(0, 2, 1)
+        for i in range(40):  # half of the first drafts accepted, then half of the second ones
+            policy.record_verification(0, 2, (0, 0, 1, 2)[i % 4])
     for _ in range(8):
         alike.record_drafting(1, 0.0008)  # a speculator that does not say: all drafts alike
         alike.record_drafting(2, 0.0011)
@@ -178,10 +178,10 @@ def test_a_confident_drafter_gets_whole_chains_and_the_break_even_gain():
     policy.confidence = True
     assert policy.limits([0]) == {0: 6}
     # Recompute what limits chose (expected tokens per second over the prefixes) by hand.
-    alpha = policy.acceptance(0)
+    gains = policy.gains(0, 6)
     best_rate, best, expected, drafting = 1 / 0.0054, 0, 1.0, 0.0
     for n in range(1, 7):
-        expected += alpha**n
+        expected += gains[n - 1]
         drafting += 0.0008 if n == 1 else 0.0003
         rate = expected / (0.005 + 0.0004 * (1 + n) + drafting)
         if rate > best_rate:
@@ -195,6 +195,36 @@ def test_a_confident_drafter_gets_whole_chains_and_the_break_even_gain():
     assert set(loaded.limits(list(range(32))).values()) == {0} and loaded.min_gain == 0.0
     fixed = DraftLengthPolicy(6, adaptive=False, confidence=True)
     assert fixed.limits([0]) == {0: 6} and fixed.min_gain == 0.0
+
+
+def test_acceptance_is_measured_per_depth():
+    """A drafter whose first draft is a coin flip but whose later drafts, once reached, are
+    nearly sure (a draft head's chains): the per-depth rates find it, the chain's gains are
+    theirs rather than alpha**k, and a step that prices drafts near break-even drafts the whole
+    chain where the pooled rate drafts less."""
+    deep, pooled = (measured(a=0.005, b=0.0004, k=4) for _ in range(2))
+    pooled.by_depth = False
+    for policy in (deep, pooled):
+        for i in range(200):
+            policy.record_verification(0, 4, 4 if i % 2 else 0)
+    rates = deep.depth_rates(4)
+    assert abs(rates[0] - 0.5) < 0.05 and min(rates[1:]) > 0.9
+    alpha = deep.acceptance(0)
+    assert 0.7 < alpha < 0.85  # pooled: 4 accepted per 1 rejected over two verifications
+    gains = deep.gains(0, 4)
+    assert all(abs(g - 0.5) < 0.06 for g in gains[1:]) and abs(gains[0] - 0.5) < 0.05
+    assert pooled.gains(0, 4) == [alpha**k for k in range(1, 5)]
+    for policy in (deep, pooled):
+        for _ in range(16):
+            policy.record_drafting(2, 0.0018, 1, 0.0008)  # first draft 0.8 ms, a further one 1 ms
+    assert deep.limits([0]) == {0: 4} and pooled.limits([0])[0] < 4
+    # Depths never reached take the deepest measured rate: one-draft chains give alpha**k.
+    single = measured(a=0.005, b=0.0004, k=4)
+    for i in range(100):
+        single.record_verification(0, 1, i % 3 != 0)
+    rates = single.depth_rates(4)
+    assert rates[1:] == [rates[0]] * 3
+    assert max(abs(g - single.acceptance(0) ** k) for k, g in enumerate(single.gains(0, 4), 1)) < 0.02
 
 
 def test_before_two_sizes_are_measured_steps_alternate_one_draft_and_none():

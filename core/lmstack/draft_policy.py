@@ -19,7 +19,14 @@ token costs, and a draft accepted with probability g < 1 loses. Two things are m
   not drafted), so a sequence that stopped drafting drifts back to the global rate and is
   tried again.
 
-The k-th draft of a sequence is accepted (and so emits a token) with probability alpha**k.
+The k-th draft of a sequence is accepted (and so emits a token) with probability
+g_k = c_1 * ... * c_k, where c_j, the probability that draft j is accepted once the ones before
+it were, is measured engine-wide per depth j (shrunk towards depth j-1's, a depth never reached
+taking the deepest measured rate) and scaled per sequence by its alpha over the engine's
+(capped below 1). With the same rate at every depth this is alpha**k; but a draft head's chains
+are not geometric: once its first drafts are accepted the next ones are likelier (EAGLE's head
+on SmolLM2, held out: 0.59, 0.63, 0.69, 0.75 at depths 1-4), and alpha**k, which pools the
+depths, priced the deep drafts of a chain too low.
 Drafting itself is priced apart: the speculator's `propose` time per drafted token (a draft
 head's passes; an n-gram lookup costs ~nothing), measured and kept out of the step times the
 line is fitted to, so n drafts cost t(T + n) + n * d. A head's pass is not a query token: priced
@@ -67,6 +74,7 @@ DRAFT_SAMPLES = 16  # recent drafting times per token; their median prices a dra
 DRAFT_IDLE_DECAY = 0.97  # per step without drafts: the remembered drafting cost fades (tried again)
 IDLE_DECAY = 0.9  # per step a sequence is not drafted: its own counts fade (it is tried again)
 PROBE_SEQS = 4  # after steps without drafts, the sequences drafted again in the first step
+MAX_RATE = 0.99  # the most a per-depth rate scaled to a sequence may reach
 
 
 @dataclass
@@ -90,6 +98,11 @@ class DraftLengthPolicy:
     cost: StepCostModel = field(default_factory=StepCostModel)
     _global: _Acceptance = field(default_factory=_Acceptance)
     _seqs: dict[int, _Acceptance] = field(default_factory=dict)
+    # Engine-wide per depth j (index j - 1): verifications that reached draft j, and accepted it.
+    _reached: list[float] = field(default_factory=list)
+    _hits: list[float] = field(default_factory=list)
+    # False: every depth at the pooled rate (g_k = alpha**k), as before the per-depth rates.
+    by_depth: bool = True
     last_mean_limit: float = 0.0  # the mean limit of the last step (a metric)
     _draft_costs: list[float] = field(default_factory=list)  # recent propose seconds per draft
     _first_costs: list[float] = field(default_factory=list)  # ... of a sequence's first draft
@@ -157,6 +170,13 @@ class DraftLengthPolicy:
             return
         self._global.add(num_drafted, num_accepted)
         self._seqs.setdefault(seq_id, _Acceptance()).add(num_drafted, num_accepted)
+        if len(self._reached) < num_drafted:
+            grow = num_drafted - len(self._reached)
+            self._reached += [0.0] * grow
+            self._hits += [0.0] * grow
+        for j in range(len(self._reached)):
+            self._reached[j] = self._reached[j] * DECAY + (j <= num_accepted and j < num_drafted)
+            self._hits[j] = self._hits[j] * DECAY + (j < num_accepted)
 
     def forget(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
@@ -164,7 +184,8 @@ class DraftLengthPolicy:
     # --- the model ---------------------------------------------------------------------------
 
     def acceptance(self, seq_id: int | None = None) -> float:
-        """alpha: the probability that a draft token is accepted given the ones before it were."""
+        """alpha: the probability that a draft token is accepted given the ones before it were,
+        pooled over the depths (the engine's, or a sequence's own shrunk towards it)."""
         g = self._global
         total = g.accepted + g.rejected
         engine = (g.accepted + PRIOR_ACCEPTANCE * PSEUDO_COUNTS) / (total + PSEUDO_COUNTS)
@@ -172,6 +193,32 @@ class DraftLengthPolicy:
         if own is None:
             return engine
         return (own.accepted + engine * PSEUDO_COUNTS) / (own.accepted + own.rejected + PSEUDO_COUNTS)
+
+    def depth_rates(self, k: int) -> list[float]:
+        """c_1 .. c_k engine-wide: the probability that draft j is accepted given the ones
+        before it were, each shrunk towards the depth before (depth 1: towards the pooled rate)."""
+        rates, prior = [], self.acceptance()
+        for j in range(k):
+            hits, reached = (self._hits[j], self._reached[j]) if j < len(self._reached) else (0.0, 0.0)
+            prior = (hits + prior * PSEUDO_COUNTS) / (reached + PSEUDO_COUNTS)
+            rates.append(prior)
+        return rates
+
+    def gains(self, seq_id: int | None, k: int) -> list[float]:
+        """g_1 .. g_k: the probability that a sequence's draft j is accepted (it emits a token)."""
+        return self._gains(self.acceptance(seq_id), self.depth_rates(k) if self.by_depth else [], k)
+
+    def _gains(self, alpha: float, rates: list[float], k: int) -> list[float]:
+        """`gains` of a sequence whose own rate is alpha, from the engine's `depth_rates` (none:
+        alpha at every depth)."""
+        if not rates:
+            return [alpha**j for j in range(1, k + 1)]
+        scale = alpha / self.acceptance()
+        out, g = [], 1.0
+        for c in rates:
+            g *= min(MAX_RATE, c * scale)
+            out.append(g)
+        return out
 
     def step_cost(self, num_tokens: float = 1.0) -> tuple[float, float]:
         """(a, b) of t(T) = a + b * T around T = `num_tokens`; b = 0 until two sizes of step
@@ -196,12 +243,13 @@ class DraftLengthPolicy:
             per_seq = self._decisions % 2
             self.last_mean_limit = float(per_seq)
             return dict.fromkeys(seq_ids, per_seq)
-        # Candidate (gain, k, seq) for every draft slot; gains fall along a chain, so taking them
-        # best first respects each chain's order.
+        # Candidate (gain, k, seq) for every draft slot; gains fall along a chain (every factor
+        # is below 1), so taking them best first respects each chain's order.
         candidates = []
+        rates = self.depth_rates(k_max) if self.by_depth else []  # once a step: the same for all
         for sid in seq_ids:
-            alpha = self.acceptance(sid)
-            candidates += [(alpha**k, k, sid) for k in range(1, k_max + 1)]
+            gains = self._gains(self.acceptance(sid), rates, k_max)
+            candidates += [(gain, k, sid) for k, gain in enumerate(gains, 1)]
         candidates.sort(key=lambda c: (-c[0], c[1]))
         # Of the prefixes of that order, the one whose step emits the most expected tokens per
         # second, each size priced by the measured cost around it. Not the first draft whose
