@@ -214,6 +214,12 @@ def main() -> int:
         default=None,
         help="eagle's min_chain_prob, a number or auto (default: the plugin's)",
     )
+    ap.add_argument(
+        "--eagle-num-draft-tokens",
+        type=int,
+        default=None,
+        help="eagle's num_draft_tokens (default: eagle.py's)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -327,6 +333,11 @@ def _eagle(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         *(
             ["--min-chain-prob", str(args.eagle_min_chain_prob)]
             if args.eagle_min_chain_prob is not None
+            else []
+        ),
+        *(
+            ["--num-draft-tokens", str(args.eagle_num_draft_tokens)]
+            if args.eagle_num_draft_tokens is not None
             else []
         ),
     ]
