@@ -227,6 +227,32 @@ def test_acceptance_is_measured_per_depth():
     assert max(abs(g - single.acceptance(0) ** k) for k, g in enumerate(single.gains(0, 4), 1)) < 0.02
 
 
+def test_a_slow_long_step_does_not_lock_a_confident_drafters_bar_high():
+    """The bar is priced where the step starts: one slow step of a long chain (a hiccup)
+    barely moves it, and what the chains then run keeps it measured. Priced at the chain's
+    full length, that one step tripled the bar, chains stopped short of that length, and it
+    stayed there (the size was never measured again)."""
+    policy = DraftLengthPolicy(5, confidence=True)
+    for t, seconds in ((1, 0.0040), (2, 0.0043), (3, 0.0045), (5, 0.0050), (6, 0.0052)):
+        policy.record_step(t, seconds)
+        policy.record_step(t, seconds)
+    for i in range(100):
+        policy.record_verification(0, 3, i % 4)
+    for _ in range(8):
+        policy.record_drafting(3, 0.0006, 1, 0.0002)
+    assert policy.limits([0]) == {0: 5}
+    before = policy.min_gain
+    assert 0.05 < before < 0.2
+    policy.record_step(5, 0.012)  # one slow five-token step
+    policy.limits([0])
+    assert policy.min_gain < 1.2 * before
+    for _ in range(50):  # then only short chains
+        policy.record_step(2, 0.0043)
+        policy.record_step(1, 0.0040)
+    policy.limits([0])
+    assert abs(policy.min_gain - before) < 0.2 * before
+
+
 def test_before_two_sizes_are_measured_steps_alternate_one_draft_and_none():
     policy = DraftLengthPolicy(3)
     assert [policy.limits([1, 2]) for _ in range(4)] == [{1: 1, 2: 1}, {1: 0, 2: 0}] * 2

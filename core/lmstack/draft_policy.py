@@ -288,7 +288,12 @@ class DraftLengthPolicy:
             # counted: a draft's odds are known only once its pass has run. (Counted too, the
             # bar stopped chains early and at batch 1 on a CPU more steps drafted nothing:
             # 1.61 tokens per step, 1.17x plain, against 1.81 and 1.22x without; 2026-12-04.)
-            self.min_gain = (seconds(tokens + best + 1) - seconds(tokens + best)) * best_rate
+            # The token's cost is read where the step starts (its first extra row), not at the
+            # chain's full length: the sizes there are measured whenever a first draft passes,
+            # while the cost at the full length, once a slow step raised it, raised the bar,
+            # chains stopped short of that size and it was never measured again (a 2026-12-05
+            # benchmark run drafted in only part of its steps: 1.34 tokens a step, 1.04x).
+            self.min_gain = (seconds(tokens + 1) - seconds(tokens)) * best_rate
             limits = {sid: k_max if n else 0 for sid, n in limits.items()}
         if not best:
             # Nothing drafted, so nothing new is measured: the remembered drafting cost fades,
