@@ -402,7 +402,10 @@ def test_a_5000_property_schema_is_stopped_at_the_time_bound_and_memory_returns(
     status, body = post(server, "/v1/chat/completions", json_schema_body(enum_schema(5_000)))
     took = time.monotonic() - started
     err = error_of(status, body, 400, "response_format.json_schema.schema")
-    assert "grammar_compile_timeout_s" in err["message"] and err["code"] == "schema_too_complex"
+    # Stopped at whichever bound it reaches first: the time bound on most machines, the memory
+    # bound where the compile runs fast enough to pass 1 GiB first (seen once, 1,053 MiB).
+    assert err["code"] == "schema_too_complex"
+    assert any(f"grammar_compile_{b}" in err["message"] for b in ("timeout_s", "memory_mib")), err
     # The bound plus a child start (a killed child is replaced on the next compile) and I/O.
     assert took < COMPILE_TIMEOUT_S + 30, took
     after = rss(pid)
