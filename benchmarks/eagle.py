@@ -123,21 +123,7 @@ def main() -> None:
     tok = llms["plain"].tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in bundled_prompts("prompts_eval.txt")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    rates: dict[str, list[float]] = {n: [] for n in llms}
-    outputs: dict[str, list[list[int]]] = {n: [] for n in llms}
-    generated = dict.fromkeys(llms, 0)  # tokens and requests per system (batch 1)
-    requests = dict.fromkeys(llms, 0)
-    for r in range(args.repeats):
-        for p in prompts:
-            for name in list(llms) if r % 2 == 0 else list(llms)[::-1]:
-                out = llms[name].generate([p], params)[0]
-                m, n = out.metrics, len(out.token_ids)
-                generated[name] += n
-                requests[name] += 1
-                if n > 1 and m.first_token_time is not None and m.finished_time is not None:
-                    rates[name].append((n - 1) / (m.finished_time - m.first_token_time))
-                if r == 0:
-                    outputs[name].append(list(out.token_ids))
+    rates, outputs, generated, requests = batch1(llms, prompts, params, args.repeats)
     tok_s = {n: statistics.median(v) for n, v in rates.items()}
     loaded = concurrent(args, base, spec, llms, prompts, params) if args.streams else None
     systems = {}
@@ -188,6 +174,27 @@ def main() -> None:
         (out / "eagle.json").write_text(json.dumps(result, indent=1) + "\n")
         (out / "command.txt").write_text(result["command"] + "\n")
         plot(result, out / "eagle.png")
+
+
+def batch1(llms: dict, prompts: list[list[int]], params, repeats: int) -> tuple[dict, dict, dict, dict]:
+    """Each prompt alone on each system, the systems alternating prompt by prompt (their order
+    reversed every other repeat). Returns per system: decode tok/s per request ((output tokens -
+    1) / (finish - first token)), the first repeat's outputs, and the tokens and requests run."""
+    rates: dict[str, list[float]] = {n: [] for n in llms}
+    outputs: dict[str, list[list[int]]] = {n: [] for n in llms}
+    generated, requests = dict.fromkeys(llms, 0), dict.fromkeys(llms, 0)
+    for r in range(repeats):
+        for p in prompts:
+            for name in list(llms) if r % 2 == 0 else list(llms)[::-1]:
+                out = llms[name].generate([p], params)[0]
+                m, n = out.metrics, len(out.token_ids)
+                generated[name] += n
+                requests[name] += 1
+                if n > 1 and m.first_token_time is not None and m.finished_time is not None:
+                    rates[name].append((n - 1) / (m.finished_time - m.first_token_time))
+                if r == 0:
+                    outputs[name].append(list(out.token_ids))
+    return rates, outputs, generated, requests
 
 
 def plot(result: dict, path: Path) -> None:

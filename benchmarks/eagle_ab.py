@@ -26,6 +26,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eagle import batch1  # noqa: E402  (benchmarks/eagle.py: the same batch-1 loop)
+
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     name, _, body = text.partition(":")
@@ -82,20 +85,7 @@ def main() -> None:
     tok = llms["plain"].tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in bundled_prompts("prompts_eval.txt")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    rates: dict[str, list[float]] = {n: [] for n in llms}
-    outputs: dict[str, list[list[int]]] = {n: [] for n in llms}
-    generated, requests = dict.fromkeys(llms, 0), dict.fromkeys(llms, 0)
-    for r in range(args.repeats):
-        for p in prompts:
-            for name in list(llms) if r % 2 == 0 else list(llms)[::-1]:
-                out = llms[name].generate([p], params)[0]
-                m, n = out.metrics, len(out.token_ids)
-                generated[name] += n
-                requests[name] += 1
-                if n > 1 and m.first_token_time is not None and m.finished_time is not None:
-                    rates[name].append((n - 1) / (m.finished_time - m.first_token_time))
-                if r == 0:
-                    outputs[name].append(list(out.token_ids))
+    rates, outputs, generated, requests = batch1(llms, prompts, params, args.repeats)
     tok_s = {n: statistics.median(v) for n, v in rates.items()}
     systems = {}
     for name in llms:
