@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from lmstack import LLM, SamplingParams
-from lmstack.draft_policy import DraftLengthPolicy
+from lmstack.draft_policy import MAX_PROBE_BACKOFF, DraftLengthPolicy
 from lmstack.interfaces import DraftFeedback, Speculator
 
 pytest_plugins = ["lmstack.testing.fixtures"]
@@ -135,6 +135,47 @@ def test_after_steps_without_drafts_a_few_sequences_retry_first():
     for _ in range(16):
         uncapped.record_drafting(32, 32 * 0.030, 32, 32 * 0.030)
     assert all(until_retry(uncapped).values())  # the whole batch at once
+
+
+def test_fruitless_probes_come_less_often_and_drafting_resumes_where_it_pays():
+    """A steady load where drafting never pays: each probe that finds it still does not pay
+    halves the fade, so the steps between probes double (up to MAX_PROBE_BACKOFF times); a
+    smaller batch, where the measured prices pay, drafts at once, and the backoff is reset."""
+    seqs = list(range(32))
+
+    def dear(backoff_max: int) -> DraftLengthPolicy:
+        policy = measured(a=0.050, b=0.0)
+        policy.max_probe_backoff = backoff_max
+        for _ in range(16):
+            policy.record_drafting(32, 32 * 0.030, 32, 32 * 0.030)
+        return policy
+
+    def gaps(policy: DraftLengthPolicy, probes: int) -> list[int]:
+        out = []
+        for _ in range(probes):
+            for n in range(1, 10_000):
+                if any(policy.limits(seqs).values()):
+                    out.append(n)
+                    break
+            else:
+                raise AssertionError("never tried again")
+            policy.record_drafting(16, 4 * 0.030 + 12 * 0.001, 4, 4 * 0.030)  # still as dear
+        return out
+
+    policy = dear(MAX_PROBE_BACKOFF)
+    g = gaps(policy, MAX_PROBE_BACKOFF + 3)
+    for i in range(1, MAX_PROBE_BACKOFF):  # (the first probe's measurement replaces 16 samples)
+        assert 1.9 < g[i + 1] / g[i] < 2.1, g
+    assert g[-1] == g[-2] == g[-3], g  # capped
+    assert policy._probe_backoff == MAX_PROBE_BACKOFF
+    # One sequence: a chain of four (~1.3 tokens for 33 ms) pays in a 50 ms step.
+    assert policy.limits([0])[0] > 0
+    policy.record_drafting(4, 0.030 + 3 * 0.001, 1, 0.030)
+    assert policy.limits([0])[0] > 0 and policy._probe_backoff == 0
+
+    flat = dear(0)  # the backoff off: every probe waits as long as the second one
+    g = gaps(flat, 4)
+    assert g[1] == g[2] == g[3], g
 
 
 def test_a_first_draft_and_a_further_one_are_priced_apart():

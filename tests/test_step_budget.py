@@ -3,6 +3,8 @@ step-time target (`max_step_ratio`, `max_step_ms`)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from lmstack.components.continuous import MIN_PREFILL_TOKENS, ContinuousOptions, ContinuousScheduler
@@ -34,6 +36,25 @@ def test_cost_model_fits_after_warm_up_and_not_before():
     assert a == pytest.approx(A) and b == pytest.approx(B)
     assert fitted().tokens_within(A + 100 * B + 1e-9) == 100
     assert fitted().predict(10) == pytest.approx(A + 10 * B)
+
+
+def test_a_range_of_sizes_is_priced_as_the_curve_prices_each():
+    """`seconds_from` (the draft policy's every-prefix pricing) against `curve` size by size, on
+    kinked costs measured at uneven sizes (bucket means need not be whole numbers)."""
+    rng = random.Random(7)
+    for _ in range(50):
+        cost = StepCostModel()
+        for t in sorted(rng.sample(range(1, 300), rng.randint(2, 7))):
+            for _ in range(rng.randint(2, 4)):
+                cost.record(t + rng.randint(0, t // 2), rng.uniform(0.001, 0.002) + 0.0004 * t * rng.random())
+        curve = cost.curve()
+        start, count = rng.randint(0, 200), rng.randint(1, 300)
+        got = cost.seconds_from(start, count)
+        if curve is None:
+            assert got is None
+            continue
+        assert got == pytest.approx([curve(t) for t in range(start, start + count)], rel=1e-12, abs=1e-15)
+    assert StepCostModel().seconds_from(1, 4) is None
 
 
 def scheduler(cost: StepCostModel | None, **options) -> ContinuousScheduler:

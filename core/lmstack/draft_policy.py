@@ -45,7 +45,12 @@ retry is a probe: PROBE_SEQS sequences draft (each first enters the rows it queu
 the dear part of a retry), and the probe's measured cost replaces the faded ones, so the next
 step prices everyone from it. Retried by the whole batch at once and priced by the faded median,
 the retries cost EAGLE ~5 % of a 32-stream run on a CPU (benchmarks/eagle.py --compare-probe).
-A smaller batch retries whole, priced as before (its retry is cheap).
+A smaller batch retries whole, priced as before (its retry is cheap). A probe that finds
+drafting still does not pay slows the fading for the next one (each such probe halves the fade
+per step, up to MAX_PROBE_BACKOFF times; a probe or retry after which drafting pays resets it):
+a steady load where drafting never pays probes every ~25 steps at first, then every ~200, which
+was ~2 % of a 32-stream EAGLE step on a CPU. Nothing slower follows a fall in load: the
+remembered costs are measurements, so a smaller batch drafts at once where they pay there.
 
 A speculator that ends its chains by its own confidence (`Speculator.stops_by_confidence`: a
 draft head's probabilities multiplied along the chain, its estimate that the chain is accepted)
@@ -74,6 +79,7 @@ DRAFT_SAMPLES = 16  # recent drafting times per token; their median prices a dra
 DRAFT_IDLE_DECAY = 0.97  # per step without drafts: the remembered drafting cost fades (tried again)
 IDLE_DECAY = 0.9  # per step a sequence is not drafted: its own counts fade (it is tried again)
 PROBE_SEQS = 4  # after steps without drafts, the sequences drafted again in the first step
+MAX_PROBE_BACKOFF = 3  # fruitless probes in a row that each halve the fade (8x fewer probes)
 MAX_RATE = 0.99  # the most a per-depth rate scaled to a sequence may reach
 
 
@@ -112,6 +118,11 @@ class DraftLengthPolicy:
     # 0: no probe (the whole batch retries at once, priced by the faded costs: as before the
     # probe; benchmarks/eagle.py --compare-probe measures the two)
     probe_seqs: int = PROBE_SEQS
+    # Probes in a row after which drafting still did not pay (up to max_probe_backoff): the fade
+    # per idle step is DRAFT_IDLE_DECAY ** (1 / 2 ** backoff). 0 as max: every probe fades alike.
+    max_probe_backoff: int = MAX_PROBE_BACKOFF
+    _probe_backoff: int = 0
+    _probe_verdict: bool = False  # a probe was measured: the next decision says if it paid
     # The speculator ends its chains by its own confidence (`Speculator.stops_by_confidence`): a
     # sequence chosen to draft may draft up to max_draft_tokens, each draft while the drafter's
     # estimate that the chain is accepted stays at or above `min_gain`.
@@ -136,6 +147,7 @@ class DraftLengthPolicy:
             # replaces them (else one probe's cost barely moves the median, and the whole batch
             # retries in the next step at the faded price).
             self._first_costs, self._draft_costs = [], []
+            self._probe_verdict = True
         self._faded = self._probing = False
         keep = DRAFT_SAMPLES - 1
         if num_seqs > 0 and first_seconds > 0.0:
@@ -237,8 +249,9 @@ class DraftLengthPolicy:
             return dict.fromkeys(seq_ids, k_max)
         limits = dict.fromkeys(seq_ids, 0)
         tokens = len(seq_ids) + other_tokens
-        seconds = self.cost.curve()
-        if seconds is None:  # two sizes not measured yet: one draft each, then none, ...
+        # t(tokens + n) for every prefix of the step's draft slots (and one more for min_gain).
+        costs = self.cost.seconds_from(tokens, len(seq_ids) * k_max + 2)
+        if costs is None:  # two sizes not measured yet: one draft each, then none, ...
             self._decisions += 1
             per_seq = self._decisions % 2
             self.last_mean_limit = float(per_seq)
@@ -257,13 +270,13 @@ class DraftLengthPolicy:
         # few (a multi-row pass has fixed costs of its own), and a chain of four can pay where
         # one draft alone does not.
         expected = float(len(seq_ids))  # tokens the step emits: one per sequence, plus gains
-        best, best_rate = 0, expected / seconds(tokens)
+        best, best_rate = 0, expected / costs[0]
         first, further = self.first_draft_seconds, self.draft_seconds
         drafting = 0.0
         for n, (gain, k, _) in enumerate(candidates, 1):
             expected += gain
             drafting += first if k == 1 else further
-            rate = expected / (seconds(tokens + n) + drafting)
+            rate = expected / (costs[n] + drafting)
             if rate > best_rate:
                 best, best_rate = n, rate
         # A retry after steps without drafts, in a batch of more than PROBE_SEQS sequences, is a
@@ -272,6 +285,11 @@ class DraftLengthPolicy:
         # step at 32 streams on a CPU when all retried at once), so a few sequences try, and the
         # next step prices the rest from what theirs cost. A small batch retries whole, priced
         # as before: its retry costs little, and one catch-up pass is no price for the next steps.
+        if self._probe_verdict:  # the first decision priced by a probe's measurement
+            self._probe_verdict = False
+            self._probe_backoff = 0 if best else min(self._probe_backoff + 1, self.max_probe_backoff)
+        elif best and not self._faded:
+            self._probe_backoff = 0  # drafting pays at measured prices (the load fell, say)
         self._probing = bool(best) and self._faded and len(seq_ids) > self.probe_seqs > 0
         cap = self.probe_seqs if self._probing else len(seq_ids)
         drafting_seqs = 0
@@ -293,13 +311,14 @@ class DraftLengthPolicy:
             # while the cost at the full length, once a slow step raised it, raised the bar,
             # chains stopped short of that size and it was never measured again (a 2026-12-05
             # benchmark run drafted in only part of its steps: 1.34 tokens a step, 1.04x).
-            self.min_gain = (seconds(tokens + 1) - seconds(tokens)) * best_rate
+            self.min_gain = (costs[1] - costs[0]) * best_rate
             limits = {sid: k_max if n else 0 for sid, n in limits.items()}
         if not best:
             # Nothing drafted, so nothing new is measured: the remembered drafting cost fades,
             # and drafting is tried again later (the load, or the speculator's cost, may change).
-            self._draft_costs = [c * DRAFT_IDLE_DECAY for c in self._draft_costs]
-            self._first_costs = [c * DRAFT_IDLE_DECAY for c in self._first_costs]
+            fade = DRAFT_IDLE_DECAY ** (0.5**self._probe_backoff)
+            self._draft_costs = [c * fade for c in self._draft_costs]
+            self._first_costs = [c * fade for c in self._first_costs]
             self._faded = bool(self._first_costs)
         for sid, n in limits.items():
             own = self._seqs.get(sid)

@@ -103,6 +103,27 @@ class StepCostModel:
 
         return seconds
 
+    def seconds_from(self, num_tokens: int, count: int) -> list[float] | None:
+        """[t(num_tokens), t(num_tokens + 1), ..., t(num_tokens + count - 1)], each as `curve`
+        prices it, one segment at a time (the draft policy prices every prefix of a step's
+        draft slots: 128 sizes a step at 32 streams, where one bisection each cost ~0.1 ms).
+        None until two sizes were measured."""
+        pts = self._measured()
+        if len(pts) < 2:
+            return None
+        xs = [p.tokens for p in pts]
+        out: list[float] = []
+        x, stop = num_tokens, num_tokens + count
+        while x < stop:
+            # `_line` takes the segment ending at the first measured size >= x (the top one
+            # past the range): the same line for every size up to that end.
+            i = bisect.bisect_left(xs, x)
+            end = stop if i >= len(pts) - 1 else min(stop, math.floor(xs[max(i, 1)]) + 1)
+            a, b = self._line(pts, xs, x)
+            out += [a + b * t for t in range(x, max(end, x + 1))]
+            x = max(end, x + 1)
+        return out
+
     def first_seconds(self) -> float | None:
         """The one step time known before `fit` can answer (None if nothing ran)."""
         for p in self._buckets.values():
