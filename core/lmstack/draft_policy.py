@@ -61,7 +61,8 @@ knows which of its drafts are sure (EAGLE-2 sizes its draft trees on the same es
 
 Draft slots are ordered best expected gain first, and the step takes the prefix of that order
 that maximizes expected tokens per second, N(T) / (t(T + n) + s * c + (n - s) * d), each size
-priced by the measured cost around it. Memory-bound (b ~ 0): every draft up to
+priced by the measured cost around it, if that beats drafting nothing by MIN_RATE_GAIN (a
+smaller modelled gain is within the model's error, and came out as a loss). Memory-bound (b ~ 0): every draft up to
 `num_draft_tokens`. Compute-bound (a ~ 0): N / T falls with every draft whose gain is below 1,
 so none.
 """
@@ -79,6 +80,7 @@ DRAFT_SAMPLES = 16  # recent drafting times per token; their median prices a dra
 DRAFT_IDLE_DECAY = 0.97  # per step without drafts: the remembered drafting cost fades (tried again)
 IDLE_DECAY = 0.9  # per step a sequence is not drafted: its own counts fade (it is tried again)
 PROBE_SEQS = 4  # after steps without drafts, the sequences drafted again in the first step
+MIN_RATE_GAIN = 0.02  # drafts are taken only if they raise the step's expected tokens/s by this
 MAX_PROBE_BACKOFF = 3  # fruitless probes in a row that each halve the fade (8x fewer probes)
 MAX_RATE = 0.99  # the most a per-depth rate scaled to a sequence may reach
 
@@ -121,6 +123,8 @@ class DraftLengthPolicy:
     # Probes in a row after which drafting still did not pay (up to max_probe_backoff): the fade
     # per idle step is DRAFT_IDLE_DECAY ** (1 / 2 ** backoff). 0 as max: every probe fades alike.
     max_probe_backoff: int = MAX_PROBE_BACKOFF
+    # Drafts must raise the step's expected tokens/s by this fraction (0: any gain, as before).
+    min_rate_gain: float = MIN_RATE_GAIN
     _probe_backoff: int = 0
     _probe_verdict: bool = False  # a probe was measured: the next decision says if it paid
     # The speculator ends its chains by its own confidence (`Speculator.stops_by_confidence`): a
@@ -271,6 +275,7 @@ class DraftLengthPolicy:
         # one draft alone does not.
         expected = float(len(seq_ids))  # tokens the step emits: one per sequence, plus gains
         best, best_rate = 0, expected / costs[0]
+        plain_rate = best_rate
         first, further = self.first_draft_seconds, self.draft_seconds
         drafting = 0.0
         for n, (gain, k, _) in enumerate(candidates, 1):
@@ -279,6 +284,12 @@ class DraftLengthPolicy:
             rate = expected / (costs[n] + drafting)
             if rate > best_rate:
                 best, best_rate = n, rate
+        if best and best_rate < plain_rate * (1.0 + self.min_rate_gain):
+            # A gain this small is within the cost model's error: its sizes are bucket means (a
+            # 33-token step shares 32's bucket) and the kernels' costs rise in steps (16-row
+            # panels: a 33rd row starts a third). At 32 streams on a CPU such near-ties drafted
+            # one token a step for a modelled +0.3-1 % that came out as a loss (2026-12-05).
+            best, best_rate = 0, plain_rate
         # A retry after steps without drafts, in a batch of more than PROBE_SEQS sequences, is a
         # probe: what a first draft costs now was not measured (each sequence has the rows
         # verified while it was not drafted to enter: up to 32 one-row steps' worth, ~13 ms a

@@ -65,8 +65,9 @@ class StepCostModel:
         return a, b
 
     def _measured(self) -> list[_Bucket]:
-        """The sizes measured past their warm-up, smallest first."""
-        return sorted((p for p in self._buckets.values() if p.samples > 1), key=lambda p: p.tokens)
+        """The sizes measured past their warm-up, smallest first, their times made non-decreasing
+        (`_monotone`)."""
+        return _monotone(sorted((p for p in self._buckets.values() if p.samples > 1), key=lambda p: p.tokens))
 
     @staticmethod
     def _line(pts: list[_Bucket], xs: list[float], num_tokens: float) -> tuple[float, float]:
@@ -143,3 +144,25 @@ class StepCostModel:
             return None
         a, b = ab
         return max(0, int((seconds - a) / b))
+
+
+def _monotone(pts: list[_Bucket]) -> list[_Bucket]:
+    """The bucket means (sorted by tokens) with their times made non-decreasing in tokens:
+    where a larger size measured faster than a smaller one (noise, or a size last measured while
+    the machine was busier), the run of sizes that disagree takes their mean time (isotonic
+    regression, pooling adjacent violators). A step of more tokens never costs less, and the
+    line through two such sizes is flat, not clamped at one end: clamped, t(T) jumped down past
+    a size and a draft row at 32 streams priced below nothing (drafted there at a loss)."""
+    blocks: list[list[float]] = []  # [sum of seconds, count] per pooled run
+    for p in pts:
+        blocks.append([p.seconds, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    out, i = [], 0
+    for total, count in blocks:
+        for _ in range(int(count)):
+            out.append(_Bucket(pts[i].tokens, total / count, pts[i].samples))
+            i += 1
+    return out
