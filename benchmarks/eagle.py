@@ -18,7 +18,8 @@ systems (the adaptive draft length under load), and the
 median of each repeat's ratio to plain decoding's; `--compare-probe` adds an eagle engine whose
 draft policy retries drafting with the whole batch at once (as before `PROBE_SEQS`), and
 `--compare-pooled` (batch 1 and streams) one whose policy prices every depth of a chain at the
-pooled acceptance rate (`DraftLengthPolicy.by_depth = False`, as before the per-depth rates).
+pooled acceptance rate (`DraftLengthPolicy.by_depth = False`, as before the per-depth rates),
+and `--compare-old-pricing` one whose policy prices as before 2026-12-05 (`old_pricing`).
 Prints one JSON object; with `--out DIR` also writes it as DIR/eagle.json, with the exact
 command (command.txt) and a plot (eagle.png).
 """
@@ -80,6 +81,12 @@ def main() -> None:
         help="also the last eagle system with its draft policy pricing every depth at the pooled "
         "acceptance rate (alpha**k, by_depth = False: the policy before the per-depth rates)",
     )
+    ap.add_argument(
+        "--compare-old-pricing",
+        action="store_true",
+        help="also the last eagle system with its draft policy as before 2026-12-05's fixes: the "
+        "raw step-cost curve (a falling segment clamped), no 2 %% margin, no probe backoff",
+    )
     ap.add_argument("--out", default=None, help="a folder for eagle.json, command.txt and eagle.png")
     args = ap.parse_args()
 
@@ -120,6 +127,11 @@ def main() -> None:
         last_spec = {**spec, "draft_vocab": args.draft_vocab} if args.draft_vocab else spec
         llms[f"{last}-pooled"] = LLM({**base, "speculator": last_spec})
         llms[f"{last}-pooled"].engine.drafts.policy.by_depth = False
+    if args.compare_old_pricing:
+        last = [n for n in llms if not n.endswith("-pooled")][-1]
+        last_spec = {**spec, "draft_vocab": args.draft_vocab} if args.draft_vocab else spec
+        llms[f"{last}-old-pricing"] = LLM({**base, "speculator": last_spec})
+        old_pricing(llms[f"{last}-old-pricing"].engine.drafts.policy)
     tok = llms["plain"].tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in bundled_prompts("prompts_eval.txt")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -176,6 +188,14 @@ def main() -> None:
         plot(result, out / "eagle.png")
 
 
+def old_pricing(policy) -> None:
+    """The draft policy as before 2026-12-05: the raw bucket means (a falling segment clamped
+    flat at its low end), any modelled gain taken, every probe faded alike."""
+    policy.cost.monotone = False
+    policy.min_rate_gain = 0.0
+    policy.max_probe_backoff = 0
+
+
 def batch1(llms: dict, prompts: list[list[int]], params, repeats: int) -> tuple[dict, dict, dict, dict]:
     """Each prompt alone on each system, the systems alternating prompt by prompt (their order
     reversed every other repeat). Returns per system: decode tok/s per request ((output tokens -
@@ -229,7 +249,7 @@ def plot(result: dict, path: Path) -> None:
         bars = ax.bar(
             list(values),
             list(values.values()),
-            color=["tab:gray", "tab:blue", "tab:orange", "tab:green"][: len(values)],
+            color=["tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"][: len(values)],
         )
         for bar, name in zip(bars, values, strict=True):
             if name in labels:
@@ -270,12 +290,17 @@ def concurrent(args, base, spec, llms, prompts, params) -> dict:
     if args.compare_pooled:
         last = [n for n in specs if not n.endswith("-no-probe")][-1]
         specs[f"{last}-pooled"] = specs[last]
+    if args.compare_old_pricing:
+        last = [n for n in specs if not n.endswith(("-no-probe", "-pooled"))][-1]
+        specs[f"{last}-old-pricing"] = specs[last]
     engines = {name: LLM({**wide, "speculator": s}) for name, s in specs.items()}
     for name, llm in engines.items():
         if name.endswith("-no-probe"):
             llm.engine.drafts.policy.probe_seqs = 0
         if name.endswith("-pooled"):
             llm.engine.drafts.policy.by_depth = False
+        if name.endswith("-old-pricing"):
+            old_pricing(llm.engine.drafts.policy)
     # Each fresh engine serves the batch once untimed first: its kernels and caches warm up, and
     # its draft policy, which alternates one draft per sequence with none until it has measured
     # two step sizes, makes its first measurements (each of the 32 sequences' first drafts then

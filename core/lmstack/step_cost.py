@@ -34,6 +34,9 @@ class _Bucket:
 @dataclass
 class StepCostModel:
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
+    # False: the local lines through the raw bucket means, a falling one clamped flat at its low
+    # end (as before 2026-12-05; `benchmarks/eagle.py --compare-old-pricing`).
+    monotone: bool = True
 
     def record(self, num_tokens: int, seconds: float) -> None:
         """One step ran `num_tokens` query tokens in `seconds`."""
@@ -67,7 +70,8 @@ class StepCostModel:
     def _measured(self) -> list[_Bucket]:
         """The sizes measured past their warm-up, smallest first, their times made non-decreasing
         (`_monotone`)."""
-        return _monotone(sorted((p for p in self._buckets.values() if p.samples > 1), key=lambda p: p.tokens))
+        pts = sorted((p for p in self._buckets.values() if p.samples > 1), key=lambda p: p.tokens)
+        return _monotone(pts) if self.monotone else pts
 
     @staticmethod
     def _line(pts: list[_Bucket], xs: list[float], num_tokens: float) -> tuple[float, float]:
