@@ -13,7 +13,8 @@ systems alternating prompt by prompt in one process; decode tok/s = (output toke
 decoding's (it must), drafts proposed / accepted and the mean accepted drafts per verification.
 With `--streams N`, also N requests at once (the held-out prompts cycled, the scheduler's
 max_num_seqs raised to N), each system in its own engine, after one warm-up round per engine
-(recorded apart): output tok/s of wall time, median over `--repeats` runs alternating the
+(recorded apart; `--streams-ignore-eos`: every stream runs to --max-tokens, a steady load):
+output tok/s of wall time, median over `--repeats` runs alternating the
 systems (the adaptive draft length under load), and the
 median of each repeat's ratio to plain decoding's; `--compare-probe` adds an eagle engine whose
 draft policy retries drafting with the whole batch at once (as before `PROBE_SEQS`), and
@@ -69,6 +70,12 @@ def main() -> None:
         "the plugin's",
     )
     ap.add_argument("--streams", type=int, default=0, help="also measure N concurrent requests")
+    ap.add_argument(
+        "--streams-ignore-eos",
+        action="store_true",
+        help="with --streams: every stream runs to --max-tokens (a steady load of N streams, "
+        "not a batch that shrinks as answers end)",
+    )
     ap.add_argument(
         "--compare-probe",
         action="store_true",
@@ -137,7 +144,11 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rates, outputs, generated, requests = batch1(llms, prompts, params, args.repeats)
     tok_s = {n: statistics.median(v) for n, v in rates.items()}
-    loaded = concurrent(args, base, spec, llms, prompts, params) if args.streams else None
+    # A steady load: every stream runs to --max-tokens (no batch shrinking as answers end).
+    stream_params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.streams_ignore_eos
+    )
+    loaded = concurrent(args, base, spec, llms, prompts, stream_params) if args.streams else None
     systems = {}
     for name in list(llms)[1:]:
         stats = llms[name].get_stats()
@@ -327,6 +338,7 @@ def concurrent(args, base, spec, llms, prompts, params) -> dict:
     }
     return {
         "streams": args.streams,
+        "ignore_eos": args.streams_ignore_eos,
         "paired_ratio_vs_plain": paired,
         "output_tok_s": tok_s,
         "output_tok_s_runs": rates,  # per repeat, in the order run (the noise, for the reader)
