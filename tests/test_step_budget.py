@@ -38,8 +38,14 @@ def test_cost_model_fits_after_warm_up_and_not_before():
     assert fitted().predict(10) == pytest.approx(A + 10 * B)
 
 
-def test_a_range_of_sizes_is_priced_as_the_curve_prices_each():
-    """`seconds_from` (the draft policy's every-prefix pricing) against `curve` size by size, on
+def priced(cost: StepCostModel, num_tokens: int) -> float:
+    """t(num_tokens) by the line through the measured sizes around it (`fit_near`)."""
+    a, b = cost.fit_near(num_tokens)
+    return a + b * num_tokens
+
+
+def test_a_range_of_sizes_is_priced_as_the_local_lines_price_each():
+    """`seconds_from` (the draft policy's every-prefix pricing) against `fit_near` size by size, on
     kinked costs measured at uneven sizes (bucket means need not be whole numbers)."""
     rng = random.Random(7)
     for _ in range(50):
@@ -47,29 +53,29 @@ def test_a_range_of_sizes_is_priced_as_the_curve_prices_each():
         for t in sorted(rng.sample(range(1, 300), rng.randint(2, 7))):
             for _ in range(rng.randint(2, 4)):
                 cost.record(t + rng.randint(0, t // 2), rng.uniform(0.001, 0.002) + 0.0004 * t * rng.random())
-        curve = cost.curve()
         start, count = rng.randint(0, 200), rng.randint(1, 300)
         got = cost.seconds_from(start, count)
-        if curve is None:
+        if cost.fit_near(start) is None:
             assert got is None
             continue
-        assert got == pytest.approx([curve(t) for t in range(start, start + count)], rel=1e-12, abs=1e-15)
+        want = [priced(cost, t) for t in range(start, start + count)]
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
     assert StepCostModel().seconds_from(1, 4) is None
 
 
 def test_a_step_of_more_tokens_is_never_priced_cheaper():
     """As measured at 32 streams on a CPU: 24-token steps (a batch's tail, a busier moment) at
     15.7 ms, the 32-token bucket's mean (drafts riding along) at 32.9 tokens and 15.4 ms. The
-    local lines once clamped the falling segment flat at its low end: t(32) = 15.7 ms, t(33) =
-    15.4 ms from 33 up: a draft row worth less than nothing. Pooled, the curve never falls, on these and on
-    random noisy measurements."""
+    local lines once clamped the falling segment flat at its low end: t(32) = 15.7 ms, then
+    15.4 ms from 33 up: a draft row worth less than nothing. Pooled, the curve never falls, on
+    these and on random noisy measurements."""
     cost = StepCostModel()
     for t, seconds in ((2, 0.0047), (24, 0.0157), (33, 0.0154), (64, 0.0232)):
         cost.record(t, seconds)
         cost.record(t, seconds)
-    curve = cost.curve()
-    assert curve(34) >= curve(33) >= curve(32) >= curve(24) - 1e-12
-    assert curve(32) == pytest.approx((0.0157 + 0.0154) / 2)
+    t = {n: priced(cost, n) for n in (24, 32, 33, 34)}
+    assert t[34] >= t[33] >= t[32] >= t[24] - 1e-12
+    assert t[32] == pytest.approx((0.0157 + 0.0154) / 2)
     rng = random.Random(3)
     for _ in range(50):
         noisy = StepCostModel()

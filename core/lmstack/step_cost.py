@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 STEP_EMA = 0.2  # weight of a new step time in its bucket's mean
@@ -94,22 +93,8 @@ class StepCostModel:
             return None
         return self._line(pts, [p.tokens for p in pts], num_tokens)
 
-    def curve(self) -> Callable[[float], float] | None:
-        """t(T) for any T, each priced as `fit_near(T)` would, the measured sizes sorted once:
-        for callers that price many sizes a step. None until two sizes were measured."""
-        pts = self._measured()
-        if len(pts) < 2:
-            return None
-        xs = [p.tokens for p in pts]
-
-        def seconds(num_tokens: float) -> float:
-            a, b = self._line(pts, xs, num_tokens)
-            return a + b * num_tokens
-
-        return seconds
-
     def seconds_from(self, num_tokens: int, count: int) -> list[float] | None:
-        """[t(num_tokens), t(num_tokens + 1), ..., t(num_tokens + count - 1)], each as `curve`
+        """[t(num_tokens), t(num_tokens + 1), ..., t(num_tokens + count - 1)], each as `fit_near`
         prices it, one segment at a time (the draft policy prices every prefix of a step's
         draft slots: 128 sizes a step at 32 streams, where one bisection each cost ~0.1 ms).
         None until two sizes were measured."""
@@ -123,10 +108,10 @@ class StepCostModel:
             # `_line` takes the segment ending at the first measured size >= x (the top one
             # past the range): the same line for every size up to that end.
             i = bisect.bisect_left(xs, x)
-            end = stop if i >= len(pts) - 1 else min(stop, math.floor(xs[max(i, 1)]) + 1)
+            end = stop if i >= len(pts) - 1 else min(stop, math.floor(xs[max(i, 1)]) + 1)  # > x
             a, b = self._line(pts, xs, x)
-            out += [a + b * t for t in range(x, max(end, x + 1))]
-            x = max(end, x + 1)
+            out += [a + b * t for t in range(x, end)]
+            x = end
         return out
 
     def first_seconds(self) -> float | None:
@@ -157,16 +142,12 @@ def _monotone(pts: list[_Bucket]) -> list[_Bucket]:
     regression, pooling adjacent violators). A step of more tokens never costs less, and the
     line through two such sizes is flat, not clamped at one end: clamped, t(T) jumped down past
     a size and a draft row at 32 streams priced below nothing (drafted there at a loss)."""
-    blocks: list[list[float]] = []  # [sum of seconds, count] per pooled run
+    blocks: list[tuple[float, int]] = []  # (sum of seconds, sizes) per pooled run
     for p in pts:
-        blocks.append([p.seconds, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    out, i = [], 0
-    for total, count in blocks:
-        for _ in range(int(count)):
-            out.append(_Bucket(pts[i].tokens, total / count, pts[i].samples))
-            i += 1
-    return out
+        total, count = p.seconds, 1
+        while blocks and blocks[-1][0] / blocks[-1][1] > total / count:
+            before, n = blocks.pop()
+            total, count = total + before, count + n
+        blocks.append((total, count))
+    means = [total / count for total, count in blocks for _ in range(count)]
+    return [_Bucket(p.tokens, mean, p.samples) for p, mean in zip(pts, means, strict=True)]
