@@ -1,9 +1,9 @@
 """EAGLE-1 speculative decoding on this machine: plain greedy decoding vs the `eagle` speculator
-(a head trained by `lmstack eagle train`), batch 1, on the held-out prompts bundled with
+(by default the head lmstack-eagle ships for SmolLM2; `--head DIR` takes one trained by
+`lmstack eagle train`), batch 1, on the held-out prompts bundled with
 lmstack-eagle (`prompts_eval.txt`, disjoint from the training prompts).
 
-    lmstack eagle train --out ~/.cache/lmstack/eagle/smollm2-135m-instruct
-    .venv/bin/python benchmarks/eagle.py [--head DIR] [--max-tokens 128] [--repeats 2]
+    .venv/bin/python benchmarks/eagle.py [--head NAME|DIR] [--max-tokens 128] [--repeats 2]
         [--stack examples/stacks/eagle.yaml] [--draft-vocab 2048] [--head-weights int8]
         [--streams 32]
 
@@ -38,7 +38,7 @@ from pathlib import Path
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--head", default=str(Path("~/.cache/lmstack/eagle/smollm2-135m-instruct").expanduser()))
+    ap.add_argument("--head", default="smollm2-135m-instruct", help="a bundled head's name or a head folder")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--num-draft-tokens", type=int, default=4)

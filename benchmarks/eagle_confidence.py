@@ -3,7 +3,7 @@ of its draft logits) against whether verification accepted it, and what stopping
 head's odds (`min_chain_prob`) would keep and cut, measured on the held-out chat prompts.
 
     python benchmarks/eagle_confidence.py --stack examples/stacks/eagle.yaml \
-        --head ~/.cache/lmstack/eagle/smollm2-135m-instruct --out DIR
+        --head smollm2-135m-instruct --out DIR
 
 Batch 1, greedy, `--num-draft-tokens` (6) drafts every step, not adaptive, so every chain runs to
 its end and each draft whose predecessors were accepted has a verdict. Per probability decile:
@@ -28,7 +28,7 @@ from pathlib import Path
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stack", default="examples/stacks/eagle.yaml")
-    ap.add_argument("--head", default=str(Path("~/.cache/lmstack/eagle/smollm2-135m-instruct").expanduser()))
+    ap.add_argument("--head", default="smollm2-135m-instruct", help="a bundled head's name or a head folder")
     ap.add_argument("--num-draft-tokens", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--bars", default="0,0.02,0.05,0.1,0.15,0.2,0.3")

@@ -3,7 +3,7 @@ length, and a fixed one for contrast), the same model and stack otherwise, in on
 
     .venv/bin/python benchmarks/speculative.py            # the full run (~15 minutes on 2 cores)
     .venv/bin/python benchmarks/speculative.py --quick    # a smoke run
-    .venv/bin/python benchmarks/speculative.py ... --eagle-head ~/.cache/lmstack/eagle/smollm2-135m-instruct
+    .venv/bin/python benchmarks/speculative.py ... --eagle-head smollm2-135m-instruct
         # also eagle, through benchmarks/eagle.py (below)
     .venv/bin/python benchmarks/speculative.py --stack examples/stacks/cpu.yaml --num-draft-tokens 4
         # every system on the default CPU stack's weights and attention (GGUF blocks, int8
@@ -22,8 +22,8 @@ quote the sentences that say X). Chat template applied, greedy, EOS respected.
 Also recorded: whether every greedy output with drafts equals plain decoding's (it must), and the
 drafts proposed / accepted, mean accepted length per verification, and steps.
 
-With `--eagle-head DIR` the same run also measures the `eagle` speculator (a head from `lmstack
-eagle train`) on its own workload, chat prompts held out from the head's training, through
+With `--eagle-head NAME|DIR` the same run also measures the `eagle` speculator (the head
+lmstack-eagle ships, by its name, or a folder from `lmstack eagle train`) on its own workload, chat prompts held out from the head's training, through
 `benchmarks/eagle.py` (batch 1 and --streams, adaptive, `draft_vocab` and `head_weights` as
 given, --repeats and the stack's weights the same): its JSON and plot go to DIR/eagle/, its
 numbers and targets into speculative.json under "eagle".

@@ -11,6 +11,10 @@ A head folder is what EAGLE-1 and vLLM's EAGLE loader read: `config.json` (a Lla
 `bias` is true), `layers.0.self_attn.{q,k,v,o}_proj.weight`,
 `layers.0.mlp.{gate,up,down}_proj.weight` and `layers.0.post_attention_layernorm.weight`. A
 `model.` prefix on the names (some exports) is accepted when loading.
+
+Heads trained here ship with the distribution (`heads/NAME/`, NAME the target's known model
+name): a bare name without a slash that one of them carries names it, anything else is a folder
+(`head_path`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,25 @@ WEIGHTS_FILE = "model.safetensors"
 # lmstack's own addition: the token ids of the head's training text, most frequent first (the
 # `draft_vocab` option drafts only among the first N of them).
 VOCAB_FILE = "draft_vocab.json"
+# Heads shipped with the distribution, one folder per target model name.
+BUNDLED_HEADS = Path(__file__).parent / "heads"
+
+
+def bundled_heads() -> list[str]:
+    """The names of the heads this distribution ships."""
+    if not BUNDLED_HEADS.is_dir():
+        return []
+    return sorted(p.name for p in BUNDLED_HEADS.iterdir() if (p / CONFIG_FILE).is_file())
+
+
+def head_path(head: str | Path) -> Path:
+    """The folder a `head` value names: a bundled head's for a bare name it carries (as a model's
+    known name does), else the path itself (`~` expanded). `./NAME` reaches a local folder of
+    the same name."""
+    text = str(head)
+    if "/" not in text and text.lower() in bundled_heads():
+        return BUNDLED_HEADS / text.lower()
+    return Path(text).expanduser()
 
 
 @dataclass(frozen=True)
@@ -120,8 +143,8 @@ class EagleHead(nn.Module):
 
     # -- the EAGLE names ------------------------------------------------------------------------
 
-    def eagle_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().float().contiguous() for k, v in self._targets().items()}
+    def eagle_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to(dtype).contiguous() for k, v in self._targets().items()}
 
     def load_eagle_state_dict(self, tensors: dict[str, torch.Tensor], where: str = "head") -> None:
         tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
@@ -213,23 +236,31 @@ class EagleHead(nn.Module):
 # -- the folder ---------------------------------------------------------------------------------
 
 
-def save_head(head: EagleHead, folder: str | Path, extra_config: dict[str, Any] | None = None) -> Path:
+def save_head(
+    head: EagleHead,
+    folder: str | Path,
+    extra_config: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write the folder; `dtype` is the tensors' (and config.json's `torch_dtype`)."""
     from safetensors.torch import save_file
 
     out = Path(folder).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     cfg = head.cfg.to_json()
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     cfg.update(extra_config or {})
     (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file(head.eagle_state_dict(), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(head.eagle_state_dict(dtype), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     return out
 
 
 def read_head_config(folder: str | Path) -> HeadConfig:
-    path = Path(folder).expanduser()
+    path = head_path(folder)
     if not (path / CONFIG_FILE).is_file():
         raise ConfigError(
-            f"EAGLE head folder {str(folder)!r} has no {CONFIG_FILE}; build one with "
+            f"EAGLE head {str(folder)!r} is neither a folder with {CONFIG_FILE} nor a bundled head "
+            f"({', '.join(bundled_heads()) or 'none installed'}); build one with "
             f"`lmstack eagle train --stack STACK --out {folder}`",
             "speculator.head",
         )
@@ -242,7 +273,7 @@ def read_head_config(folder: str | Path) -> HeadConfig:
 def load_head(folder: str | Path, dtype: torch.dtype = torch.float32) -> EagleHead:
     from safetensors.torch import load_file
 
-    path = Path(folder).expanduser()
+    path = head_path(folder)
     cfg = read_head_config(path)
     files = (
         [path / WEIGHTS_FILE] if (path / WEIGHTS_FILE).is_file() else sorted(path.glob("model*.safetensors"))
@@ -263,7 +294,7 @@ def save_draft_vocab(folder: str | Path, token_ids: list[int]) -> None:
 
 def read_draft_vocab(folder: str | Path, n: int) -> list[int]:
     """The head's n most frequent training tokens; ConfigError when the folder has no list."""
-    path = Path(folder).expanduser() / VOCAB_FILE
+    path = head_path(folder) / VOCAB_FILE
     if not path.is_file():
         raise ConfigError(
             f"draft_vocab needs {VOCAB_FILE} in the head folder (written by `lmstack eagle train`); "

@@ -23,7 +23,7 @@ from lmstack.errors import ConfigError
 from lmstack.interfaces import DraftFeedback, Speculator
 from lmstack.sequence import Sequence
 from lmstack_eagle.draft_pass import DraftCache, DraftPass, dense_linear
-from lmstack_eagle.head import load_head, read_draft_vocab, read_head_config
+from lmstack_eagle.head import bundled_heads, load_head, read_draft_vocab, read_head_config
 
 PURGE_EVERY = 64  # steps between sweeps of finished sequences' caches
 # A sequence not drafted for a while (a loaded server, where the draft policy finds drafting does
@@ -38,7 +38,8 @@ PENDING_WINDOW = 16
 
 
 class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    # The head folder (config.json + model.safetensors, EAGLE-1 tensor names);
+    # The head: a bundled head's name (one per target, e.g. "smollm2-135m-instruct") or a folder
+    # (config.json + model.safetensors, EAGLE-1 tensor names);
     # `lmstack eagle train --stack STACK --out DIR` builds one.
     head: str = ""
     # The most drafts per sequence per step.
@@ -281,8 +282,9 @@ def check_head(options: EagleOptions, mc: Any) -> None:
     """One-line ConfigErrors for a missing head or one that does not fit the target."""
     if not options.head:
         raise ConfigError(
-            "the eagle speculator needs `head: PATH`, a trained EAGLE head folder; build one with "
-            "`lmstack eagle train --stack STACK --out DIR`",
+            "the eagle speculator needs `head: NAME|PATH`: a bundled head "
+            f"({', '.join(bundled_heads()) or 'none installed'}) or a trained EAGLE head folder; "
+            "build one with `lmstack eagle train --stack STACK --out DIR`",
             "speculator.head",
         )
     cfg = read_head_config(options.head)

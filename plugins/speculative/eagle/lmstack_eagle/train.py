@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from lmstack.errors import ConfigError
 from lmstack.progress import Progress
-from lmstack_eagle.head import EagleHead, HeadConfig, load_head, save_draft_vocab, save_head
+from lmstack_eagle.head import EagleHead, HeadConfig, head_path, load_head, save_draft_vocab, save_head
 
 DEFAULT_STACK = {
     "model": "smollm2-135m-instruct",
@@ -421,7 +421,7 @@ def train(
     }
     if start is not None:
         # What it continued from, and that folder's own history (epochs add up over a chain).
-        before = json.loads((Path(init).expanduser() / "config.json").read_text())  # type: ignore[arg-type]
+        before = json.loads((head_path(init) / "config.json").read_text())  # type: ignore[arg-type]
         extra["eagle_continued_from"] = {
             k: v for k, v in before.items() if k.startswith("eagle_") and k != "eagle_heldout"
         } | {"folder": str(init), "heldout": before.get("eagle_heldout")}
@@ -508,8 +508,8 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument(
         "--init",
         default=None,
-        help="a head folder to continue training from (e.g. more epochs or more data on a head "
-        "already trained; --lr then sets the new run's peak rate)",
+        help="a head folder or bundled head's name to continue training from (e.g. more epochs "
+        "or more data on a head already trained; --lr then sets the new run's peak rate)",
     )
     t.set_defaults(handler=_cmd_train)
 

@@ -20,7 +20,17 @@ from lmstack.quantize import CalibrationModel
 from lmstack.testing import SpeculatorConformance
 from lmstack.testing.kit import tiny_stack
 from lmstack_eagle.draft_pass import DraftPass
-from lmstack_eagle.head import EagleHead, HeadConfig, load_head, save_head
+from lmstack_eagle.head import (
+    BUNDLED_HEADS,
+    EagleHead,
+    HeadConfig,
+    bundled_heads,
+    head_path,
+    load_head,
+    read_draft_vocab,
+    read_head_config,
+    save_head,
+)
 from lmstack_eagle.speculator import lm_head_rows
 from lmstack_eagle.train import Target, chain_outputs, train, train_head
 
@@ -276,6 +286,30 @@ def test_mismatched_or_missing_head_is_a_one_line_error(tiny_model_path, tiny_co
         LLM(tiny_stack(tiny_model_path, speculator={"name": "eagle"}))
     with pytest.raises(LmstackError, match="lmstack eagle train"):
         LLM(eagle_stack(tiny_model_path, tmp_path / "nowhere"))
+
+
+def test_a_bundled_head_is_named_like_a_known_model(tmp_path):
+    """`head: smollm2-135m-instruct` is the shipped folder (EAGLE names, float16, its draft
+    vocabulary, shaped for SmolLM2); a path, or `./NAME`, is a folder; an unknown name is a
+    one-line error listing the bundled heads."""
+    assert "smollm2-135m-instruct" in bundled_heads()
+    assert head_path("smollm2-135m-instruct") == BUNDLED_HEADS / "smollm2-135m-instruct"
+    assert head_path("SmolLM2-135M-Instruct") == BUNDLED_HEADS / "smollm2-135m-instruct"
+    assert not head_path("./smollm2-135m-instruct").resolve().is_relative_to(BUNDLED_HEADS)
+    assert head_path(tmp_path / "smollm2-135m-instruct") == tmp_path / "smollm2-135m-instruct"
+    cfg = read_head_config("smollm2-135m-instruct")
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.num_key_value_heads) == (576, 49152, 3)
+    assert (
+        json.loads((BUNDLED_HEADS / "smollm2-135m-instruct" / "config.json").read_text())["torch_dtype"]
+        == "float16"
+    )
+    head = load_head("smollm2-135m-instruct")
+    assert head.fc.weight.dtype == torch.float32 and torch.isfinite(head.fc.weight).all()
+    vocab = read_draft_vocab("smollm2-135m-instruct", 2048)
+    assert len(vocab) == 2048 == len(set(vocab)) and all(0 <= t < 49152 for t in vocab)
+    with pytest.raises(LmstackError) as err:
+        read_head_config("no-such-head")
+    assert "smollm2-135m-instruct" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_trainer_loss_decreases(tiny_model_path, tiny_config):
