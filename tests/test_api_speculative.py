@@ -82,8 +82,8 @@ def test_json_schema_with_drafts_is_valid_and_unchanged(servers):
     assert_same_valid_json(spec, plain)
 
 
-@pytest.fixture(scope="module")
-def eagle_server(smollm2_path, tmp_path_factory):
+@pytest.fixture(scope="module", params=["untrained", "bundled"])
+def eagle_server(request, smollm2_path, tmp_path_factory):
     pytest.importorskip("lmstack_eagle")
     import torch
 
@@ -91,19 +91,26 @@ def eagle_server(smollm2_path, tmp_path_factory):
     from lmstack_api.testing import ServerProcess
     from lmstack_eagle.head import EagleHead, HeadConfig, save_head
 
-    # An untrained head: its drafts meet the grammar's masks and the target's choices at random,
-    # so most are rejected at some verified position — the path under test.
-    torch.manual_seed(0)
-    config = HeadConfig.for_target(open_model_source("smollm2-135m-instruct").config)
-    head = save_head(EagleHead(config), tmp_path_factory.mktemp("eagle-head"))
-    spec = {"name": "eagle", "head": str(head), "adaptive": False, "num_draft_tokens": 3}
+    if request.param == "untrained":
+        # Its drafts meet the grammar's masks and the target's choices at random, so most are
+        # rejected at some verified position.
+        torch.manual_seed(0)
+        config = HeadConfig.for_target(open_model_source("smollm2-135m-instruct").config)
+        head = str(save_head(EagleHead(config), tmp_path_factory.mktemp("eagle-head")))
+    else:
+        # The head lmstack-eagle ships for SmolLM2: drafts accepted inside the grammar too.
+        head = "smollm2-135m-instruct"
+    spec = {"name": "eagle", "head": head, "adaptive": False, "num_draft_tokens": 3}
     with ServerProcess({**STACK, "speculator": spec}) as server:
-        yield server
+        yield request.param, server
 
 
 def test_json_schema_with_eagle_drafts_is_valid_and_unchanged(servers, eagle_server):
     _, plain = servers
-    status, body = eagle_server.get("/v1/stack")
+    head, server = eagle_server
+    status, body = server.get("/v1/stack")
     assert status == 200 and json.loads(body)["stack"]["components"]["speculator"]["name"] == "eagle"
-    assert_same_valid_json(eagle_server, plain)
-    assert eagle_server.metric("lmstack:spec_decode_num_draft_tokens_total") > 0
+    assert_same_valid_json(server, plain)
+    assert server.metric("lmstack:spec_decode_num_draft_tokens_total") > 0
+    if head == "bundled":
+        assert server.metric("lmstack:spec_decode_num_accepted_tokens_total") > 0
