@@ -312,6 +312,29 @@ def test_a_bundled_head_is_named_like_a_known_model(tmp_path):
     assert "smollm2-135m-instruct" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_bundling_a_head_keeps_its_weights_in_float16_and_its_record_without_paths(tiny_config, tmp_path):
+    from lmstack_eagle.bundle import bundle_head
+
+    torch.manual_seed(0)
+    head = EagleHead(HeadConfig.for_target(tiny_config))
+    record = {
+        "eagle_train_epochs": 2,
+        "eagle_continued_from": {"folder": "/home/x/old", "eagle_train_epochs": 1},
+    }
+    save_head(head, tmp_path / "trained", {**record, "folder": "/home/x/new"})
+    (tmp_path / "trained" / "draft_vocab.json").write_text("[5, 3, 9]\n")
+    out = bundle_head(tmp_path / "trained", "tiny", "lmstack eagle train ...", into=tmp_path / "heads")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["torch_dtype"] == "float16" and cfg["eagle_recipe"] == "lmstack eagle train ..."
+    assert cfg["eagle_continued_from"] == {"eagle_train_epochs": 1} and "folder" not in cfg
+    assert (out / "model.safetensors").stat().st_size < 0.6 * (
+        tmp_path / "trained" / "model.safetensors"
+    ).stat().st_size
+    assert json.loads((out / "draft_vocab.json").read_text()) == [5, 3, 9]
+    for a, b in zip(load_head(out).parameters(), head.parameters(), strict=True):
+        torch.testing.assert_close(a, b.half().float(), rtol=0, atol=0)
+
+
 def test_trainer_loss_decreases(tiny_model_path, tiny_config):
     cm = CalibrationModel.load(open_model_source(str(tiny_model_path)))
     target = Target(cm)
