@@ -52,8 +52,9 @@ def head_path(head: str | Path) -> Path:
     known name does), else the path itself (`~` expanded). `./NAME` reaches a local folder of
     the same name."""
     text = str(head)
-    if "/" not in text and text.lower() in bundled_heads():
-        return BUNDLED_HEADS / text.lower()
+    bundled = BUNDLED_HEADS / text.lower()
+    if "/" not in text and (bundled / CONFIG_FILE).is_file():
+        return bundled
     return Path(text).expanduser()
 
 
@@ -114,7 +115,6 @@ class HeadConfig:
             model_type="llama",
             num_hidden_layers=1,
             hidden_act="silu",
-            torch_dtype="float32",
         )
         return d
 
