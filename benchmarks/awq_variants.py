@@ -9,8 +9,8 @@ windows with the tied head dense (what the linears cost, not the head):
 - a variant of the AWQ search (the first argument), calibrated on `--calibration` (default: the model's
   own answers, made as `lmstack quantize --calibration self` makes them and kept in
   `--self-text`):
-  - `awq`: the core's search as `lmstack quantize --method awq` runs it (`awq_calibrate`:
-    scales, clipping, round to nearest);
+  - `awq`: the core's search (`awq_calibrate`: scales, clipping, round to nearest) without
+    bias correction; `awq-bc`: with it, as `lmstack quantize --method awq` runs it by default;
   - `gptq-static`: the same scales and clipping search, then GPTQ rounding of the unclipped
     scaled weights with each group's scale and zero fixed beforehand from its clipped range
     (GPTQ's "static groups"; the shipped `rounding: gptq` sets them as it walks);
@@ -22,10 +22,13 @@ windows with the tied head dense (what the linears cost, not the head):
     greedy flips (one code per row per pass moved to its other neighbour on the grid, the flip
     that lowers the row's e^T H e the most, H the captured inputs' second moments) until no flip
     helps or `--flip-passes` passes; `rtn-flip`: the same flips of plain round-to-nearest codes
-    (no scale or clipping search), against `sensitivity`'s round-to-nearest row.
+    (no scale or clipping search), against `sensitivity`'s round-to-nearest row;
+  - `bias-block`: the same scales and clipping, round to nearest, then the core's bias
+    correction per layer (o_proj / down_proj take the mean error of the attention block / MLP);
+    `bias`: every linear a bias of its own mean error instead; `bias-all`: both.
 
 Usage: python benchmarks/awq_variants.py sensitivity
-       python benchmarks/awq_variants.py awq|awq-dense|gptq-static|clip2d|flip|rtn-flip [--num-samples 32] [--damping 0.01]
+       python benchmarks/awq_variants.py VARIANT [--num-samples 32] [--damping 0.01]  (VARIANT: one of the above)
 Prints one JSON line per result (name the CPU yourself: the numbers do not depend on it beyond
 fp32 summation order).
 """
@@ -196,6 +199,64 @@ def refit_scales(
     return best_w
 
 
+def _mean_rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]).double().mean(0).float()
+
+
+@torch.no_grad()
+def bias_correct(
+    model: CalibrationModel,
+    i: int,
+    x: torch.Tensor,
+    dense: dict[str, torch.Tensor],
+    quantized: dict[str, torch.Tensor],
+    variant: str,
+) -> None:
+    """Biases for layer i's quantized linears (`model.weights` holds them quantized) that cancel
+    mean errors on the calibration inputs x. `bias-block`: the core's bias correction
+    (`CalibrationModel.correct_biases`: o_proj and down_proj take the mean error of the attention
+    block and of the MLP). `bias`: every linear its own, b = (W - Wq) mean(x_in), in order along
+    the layer so that each linear's inputs come from the quantized, corrected ops before it.
+    `bias-all`: q/k/v and gate/up their own first, then the blocks'."""
+    if variant == "bias-block":
+        model.correct_biases(i, x, dense, quantized)
+        return
+    w, p = model.weights, model.prefix(i)
+    a, m = p + "self_attn.", p + "mlp."
+
+    def mean_rows(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, t.shape[-1]).double().mean(0).float()
+
+    def set_bias(name: str, b: torch.Tensor) -> None:
+        w[name.removesuffix("weight") + "bias"] = b
+
+    def own(names: list[str], inputs: torch.Tensor) -> None:
+        for name in names:
+            set_bias(name, (dense[name] - w[name]) @ mean_rows(inputs))
+
+    qkv, gate_up = [f"{a}{n}_proj.weight" for n in "qkv"], [f"{m}{n}_proj.weight" for n in ("gate", "up")]
+    o, down = a + "o_proj.weight", m + "down_proj.weight"
+    h = model._norm(x, p + "input_layernorm.weight")
+    dense_attn = model._linear(model._attention(i, h, dense), o, dense)  # before any bias is set
+    own(qkv, h)
+    o_in = model._attention(i, h, None)
+    if variant == "bias":
+        own([o], o_in)
+        x = x + model._linear(o_in, o, None)
+    else:
+        got = model._linear(o_in, o, None)
+        set_bias(o, mean_rows(dense_attn - got))
+        x = x + got + w[o.removesuffix("weight") + "bias"]
+    h2 = model._norm(x, p + "post_attention_layernorm.weight")
+    dense_mlp = model._linear(model._mlp_act(i, h2, dense), down, dense)
+    own(gate_up, h2)
+    act = model._mlp_act(i, h2, None)
+    if variant == "bias":
+        own([down], act)
+    else:
+        set_bias(down, mean_rows(dense_mlp - model._linear(act, down, None)))
+
+
 @torch.no_grad()
 def awq_variant(
     model: CalibrationModel,
@@ -247,6 +308,12 @@ def awq_variant(
                     ).dequantize()
                 else:
                     quantized[name] = fmt.fake_quantize(clipped)
+        if variant in ("bias", "bias-block", "bias-all"):
+            dense = {name: weights[name] for name in quantized}
+            weights.update(quantized)
+            bias_correct(model, i, x, dense, quantized, variant)
+            x = model.layer_forward(i, x)[0]
+            continue
         weights.update(quantized)
         # awq-dense: the next layer calibrates on the dense model's outputs (llm-awq and AutoAWQ
         # run the layer before its weights change); the others on the quantized layer's.
@@ -257,7 +324,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "what",
-        choices=["sensitivity", "awq", "awq-dense", "gptq-static", "clip2d", "flip", "rtn-flip", "lsq"],
+        choices=[
+            "sensitivity",
+            "awq",
+            "awq-bc",
+            "awq-dense",
+            "gptq-static",
+            "clip2d",
+            "flip",
+            "rtn-flip",
+            "lsq",
+            "bias",
+            "bias-block",
+            "bias-all",
+        ],
     )
     ap.add_argument("--stack", default=str(ROOT / "examples/stacks/cpu.yaml"))
     ap.add_argument("--calibration", default="self", help="a text file, or self (the model's own answers)")
@@ -305,8 +385,8 @@ def main() -> None:
         text = read_text(args.calibration)
     samples = calibration_samples(source.tokenizer.encode(text), args.num_samples, 512)
     fmt = build_weight_format(stack, "awq", None, source.config)[0]
-    if args.what == "awq":
-        awq_calibrate(model, samples, fmt, AWQConfig())
+    if args.what in ("awq", "awq-bc"):
+        awq_calibrate(model, samples, fmt, AWQConfig(bias_correction=args.what == "awq-bc"))
         fake_quantize_linears(model, fmt)
     else:
         awq_variant(model, samples, fmt, args.what, args.damping, args.flip_passes, args.lsq_rounds)

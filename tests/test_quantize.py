@@ -188,6 +188,62 @@ def test_awq_command_records_its_calibration(tiny_model_path, tmp_path):
     assert torch.isfinite(lps).all()
 
 
+def _dequantized_folder(folder) -> CalibrationModel:
+    """The folder's model with every int4 linear decoded to fp32 (biases and the rest as stored)."""
+    from safetensors.torch import load_file
+
+    from lmstack_awq.int4_format import decode_ct_codes, decode_ct_zero
+    from lmstack_awq.int4_math import dequantize_int4
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    weights = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_packed"):
+            module = name.removesuffix(".weight_packed")
+            shape = tuple(tensors[module + ".weight_shape"].tolist())
+            scale = tensors[module + ".weight_scale"].float()
+            zero = decode_ct_zero(tensors[module + ".weight_zero_point"], shape[0], scale.shape[1])
+            group = -(-shape[1] // scale.shape[1])
+            weights[module + ".weight"] = dequantize_int4(
+                decode_ct_codes(t, shape), scale, zero, group, torch.float32
+            )
+        elif not name.rsplit(".", 1)[-1].startswith("weight_"):
+            weights[name] = t.float()
+    return CalibrationModel(open_model_source(str(folder)).config, weights)
+
+
+def test_awq_folder_carries_its_bias_correction(tiny_model_path, tmp_path):
+    """`lmstack quantize --method awq` corrects o_proj's and down_proj's biases by default: the
+    folder's config turns attention_bias and mlp_bias on, q/k/v/gate/up get zero biases (a Llama
+    config biases all of a kind), and lmstack serving the folder computes what the folder's
+    decoded weights and biases compute; with `bias_correction: false` there are none."""
+    from safetensors import safe_open
+
+    text = tmp_path / "calibration.txt"
+    text.write_text("The keeper climbed the stairs and trimmed the wick. " * 40, encoding="utf-8")
+    folders = {}
+    for corrected in (True, False):
+        stack = tmp_path / f"stack-{corrected}.yaml"
+        quant = "" if corrected else "quant: {weights: awq, bias_correction: false}\n"
+        stack.write_text(f"model: {tiny_model_path}\ndtype: float32\n{quant}", encoding="utf-8")
+        out = folders[corrected] = tmp_path / f"awq-{corrected}"
+        args = ["quantize", "--stack", str(stack), "--method", "awq", "--out", str(out), "--calibration"]
+        assert main([*args, str(text), "--num-samples", "4", "--seq-len", "32"]) == 0
+    config = json.loads((folders[True] / "config.json").read_text())
+    assert config["attention_bias"] is True and config["mlp_bias"] is True
+    with safe_open(str(folders[True] / "model.safetensors"), "pt") as f:
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert not f.get_tensor(f"model.layers.1.{n}.bias").any()
+        for n in ("self_attn.o_proj", "mlp.down_proj"):
+            assert f.get_tensor(f"model.layers.1.{n}.bias").abs().max() > 0
+    plain = json.loads((folders[False] / "config.json").read_text())
+    assert not plain.get("attention_bias") and not plain.get("mlp_bias")
+    ids = _ids(4)
+    reference = torch.log_softmax(_dequantized_folder(folders[True]).logits(ids)[0, :-1], -1)
+    expected = reference.gather(1, ids[0, 1:].view(-1, 1)).view(-1)
+    torch.testing.assert_close(_served_logprobs(folders[True], "awq", ids), expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.slow
 def test_http_serves_the_folder_and_names_its_format(rtn_folder):
     """`lmstack serve` with `model: DIR` (quant.weights: auto picks `awq` for the folder):

@@ -23,9 +23,12 @@ Per decoder layer, in order:
    own (the grid is asymmetric, so the best range need not be centred on zero). The error of one (row, group) is
    d^T C_g d with d the weight error and C_g the inputs' covariance over that group's
    channels, so every ratio costs one small einsum instead of a matmul over all tokens;
-4. propagate: the next layer's inputs are this layer's outputs with its weights quantized
-   (fake_quantize of the final weights), so later layers calibrate on what they will see
-   when served.
+4. with `bias_correction`, bias correction (`CalibrationModel.correct_biases`): o_proj's and
+   down_proj's biases take the mean error of the attention block and of the MLP (dense minus
+   quantized, on the calibration inputs), so that the layer's output error has no constant part;
+5. propagate: the next layer's inputs are this layer's outputs with its weights quantized
+   (fake_quantize of the final weights, and the biases), so later layers calibrate on what they
+   will see when served.
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ class AWQConfig:
     # (held-out text, int4 g128): GPTQ fits its calibration inputs 4-8x better per layer but
     # generalises only ~2x, and the served model scored worse (+26-27 % vs +19.5 %).
     gptq: bool = False
+    # After each layer is quantized, give o_proj and down_proj the biases that cancel the mean
+    # output error of the attention block and the MLP on the calibration inputs (the model's
+    # config then has attention_bias / mlp_bias; the other linears get zero biases). Off by
+    # default in the core; lmstack-awq turns it on (measured on SmolLM2-135M: README).
+    bias_correction: bool = False
     # Record per layer and group the chosen alpha (and mean clip ratio): `calibration_record`.
     history: list[dict[str, Any]] = field(default_factory=list)
 
@@ -205,11 +213,16 @@ def awq_calibrate(
         _, inputs = model.layer_forward(i, x, capture=True)
         record: dict[str, Any] = {"layer": i}
         groups = model.scale_groups(i)
+        # The layer's linears before clipping or GPTQ, scaled as the search folds: the exact
+        # dense layer, the reference of the bias correction.
+        unclipped: dict[str, torch.Tensor] = {}
         for group in groups:
             xin = inputs[group.input]
             if group.prev is not None:
                 s_prev, chosen = search_scales(group, weights, xin[:loss_n], fmt, cfg)
                 _fold(weights, group.prev, s_prev)
+                if group.prev in unclipped:
+                    _fold(unclipped, group.prev, s_prev)
                 s = group.expand(s_prev)
                 for name in group.linears:
                     weights[name] = weights[name] * s
@@ -220,6 +233,7 @@ def awq_calibrate(
                 step = max(1, flat.shape[0] // cfg.clip_tokens)
                 flat = flat[::step]
                 for name in group.clip:
+                    unclipped[name] = weights[name]
                     weights[name], ratio = search_clip(weights[name], flat, fmt, cfg)
                     record.setdefault(group.input, {})[name.rsplit(".", 2)[-2] + "_clip"] = round(ratio, 4)
         rounded: set[str] = set()
@@ -230,12 +244,16 @@ def awq_calibrate(
                 flat = inputs[group.input].reshape(-1, inputs[group.input].shape[-1]).float()
                 h = flat.t() @ flat / flat.shape[0]
                 for name in group.linears:
+                    unclipped[name] = weights[name]
                     weights[name] = fmt.gptq(name.removesuffix(".weight"), weights[name], h)
                     rounded.add(name)
         quantized = {
             name: weights[name] if name in rounded else fmt.fake_quantize(weights[name])
             for name in model.linear_names(i)
         }
+        if cfg.bias_correction:
+            dense = {name: unclipped.get(name, weights[name]) for name in model.linear_names(i)}
+            model.correct_biases(i, x, dense, quantized)
         x, _ = model.layer_forward(i, x, quantized)
         record["seconds"] = round(time.perf_counter() - started, 2)
         cfg.history.append(record)
@@ -266,6 +284,7 @@ class AWQCalibration:
             "duo": cfg.duo,
             "asymmetric_clip": cfg.asymmetric_clip,
             "rounding": "gptq" if cfg.gptq and hasattr(self, "gptq") else "nearest",
+            "bias_correction": cfg.bias_correction,
             "max_shrink": cfg.max_shrink,
             "loss_tokens": cfg.loss_tokens,
             "propagation": "quantized",

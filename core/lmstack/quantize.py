@@ -4,8 +4,9 @@ folder through a quantizer plugin's `WeightFormat`.
 Steps: build the named quantizer through the registry and ask its `weight_format()`; load every
 checkpoint tensor dense (GGUF blocks decoded) into a `CalibrationModel`; when the format is
 `Calibrated` (AWQ), cut the calibration text into samples and let it search (it rewrites
-weights in place); then encode each decoder linear and write config.json (with the format's
-`quantization_config`), model.safetensors (Hugging Face tensor names, q/k/v and gate/up
+weights in place, and may add biases: bias correction); then encode each decoder linear and
+write config.json (with the format's `quantization_config`, and `attention_bias` / `mlp_bias`
+where biases were added), model.safetensors (Hugging Face tensor names, q/k/v and gate/up
 unfused), the tokenizer with its chat template, generation_config.json and
 lmstack_quantize.json (method, calibration source, the search's record).
 
@@ -230,6 +231,60 @@ class CalibrationModel:
                 clip=[m + "down_proj.weight"],
             ),
         ]
+
+    @torch.no_grad()
+    def correct_biases(
+        self, i: int, x: torch.Tensor, dense: dict[str, torch.Tensor], quantized: dict[str, torch.Tensor]
+    ) -> None:
+        """Bias correction of layer i's two blocks: o_proj's bias gains the mean, over the tokens
+        of x [B, L, H], of the dense attention block's output minus the quantized one's on the
+        same input, and down_proj's the same for the MLP, its input taken after the corrected
+        attention. `dense` / `quantized`: the layer's linears as the exact (scaled) dense weights
+        and as served. A mean error of a block is a shift that adds up along the residual stream
+        (re-quantizing already-quantized weights shifts whole groups by part of a step); the
+        corrected layer's outputs are zero-mean in error on the calibration tokens."""
+        p = self.prefix(i)
+        o, down = p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"
+
+        def mean_rows(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1, t.shape[-1]).double().mean(0).float()
+
+        def add_bias(name: str, delta: torch.Tensor) -> torch.Tensor:
+            key = name.removesuffix("weight") + "bias"
+            self.weights[key] = self.weights[key] + delta if key in self.weights else delta
+            return delta
+
+        h = self._norm(x, p + "input_layernorm.weight")
+        want = self._linear(self._attention(i, h, dense), o, dense)
+        got = self._linear(self._attention(i, h, quantized), o, quantized)
+        x = x + got + add_bias(o, mean_rows(want - got))
+        h2 = self._norm(x, p + "post_attention_layernorm.weight")
+        want = self._linear(self._mlp_act(i, h2, dense), down, dense)
+        got = self._linear(self._mlp_act(i, h2, quantized), down, quantized)
+        add_bias(down, mean_rows(want - got))
+
+    def complete_biases(self) -> dict[str, bool]:
+        """config.json's `attention_bias` / `mlp_bias` for the weights as they are, with a zero
+        bias added to every linear of a kind (attention: q/k/v/o; MLP: gate/up/down) that has
+        none where another linear of that kind has one: a Llama config biases all of a kind or
+        none."""
+        kinds = {
+            "attention_bias": ("self_attn.", ("q", "k", "v", "o")),
+            "mlp_bias": ("mlp.", ("gate", "up", "down")),
+        }
+        flags: dict[str, bool] = {}
+        for flag, (part, names) in kinds.items():
+            keys = [
+                (f"{self.prefix(i)}{part}{n}_proj.bias", f"{self.prefix(i)}{part}{n}_proj.weight")
+                for i in range(self.num_layers)
+                for n in names
+            ]
+            flags[flag] = any(b in self.weights for b, _ in keys)
+            if flags[flag]:
+                for b, w in keys:
+                    if b not in self.weights:
+                        self.weights[b] = torch.zeros(self.weights[w].shape[0])
+        return flags
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -460,12 +515,17 @@ def quantize(
                 (out_dir / "calibration.txt").write_text(text, encoding="utf-8")
             fmt.calibrate(model, samples, progress=Progress)
             record["search"] = fmt.calibration_record()
+        biases = model.complete_biases()  # bias correction may have added some
         tensors = encode_model(model, fmt)
         ignore = ["lm_head"]
-        config = hf_config(source) | {
-            "quantization_config": fmt.quantization_config(ignore),
-            "torch_dtype": "float32",
-        }
+        config = (
+            hf_config(source)
+            | {k: v for k, v in biases.items() if v}
+            | {
+                "quantization_config": fmt.quantization_config(ignore),
+                "torch_dtype": "float32",
+            }
+        )
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         _write_json(out_dir / "config.json", config)
         write_tokenizer(source, out_dir)

@@ -44,6 +44,11 @@ class AwqOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # AWQ paper; measured better on held-out text here) or round with GPTQ (error-compensating
     # against the calibration inputs).
     rounding: Rounding = "nearest"
+    # `lmstack quantize --method awq` only: after each layer, o_proj and down_proj take the
+    # biases that cancel the mean output error of the attention block and the MLP on the
+    # calibration inputs (the folder's config then has attention_bias / mlp_bias). Measured on
+    # SmolLM2-135M's held-out text: README.
+    bias_correction: bool = True
 
 
 def _common_caps(formats: tuple[str, ...]) -> dict[str, Any]:

@@ -154,4 +154,7 @@ class AwqQuantizer(Int4Quantizer):
     def weight_format(self) -> WeightFormat:
         from lmstack_awq.search import AWQConfig, AwqWeightFormat  # the AWQ search runs before encoding
 
-        return AwqWeightFormat(self.scheme, AWQConfig(gptq=self.options.rounding == "gptq"))
+        return AwqWeightFormat(
+            self.scheme,
+            AWQConfig(gptq=self.options.rounding == "gptq", bias_correction=self.options.bias_correction),
+        )

@@ -153,7 +153,8 @@ def test_gguf_blocks_match_the_dequantized_layer_and_give_codes_back(symmetric):
 @pytest.mark.parametrize("int8_activations", [False, True])
 def test_decode_rows_go_straight_to_the_gguf_op_with_the_kernels_result(int8_activations):
     """Decode rows skip the generic path (`Int4Kernel.direct`) and give exactly what the kernel
-    object computes; a layer with a bias keeps the generic path (the op adds none)."""
+    object computes; a layer with a bias (bias-corrected AWQ folders) takes it too, the bias
+    added after the op."""
     rng = random.Random()
     n, k = rng.randint(1, 70), 32 * rng.randint(1, 20)
     layer, _ = _layer(n, k, rng.choice((32, 64, 128)))
@@ -166,8 +167,10 @@ def test_decode_rows_go_straight_to_the_gguf_op_with_the_kernels_result(int8_act
         assert torch.equal(layer(x), layer.kernel(layer, x))
     layer.bias = torch.nn.Parameter(torch.randn(n), requires_grad=False)
     layer.kernel = layer.kernel  # set again: the fast path is decided with the kernel
-    assert layer._direct is None
+    assert layer._direct is not None
     x = torch.randn(1, k)
+    op, args = layer._direct[int8_activations]
+    assert torch.equal(layer(x), op(x, *args) + layer.bias)
     assert torch.equal(layer(x), layer.kernel(layer, x) + layer.bias)
 
 
