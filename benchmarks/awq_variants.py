@@ -221,6 +221,9 @@ def bias_correct(
     if variant == "bias-block":
         model.correct_biases(i, x, dense, quantized)
         return
+    if variant == "bias-gain":
+        fit_gain_and_bias(model, i, x, dense)
+        return
     w, p = model.weights, model.prefix(i)
     a, m = p + "self_attn.", p + "mlp."
 
@@ -255,6 +258,33 @@ def bias_correct(
         own([down], act)
     else:
         set_bias(down, mean_rows(dense_mlp - model._linear(act, down, None)))
+
+
+@torch.no_grad()
+def fit_gain_and_bias(
+    model: CalibrationModel, i: int, x: torch.Tensor, dense: dict[str, torch.Tensor]
+) -> None:
+    """o_proj's and down_proj's quantized rows scaled by g and given a bias b per output channel,
+    (g, b) the least-squares fit of the dense block's output by g * quantized + b over the
+    calibration tokens (the attention block, then the MLP on the corrected attention's output).
+    g folds into the rows' group scales: the int4 format holds it."""
+    w, p = model.weights, model.prefix(i)
+    o, down = p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"
+
+    def fit(want: torch.Tensor, got: torch.Tensor, name: str) -> None:
+        want, got = want.reshape(-1, want.shape[-1]).double(), got.reshape(-1, got.shape[-1]).double()
+        gm, wm = got.mean(0), want.mean(0)
+        g = ((got - gm) * (want - wm)).mean(0) / (got - gm).pow(2).mean(0).clamp(min=1e-30)
+        w[name] = w[name] * g.float()[:, None]
+        w[name.removesuffix("weight") + "bias"] = (wm - g * gm).float()
+
+    h = model._norm(x, p + "input_layernorm.weight")
+    o_in = model._attention(i, h, None)
+    fit(model._linear(model._attention(i, h, dense), o, dense), model._linear(o_in, o, None), o)
+    x = x + model._linear(o_in, o, None)
+    h2 = model._norm(x, p + "post_attention_layernorm.weight")
+    act = model._mlp_act(i, h2, None)
+    fit(model._linear(model._mlp_act(i, h2, dense), down, dense), model._linear(act, down, None), down)
 
 
 @torch.no_grad()
@@ -308,7 +338,7 @@ def awq_variant(
                     ).dequantize()
                 else:
                     quantized[name] = fmt.fake_quantize(clipped)
-        if variant in ("bias", "bias-block", "bias-all"):
+        if variant in ("bias", "bias-block", "bias-all", "bias-gain"):
             dense = {name: weights[name] for name in quantized}
             weights.update(quantized)
             bias_correct(model, i, x, dense, quantized, variant)
@@ -337,6 +367,7 @@ def main() -> None:
             "bias",
             "bias-block",
             "bias-all",
+            "bias-gain",
         ],
     )
     ap.add_argument("--stack", default=str(ROOT / "examples/stacks/cpu.yaml"))

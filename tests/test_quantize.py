@@ -244,6 +244,26 @@ def test_awq_folder_carries_its_bias_correction(tiny_model_path, tmp_path):
     torch.testing.assert_close(_served_logprobs(folders[True], "awq", ids), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_zero_biases_are_dropped_at_load():
+    """An Int4Linear whose loaded bias is all zeros (q/k/v, gate/up in a bias-corrected folder)
+    serves without it; a non-zero bias stays and is added."""
+    from lmstack.interfaces import LinearSpec
+    from lmstack_awq.int4_math import Int4Scheme
+    from lmstack_awq.linear import Int4Linear
+
+    for bias in (torch.zeros(16), torch.arange(16.0)):
+        layer = Int4Linear(LinearSpec(64, 16, True, "t"), Int4Scheme(32, False), "dense")
+        layer.weight.weight_loader(layer.weight, torch.randn(16, 64), None)
+        layer.bias.weight_loader(layer.bias, bias, None)
+        x = torch.randn(3, 64)
+        expected = x @ layer.dequantized_weight().t() + bias
+        layer.prepare()
+        assert (layer.bias is None) == (not bias.any())
+        # The CPU kernel rounds a little (fp16 minimums, bf16 x on some paths); a lost bias of
+        # up to 15 would not pass.
+        torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=5e-2)
+
+
 @pytest.mark.slow
 def test_http_serves_the_folder_and_names_its_format(rtn_folder):
     """`lmstack serve` with `model: DIR` (quant.weights: auto picks `awq` for the folder):

@@ -220,7 +220,11 @@ class Int4Linear(nn.Module):
         self._direct = direct(self) if direct is not None else None
 
     def prepare(self) -> None:
-        """Pick the kernel (and let it re-lay the weight out) now, at load, for the serving dtype."""
+        """Pick the kernel (and let it re-lay the weight out) now, at load, for the serving dtype.
+        An all-zero bias is dropped: a bias-corrected folder gives q/k/v and gate/up zero biases
+        (a Llama config biases all of a kind), which would only cost an add per call."""
+        if self.bias is not None and not bool(self.bias.any()):
+            self.bias = None
         if self.kernel is None:
             probe = torch.empty(
                 0, self.in_features, dtype=self.spec.params_dtype, device=self.w_packed.device
