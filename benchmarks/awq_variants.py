@@ -29,7 +29,7 @@ windows with the tied head dense (what the linears cost, not the head):
 
 Usage: python benchmarks/awq_variants.py sensitivity
        python benchmarks/awq_variants.py VARIANT [--num-samples 32] [--damping 0.01]  (VARIANT: one of the above)
-Prints one JSON line per result (name the CPU yourself: the numbers do not depend on it beyond
+Prints one JSON line per result, with the CPU it ran on (the numbers depend on it only through
 fp32 summation order).
 """
 
@@ -54,6 +54,7 @@ from lmstack.awq_search import (
     search_scales,
 )
 from lmstack.evaluate import load_stack_with_model, read_text, windows_of
+from lmstack.hardware import cpu_description
 from lmstack.model.source import open_model_source
 from lmstack.quantize import (
     CalibrationModel,
@@ -227,15 +228,12 @@ def bias_correct(
     w, p = model.weights, model.prefix(i)
     a, m = p + "self_attn.", p + "mlp."
 
-    def mean_rows(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(-1, t.shape[-1]).double().mean(0).float()
-
     def set_bias(name: str, b: torch.Tensor) -> None:
         w[name.removesuffix("weight") + "bias"] = b
 
     def own(names: list[str], inputs: torch.Tensor) -> None:
         for name in names:
-            set_bias(name, (dense[name] - w[name]) @ mean_rows(inputs))
+            set_bias(name, (dense[name] - w[name]) @ _mean_rows(inputs))
 
     qkv, gate_up = [f"{a}{n}_proj.weight" for n in "qkv"], [f"{m}{n}_proj.weight" for n in ("gate", "up")]
     o, down = a + "o_proj.weight", m + "down_proj.weight"
@@ -248,7 +246,7 @@ def bias_correct(
         x = x + model._linear(o_in, o, None)
     else:
         got = model._linear(o_in, o, None)
-        set_bias(o, mean_rows(dense_attn - got))
+        set_bias(o, _mean_rows(dense_attn - got))
         x = x + got + w[o.removesuffix("weight") + "bias"]
     h2 = model._norm(x, p + "post_attention_layernorm.weight")
     dense_mlp = model._linear(model._mlp_act(i, h2, dense), down, dense)
@@ -257,7 +255,7 @@ def bias_correct(
     if variant == "bias":
         own([down], act)
     else:
-        set_bias(down, mean_rows(dense_mlp - model._linear(act, down, None)))
+        set_bias(down, _mean_rows(dense_mlp - model._linear(act, down, None)))
 
 
 @torch.no_grad()
@@ -392,6 +390,7 @@ def main() -> None:
             json.dumps(
                 {"what": name, "perplexity": round(value, 4), "seconds": round(time.perf_counter() - started)}
                 | extra
+                | cpu_description()
             ),
             flush=True,
         )

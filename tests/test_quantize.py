@@ -183,6 +183,7 @@ def test_awq_command_records_its_calibration(tiny_model_path, tmp_path):
     assert main([*args, "--calibration", str(text), "--num-samples", "4", "--seq-len", "32"]) == 0
     record = json.loads((out / "lmstack_quantize.json").read_text())
     assert record["calibration"]["source"] == str(text) and record["calibration"]["num_samples"] == 4
+    assert record["cpu_model"] and isinstance(record["cpu_flags"], list)  # names the CPU it ran on
     assert record["search"]["algorithm"] == "awq" and len(record["search"]["layers"]) == 2
     lps = _served_logprobs(out, "awq", _ids(3))
     assert torch.isfinite(lps).all()

@@ -487,6 +487,7 @@ def quantize(
     """Write the quantized folder `out` for the stack's model; returns its path."""
     from safetensors.torch import save_file
 
+    from lmstack.hardware import cpu_description
     from lmstack.model.source import open_model_source
 
     started = time.perf_counter()
@@ -501,6 +502,7 @@ def quantize(
             "source_model": stack.model,
             "source_format": source.format,
             "compute": "float32",
+            **cpu_description(),  # the search's fp32 sums, and so its choices, follow the kernels
         }
         if isinstance(fmt, Calibrated):
             text, origin = _calibration_text(stack, calibration, num_samples * seq_len)
