@@ -356,6 +356,7 @@ def main() -> None:
             "sensitivity",
             "awq",
             "awq-bc",
+            "awq-bcc",
             "awq-dense",
             "gptq-static",
             "clip2d",
@@ -377,6 +378,13 @@ def main() -> None:
     ap.add_argument(
         "--lsq-rounds", type=int, default=3, help="lsq: scale refits (each followed by re-rounding)"
     )
+    ap.add_argument("--bias-first", type=int, default=0, help="awq-bc: bias means from this position on")
+    ap.add_argument("--gptq", action="store_true", help="awq, awq-bc: GPTQ rounding after the scales")
+    ap.add_argument(
+        "--sequential", action="store_true", help="awq, awq-bc: groups see the quantized ones before"
+    )
+    ap.add_argument("--loss-tokens", type=int, default=AWQConfig.loss_tokens)
+    ap.add_argument("--clip-tokens", type=int, default=AWQConfig.clip_tokens)
     args = ap.parse_args()
 
     stack = load_stack_with_model(args.stack, None)
@@ -415,9 +423,19 @@ def main() -> None:
         text = read_text(args.calibration)
     samples = calibration_samples(source.tokenizer.encode(text), args.num_samples, 512)
     fmt = build_weight_format(stack, "awq", None, source.config)[0]
-    if args.what in ("awq", "awq-bc"):
-        awq_calibrate(model, samples, fmt, AWQConfig(bias_correction=args.what == "awq-bc"))
-        fake_quantize_linears(model, fmt)
+    if args.what in ("awq", "awq-bc", "awq-bcc"):
+        cfg = AWQConfig(
+            bias_correction=args.what != "awq",
+            centred=args.what == "awq-bcc",
+            bias_first=args.bias_first,
+            loss_tokens=args.loss_tokens,
+            clip_tokens=args.clip_tokens,
+            gptq=args.gptq,
+            sequential=args.sequential,
+        )
+        awq_calibrate(model, samples, fmt, cfg)
+        if not args.gptq:  # GPTQ leaves the weights rounded; nearest leaves them clipped
+            fake_quantize_linears(model, fmt)
     else:
         awq_variant(model, samples, fmt, args.what, args.damping, args.flip_passes, args.lsq_rounds)
     report(args.what, perplexity(model, ids), num_samples=int(samples.shape[0]), calibration=args.calibration)
