@@ -26,6 +26,8 @@ windows with the tied head dense (what the linears cost, not the head):
   - `bias-block`: the same scales and clipping, round to nearest, then the core's bias
     correction per layer (o_proj / down_proj take the mean error of the attention block / MLP);
     `bias`: every linear a bias of its own mean error instead; `bias-all`: both.
+  `awq` and `awq-bc` also take `--gptq` (the core's GPTQ rounding after the scales instead of
+  clipping and rounding to nearest) and `--loss-tokens` / `--clip-tokens` (`AWQConfig`'s).
 
 Usage: python benchmarks/awq_variants.py sensitivity
        python benchmarks/awq_variants.py VARIANT [--num-samples 32] [--damping 0.01]  (VARIANT: one of the above)
@@ -356,7 +358,6 @@ def main() -> None:
             "sensitivity",
             "awq",
             "awq-bc",
-            "awq-bcc",
             "awq-dense",
             "gptq-static",
             "clip2d",
@@ -378,13 +379,19 @@ def main() -> None:
     ap.add_argument(
         "--lsq-rounds", type=int, default=3, help="lsq: scale refits (each followed by re-rounding)"
     )
-    ap.add_argument("--bias-first", type=int, default=0, help="awq-bc: bias means from this position on")
     ap.add_argument("--gptq", action="store_true", help="awq, awq-bc: GPTQ rounding after the scales")
     ap.add_argument(
-        "--sequential", action="store_true", help="awq, awq-bc: groups see the quantized ones before"
+        "--loss-tokens",
+        type=int,
+        default=AWQConfig.loss_tokens,
+        help="awq, awq-bc: tokens of the scale search's loss",
     )
-    ap.add_argument("--loss-tokens", type=int, default=AWQConfig.loss_tokens)
-    ap.add_argument("--clip-tokens", type=int, default=AWQConfig.clip_tokens)
+    ap.add_argument(
+        "--clip-tokens",
+        type=int,
+        default=AWQConfig.clip_tokens,
+        help="awq, awq-bc: tokens of the clipping search",
+    )
     args = ap.parse_args()
 
     stack = load_stack_with_model(args.stack, None)
@@ -423,15 +430,12 @@ def main() -> None:
         text = read_text(args.calibration)
     samples = calibration_samples(source.tokenizer.encode(text), args.num_samples, 512)
     fmt = build_weight_format(stack, "awq", None, source.config)[0]
-    if args.what in ("awq", "awq-bc", "awq-bcc"):
+    if args.what in ("awq", "awq-bc"):
         cfg = AWQConfig(
-            bias_correction=args.what != "awq",
-            centred=args.what == "awq-bcc",
-            bias_first=args.bias_first,
+            bias_correction=args.what == "awq-bc",
             loss_tokens=args.loss_tokens,
             clip_tokens=args.clip_tokens,
             gptq=args.gptq,
-            sequential=args.sequential,
         )
         awq_calibrate(model, samples, fmt, cfg)
         if not args.gptq:  # GPTQ leaves the weights rounded; nearest leaves them clipped

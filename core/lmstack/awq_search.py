@@ -63,14 +63,6 @@ class AWQConfig:
     # config then has attention_bias / mlp_bias; the other linears get zero biases). Off by
     # default in the core; lmstack-awq turns it on (measured on SmolLM2-135M: README).
     bias_correction: bool = False
-    # With bias_correction: the scale and clipping searches minimise the output error less its
-    # mean over the calibration tokens, the part the biases will cancel (the clipping error's
-    # covariance is then the inputs' centred one).
-    centred: bool = False
-    bias_first: int = 0
-    # Calibrate each group of a layer on the inputs it gets with the groups before it quantized
-    # (attention's, and its bias correction, before the MLP's), not on the dense layer's.
-    sequential: bool = False
     # Record per layer and group the chosen alpha (and mean clip ratio): `calibration_record`.
     history: list[dict[str, Any]] = field(default_factory=list)
 
@@ -121,10 +113,7 @@ def search_scales(
         s = s / (s.max() * s.min()).sqrt()
         full = group.expand(s)
         trial = {name: fmt.fake_quantize(weights[name] * full) / full for name in group.linears}
-        diff = group.inspect(x, trial) - target
-        if cfg.centred and cfg.bias_correction:
-            diff = diff - diff.reshape(-1, diff.shape[-1]).mean(0)
-        loss = diff.pow(2).mean().item()
+        loss = (group.inspect(x, trial) - target).pow(2).mean().item()
         if loss < best[0]:
             best = (loss, s, {"alpha": alpha, "duo": True} if duo else {"alpha": alpha})
     return best[1], best[2]
@@ -162,8 +151,6 @@ def search_clip(
     pad = (-in_f) % g
     groups = (in_f + pad) // g
     xp = torch.nn.functional.pad(x.float(), (0, pad)).view(-1, groups, g)
-    if cfg.centred and cfg.bias_correction:
-        xp = xp - xp.mean(0)
     cov = torch.einsum("ngk,ngl->gkl", xp, xp) / xp.shape[0]  # [G, g, g]
     wp = torch.nn.functional.pad(weight, (0, pad)).view(out_f, groups, g)
     amax = wp.abs().amax(-1, keepdim=True)  # [O, G, 1]
@@ -229,13 +216,7 @@ def awq_calibrate(
         # The layer's linears before clipping or GPTQ, scaled as the search folds: the exact
         # dense layer, the reference of the bias correction.
         unclipped: dict[str, torch.Tensor] = {}
-        for k, group in enumerate(groups):
-            if cfg.sequential and k and not gptq:
-                done = {name: fmt.fake_quantize(weights[name]) for g in groups[:k] for name in g.linears}
-                if cfg.bias_correction and group.input == "mlp_in":
-                    dense = {name: unclipped.get(name, weights[name]) for name in model.linear_names(i)}
-                    model.correct_biases(i, x, dense, done, cfg.bias_first)
-                inputs[group.input] = model.layer_forward(i, x, done, capture=True)[1][group.input]
+        for group in groups:
             xin = inputs[group.input]
             if group.prev is not None:
                 s_prev, chosen = search_scales(group, weights, xin[:loss_n], fmt, cfg)
@@ -272,7 +253,7 @@ def awq_calibrate(
         }
         if cfg.bias_correction:
             dense = {name: unclipped.get(name, weights[name]) for name in model.linear_names(i)}
-            model.correct_biases(i, x, dense, quantized, cfg.bias_first)
+            model.correct_biases(i, x, dense, quantized)
         x, _ = model.layer_forward(i, x, quantized)
         record["seconds"] = round(time.perf_counter() - started, 2)
         cfg.history.append(record)

@@ -234,12 +234,7 @@ class CalibrationModel:
 
     @torch.no_grad()
     def correct_biases(
-        self,
-        i: int,
-        x: torch.Tensor,
-        dense: dict[str, torch.Tensor],
-        quantized: dict[str, torch.Tensor],
-        first: int = 0,
+        self, i: int, x: torch.Tensor, dense: dict[str, torch.Tensor], quantized: dict[str, torch.Tensor]
     ) -> None:
         """Bias correction of layer i's two blocks: o_proj's bias gains the mean, over the tokens
         of x [B, L, H], of the dense attention block's output minus the quantized one's on the
@@ -252,7 +247,6 @@ class CalibrationModel:
         o, down = p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"
 
         def mean_rows(t: torch.Tensor) -> torch.Tensor:
-            t = t[:, first:]
             return t.reshape(-1, t.shape[-1]).double().mean(0).float()
 
         def add_bias(name: str, delta: torch.Tensor) -> torch.Tensor:
