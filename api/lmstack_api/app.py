@@ -416,10 +416,13 @@ async def models(request: Request) -> Response:
 
 
 @get("/v1/models/{model_id:str}")
-async def model_card(request: Request, model_id: str) -> Response:
+async def model_card(request: Request) -> Response:
+    # Read from the request rather than a `model_id` argument: Litestar 2.25 deprecates path
+    # parameters inferred from a bare argument, and its replacement (`FromPath`) is missing
+    # from the older Litestar versions this package accepts.
     state = _state(request)
     state.authenticate(request.headers)
-    state.check_model(model_id)
+    state.check_model(str(request.path_params["model_id"]))
     max_len = state.engine.max_model_len if state.engine is not None else None
     return _json(ModelCard(state.model_name, state.created, max_model_len=max_len))
 

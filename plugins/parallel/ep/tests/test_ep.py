@@ -38,7 +38,8 @@ class TestEpConformance(ParallelConformance):
     options = {"ep": 2}
 
     @pytest.fixture(scope="class")
-    def tiny_model_path(self, tiny_moe_path):
+    @classmethod
+    def tiny_model_path(cls, tiny_moe_path):
         """The kit's end-to-end model, here the MoE one: ep has no experts to split in the Llama."""
         return tiny_moe_path
 
