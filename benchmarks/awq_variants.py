@@ -63,6 +63,7 @@ from lmstack.quantize import (
     build_weight_format,
     calibration_samples,
     generate_calibration_text,
+    token_mean,
 )
 from lmstack_awq.gptq import gptq_int4
 from lmstack_awq.int4_math import QMAX, expand_groups, group_params
@@ -202,10 +203,6 @@ def refit_scales(
     return best_w
 
 
-def _mean_rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1]).double().mean(0).float()
-
-
 @torch.no_grad()
 def bias_correct(
     model: CalibrationModel,
@@ -235,7 +232,7 @@ def bias_correct(
 
     def own(names: list[str], inputs: torch.Tensor) -> None:
         for name in names:
-            set_bias(name, (dense[name] - w[name]) @ _mean_rows(inputs))
+            set_bias(name, (dense[name] - w[name]) @ token_mean(inputs))
 
     qkv, gate_up = [f"{a}{n}_proj.weight" for n in "qkv"], [f"{m}{n}_proj.weight" for n in ("gate", "up")]
     o, down = a + "o_proj.weight", m + "down_proj.weight"
@@ -248,7 +245,7 @@ def bias_correct(
         x = x + model._linear(o_in, o, None)
     else:
         got = model._linear(o_in, o, None)
-        set_bias(o, _mean_rows(dense_attn - got))
+        set_bias(o, token_mean(dense_attn - got))
         x = x + got + w[o.removesuffix("weight") + "bias"]
     h2 = model._norm(x, p + "post_attention_layernorm.weight")
     dense_mlp = model._linear(model._mlp_act(i, h2, dense), down, dense)
@@ -257,7 +254,7 @@ def bias_correct(
     if variant == "bias":
         own([down], act)
     else:
-        set_bias(down, _mean_rows(dense_mlp - model._linear(act, down, None)))
+        set_bias(down, token_mean(dense_mlp - model._linear(act, down, None)))
 
 
 @torch.no_grad()

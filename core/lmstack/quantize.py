@@ -94,6 +94,12 @@ class ScaleGroup:
         return stat.view(-1, self.share, self.share_width).mean(1)
 
 
+def token_mean(t: torch.Tensor) -> torch.Tensor:
+    """The mean over every token of t [..., H] (summed in float64: a bias is a small difference
+    of large sums), [H] float32."""
+    return t.reshape(-1, t.shape[-1]).double().mean(0).float()
+
+
 class CalibrationModel:
     """A Llama-family model's dense fp32 weights by Hugging Face name, with the forward pieces a
     calibrating search needs. Samples are [B, L] token ids of equal length; hidden states are
@@ -246,9 +252,6 @@ class CalibrationModel:
         p = self.prefix(i)
         o, down = p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"
 
-        def mean_rows(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(-1, t.shape[-1]).double().mean(0).float()
-
         def add_bias(name: str, delta: torch.Tensor) -> torch.Tensor:
             key = name.removesuffix("weight") + "bias"
             self.weights[key] = self.weights[key] + delta if key in self.weights else delta
@@ -257,11 +260,11 @@ class CalibrationModel:
         h = self._norm(x, p + "input_layernorm.weight")
         want = self._linear(self._attention(i, h, dense), o, dense)
         got = self._linear(self._attention(i, h, quantized), o, quantized)
-        x = x + got + add_bias(o, mean_rows(want - got))
+        x = x + got + add_bias(o, token_mean(want - got))
         h2 = self._norm(x, p + "post_attention_layernorm.weight")
         want = self._linear(self._mlp_act(i, h2, dense), down, dense)
         got = self._linear(self._mlp_act(i, h2, quantized), down, quantized)
-        add_bias(down, mean_rows(want - got))
+        add_bias(down, token_mean(want - got))
 
     def complete_biases(self) -> dict[str, bool]:
         """config.json's `attention_bias` / `mlp_bias` for the weights as they are, with a zero
