@@ -27,7 +27,10 @@ windows with the tied head dense (what the linears cost, not the head):
     correction per layer (o_proj / down_proj take the mean error of the attention block / MLP);
     `bias`: every linear a bias of its own mean error instead; `bias-all`: both.
   `awq` and `awq-bc` also take `--gptq` (the core's GPTQ rounding after the scales instead of
-  clipping and rounding to nearest) and `--loss-tokens` / `--clip-tokens` (`AWQConfig`'s).
+  clipping and rounding to nearest), `--loss-tokens` / `--clip-tokens` (`AWQConfig`'s) and
+  `--tune-epochs N` (then the scales and biases tuned end to end, `lmstack.scale_tuning`, as
+  `lmstack quantize --method awq` does by default with 4; `--val-samples` more samples are cut
+  from the calibration text to pick the epoch, and each epoch's held-out perplexity is printed).
 
 Usage: python benchmarks/awq_variants.py sensitivity
        python benchmarks/awq_variants.py VARIANT [--num-samples 32] [--damping 0.01]  (VARIANT: one of the above)
@@ -63,6 +66,7 @@ from lmstack.quantize import (
     build_weight_format,
     calibration_samples,
     generate_calibration_text,
+    split_validation,
     token_mean,
 )
 from lmstack_awq.gptq import gptq_int4
@@ -389,6 +393,8 @@ def main() -> None:
         default=AWQConfig.clip_tokens,
         help="awq, awq-bc: tokens of the clipping search",
     )
+    ap.add_argument("--tune-epochs", type=int, default=0, help="awq, awq-bc: scale tuning epochs")
+    ap.add_argument("--val-samples", type=int, default=8, help="with --tune-epochs: validation samples")
     args = ap.parse_args()
 
     stack = load_stack_with_model(args.stack, None)
@@ -425,7 +431,9 @@ def main() -> None:
         text = path.read_text(encoding="utf-8")
     else:
         text = read_text(args.calibration)
-    samples = calibration_samples(source.tokenizer.encode(text), args.num_samples, 512)
+    extra = args.val_samples if args.tune_epochs else 0
+    samples = calibration_samples(source.tokenizer.encode(text), args.num_samples + extra, 512)
+    samples, validation = split_validation(samples, args.num_samples, extra)
     fmt = build_weight_format(stack, "awq", None, source.config)[0]
     if args.what in ("awq", "awq-bc"):
         cfg = AWQConfig(
@@ -433,9 +441,18 @@ def main() -> None:
             loss_tokens=args.loss_tokens,
             clip_tokens=args.clip_tokens,
             gptq=args.gptq,
+            tune_epochs=args.tune_epochs,
+            tune_val_samples=args.val_samples,
         )
-        awq_calibrate(model, samples, fmt, cfg)
-        if not args.gptq:  # GPTQ leaves the weights rounded; nearest leaves them clipped
+
+        def on_epoch(epoch: int, line: dict, linears: dict[str, torch.Tensor]) -> None:
+            saved = {n: model.weights[n] for n in linears}
+            model.weights.update(linears)
+            report(f"{args.what} tuning", perplexity(model, ids), **line)
+            model.weights.update(saved)
+
+        awq_calibrate(model, samples, fmt, cfg, on_epoch=on_epoch, validation=validation)
+        if not args.gptq and not args.tune_epochs:  # GPTQ and tuning leave them rounded, nearest clipped
             fake_quantize_linears(model, fmt)
     else:
         awq_variant(model, samples, fmt, args.what, args.damping, args.flip_passes, args.lsq_rounds)

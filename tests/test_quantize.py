@@ -185,6 +185,11 @@ def test_awq_command_records_its_calibration(tiny_model_path, tmp_path):
     assert record["calibration"]["source"] == str(text) and record["calibration"]["num_samples"] == 4
     assert record["cpu_model"] and isinstance(record["cpu_flags"], list)  # names the CPU it ran on
     assert record["search"]["algorithm"] == "awq" and len(record["search"]["layers"]) == 2
+    # lmstack-awq tunes the scales by default, on 8 more samples cut after the search's to
+    # validate with
+    assert record["calibration"]["validation_samples"] == 8
+    tuning = record["search"]["scale_tuning"]
+    assert (tuning["epochs"], tuning["train_samples"], tuning["val_samples"]) == (4, 4, 8)
     lps = _served_logprobs(out, "awq", _ids(3))
     assert torch.isfinite(lps).all()
 

@@ -29,17 +29,23 @@ Per decoder layer, in order:
 5. propagate: the next layer's inputs are this layer's outputs with its weights quantized
    (fake_quantize of the final weights, and the biases), so later layers calibrate on what they
    will see when served.
+6. with `tune_epochs` (formats that are `lmstack.scale_tuning.ScaleTunable`), the codes are
+   frozen and the group scales and biases tuned end to end towards the dense model's
+   next-token distributions on the calibration samples (`tune_scales`); a few samples at the
+   end of the calibration set stay out of the search and the tuning, to pick the epoch kept.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lmstack.quant_format import WeightFormat
+from lmstack.scale_tuning import ScaleTunable, teacher_log_probs, tune_scales
 
 
 @dataclass
@@ -63,8 +69,18 @@ class AWQConfig:
     # config then has attention_bias / mlp_bias; the other linears get zero biases). Off by
     # default in the core; lmstack-awq turns it on (measured on SmolLM2-135M: README).
     bias_correction: bool = False
+    # After the search, tune every linear's group scales (codes frozen) and the biases end to
+    # end, distilling the dense model over the calibration samples, for `tune_epochs` epochs
+    # (`lmstack.scale_tuning`; formats that are `ScaleTunable` only). `lmstack quantize` cuts
+    # `tune_val_samples` more samples after the search's (`validation`), which pick the epoch
+    # kept. 0 (the core's default): no tuning; lmstack-awq turns it on (README).
+    tune_epochs: int = 0
+    tune_lr: float = 1e-3  # Adam's step on the log of each scale
+    tune_bias_lr: float = 1e-3
+    tune_val_samples: int = 8
     # Record per layer and group the chosen alpha (and mean clip ratio): `calibration_record`.
     history: list[dict[str, Any]] = field(default_factory=list)
+    tuning: dict[str, Any] | None = None  # the scale tuning's record, when it ran
 
 
 def _group_size(fmt: WeightFormat, in_features: int) -> int:
@@ -197,14 +213,26 @@ def _fold(weights: dict[str, torch.Tensor], prev: str, s: torch.Tensor) -> None:
 
 @torch.no_grad()
 def awq_calibrate(
-    model: Any, samples: torch.Tensor, fmt: WeightFormat, cfg: AWQConfig, progress: Any = None
+    model: Any,
+    samples: torch.Tensor,
+    fmt: WeightFormat,
+    cfg: AWQConfig,
+    progress: Any = None,
+    on_epoch: Callable[[int, dict[str, float], dict[str, torch.Tensor]], None] | None = None,
+    validation: torch.Tensor | None = None,
 ) -> None:
-    """Run AWQ over every layer of `model` (a `CalibrationModel`), rewriting its weights in place."""
+    """Run AWQ over every layer of `model` (a `CalibrationModel`), rewriting its weights in place;
+    then, with `cfg.tune_epochs`, tune the scales end to end (`on_epoch`: called after each
+    epoch; `validation`: samples [n, seq_len] that pick the epoch kept, none: the last)."""
     weights = model.weights
     # GPTQ rounds against the scaled weights themselves: a clipped copy would make the clipping
     # error part of its target (the clipped-off outliers could never come back), and GPTQ sets
     # each group's range as it walks, so the clipping search is for round-to-nearest only.
     gptq = cfg.gptq and hasattr(fmt, "gptq")
+    tuning = cfg.tune_epochs > 0 and isinstance(fmt, ScaleTunable)
+    if tuning:  # the dense model's distributions, before any weight changes
+        val = validation if validation is not None else samples[:0]
+        teacher = teacher_log_probs(model, torch.cat([samples, val]))
     x = model.embed(samples)
     loss_n = max(1, min(samples.shape[0], cfg.loss_tokens // samples.shape[1]))
     bar = progress(model.num_layers, "awq", "layers") if progress is not None else None
@@ -261,6 +289,30 @@ def awq_calibrate(
             bar.update(1)
     if bar is not None:
         bar.close()
+    if tuning:
+        with torch.enable_grad():
+            result = tune_scales(
+                model,
+                fmt,  # type: ignore[arg-type]
+                samples,
+                val,
+                teacher,
+                epochs=cfg.tune_epochs,
+                lr=cfg.tune_lr,
+                bias_lr=cfg.tune_bias_lr,
+                progress=progress,
+                on_epoch=on_epoch,
+            )
+        cfg.tuning = {
+            "epochs": cfg.tune_epochs,
+            "lr": cfg.tune_lr,
+            "bias_lr": cfg.tune_bias_lr,
+            "train_samples": int(samples.shape[0]),
+            "val_samples": int(val.shape[0]),
+            "best_epoch": result.best_epoch,
+            "history": result.epochs,
+            "seconds": result.seconds,
+        }
 
 
 class AWQCalibration:
@@ -269,10 +321,19 @@ class AWQCalibration:
 
     awq: AWQConfig
 
-    def calibrate(self, model: Any, samples: torch.Tensor, progress: Any = None) -> None:
+    def calibrate(
+        self, model: Any, samples: torch.Tensor, progress: Any = None, validation: torch.Tensor | None = None
+    ) -> None:
         if not hasattr(self, "awq"):
             self.awq = AWQConfig()
-        awq_calibrate(model, samples, self, self.awq, progress)  # type: ignore[arg-type]
+        awq_calibrate(model, samples, self, self.awq, progress, validation=validation)  # type: ignore[arg-type]
+
+    @property
+    def validation_samples(self) -> int:
+        """Samples `lmstack quantize` cuts beyond --num-samples and passes as `calibrate`'s
+        `validation`: the scale tuning's (0 without it)."""
+        cfg = getattr(self, "awq", AWQConfig())
+        return cfg.tune_val_samples if cfg.tune_epochs > 0 and isinstance(self, ScaleTunable) else 0
 
     def calibration_record(self) -> dict[str, Any]:
         cfg = getattr(self, "awq", AWQConfig())
@@ -289,4 +350,5 @@ class AWQCalibration:
             "loss_tokens": cfg.loss_tokens,
             "propagation": "quantized",
             "layers": cfg.history,
+            "scale_tuning": cfg.tuning,
         }

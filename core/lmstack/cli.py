@@ -385,7 +385,13 @@ def _add_quantize_parser(sub: Any) -> None:
         help="a text file, or `self` (the default: the model's own sampled answers to built-in "
         "prompts, saved as calibration.txt in the output folder)",
     )
-    q.add_argument("--num-samples", type=_positive_int, default=32, metavar="N", help="calibration samples")
+    q.add_argument(
+        "--num-samples",
+        type=_positive_int,
+        default=32,
+        metavar="N",
+        help="calibration samples (a format that validates, e.g. awq's scale tuning, cuts a few more after them)",
+    )
     q.add_argument("--seq-len", type=_positive_int, default=512, metavar="L", help="tokens per sample")
     q.set_defaults(handler=_cmd_quantize)
 

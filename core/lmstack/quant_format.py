@@ -84,7 +84,12 @@ class Calibrated(Protocol):
     weight in `model.weights` as long as the model's function is kept up to quantization error
     (AWQ folds per-channel scales into the previous op and clips weights); the writer then
     encodes the rewritten linears. `calibration_record()` goes into the folder's
-    `lmstack_quantize.json` (the search's settings and results)."""
+    `lmstack_quantize.json` (the search's settings and results).
+
+    A format that wants samples its search does not see (to pick a setting on, as the AWQ scale
+    tuning picks its epoch) has a `validation_samples` attribute > 0: `lmstack quantize` then cuts
+    that many more samples after --num-samples and passes them as `calibrate(...,
+    validation=...)`."""
 
     def calibrate(self, model: Any, samples: torch.Tensor, progress: Any = None) -> None: ...
 

@@ -289,20 +289,34 @@ class CalibrationModel:
                         self.weights[b] = torch.zeros(self.weights[w].shape[0])
         return flags
 
-    @torch.no_grad()
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """The full model's logits [B, L, V] (for tests)."""
-        x = self.embed(ids)
-        for i in range(self.num_layers):
-            x, _ = self.layer_forward(i, x)
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head on the last layer's output: logits [..., V]."""
         x = self._norm(x, "model.norm.weight")
         head = self.weights.get("lm_head.weight", self.weights["model.embed_tokens.weight"])
         return F.linear(x, head)
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The full model's logits [B, L, V] (the scale tuning's teacher; tests)."""
+        x = self.embed(ids)
+        for i in range(self.num_layers):
+            x, _ = self.layer_forward(i, x)
+        return self.head(x)
 
 
 # ---------------------------------------------------------------------------------------------
 # Calibration text
 # ---------------------------------------------------------------------------------------------
+
+
+def split_validation(
+    samples: torch.Tensor, num_samples: int, wanted: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(search samples, validation samples) of `calibration_samples(ids, num_samples + wanted,
+    ...)`: the last `wanted` when the text gave them all, else at most a fifth of what it gave."""
+    n = samples.shape[0]
+    n_val = wanted if n >= num_samples + wanted else min(wanted, n // 5)
+    return samples[: n - n_val], samples[n - n_val :]
 
 
 def calibration_samples(ids: list[int], num_samples: int, seq_len: int) -> torch.Tensor:
@@ -508,17 +522,25 @@ def quantize(
             **cpu_description(),  # the search's fp32 sums, and so its choices, follow the kernels
         }
         if isinstance(fmt, Calibrated):
-            text, origin = _calibration_text(stack, calibration, num_samples * seq_len)
-            samples = calibration_samples(source.tokenizer.encode(text), num_samples, seq_len)
+            # A format may validate on samples its search does not see (`validation_samples`,
+            # the scale tuning's): they are cut after --num-samples and passed on their own.
+            extra = int(getattr(fmt, "validation_samples", 0))
+            text, origin = _calibration_text(stack, calibration, (num_samples + extra) * seq_len)
+            samples = calibration_samples(source.tokenizer.encode(text), num_samples + extra, seq_len)
+            kwargs: dict[str, Any] = {}
+            if extra:
+                samples, kwargs["validation"] = split_validation(samples, num_samples, extra)
             record["calibration"] = {
                 "source": origin,
                 "sha256": hashlib.sha256(text.encode()).hexdigest(),
                 "num_samples": int(samples.shape[0]),
                 "seq_len": seq_len,
             }
+            if extra:
+                record["calibration"]["validation_samples"] = int(kwargs["validation"].shape[0])
             if origin == SELF:
                 (out_dir / "calibration.txt").write_text(text, encoding="utf-8")
-            fmt.calibrate(model, samples, progress=Progress)
+            fmt.calibrate(model, samples, progress=Progress, **kwargs)
             record["search"] = fmt.calibration_record()
         biases = model.complete_biases()  # bias correction may have added some
         tensors = encode_model(model, fmt)

@@ -27,6 +27,7 @@ from lmstack_awq.int4_math import (
     SYMMETRIC_ZERO,
     Int4Quantized,
     Int4Scheme,
+    expand_groups,
     pack_nibbles,
     quantize_int4,
 )
@@ -94,6 +95,22 @@ class Int4WeightFormat(WeightFormat):
         qw = gptq_int4(weight, h, self.scheme, SCALE_DTYPE)
         self.rounded[name] = qw
         return qw.dequantize(torch.float32)
+
+    def tune_start(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`lmstack.scale_tuning.ScaleTunable`: linear `name`'s codes less zero points (as GPTQ
+        left them, else rounded to nearest now), scales and group size."""
+        qw = self.rounded.get(name) or self.quantize(weight)
+        self.rounded[name] = qw
+        zero = expand_groups(qw.zero.float(), qw.q.shape[1], qw.group_size)
+        return qw.q.float() - zero, qw.scale.float(), qw.group_size
+
+    def tune_finish(self, name: str, scales: torch.Tensor) -> torch.Tensor:
+        """Keep tuned `scales` (rounded to the stored fp16) with linear `name`'s frozen codes for
+        `encode`; the served weight (fp32)."""
+        qw = self.rounded[name]
+        scale = scales.detach().to(SCALE_DTYPE).float()
+        self.rounded[name] = Int4Quantized(qw.q, scale, qw.zero, qw.group_size)
+        return self.rounded[name].dequantize(torch.float32)
 
     def encode(self, name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         if weight.dim() != 2:

@@ -154,7 +154,14 @@ class AwqQuantizer(Int4Quantizer):
     def weight_format(self) -> WeightFormat:
         from lmstack_awq.search import AWQConfig, AwqWeightFormat  # the AWQ search runs before encoding
 
+        if self.options.tune_epochs < 0:
+            raise ConfigError(f"awq tune_epochs {self.options.tune_epochs}: want 0 (no tuning) or more")
+
         return AwqWeightFormat(
             self.scheme,
-            AWQConfig(gptq=self.options.rounding == "gptq", bias_correction=self.options.bias_correction),
+            AWQConfig(
+                gptq=self.options.rounding == "gptq",
+                bias_correction=self.options.bias_correction,
+                tune_epochs=self.options.tune_epochs,
+            ),
         )

@@ -184,3 +184,62 @@ def test_bias_correction_cancels_each_blocks_mean_error(outlier_model):
         scale = before.mean(0).abs().max()
         assert scale > 1e-3 * before.abs().mean()  # there was a mean error to cancel
         assert err.mean(0).abs().max() < 1e-3 * scale
+
+
+def _kl_to(dense: CalibrationModel, model: CalibrationModel, ids: torch.Tensor) -> float:
+    t = torch.log_softmax(dense.logits(ids), -1)
+    s = torch.log_softmax(model.logits(ids), -1)
+    return (t.exp() * (t - s)).sum(-1).mean().item()
+
+
+def test_scale_tuning_moves_only_scales_and_biases_towards_the_dense_model(outlier_model):
+    """With `tune_epochs`, the search's codes and zero points stay as round-to-nearest left them,
+    the fp16 group scales move, the held-out samples of the calibration set pick the epoch, and
+    the tuned model is closer to the dense one (KL) than the untuned one, on samples that
+    neither the search nor the tuning saw. The folder's tensors are the tuned linears exactly."""
+    from lmstack_awq.int4_format import decode_ct_codes, decode_ct_zero
+    from lmstack_awq.int4_math import Int4Scheme, dequantize_int4
+    from lmstack_awq.search import AwqWeightFormat
+
+    class Recording(AwqWeightFormat):
+        start: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def tune_start(self, name, weight):
+            codes, scales, group = super().tune_start(name, weight)
+            qw = self.rounded[name]
+            self.start[name] = (qw.q.clone(), scales.clone())
+            return codes, scales, group
+
+    calibration, unseen = _samples(11, n=10), _samples(12, n=4)
+    runs = {}
+    for epochs in (0, 3):
+        fmt = Recording(
+            Int4Scheme(32, False),
+            AWQConfig(grid=4, clip_grid=4, bias_correction=True, tune_epochs=epochs, tune_lr=3e-3),
+        )
+        model = _copy(outlier_model)
+        assert fmt.validation_samples == (8 if epochs else 0)
+        fmt.calibrate(model, calibration[:8], validation=calibration[8:] if epochs else None)
+        if epochs == 0:
+            for n in model.all_linear_names():
+                model.weights[n] = fmt.fake_quantize(model.weights[n])
+        runs[epochs] = (fmt, model)
+    fmt, tuned = runs[3]
+    record = fmt.calibration_record()["scale_tuning"]
+    assert record["train_samples"] == 8 and record["val_samples"] == 2
+    assert [h["epoch"] for h in record["history"]] == [0, 1, 2, 3]
+    best = min(record["history"], key=lambda h: h["val_kl"])
+    assert record["best_epoch"] == best["epoch"] > 0
+    # The folder holds the codes the search's rounding gave, the tuned scales, and exactly the
+    # weights the tuned model computes with.
+    name = "model.layers.1.mlp.down_proj"
+    codes, scales = fmt.start[name]
+    qw = fmt.rounded[name]
+    t = fmt.encode(name, tuned.weights[name + ".weight"])
+    out, cols = qw.q.shape
+    assert torch.equal(decode_ct_codes(t["weight_packed"], (out, cols)), codes)
+    assert torch.equal(decode_ct_zero(t["weight_zero_point"], out, t["weight_scale"].shape[1]), qw.zero)
+    assert not torch.equal(t["weight_scale"].float(), scales)
+    back = dequantize_int4(codes, t["weight_scale"].float(), qw.zero, 32, torch.float32)
+    torch.testing.assert_close(back, tuned.weights[name + ".weight"], rtol=0, atol=0)
+    assert _kl_to(outlier_model, tuned, unseen) < _kl_to(outlier_model, runs[0][1], unseen)
