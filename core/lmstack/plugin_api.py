@@ -29,7 +29,7 @@ Everything else in lmstack is internal and may change in any release.
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.6"  # 1.6: `Speculator.stops_by_confidence`, `Sequence.draft_min_gain`
+PLUGIN_API_VERSION = "1.7"  # 1.7: `lmstack.scale_tuning`, `AWQConfig.tune_*`, `calibrate(validation=)`
 """The plugin API this lmstack provides; see the module docstring for when it changes."""
 
 PUBLIC_API: dict[str, tuple[str, ...]] = {
@@ -123,6 +123,8 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     # 1.2: the AWQ search any quantizer's format can use (issue 11).
     "lmstack.awq_search": ("AWQConfig", "AWQCalibration", "awq_calibrate", "search_scales", "search_clip"),
     "lmstack.quantize": ("CalibrationModel", "ScaleGroup"),
+    # 1.7: end-to-end tuning of a format's group scales after the AWQ search (issue 11).
+    "lmstack.scale_tuning": ("ScaleTunable", "TuneResult", "teacher_log_probs", "tune_scales"),
     "lmstack.distributed": (
         "ParallelRanks",
         "ParallelState",

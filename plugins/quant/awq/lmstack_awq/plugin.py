@@ -97,7 +97,7 @@ AWQ = Component(
     factory=build_awq,
     options_type=AwqOptions,
     capabilities=_common_caps((CT_PACK_QUANTIZED, AUTOAWQ_GEMM)),
-    api=">=1.0,<2",
+    api=">=1.7,<2",  # `lmstack quantize --method awq` tunes scales (`lmstack.scale_tuning`)
     description="int4 AWQ checkpoints (compressed-tensors pack-quantized, AutoAWQ GEMM) served packed: W4A16.",
 )
 
