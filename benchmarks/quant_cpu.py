@@ -9,6 +9,7 @@ Stacks (each measured in its own subprocess, so timings and memory do not mix):
   awq, fp8, nvfp4  folders written by `lmstack quantize --method M` (made here when the
                    command and the method's plugin exist, else skipped with a note), served
                    with `model: DIR` in the default dtype
+  awq-bf16         the awq folder in bfloat16 (its compact layout through torch's int4pack)
 
     python benchmarks/quant_cpu.py                # full run (minutes)
     python benchmarks/quant_cpu.py --quick        # smoke run
@@ -46,7 +47,9 @@ from lmstack.hardware import cpu_name  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "smollm2-135m-instruct"
 QUANT_METHODS = ("awq", "fp8", "nvfp4")
-STACKS = ("unquantized", "unquantized-bf16", "kv-fp8", *QUANT_METHODS)
+# awq-bf16: the awq folder in bfloat16, where lmstack-awq keeps the checkpoint's compact layout
+# (torch's int4pack op) instead of re-laying it out as Q4_1 blocks for the fp32 kernels.
+STACKS = ("unquantized", "unquantized-bf16", "kv-fp8", *QUANT_METHODS, "awq-bf16")
 TARGETS = {
     "awq_decode_vs_unquantized": (">=", 2.0),
     "awq_weights_vs_bf16": ("<=", 0.3),
@@ -75,9 +78,11 @@ def stack_for(name: str, model: str, folders: dict[str, str], kv_memory: str) ->
         stack["dtype"] = "bfloat16"
     elif name == "kv-fp8":
         stack["quant"]["kv_cache"] = "fp8_e4m3"
-    elif name in QUANT_METHODS:
+    elif name in (*QUANT_METHODS, "awq-bf16"):
         stack["model"] = folders[name]
         stack["quant"] = {"weights": "auto", "kv_cache": "auto"}
+        if name == "awq-bf16":
+            stack["dtype"] = "bfloat16"
     return stack
 
 
@@ -282,8 +287,8 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     folders: dict[str, str] = {}
     for name in wanted:
-        if name in QUANT_METHODS:
-            folder, note = make_folder(name, args.model, root)
+        if name in (*QUANT_METHODS, "awq-bf16"):
+            folder, note = make_folder(name.removesuffix("-bf16"), args.model, root)
             if folder is None:
                 results[name] = {"skipped": note}
                 print(f"{name}: skipped ({note})", flush=True)
