@@ -49,7 +49,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 QUANT_METHODS = ("awq", "fp8", "nvfp4")
 # awq-bf16: the awq folder in bfloat16, where lmstack-awq keeps the checkpoint's compact layout
 # (torch's int4pack op) instead of re-laying it out as Q4_1 blocks for the fp32 kernels.
-STACKS = ("unquantized", "unquantized-bf16", "kv-fp8", *QUANT_METHODS, "awq-bf16")
+FOLDER_STACKS = (*QUANT_METHODS, "awq-bf16")  # served from a folder `lmstack quantize` writes
+STACKS = ("unquantized", "unquantized-bf16", "kv-fp8", *FOLDER_STACKS)
 TARGETS = {
     "awq_decode_vs_unquantized": (">=", 2.0),
     "awq_weights_vs_bf16": ("<=", 0.3),
@@ -78,7 +79,7 @@ def stack_for(name: str, model: str, folders: dict[str, str], kv_memory: str) ->
         stack["dtype"] = "bfloat16"
     elif name == "kv-fp8":
         stack["quant"]["kv_cache"] = "fp8_e4m3"
-    elif name in (*QUANT_METHODS, "awq-bf16"):
+    elif name in FOLDER_STACKS:
         stack["model"] = folders[name]
         stack["quant"] = {"weights": "auto", "kv_cache": "auto"}
         if name == "awq-bf16":
@@ -287,7 +288,7 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     folders: dict[str, str] = {}
     for name in wanted:
-        if name in (*QUANT_METHODS, "awq-bf16"):
+        if name in FOLDER_STACKS:
             folder, note = make_folder(name.removesuffix("-bf16"), args.model, root)
             if folder is None:
                 results[name] = {"skipped": note}

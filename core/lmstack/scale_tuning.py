@@ -103,6 +103,12 @@ def tune_scales(
             out[n] = codes[n] * s
         return out
 
+    @torch.no_grad()
+    def report(epoch: int) -> None:
+        if on_epoch is not None:
+            every = {n: w for i in range(model.num_layers) for n, w in linears(i).items()}
+            on_epoch(epoch, history[-1], every)
+
     def logits(ids: torch.Tensor) -> torch.Tensor:
         x = model.embed(ids)
         for i in range(model.num_layers):
@@ -129,9 +135,7 @@ def tune_scales(
     gen = torch.Generator().manual_seed(seed)
     best_val, best_epoch, best = val_kl(), 0, snapshot()
     history: list[dict[str, float]] = [{"epoch": 0, "val_kl": round(best_val, 5)}]
-    if on_epoch is not None:
-        with torch.no_grad():
-            on_epoch(0, history[0], {n: w for i in range(model.num_layers) for n, w in linears(i).items()})
+    report(0)
     bar = progress(epochs * train.shape[0], "tune scales", "samples") if progress is not None else None
     for epoch in range(1, epochs + 1):
         total = 0.0
@@ -145,11 +149,7 @@ def tune_scales(
                 bar.update(1)
         v = val_kl()
         history.append({"epoch": epoch, "train_kl": round(total / train.shape[0], 5), "val_kl": round(v, 5)})
-        if on_epoch is not None:
-            with torch.no_grad():
-                on_epoch(
-                    epoch, history[-1], {n: w for i in range(model.num_layers) for n, w in linears(i).items()}
-                )
+        report(epoch)
         if val.shape[0] == 0 or v < best_val:
             best_val, best_epoch, best = v, epoch, snapshot()
     if bar is not None:
