@@ -20,7 +20,11 @@ Measurements, per stack:
                    second after the first token, median of --repeats runs
   throughput_tok_s --streams prompts (16..256 tokens, seeded) at once, --output-tokens each,
                    output tokens per second of wall time (prefill included)
-  weight_bytes     sum of the loaded model's parameter + buffer bytes (tied tensors once)
+  weight_bytes     bytes of every tensor the loaded model holds: parameters, buffers and what
+                   its modules keep beside them (a kernel's re-laid copy, scale tables, a bf16
+                   copy for batches), each storage once (a tied head counts once)
+  scratch_bytes    the reused work buffers kernels fill per call (a layer rebuilt for prefill),
+                   after the run: resident too, but not weights
   kv_blocks, kv_sequences  blocks in --kv-memory and how many --seq-len-token sequences fit
 Writes quant_cpu.json + quant_cpu.png + command.txt under benchmarks/results/quant_cpu-<date>/.
 Timings on a shared machine are noisy: compare ratios from the same run.
@@ -87,14 +91,41 @@ def stack_for(name: str, model: str, folders: dict[str, str], kv_memory: str) ->
     return stack
 
 
+def held_tensors(obj, depth: int = 0):
+    """The tensors a module's plain attributes hold, and those of the objects and containers
+    they hold (a kernel object's copies), a few levels down; sub-modules are walked on their own."""
+    import torch
+    from torch import nn
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 3 or isinstance(obj, nn.Module):
+        return
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from held_tensors(value, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from held_tensors(value, depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for value in vars(obj).values():
+            yield from held_tensors(value, depth + 1)
+
+
 def resident_weight_bytes(model) -> int:
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name not in ("_parameters", "_buffers", "_modules"):
+                tensors.extend(held_tensors(value, 1))
     seen: set[int] = set()
     total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() in seen:  # a tied head shares the embedding's storage
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:  # tied tensors, views
             continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
     return total
 
 
@@ -137,6 +168,9 @@ def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     result["throughput_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / wall
+    from lmstack.scratch import held_bytes
+
+    result["scratch_bytes"] = held_bytes()
     engine.shutdown()
     return result
 

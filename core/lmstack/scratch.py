@@ -23,3 +23,9 @@ def reused_buffer(
     if buf is None or buf.numel() < rows * cols:
         buf = buffers[key] = torch.empty(rows * cols, dtype=dtype, device=device)
     return buf[: rows * cols].view(rows, cols)
+
+
+def held_bytes() -> int:
+    """Bytes of this thread's reused buffers (what benchmarks report beside the weights)."""
+    buffers = _scratch.__dict__.get("buffers", {})
+    return sum(b.numel() * b.element_size() for b in buffers.values())

@@ -3,7 +3,8 @@
 Storage (this rank's shard): `w_packed` uint8 [out, ceil(in / 8) * 4] (two codes per byte, even
 column in the low nibble: `int4_math.pack_nibbles`), `w_scales` float16 [out, groups], `w_zeros` uint8
 [out, groups]; w = (code - zero) * scale. A kernel may re-lay `w_packed` out once before its first
-use (`lmstack_awq.kernels`), so the module never holds two copies of the weight.
+use (`lmstack_awq.kernels`), so the module never holds two copies of the weight; one whose layout
+holds the scales and zeros too (the CPU blocks) empties `w_scales` / `w_zeros`.
 
 The weight loaders take whatever the checkpoint stores and write rows of these buffers:
 
@@ -78,6 +79,8 @@ class Int4Linear(nn.Module):
         # fp32 decode batches through lmstack-gguf's kernel with x rounded to int8 per 32 values
         # (`fp32_activations: int8`; kernels/gguf_blocks.py).
         self.int8_activations = False
+        # On a native-bf16 CPU, keep a bf16 copy for batches over 16 rows (`cpu_bf16_copy`).
+        self.bf16_copy = False
 
     # --- where a part's rows and this rank's columns are ----------------------------------------
 
@@ -207,6 +210,8 @@ class Int4Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from lmstack_awq.int4_math import dequantize_int4
 
+        if self.kernel is not None and hasattr(self.kernel, "dequantized"):
+            return self.kernel.dequantized(self).to(dtype)  # the layout it keeps may hold the scales
         return dequantize_int4(self.codes(), self.w_scales, self.w_zeros, self.group_size, dtype)
 
     @property

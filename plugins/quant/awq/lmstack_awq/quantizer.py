@@ -98,6 +98,7 @@ class Int4Quantizer(Quantizer):
             if isinstance(module, Int4Linear):
                 module.exact_fp32 = exact
                 module.int8_activations = int8
+                module.bf16_copy = self.options.cpu_bf16_copy
                 module.prepare()  # kernel re-layouts at load, not on the first request
 
     def shard_alignment(self, spec: LinearSpec) -> int:

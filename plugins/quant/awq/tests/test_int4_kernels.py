@@ -94,7 +94,7 @@ def _is_int8_rounded_x_times_blocks(out: torch.Tensor, x: torch.Tensor, layer) -
     dx = xb.abs().amax(-1, keepdim=True) / 127.0
     inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
     xq = (torch.round(xb * inv) * dx).reshape(x.shape).double()
-    wb = dequantize_blocks(layer.w_packed, 3, layer.in_features).double()
+    wb = dequantize_blocks(layer.w_packed, layer.kernel.type, layer.in_features).double()
     mag = xq.abs() @ wb.abs().t()
     return bool(
         torch.all((out.double() - xq @ wb.t()).abs() <= 8 * (layer.in_features + 4) * 2**-24 * mag + 1e-30)
@@ -104,22 +104,32 @@ def _is_int8_rounded_x_times_blocks(out: torch.Tensor, x: torch.Tensor, layer) -
 @pytest.mark.skipif(not gguf_blocks.available(), reason="lmstack-gguf's kernels are not built here")
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_gguf_blocks_match_the_dequantized_layer_and_give_codes_back(symmetric):
-    """fp32 layers take lmstack-gguf's Q4_1 kernel: d = scale exactly, m = -zero * scale rounded
-    once to fp16, so the result is the dequantized weight's up to that rounding and fp32 sums."""
+    """fp32 layers take lmstack-gguf's Q4_1 kernel (groups of 32) or its Q4_1G one (one header per
+    group of 64 or 128): d = scale exactly, m = -zero * scale rounded once to fp16, so the result is
+    the dequantized weight's up to that rounding and fp32 sums. The blocks replace the nibbles and
+    the separate scales and zeros: the layer holds the blocks' bytes and nothing else."""
+    from lmstack_gguf.kernel import dequantize_blocks, native_kernel
+
     rng = random.Random()
     n, k, group = rng.randint(1, 70), 32 * rng.randint(1, 20), rng.choice((32, 64, 128))
     layer, w = _layer(n, k, group, symmetric)
     codes = layer.codes().clone()
     layer.prepare()  # picks the kernel for the serving dtype (fp32), which re-lays the weight
-    assert isinstance(layer.kernel, GGUFBlocks)
-    for rows in (1, rng.randint(2, 32), rng.randint(33, 80)):  # the kernel, then dequantize + matmul
+    kernel = layer.kernel
+    assert isinstance(kernel, GGUFBlocks)
+    assert kernel.type == {32: gguf_blocks.Q4_1, 64: 1001, 128: 1002}[group]
+    assert layer.w_packed.shape == (n, native_kernel().row_bytes(kernel.type, k))
+    assert layer.w_scales.numel() == layer.w_zeros.numel() == 0 and kernel.dense is None
+    for rows in (1, rng.randint(2, 32), rng.randint(33, 80)):  # the kernel, then the rebuilt layer
         x = torch.randn(rows, k)
         ref = x.double() @ w.double().t()
         mag = (
             x.abs().double() @ w.abs().double().t()
             + x.abs().double().sum(-1, keepdim=True) * 2**-12 * w.abs().max()
         )
-        assert torch.all((layer(x).double() - ref).abs() <= 2**-11 * 16 * mag + 1e-6), rows
+        # Over the kernel's rows a native-bf16 CPU multiplies in bf16 (x and W rounded to it).
+        eps = 2**-8 if rows > kernel.max_rows and kernel.bf16 else 2**-11
+        assert torch.all((layer(x).double() - ref).abs() <= eps * 16 * mag + 1e-6), rows
         out16 = layer(x.to(torch.bfloat16))
         assert out16.dtype == torch.bfloat16
     assert torch.equal(layer.codes(), codes)
@@ -127,11 +137,10 @@ def test_gguf_blocks_match_the_dequantized_layer_and_give_codes_back(symmetric):
     assert torch.equal(layer.row_codes(ids), codes[ids])
     # The embedding lookup of a tied int4 head: the rows of the blocks the matmul multiplies by,
     # the dequantized weight's up to m's fp16 rounding.
-    rows = layer.kernel.row_values(layer, ids, torch.float32)
-    from lmstack_gguf.kernel import dequantize_blocks
-
-    assert torch.equal(rows, dequantize_blocks(layer.w_packed, gguf_blocks.Q4_1, k)[ids])
-    if layer.kernel.dense is None:  # a CPU with native bf16 multiplies k rows by a bf16 copy
+    rows = kernel.row_values(layer, ids, torch.float32)
+    assert torch.equal(rows, dequantize_blocks(layer.w_packed, kernel.type, k)[ids])
+    assert torch.equal(layer.dequantized_weight()[ids], rows)
+    if k <= kernel.max_rows or not kernel.bf16:  # k rows through fp32 kernels
         assert torch.equal(rows, layer(torch.eye(k)).t()[ids])
     assert torch.all((rows - w[ids]).abs() <= 2**-12 * 15 * w.abs().max() + 1e-7)
     from lmstack_awq.compact import Int4Rows
@@ -145,8 +154,27 @@ def test_gguf_blocks_match_the_dequantized_layer_and_give_codes_back(symmetric):
     from lmstack_gguf.kernel import native_kernel
 
     x = torch.randn(rng.randint(1, layer.kernel.max_rows), k)  # the rows the kernel takes
-    assert torch.equal(layer(x), native_kernel().gguf_matmul_q8(x, layer.w_packed, 3))
+    assert torch.equal(layer(x), native_kernel().gguf_matmul_q8(x, layer.w_packed, kernel.type))
     assert _is_int8_rounded_x_times_blocks(layer(x), x, layer)
+
+
+@pytest.mark.skipif(not gguf_blocks.available(), reason="lmstack-gguf's kernels are not built here")
+def test_bf16_copy_is_kept_only_when_asked_on_a_native_bf16_cpu():
+    """`cpu_bf16_copy`: batches over 16 rows multiply by a bf16 copy of the layer (the blocks'
+    values in bf16) where the CPU computes bf16 natively; elsewhere the option changes nothing."""
+    from lmstack.hardware import native_bf16_cpu
+
+    layer, _ = _layer(40, 128, 128)
+    layer.bf16_copy = True
+    layer.prepare()
+    kernel = layer.kernel
+    if not native_bf16_cpu():
+        assert kernel.dense is None and kernel.max_rows == 32
+        return
+    assert kernel.max_rows == 16  # as without the copy (then rebuilt per call)
+    assert torch.equal(kernel.dense, layer.dequantized_weight().to(torch.bfloat16))
+    x = torch.randn(17, 128)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x.bfloat16(), kernel.dense).float())
 
 
 @pytest.mark.skipif(not gguf_blocks.available(), reason="lmstack-gguf's kernels are not built here")

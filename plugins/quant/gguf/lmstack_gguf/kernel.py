@@ -41,6 +41,42 @@ def block_bytes(ggml_type: int) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][1]
 
 
+# lmstack's own layout beside the GGML types (csrc/gguf_matmul.cpp): Q4_1 whose consecutive
+# blocks of a 64-, 128- or 256-column group share one (d, m) header, type id Q4_1G + log2(group /
+# 32). An int4 checkpoint quantized in groups of 128 (AWQ's) holds 0.53 bytes a weight so, where
+# Q4_1's header per 32 values takes 0.625.
+Q4_1G = 1000
+Q4_1 = int(GGMLQuantizationType.Q4_1)
+Q4_1_BLOCK_BYTES = 20
+
+
+def grouped_type(group_size: int) -> int | None:
+    """The Q4_1G type id for groups of `group_size` columns, or None (plain Q4_1 then: 32, or a
+    group that is not 64, 128 or 256)."""
+    for shift in (1, 2, 3):
+        if group_size == QK << shift:
+            return Q4_1G + shift
+    return None
+
+
+def group_q4_1(blocks: torch.Tensor, k: int, gtype: int) -> torch.Tensor:
+    """Q4_1 block rows [N, k / 32 * 20] whose blocks share (d, m) within each group -> the same
+    rows in Q4_1G type `gtype` (one header per group; the row's last group may be short)."""
+    per = 1 << (gtype - Q4_1G)
+    n, nb = blocks.shape[0], k // QK
+    b = blocks.view(n, nb, Q4_1_BLOCK_BYTES)
+    heads = b[:, ::per, :4]
+    if not torch.equal(b[..., :4], heads[:, torch.arange(nb) // per]):
+        raise ValueError(f"Q4_1 blocks differ in (d, m) within groups of {per * QK} columns")
+    codes, full = b[..., 4:], nb // per
+    parts = [
+        torch.cat((heads[:, :full], codes[:, : full * per].reshape(n, full, per * 16)), -1).reshape(n, -1)
+    ]
+    if nb > full * per:
+        parts.append(torch.cat((heads[:, full], codes[:, full * per :].reshape(n, -1)), -1))
+    return torch.cat(parts, 1).contiguous()
+
+
 def dequantize_blocks(
     blocks: torch.Tensor, ggml_type: int, k: int, into: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -159,12 +159,72 @@ def test_dequantize_matches_the_gguf_package(typ):
 @needs_ext
 def test_bad_inputs_are_one_line_errors():
     raw, _ = blocks_of(np.random.randn(4, 64), T.Q4_1)
-    with pytest.raises(RuntimeError, match="GGML type 12 is not one of"):
+    with pytest.raises(
+        RuntimeError, match=r"type 12 is not one of Q4_0 \(2\), Q4_1 \(3\), Q8_0 \(8\), Q4_1G"
+    ):
         ext.gguf_matmul(torch.randn(1, 64), raw, 12)
     with pytest.raises(RuntimeError, match="K must be a positive multiple of 32"):
         ext.gguf_matmul(torch.randn(1, 48), raw, int(T.Q4_1))
     with pytest.raises(RuntimeError, match="w rows hold 40 bytes; K = 96 needs 60"):
         ext.gguf_matmul(torch.randn(1, 96), raw, int(T.Q4_1))
+
+
+def grouped_q4_1(n: int, k: int, gtype: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q4_1 block rows whose blocks share (d, m) within each group, the same rows as Q4_1G)."""
+    per = 1 << (gtype - kernel.Q4_1G)
+    raw, _ = blocks_of(np.random.randn(n, k) * random.choice((1e-3, 1.0, 50.0)), T.Q4_1)
+    b = raw.view(n, k // 32, 20)
+    b[..., :4] = b[:, ::per, :4][:, torch.arange(k // 32) // per].clone()
+    return raw, kernel.group_q4_1(raw, k, gtype)
+
+
+@needs_ext
+@pytest.mark.parametrize("gtype", [1001, 1002, 1003], ids=["g64", "g128", "g256"])
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=["scalar", "avx2", "avx512"])
+def test_grouped_q4_1_computes_what_its_q4_1_blocks_do(gtype, isa):
+    """Q4_1G (one header per group) through every path gives the bits the same weights give as
+    Q4_1 blocks (tested against the gguf package above): fp32 and int8 activations, dequantize,
+    panels; K of 1-20 blocks, so that the row's last group is often short; odd N; strided x."""
+    if isa > ext.best_isa():
+        pytest.skip(f"this CPU lacks {native.ISA_NAMES[isa]}")
+    rng = random.Random()
+    for m in (1, 2, 3, rng.randint(4, 16), rng.randint(17, 40)):
+        n, k = rng.choice((1, 2, 3)) * rng.randint(1, 40) + rng.randint(0, 1), 32 * rng.randint(1, 20)
+        q41, grouped = grouped_q4_1(n, k, gtype)
+        assert grouped.shape == (n, ext.row_bytes(gtype, k))
+        x = torch.randn(m, k + rng.randint(0, 5))[:, :k]
+        for matmul in (ext.gguf_matmul, ext.gguf_matmul_q8):
+            assert torch.equal(matmul(x, grouped, gtype, isa), matmul(x, q41, int(T.Q4_1), isa)), (
+                f"{matmul.__name__} isa {isa} m={m} n={n} k={k}"
+            )
+        if isa == 0:
+            assert torch.equal(
+                ext.gguf_dequantize(grouped, gtype, k), ext.gguf_dequantize(q41, int(T.Q4_1), k)
+            )
+        if isa >= 1:
+            packed = ext.gguf_pack_panels(grouped, gtype, k)
+            assert torch.equal(packed, ext.gguf_pack_panels(q41, int(T.Q4_1), k))
+            xc = x.contiguous()
+            assert torch.equal(
+                ext.gguf_matmul_panels(xc, packed, gtype, n, isa),
+                ext.gguf_matmul_panels(xc, packed, int(T.Q4_1), n, isa),
+            )
+
+
+def test_grouped_layout_sizes_and_refusals():
+    assert [kernel.grouped_type(g) for g in (32, 64, 128, 256, 512, 96)] == [
+        None,
+        1001,
+        1002,
+        1003,
+        None,
+        None,
+    ]
+    # 576 columns in groups of 128: four whole groups (4 + 64 bytes) and one of two blocks (4 + 32).
+    assert ext is None or ext.row_bytes(1002, 576) == 4 * 68 + 36
+    raw, _ = blocks_of(np.random.randn(3, 128), T.Q4_1)  # headers differ within the group
+    with pytest.raises(ValueError, match="differ in \\(d, m\\) within groups of 128 columns"):
+        kernel.group_q4_1(raw, 128, 1002)
 
 
 def test_q8_0_rebuild_is_exact_or_refused():

@@ -6,6 +6,12 @@
 //   Q8_0: fp16 d, 32 int8 q              value = d * q          34 bytes / 32 values
 //
 // (byte j of a 4-bit block holds value j in its low nibble and value j + 16 in its high one.)
+//
+// One layout of lmstack's own beside them, for int4 checkpoints quantized in groups of 64-256
+// columns (AWQ's 128): Q4_1G, Q4_1 whose 2^g consecutive blocks of a group share one header. A
+// row is its groups in order, each fp16 d, fp16 m, then the group's blocks' 16 code bytes as in
+// Q4_1 (the row's last group may hold fewer blocks): 68 bytes per 128 values where Q4_1 takes 80.
+// Its type id is Q4_1G + g (1001: groups of 64 columns, 1002: 128, 1003: 256).
 // A block's contribution to one output is d * dot(q, x_block) + m * sum(x_block): the q are
 // widened to fp32 in registers and multiplied by the fp32 activations with FMA, the block sums
 // of x are computed once per call. Decode reads 0.56-1.06 bytes per weight, as llama.cpp does,
@@ -40,8 +46,9 @@ namespace gguf_matmul {
 
 enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 // GGML type ids (ggml.h).
-enum Type { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum Type { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_1G = 1000 };
 constexpr int QK = 32;  // values per block, every type here
+constexpr int MAX_GSHIFT = 3;  // Q4_1G's groups: at most 8 blocks (256 columns)
 
 int64_t best_isa() {
   __builtin_cpu_init();
@@ -62,6 +69,68 @@ int64_t block_bytes(int64_t type) {
   }
   TORCH_CHECK(false, "GGML type ", type, " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8)");
   return 0;
+}
+
+// Where block b of a weight row keeps its header (fp16 d, then fp16 m for the Q4_1 kinds) and its
+// codes, as byte offsets from the row's start: one header per block for the GGML types, one per
+// group of 2^gshift blocks for Q4_1G.
+struct Layout {
+  int64_t kind;  // Q4_0, Q4_1, Q8_0 or Q4_1G (the kernels' template parameter)
+  int gshift;
+  int64_t head, codes, group;  // header bytes, code bytes per block, bytes per whole group
+  int64_t head_at(int64_t b) const { return (b >> gshift) * group; }
+  int64_t codes_at(int64_t b) const { return head_at(b) + head + (b & ((int64_t(1) << gshift) - 1)) * codes; }
+  // Bytes of a row of nb blocks (the last group may be short).
+  int64_t row_bytes(int64_t nb) const {
+    const int64_t rest = nb & ((int64_t(1) << gshift) - 1);
+    return (nb >> gshift) * group + (rest ? head + rest * codes : 0);
+  }
+};
+
+Layout layout_of(int64_t type) {
+  if (type > Q4_1G && type <= Q4_1G + MAX_GSHIFT) {
+    const int g = int(type - Q4_1G);
+    return {Q4_1G, g, 4, 16, 4 + (int64_t(16) << g)};
+  }
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0, "type ", type,
+              " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_1G (1001-1003)");
+  return {type, 0, type == Q4_1 ? 4 : 2, type == Q8_0 ? 32 : 16, block_bytes(type)};
+}
+
+int64_t row_bytes(int64_t type, int64_t k) {
+  TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of ", QK, ", got ", k);
+  return layout_of(type).row_bytes(k / QK);
+}
+
+// The same offsets with the GGML types' constants known at compile time (the hot loops).
+template <int TYPE>
+constexpr bool HAS_M = TYPE == Q4_1 || TYPE == Q4_1G;
+
+template <int TYPE>
+inline int64_t head_at(const Layout& L, int64_t b) {
+  if constexpr (TYPE == Q4_1G)
+    return L.head_at(b);
+  else
+    return b * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34);
+}
+
+template <int TYPE>
+inline int64_t codes_at(const Layout& L, int64_t b) {
+  if constexpr (TYPE == Q4_1G)
+    return L.codes_at(b);
+  else
+    return head_at<TYPE>(L, b) + (TYPE == Q4_1 ? 4 : 2);
+}
+
+// f(std::integral_constant<int, kind>) for the layout kind of a type id.
+template <class F>
+inline void with_kind(const Layout& L, F&& f) {
+  switch (L.kind) {
+    case Q4_0: f(std::integral_constant<int, Q4_0>()); break;
+    case Q4_1: f(std::integral_constant<int, Q4_1>()); break;
+    case Q4_1G: f(std::integral_constant<int, Q4_1G>()); break;
+    default: f(std::integral_constant<int, Q8_0>()); break;
+  }
 }
 
 // IEEE half -> float without F16C (the scalar path; F16C in the vector one).
@@ -95,18 +164,19 @@ inline uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-// A block's scale and offset (value = d * q + m, q as stored: 0..15 or -128..127).
-inline void block_dm(int64_t type, const uint8_t* blk, float& d, float& m) {
-  d = half_to_float(load_u16(blk));
-  m = type == Q4_1 ? half_to_float(load_u16(blk + 2)) : type == Q4_0 ? -8.f * d : 0.f;
+// Block b of a row: its scale and offset (value = d * q + m, q as stored: 0..15 or -128..127).
+inline void block_dm(const Layout& L, const uint8_t* row, int64_t b, float& d, float& m) {
+  const uint8_t* h = row + L.head_at(b);
+  d = half_to_float(load_u16(h));
+  m = L.kind == Q4_1 || L.kind == Q4_1G ? half_to_float(load_u16(h + 2)) : L.kind == Q4_0 ? -8.f * d : 0.f;
 }
 
-inline void block_q(int64_t type, const uint8_t* blk, float* q) {
-  if (type == Q8_0) {
-    const int8_t* s = reinterpret_cast<const int8_t*>(blk + 2);
+inline void block_q(const Layout& L, const uint8_t* row, int64_t b, float* q) {
+  if (L.kind == Q8_0) {
+    const int8_t* s = reinterpret_cast<const int8_t*>(row + L.codes_at(b));
     for (int j = 0; j < QK; ++j) q[j] = float(s[j]);
   } else {
-    const uint8_t* s = blk + (type == Q4_1 ? 4 : 2);
+    const uint8_t* s = row + L.codes_at(b);
     for (int j = 0; j < QK / 2; ++j) {
       q[j] = float(s[j] & 0x0F);
       q[j + QK / 2] = float(s[j] >> 4);
@@ -121,7 +191,7 @@ struct Problem {
   const float* xsum_by_block;  // the same sums as [K / QK, M] (the AVX-512 path)
   const uint8_t* w;
   int64_t row_bytes;
-  int64_t type;
+  Layout L;
   float* out;
   int64_t M, N, K;
 };
@@ -133,21 +203,22 @@ struct Q8Problem {
   const float* sx;   // [M, K / QK]
   const uint8_t* w;
   int64_t row_bytes;
+  Layout L;
   float* out;
   int64_t M, N, K;
 };
 
 void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
-  const int64_t nb = p.K / QK, bb = block_bytes(p.type);
+  const int64_t nb = p.K / QK;
   float q[QK];
   std::vector<float> acc(p.M);
   for (int64_t n = n0; n < n1; ++n) {
     std::fill(acc.begin(), acc.end(), 0.f);
+    const uint8_t* row = p.w + n * p.row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = p.w + n * p.row_bytes + b * bb;
       float d, m;
-      block_dm(p.type, blk, d, m);
-      block_q(p.type, blk, q);
+      block_dm(p.L, row, b, d, m);
+      block_q(p.L, row, b, q);
       for (int64_t r = 0; r < p.M; ++r) {
         const float* xb = p.x + r * p.ldx + b * QK;
         float dot = 0.f;
@@ -225,15 +296,14 @@ struct Ahead {
 
 inline float half(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
 
-// The 32 q of a block as four vectors of 8 (values 0-7, 8-15, 16-23, 24-31).
+// The 32 q of a block (its code bytes at `s`) as four vectors of 8 (values 0-7, 8-15, 16-23, 24-31).
 template <int TYPE>
-inline void widen(const uint8_t* blk, __m256 v[4]) {
+inline void widen(const uint8_t* s, __m256 v[4]) {
   if constexpr (TYPE == Q8_0) {
-    const uint8_t* s = blk + 2;
     for (int i = 0; i < 4; ++i)
       v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 8 * i))));
   } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (TYPE == Q4_1 ? 4 : 2)));
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
     v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
@@ -243,10 +313,11 @@ inline void widen(const uint8_t* blk, __m256 v[4]) {
   }
 }
 
+// A block's d and m from its header `h`.
 template <int TYPE>
-inline void dm(const uint8_t* blk, float& d, float& m) {
-  d = half(blk);
-  m = TYPE == Q4_1 ? half(blk + 2) : TYPE == Q4_0 ? -8.f * d : 0.f;
+inline void dm(const uint8_t* h, float& d, float& m) {
+  d = half(h);
+  m = HAS_M<TYPE> ? half(h + 2) : TYPE == Q4_0 ? -8.f * d : 0.f;
 }
 
 inline __m256 dot4(const __m256 v[4], const float* xb) {
@@ -266,11 +337,12 @@ inline float hsum(__m256 v) {
 // One activation row (decode at batch 1): two weight rows at a time, each with four independent
 // accumulators (q * d, then one FMA per vector), so no chain of dependent FMAs per block limits it.
 template <int TYPE>
-inline void row_block(const uint8_t* blk, const float* xb, __m256 acc[4], float& off, float xsum) {
+inline void row_block(const uint8_t* row, const Layout& L, int64_t b, const float* xb, __m256 acc[4], float& off,
+                      float xsum) {
   __m256 v[4];
   float d, m;
-  widen<TYPE>(blk, v);
-  dm<TYPE>(blk, d, m);
+  widen<TYPE>(row + codes_at<TYPE>(L, b), v);
+  dm<TYPE>(row + head_at<TYPE>(L, b), d, m);
   const __m256 dv = _mm256_set1_ps(d);
   for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(v[i], dv), _mm256_loadu_ps(xb + 8 * i), acc[i]);
   off += m * xsum;
@@ -282,7 +354,7 @@ inline float total(const __m256 acc[4], float off) {
 
 template <int TYPE>
 void rows_m1(const Problem& p, int64_t n0, int64_t n1) {
-  const int64_t nb = p.K / QK, bb = block_bytes(TYPE);
+  const int64_t nb = p.K / QK;
   int64_t n = n0;
   for (; n + 2 <= n1; n += 2) {
     __m256 acc0[4], acc1[4];
@@ -292,9 +364,9 @@ void rows_m1(const Problem& p, int64_t n0, int64_t n1) {
     const uint8_t* w1 = w0 + p.row_bytes;
     Ahead ahead(p.w, p.row_bytes, p.N, n);
     for (int64_t b = 0; b < nb; ++b) {
-      ahead.to(w0 + 2 * (b + 1) * bb);
-      row_block<TYPE>(w0 + b * bb, p.x + b * QK, acc0, off0, p.xsum[b]);
-      row_block<TYPE>(w1 + b * bb, p.x + b * QK, acc1, off1, p.xsum[b]);
+      ahead.to(w0 + 2 * head_at<TYPE>(p.L, b + 1));
+      row_block<TYPE>(w0, p.L, b, p.x + b * QK, acc0, off0, p.xsum[b]);
+      row_block<TYPE>(w1, p.L, b, p.x + b * QK, acc1, off1, p.xsum[b]);
     }
     p.out[n] = total(acc0, off0);
     p.out[n + 1] = total(acc1, off1);
@@ -303,7 +375,7 @@ void rows_m1(const Problem& p, int64_t n0, int64_t n1) {
     __m256 acc[4];
     for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
     float off = 0.f;
-    for (int64_t b = 0; b < nb; ++b) row_block<TYPE>(p.w + n * p.row_bytes + b * bb, p.x + b * QK, acc, off, p.xsum[b]);
+    for (int64_t b = 0; b < nb; ++b) row_block<TYPE>(p.w + n * p.row_bytes, p.L, b, p.x + b * QK, acc, off, p.xsum[b]);
     p.out[n] = total(acc, off);
   }
 }
@@ -315,20 +387,20 @@ constexpr int MR = 16;
 
 template <int TYPE>
 void rows_many(const Problem& p, int64_t n0, int64_t n1) {
-  const int64_t nb = p.K / QK, bb = block_bytes(TYPE);
+  const int64_t nb = p.K / QK;
   for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
     for (int64_t r0 = 0; r0 < p.M; r0 += MR) {
       const int64_t rows = std::min<int64_t>(MR, p.M - r0);
       __m256 acc[MR];
       for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
       Ahead ahead(p.w, p.row_bytes, p.N, n);
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = p.w + n * p.row_bytes + b * bb;
-        ahead.to(blk + bb);
+        ahead.to(row + head_at<TYPE>(p.L, b + 1));
         __m256 v[4];
         float d, m;
-        widen<TYPE>(blk, v);
-        dm<TYPE>(blk, d, m);
+        widen<TYPE>(row + codes_at<TYPE>(p.L, b), v);
+        dm<TYPE>(row + head_at<TYPE>(p.L, b), d, m);
         const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
         for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(v[i], dv, mv);
         const float* xb = p.x + r0 * p.ldx + b * QK;
@@ -346,15 +418,16 @@ void rows_many(const Problem& p, int64_t n0, int64_t n1) {
 
 // Rows [n0, n1) of W in fp32: value = d * q + m, eight at a time.
 template <int TYPE>
-void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t k, float* out, int64_t n0, int64_t n1) {
-  const int64_t nb = k / QK, bb = block_bytes(TYPE);
+void dequantize_rows(const uint8_t* w, int64_t row_bytes, const Layout& L, int64_t k, float* out, int64_t n0,
+                     int64_t n1) {
+  const int64_t nb = k / QK;
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = w + n * row_bytes + b * bb;
+      const uint8_t* row = w + n * row_bytes;
       __m256 v[4];
       float d, m;
-      widen<TYPE>(blk, v);
-      dm<TYPE>(blk, d, m);
+      widen<TYPE>(row + codes_at<TYPE>(L, b), v);
+      dm<TYPE>(row + head_at<TYPE>(L, b), d, m);
       const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
       float* o = out + n * k + b * QK;
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(v[i], dv, mv));
@@ -402,13 +475,14 @@ inline void quantize_block(const float* x, int8_t* q, float& dx, float& sx) {
   sx = d * float(_mm_cvtsi128_si32(t4));
 }
 
-// A weight block's 32 q as unsigned (Q4: 0..15, the block's order) or, for Q8_0, signed bytes.
+// A weight block's 32 q (its code bytes at `s`) as unsigned (Q4: 0..15, the block's order) or,
+// for Q8_0, signed bytes.
 template <int TYPE>
-inline __m256i load_q(const uint8_t* blk) {
+inline __m256i load_q(const uint8_t* s) {
   if constexpr (TYPE == Q8_0) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
   } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (TYPE == Q4_1 ? 4 : 2)));
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
     const __m128i mask = _mm_set1_epi8(0x0F);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
   }
@@ -428,7 +502,7 @@ inline __m256i idot(__m256i w, __m256i x) {
 // unpacked once for MR rows, each activation block loaded once for NR weight rows.
 template <int TYPE, int NR, int MR>
 inline void tile_q8(const Q8Problem& p, int64_t n, int64_t r0) {
-  const int64_t nb = p.K / QK, bb = block_bytes(TYPE);
+  const int64_t nb = p.K / QK;
   __m256 acc[NR][MR];
   float off[NR][MR];
   for (int a = 0; a < NR; ++a)
@@ -437,11 +511,11 @@ inline void tile_q8(const Q8Problem& p, int64_t n, int64_t r0) {
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wq[NR];
     float d[NR], m[NR];
-    ahead.to(p.w + n * p.row_bytes + NR * (b + 1) * bb);
+    ahead.to(p.w + n * p.row_bytes + NR * head_at<TYPE>(p.L, b + 1));
     for (int a = 0; a < NR; ++a) {
-      const uint8_t* blk = p.w + (n + a) * p.row_bytes + b * bb;
-      wq[a] = load_q<TYPE>(blk);
-      dm<TYPE>(blk, d[a], m[a]);
+      const uint8_t* row = p.w + (n + a) * p.row_bytes;
+      wq[a] = load_q<TYPE>(row + codes_at<TYPE>(p.L, b));
+      dm<TYPE>(row + head_at<TYPE>(p.L, b), d[a], m[a]);
     }
     for (int r = 0; r < MR; ++r) {
       const int64_t xb = (r0 + r) * nb + b;
@@ -588,35 +662,39 @@ struct XPairs {
   int64_t pairs;
 };
 
-inline const uint8_t* q_bytes(int type, const uint8_t* blk) { return blk + (type == Q4_1 ? 4 : 2); }
-
 // Blocks b and b + 1 of a weight row as 64 bytes in x's order, and their scale d and offset m
 // spread over the halves.
 template <int TYPE>
-inline void load_pair(const uint8_t* blk, int64_t bb, __m512i& q, __m512& d, __m512& m) {
+inline void load_pair(const uint8_t* row, const Layout& L, int64_t b, __m512i& q, __m512& d, __m512& m) {
+  // (b is even: in Q4_1G, whose groups are 2, 4 or 8 blocks from the row's start, b + 1 shares
+  // b's group, so its header, and its codes follow b's.)
+  const uint8_t* h0 = row + head_at<TYPE>(L, b);
+  const uint8_t* s0 = row + codes_at<TYPE>(L, b);
+  const uint8_t* h1 = TYPE == Q4_1G ? h0 : row + head_at<TYPE>(L, b + 1);
+  const uint8_t* s1 = TYPE == Q4_1G ? s0 + 16 : row + codes_at<TYPE>(L, b + 1);
   if constexpr (TYPE == Q8_0) {
-    q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
-                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + bb + 2)), 1);
+    q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s0))),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s1)), 1);
   } else {
     // Each block's 16 bytes broadcast to two 128-bit lanes by the loads themselves (no shuffle
     // instruction): [b | b | b+1 | b+1]; the low nibbles of lanes 0 and 2 and the high ones of
     // lanes 1 and 3 are then the values in block order: q0-15 of b, q16-31 of b, same for b + 1.
     const __m512i both = _mm512_mask_blend_epi64(
-        0xF0, _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q_bytes(TYPE, blk)))),
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q_bytes(TYPE, blk + bb)))));
+        0xF0, _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s0))),
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s1))));
     const __m512i nibbles = _mm512_mask_mov_epi8(both, 0xFFFF0000FFFF0000ull, _mm512_srli_epi16(both, 4));
     q = _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F));
   }
   // The fp16 scales (and Q4_1's offsets) of both blocks converted at once, then spread.
-  if constexpr (TYPE == Q4_1) {
-    uint32_t a, b;
-    std::memcpy(&a, blk, 4);
-    std::memcpy(&b, blk + bb, 4);
-    const __m512 dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(int(a)), _mm_cvtsi32_si128(int(b)))));
+  if constexpr (HAS_M<TYPE>) {
+    uint32_t a, c;
+    std::memcpy(&a, h0, 4);
+    std::memcpy(&c, h1, 4);
+    const __m512 dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(int(a)), _mm_cvtsi32_si128(int(c)))));
     d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), dm);
     m = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3), dm);
   } else {
-    const int32_t two = int32_t(load_u16(blk)) | (int32_t(load_u16(blk + bb)) << 16);
+    const int32_t two = int32_t(load_u16(h0)) | (int32_t(load_u16(h1)) << 16);
     const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(two)));
     d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), dd);
     m = TYPE == Q4_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f)) : _mm512_setzero_ps();
@@ -625,10 +703,10 @@ inline void load_pair(const uint8_t* blk, int64_t bb, __m512i& q, __m512& d, __m
 
 // The last block of a row with an odd number of blocks, as a pair whose second half is zero.
 template <int TYPE>
-inline void load_last(const uint8_t* blk, __m512i& q, __m512& d, __m512& m) {
+inline void load_last(const uint8_t* row, const Layout& L, int64_t b, __m512i& q, __m512& d, __m512& m) {
   float d0, m0;
-  avx2::dm<TYPE>(blk, d0, m0);
-  q = _mm512_castsi256_si512(avx2::load_q<TYPE>(blk));
+  avx2::dm<TYPE>(row + head_at<TYPE>(L, b), d0, m0);
+  q = _mm512_castsi256_si512(avx2::load_q<TYPE>(row + codes_at<TYPE>(L, b)));
   q = _mm512_inserti64x4(q, _mm256_setzero_si256(), 1);
   d = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(d0));
   m = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(m0));
@@ -640,7 +718,7 @@ inline void load_last(const uint8_t* blk, __m512i& q, __m512& d, __m512& m) {
 // -128 * sum(w) (one vpdpbusd per weight block pair, shared by the MR rows).
 template <int TYPE, int NR, int MR>
 inline void tile_q8(const Q8Problem& p, const XPairs& xp, int64_t n, int64_t r0) {
-  const int64_t nb = p.K / QK, bb = block_bytes(TYPE);
+  const int64_t nb = p.K / QK;
   const __m512i bias = _mm512_set1_epi8(char(0x80));
   __m512 acc[NR][MR];
   for (int a = 0; a < NR; ++a)
@@ -648,15 +726,15 @@ inline void tile_q8(const Q8Problem& p, const XPairs& xp, int64_t n, int64_t r0)
   avx2::Ahead ahead(p.w, p.row_bytes, p.N, n);
   for (int64_t j = 0; j < xp.pairs; ++j) {
     const int64_t b = 2 * j;
-    ahead.to(p.w + n * p.row_bytes + NR * (b + 2) * bb);
+    ahead.to(p.w + n * p.row_bytes + NR * head_at<TYPE>(p.L, b + 2));
     __m512i wq[NR], start[NR];
     __m512 d[NR], m[NR];
     for (int a = 0; a < NR; ++a) {
-      const uint8_t* blk = p.w + (n + a) * p.row_bytes + b * bb;
+      const uint8_t* row = p.w + (n + a) * p.row_bytes;
       if (b + 1 < nb)
-        load_pair<TYPE>(blk, bb, wq[a], d[a], m[a]);
+        load_pair<TYPE>(row, p.L, b, wq[a], d[a], m[a]);
       else
-        load_last<TYPE>(blk, wq[a], d[a], m[a]);
+        load_last<TYPE>(row, p.L, b, wq[a], d[a], m[a]);
       if constexpr (TYPE == Q8_0)
         start[a] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, wq[a]));
     }
@@ -842,13 +920,13 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, i
 // depend on what else the step runs. The tile shares each widened block among up to 4 rows.
 
 template <int TYPE>
-inline void widen16(const uint8_t* blk, __m512& v0, __m512& v1) {
+inline void widen16(const uint8_t* codes, __m512& v0, __m512& v1) {
   if constexpr (TYPE == Q8_0) {
-    const __m128i* s = reinterpret_cast<const __m128i*>(blk + 2);
+    const __m128i* s = reinterpret_cast<const __m128i*>(codes);
     v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(s)));
     v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(s + 1)));
   } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q_bytes(TYPE, blk)));
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     const __m128i mask = _mm_set1_epi8(0x0F);
     v0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
     v1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
@@ -860,7 +938,7 @@ inline void widen16(const uint8_t* blk, __m512& v0, __m512& v1) {
 // one fused multiply-add per block whatever MR, each lane rounded as a scalar std::fma would be.
 template <int TYPE, int NR, int MR>
 inline void tile_f32(const Problem& p, int64_t n, int64_t r0) {
-  const int64_t nb = p.K / QK, bb = block_bytes(TYPE);
+  const int64_t nb = p.K / QK;
   const __mmask16 lanes = __mmask16((1u << MR) - 1);
   __m512 acc[NR][MR][2], off[NR];
   for (int a = 0; a < NR; ++a) {
@@ -870,15 +948,15 @@ inline void tile_f32(const Problem& p, int64_t n, int64_t r0) {
   const uint8_t* w0 = p.w + n * p.row_bytes;
   avx2::Ahead ahead(p.w, p.row_bytes, p.N, n);
   for (int64_t b = 0; b < nb; ++b) {
-    ahead.to(w0 + NR * (b + 1) * bb);
+    ahead.to(w0 + NR * head_at<TYPE>(p.L, b + 1));
     __m512 sums = _mm512_setzero_ps();
     if constexpr (TYPE != Q8_0) sums = _mm512_maskz_loadu_ps(lanes, p.xsum_by_block + b * p.M + r0);
     for (int a = 0; a < NR; ++a) {
-      const uint8_t* blk = w0 + a * p.row_bytes + b * bb;
+      const uint8_t* row = w0 + a * p.row_bytes;
       __m512 v0, v1;
-      widen16<TYPE>(blk, v0, v1);
+      widen16<TYPE>(row + codes_at<TYPE>(p.L, b), v0, v1);
       float d, m;
-      avx2::dm<TYPE>(blk, d, m);
+      avx2::dm<TYPE>(row + head_at<TYPE>(p.L, b), d, m);
       const __m512 dv = _mm512_set1_ps(d);
       v0 = _mm512_mul_ps(v0, dv);
       v1 = _mm512_mul_ps(v1, dv);
@@ -932,8 +1010,8 @@ void check_weight(const torch::Tensor& w, int64_t type, int64_t k) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
               "w must be a contiguous CPU uint8 tensor [N, bytes per row]");
   TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of ", QK, ", got ", k);
-  TORCH_CHECK(w.size(1) == k / QK * block_bytes(type), "w rows hold ", w.size(1), " bytes; K = ", k,
-              " needs ", k / QK * block_bytes(type));
+  TORCH_CHECK(w.size(1) == row_bytes(type, k), "w rows hold ", w.size(1), " bytes; K = ", k, " needs ",
+              row_bytes(type, k));
 }
 
 // The product's operands checked, and its uninitialised output [M, N].
@@ -966,22 +1044,23 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_
         xsum[by_block ? b * M + r : r * nb + b] = s;
       }
   }
-  Problem p{xp, x.stride(0), by_block ? nullptr : xsum.data(), by_block ? xsum.data() : nullptr,
-            w.data_ptr<uint8_t>(), w.size(1), type, out.data_ptr<float>(), M, N, K};
+  Problem p{xp,
+            x.stride(0),
+            by_block ? nullptr : xsum.data(),
+            by_block ? xsum.data() : nullptr,
+            w.data_ptr<uint8_t>(),
+            w.size(1),
+            layout_of(type),
+            out.data_ptr<float>(),
+            M,
+            N,
+            K};
   const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (isa >= ISA_AVX512) {
-      switch (type) {
-        case Q4_0: avx512::rows_f32<Q4_0>(p, n0, n1); break;
-        case Q4_1: avx512::rows_f32<Q4_1>(p, n0, n1); break;
-        default: avx512::rows_f32<Q8_0>(p, n0, n1); break;
-      }
+      with_kind(p.L, [&](auto t) { avx512::rows_f32<decltype(t)::value>(p, n0, n1); });
     } else if (isa >= ISA_AVX2) {
-      switch (type) {
-        case Q4_0: avx2::rows<Q4_0>(p, n0, n1); break;
-        case Q4_1: avx2::rows<Q4_1>(p, n0, n1); break;
-        default: avx2::rows<Q8_0>(p, n0, n1); break;
-      }
+      with_kind(p.L, [&](auto t) { avx2::rows<decltype(t)::value>(p, n0, n1); });
     } else {
       rows_scalar(p, n0, n1);
     }
@@ -1006,25 +1085,26 @@ void quantize_block_scalar(const float* x, int8_t* q, float& dx, float& sx) {
   sx = d * float(sum);
 }
 
-void rows_q8_scalar(const Q8Problem& p, int64_t type, int64_t n0, int64_t n1) {
-  const int64_t nb = p.K / QK, bb = block_bytes(type);
+void rows_q8_scalar(const Q8Problem& p, int64_t n0, int64_t n1) {
+  const int64_t nb = p.K / QK;
+  const bool q8 = p.L.kind == Q8_0;
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t r = 0; r < p.M; ++r) {
       float acc = 0.f;
+      const uint8_t* row = p.w + n * p.row_bytes;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = p.w + n * p.row_bytes + b * bb;
         float d, m;
-        block_dm(type, blk, d, m);
+        block_dm(p.L, row, b, d, m);
         const int8_t* xq = p.qx + (r * nb + b) * QK;
         int dot = 0;
-        if (type == Q8_0) {
-          const int8_t* wq = reinterpret_cast<const int8_t*>(blk + 2);
+        if (q8) {
+          const int8_t* wq = reinterpret_cast<const int8_t*>(row + p.L.codes_at(b));
           for (int j = 0; j < QK; ++j) dot += int(wq[j]) * int(xq[j]);
         } else {
-          const uint8_t* wq = blk + (type == Q4_1 ? 4 : 2);
+          const uint8_t* wq = row + p.L.codes_at(b);
           for (int j = 0; j < QK / 2; ++j) dot += int(wq[j] & 0x0F) * int(xq[j]) + int(wq[j] >> 4) * int(xq[j + QK / 2]);
         }
-        acc += d * p.dx[r * nb + b] * float(dot) + (type == Q8_0 ? 0.f : m * p.sx[r * nb + b]);
+        acc += d * p.dx[r * nb + b] * float(dot) + (q8 ? 0.f : m * p.sx[r * nb + b]);
       }
       p.out[r * p.N + n] = acc;
     }
@@ -1063,7 +1143,7 @@ torch::Tensor gguf_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int
   if (M == 0 || N == 0) return out;
   const auto qx = quantize_q8(x, isa);
   Q8Problem p{qx[0].data_ptr<int8_t>(), qx[1].data_ptr<float>(), qx[2].data_ptr<float>(), w.data_ptr<uint8_t>(),
-              w.size(1), out.data_ptr<float>(), M, N, K};
+              w.size(1), layout_of(type), out.data_ptr<float>(), M, N, K};
   // AVX-512: x's side of the tiles, laid out once (small: 48 + 128 bytes per 64 values of x).
   avx512::XPairs xp{nullptr, nullptr, nullptr, (K / QK + 1) / 2};
   torch::Tensor xq2, xs2;
@@ -1078,19 +1158,11 @@ torch::Tensor gguf_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int
   const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (isa >= ISA_AVX512) {
-      switch (type) {
-        case Q4_0: avx512::rows_q8<Q4_0>(p, xp, n0, n1); break;
-        case Q4_1: avx512::rows_q8<Q4_1>(p, xp, n0, n1); break;
-        default: avx512::rows_q8<Q8_0>(p, xp, n0, n1); break;
-      }
+      with_kind(p.L, [&](auto t) { avx512::rows_q8<decltype(t)::value>(p, xp, n0, n1); });
     } else if (isa >= ISA_AVX2) {
-      switch (type) {
-        case Q4_0: avx2::rows_q8<Q4_0>(p, n0, n1); break;
-        case Q4_1: avx2::rows_q8<Q4_1>(p, n0, n1); break;
-        default: avx2::rows_q8<Q8_0>(p, n0, n1); break;
-      }
+      with_kind(p.L, [&](auto t) { avx2::rows_q8<decltype(t)::value>(p, n0, n1); });
     } else {
-      rows_q8_scalar(p, type, n0, n1);
+      rows_q8_scalar(p, n0, n1);
     }
   });
   return out;
@@ -1099,7 +1171,8 @@ torch::Tensor gguf_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int
 // W's GGUF blocks [N, bytes] -> panels [ceil(N / 16), K / 32 * panel block bytes] (layout above).
 torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) {
   check_weight(w, type, k);
-  const int64_t N = w.size(0), nb = k / QK, bb = block_bytes(type);
+  const Layout L = layout_of(type);
+  const int64_t N = w.size(0), nb = k / QK;
   const int64_t panels = (N + PANEL - 1) / PANEL, pbb = panel_block_bytes(type);
   const int64_t codes = panel_code_bytes(type);
   auto out = torch::zeros({panels, nb * pbb}, w.options());
@@ -1114,10 +1187,10 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
         for (int c = 0; c < PANEL; ++c) {
           const int64_t n = pn * PANEL + c;
           if (n >= N) break;  // zero rows: codes 0, d = m = 0
-          const uint8_t* blk = src + n * w.size(1) + b * bb;
+          const uint8_t* row = src + n * w.size(1);
           float d, m;
-          block_dm(type, blk, d, m);
-          block_q(type, blk, q);  // as stored: 0..15, or -128..127
+          block_dm(L, row, b, d, m);
+          block_q(L, row, b, q);  // as stored: 0..15, or -128..127
           dv[c] = d;
           if (type != Q8_0) dv[PANEL + c] = type == Q4_0 ? -8.f * d : m;
           for (int i = 0; i < 4; ++i) {
@@ -1152,11 +1225,13 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
   if (M == 0 || n == 0) return out;
   const auto qx = quantize_q8(x, ISA_AVX2);
   Q8Problem p{qx[0].data_ptr<int8_t>(), qx[1].data_ptr<float>(), qx[2].data_ptr<float>(), nullptr, 0,
-              out.data_ptr<float>(), M, n, K};
+              layout_of(type), out.data_ptr<float>(), M, n, K};
   const uint8_t* w = packed.data_ptr<uint8_t>();
+  // Panels hold a d and an m per block whatever the blocks' layout: Q4_1G's are Q4_1's.
+  const int64_t kind = p.L.kind == Q4_1G ? Q4_1 : p.L.kind;
   if (isa < ISA_AVX512) {
     at::parallel_for(0, 2 * panels, 1, [&](int64_t u0, int64_t u1) {
-      switch (type) {
+      switch (kind) {
         case Q4_0: avx2::panels_q8<Q4_0>(p, w, u0, u1); break;
         case Q4_1: avx2::panels_q8<Q4_1>(p, w, u0, u1); break;
         default: avx2::panels_q8<Q8_0>(p, w, u0, u1); break;
@@ -1165,7 +1240,7 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
     return out;
   }
   std::vector<int32_t> c128;
-  if (type == Q8_0) {  // 128 * sum(q_x) per row and block: what the +128 codes add
+  if (kind == Q8_0) {  // 128 * sum(q_x) per row and block: what the +128 codes add
     c128.resize(M * nb);
     for (int64_t i = 0; i < M * nb; ++i) {
       int32_t sum = 0;
@@ -1174,7 +1249,7 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
     }
   }
   at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
-    switch (type) {
+    switch (kind) {
       case Q4_0: avx512::panels_q8<Q4_0>(p, w, nullptr, t0, t1); break;
       case Q4_1: avx512::panels_q8<Q4_1>(p, w, nullptr, t0, t1); break;
       default: avx512::panels_q8<Q8_0>(p, w, c128.data(), t0, t1); break;
@@ -1185,7 +1260,8 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
 
 torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t k, std::optional<torch::Tensor> into) {
   check_weight(w, type, k);
-  const int64_t N = w.size(0), nb = k / QK, bb = block_bytes(type);
+  const Layout L = layout_of(type);
+  const int64_t N = w.size(0), nb = k / QK;
   torch::Tensor out;
   if (into) {  // a reused buffer: a fresh allocation per call costs page faults on every call
     out = *into;
@@ -1199,11 +1275,7 @@ torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t k, s
   float* dst = out.data_ptr<float>();
   if (best_isa() >= ISA_AVX2) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      switch (type) {
-        case Q4_0: avx2::dequantize_rows<Q4_0>(src, w.size(1), k, dst, n0, n1); break;
-        case Q4_1: avx2::dequantize_rows<Q4_1>(src, w.size(1), k, dst, n0, n1); break;
-        default: avx2::dequantize_rows<Q8_0>(src, w.size(1), k, dst, n0, n1); break;
-      }
+      with_kind(L, [&](auto t) { avx2::dequantize_rows<decltype(t)::value>(src, w.size(1), L, k, dst, n0, n1); });
     });
     return out;
   }
@@ -1211,10 +1283,10 @@ torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t k, s
     float q[QK];
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = src + n * w.size(1) + b * bb;
+        const uint8_t* row = src + n * w.size(1);
         float d, m;
-        block_dm(type, blk, d, m);
-        block_q(type, blk, q);
+        block_dm(L, row, b, d, m);
+        block_q(L, row, b, q);
         float* o = dst + n * k + b * QK;
         for (int j = 0; j < QK; ++j) o[j] = d * q[j] + m;
       }
@@ -1241,5 +1313,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_matmul::gguf_dequantize, "GGUF block rows -> float32 [N, K]", py::arg("w"),
         py::arg("type"), py::arg("k"), py::arg("into") = py::none());
   m.def("block_bytes", &gguf_matmul::block_bytes, "bytes per 32-value block of a GGML type");
+  m.def("row_bytes", &gguf_matmul::row_bytes, "bytes per weight row of K values in a type's layout (Q4_1G included)",
+        py::arg("type"), py::arg("k"));
   m.def("best_isa", &gguf_matmul::best_isa, "2: AVX-512 (F, BW, DQ, VL, VNNI), 1: AVX2+FMA+F16C, 0: scalar");
 }
