@@ -361,7 +361,7 @@ def main() -> None:
             k: getattr(args, k)
             for k in ("decode_tokens", "repeats", "streams", "output_tokens", "kv_memory", "seq_len", "quick")
         },
-        "note": "shared machine: other jobs ran meanwhile; compare ratios from this run, not absolute numbers",
+        "note": "timings on a shared machine are noisy: compare ratios from this run, not absolute numbers",
         "results": results,
         "targets": ratios(results),
     }

@@ -80,7 +80,8 @@ def group_q4_1(blocks: torch.Tensor, k: int, gtype: int) -> torch.Tensor:
 def dequantize_blocks(
     blocks: torch.Tensor, ggml_type: int, k: int, into: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """uint8 block rows [N, bytes] -> fp32 [N, k] (the C++ kernel, else the gguf package's numpy)."""
+    """uint8 block rows [N, bytes] -> fp32 [N, k], or into `into` (float32, or bfloat16 with the C++
+    kernel) (the C++ kernel, else the gguf package's numpy)."""
     ext = native_kernel()
     if ext is not None:
         return ext.gguf_dequantize(blocks, int(ggml_type), k, into)

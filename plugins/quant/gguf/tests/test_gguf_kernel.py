@@ -154,6 +154,9 @@ def test_dequantize_matches_the_gguf_package(typ):
     into = torch.empty(n, k)
     assert ext.gguf_dequantize(raw, int(typ), k, into).data_ptr() == into.data_ptr()
     assert torch.equal(into, out)
+    # Into bf16 (a native-bf16 CPU's batches): torch's rounding of the fp32 values, in one pass.
+    into16 = torch.empty(n, k, dtype=torch.bfloat16)
+    assert torch.equal(ext.gguf_dequantize(raw, int(typ), k, into16), out.to(torch.bfloat16))
 
 
 @needs_ext

@@ -143,8 +143,8 @@ class GGUFBlocks:
         return self.rebuilt_matmul(layer, x)
 
     def rebuilt_matmul(self, layer, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T with W rebuilt from the blocks `SLAB_BYTES` of fp32 at a time into reused
-        buffers, multiplied in bf16 on a native-bf16 CPU (x rounded to bf16; fp32 matmuls run
+        """x @ W^T with W rebuilt from the blocks (`SLAB_BYTES` of fp32 at most at a time) into a
+        reused buffer, multiplied in bf16 on a native-bf16 CPU (x rounded to bf16; fp32 matmuls run
         ~3x slower there), else in fp32."""
         from lmstack.scratch import reused_buffer
         from lmstack_gguf.kernel import dequantize_blocks
@@ -156,11 +156,8 @@ class GGUFBlocks:
         out = torch.empty(x.shape[0], n, dtype=dtype) if step < n else None
         for r in range(0, n, step):
             rows = min(step, n - r)
-            w = dequantize_blocks(
-                layer.w_packed[r : r + rows], self.type, k, reused_buffer(rows, k, torch.float32)
-            )
-            if dtype != torch.float32:
-                w = reused_buffer(rows, k, dtype).copy_(w)
+            # (bf16 written by the kernel in one pass: half the bytes of fp32 then a copy)
+            w = dequantize_blocks(layer.w_packed[r : r + rows], self.type, k, reused_buffer(rows, k, dtype))
             if out is None:
                 out = F.linear(xs, w)
             else:

@@ -164,6 +164,13 @@ inline uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
+// fp32 -> bf16 bits, rounded to nearest even (finite values: what torch's conversion gives them).
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
 // Block b of a row: its scale and offset (value = d * q + m, q as stored: 0..15 or -128..127).
 inline void block_dm(const Layout& L, const uint8_t* row, int64_t b, float& d, float& m) {
   const uint8_t* h = row + L.head_at(b);
@@ -416,9 +423,18 @@ void rows_many(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-// Rows [n0, n1) of W in fp32: value = d * q + m, eight at a time.
-template <int TYPE>
-void dequantize_rows(const uint8_t* w, int64_t row_bytes, const Layout& L, int64_t k, float* out, int64_t n0,
+// Eight fp32 values -> bf16 bits, rounded to nearest even as float_to_bf16.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// Rows [n0, n1) of W: value = d * q + m, eight at a time, stored as fp32 (OUT float) or bf16
+// (OUT uint16_t: the batches a native-bf16 CPU multiplies in bf16, written in one pass).
+template <int TYPE, class OUT>
+void dequantize_rows(const uint8_t* w, int64_t row_bytes, const Layout& L, int64_t k, OUT* out, int64_t n0,
                      int64_t n1) {
   const int64_t nb = k / QK;
   for (int64_t n = n0; n < n1; ++n)
@@ -429,8 +445,14 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, const Layout& L, int64
       widen<TYPE>(row + codes_at<TYPE>(L, b), v);
       dm<TYPE>(row + head_at<TYPE>(L, b), d, m);
       const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-      float* o = out + n * k + b * QK;
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(v[i], dv, mv));
+      OUT* o = out + n * k + b * QK;
+      for (int i = 0; i < 4; ++i) {
+        const __m256 value = _mm256_fmadd_ps(v[i], dv, mv);
+        if constexpr (std::is_same_v<OUT, float>)
+          _mm256_storeu_ps(o + 8 * i, value);
+        else
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * i), to_bf16(value));
+      }
     }
 }
 
@@ -1265,17 +1287,24 @@ torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t k, s
   torch::Tensor out;
   if (into) {  // a reused buffer: a fresh allocation per call costs page faults on every call
     out = *into;
-    TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
-                    out.size(1) == k,
-                "into must be a contiguous float32 tensor [", N, ", ", k, "]");
+    TORCH_CHECK((out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16) &&
+                    out.is_contiguous() && out.dim() == 2 && out.size(0) == N && out.size(1) == k,
+                "into must be a contiguous float32 or bfloat16 tensor [", N, ", ", k, "]");
   } else {
     out = torch::empty({N, k}, torch::kFloat32);
   }
   const uint8_t* src = w.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
+  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  float* dst = bf16 ? nullptr : out.data_ptr<float>();
+  uint16_t* dst16 = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   if (best_isa() >= ISA_AVX2) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      with_kind(L, [&](auto t) { avx2::dequantize_rows<decltype(t)::value>(src, w.size(1), L, k, dst, n0, n1); });
+      with_kind(L, [&](auto t) {
+        if (bf16)
+          avx2::dequantize_rows<decltype(t)::value>(src, w.size(1), L, k, dst16, n0, n1);
+        else
+          avx2::dequantize_rows<decltype(t)::value>(src, w.size(1), L, k, dst, n0, n1);
+      });
     });
     return out;
   }
@@ -1287,8 +1316,13 @@ torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t k, s
         float d, m;
         block_dm(L, row, b, d, m);
         block_q(L, row, b, q);
-        float* o = dst + n * k + b * QK;
-        for (int j = 0; j < QK; ++j) o[j] = d * q[j] + m;
+        for (int j = 0; j < QK; ++j) {
+          const float value = std::fma(d, q[j], m);  // the vector path's single rounding
+          if (bf16)
+            dst16[n * k + b * QK + j] = float_to_bf16(value);
+          else
+            dst[n * k + b * QK + j] = value;
+        }
       }
   });
   return out;
