@@ -88,13 +88,12 @@ def test_cpu_int4pack_matches_reference_and_gives_codes_back(dtype):
 def _is_int8_rounded_x_times_blocks(out: torch.Tensor, x: torch.Tensor, layer) -> bool:
     """out = (x rounded per 32 values as the int8-activation kernels document: dx = max|x| / 127,
     round-half-even(x / dx) * dx) @ (the layer's Q4_1 blocks dequantized)^T, up to fp32 sums."""
-    from lmstack_gguf.kernel import dequantize_blocks
 
     xb = x.reshape(x.shape[0], -1, 32)
     dx = xb.abs().amax(-1, keepdim=True) / 127.0
     inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
     xq = (torch.round(xb * inv) * dx).reshape(x.shape).double()
-    wb = dequantize_blocks(layer.w_packed, layer.kernel.type, layer.in_features).double()
+    wb = layer.kernel.dequantized(layer).double()
     mag = xq.abs() @ wb.abs().t()
     return bool(
         torch.all((out.double() - xq @ wb.t()).abs() <= 8 * (layer.in_features + 4) * 2**-24 * mag + 1e-30)
@@ -203,16 +202,22 @@ def test_decode_rows_go_straight_to_the_gguf_op_with_the_kernels_result(int8_act
 
 
 @pytest.mark.skipif(not gguf_blocks.available(), reason="lmstack-gguf's kernels are not built here")
-def test_int8_activation_batches_take_panels_where_vnni_runs():
+@pytest.mark.parametrize("group", [32, 128])
+def test_int8_activation_batches_take_panels_where_vnni_runs(group):
     """`fp32_activations: int8` set before the kernel is picked (as the quantizer does): wherever
-    the panels run (AVX2 or AVX-512 VNNI) every batch multiplies by 16-row panels of the Q4_1
-    blocks (x rounded to int8 per 32 values, as the block kernel does)."""
+    the panels run (AVX2 or AVX-512 VNNI) every batch multiplies by 16-row panels of the blocks
+    (x rounded to int8 per 32 values, as the block kernel does), and the layer keeps only the
+    panels: codes, rows and the dequantized weight come back from them unchanged."""
     from lmstack_gguf.kernel import native_kernel
     from lmstack_gguf.quantizer import layer_panels_min_rows, panels_cpu
 
     rng = random.Random()
     n, k = rng.randint(1, 70), 32 * rng.randint(1, 20)
-    layer, w = _layer(n, k, 32, False)
+    layer, w = _layer(n, k, group, False)
+    codes = layer.codes().clone()
+    reference, _ = _layer(n, k, group, False)  # the same layer with fp32 activations: blocks
+    reference.load_state_dict(layer.state_dict())
+    reference.prepare()
     layer.int8_activations = True
     layer.prepare()
     assert isinstance(layer.kernel, GGUFBlocks)
@@ -222,12 +227,21 @@ def test_int8_activation_batches_take_panels_where_vnni_runs():
         pytest.skip("this CPU lacks AVX2: the panels are not made")
     assert layer_panels_min_rows() == 1
     assert layer.kernel.dense is None and layer.kernel.max_rows == 0
+    assert layer.kernel.panels_only and layer.w_packed.numel() == 0
+    assert torch.equal(layer.codes(), codes)
+    assert torch.equal(layer.dequantized_weight(), reference.dequantized_weight())
+    ids = torch.tensor([n - 1, 0, n // 2])
+    assert torch.equal(
+        layer.kernel.row_values(layer, ids, torch.bfloat16),
+        reference.kernel.row_values(reference, ids, torch.bfloat16),
+    )
     big = torch.randn(rng.randint(1, 80), k)
     out = layer(big)
-    assert torch.equal(out, ext.gguf_matmul_panels(big, layer.kernel.panels, 3, n))
+    assert torch.equal(out, ext.gguf_matmul_panels(big, layer.kernel.panels, layer.kernel.type, n))
     # A row's result is the same whatever batch it is in (panels sum rows alone).
     assert torch.equal(layer(big[:1]), out[:1])
-    blocks = ext.gguf_matmul_q8(big, layer.w_packed, 3)
+    assert torch.equal(layer(big.bfloat16()), layer(big.bfloat16().float()).bfloat16())  # via fp32
+    blocks = ext.gguf_matmul_q8(big, reference.w_packed, reference.kernel.type)
     assert float((out - blocks).abs().max()) <= 1e-5 * float(blocks.abs().max())
     assert _is_int8_rounded_x_times_blocks(out, big, layer)
 

@@ -86,6 +86,9 @@ class GGUFLinear(nn.Module):
         # uint8 panels of the blocks (`panels`) and their kernel, bound by finalize().
         self.panels: torch.Tensor | None = None
         self._panel_matmul = None
+        # Panels for every batch and no copy: the blocks are dropped after packing (`rows` reads
+        # them back from the panels), so the layer holds 0.75 bytes a weight, not 1.3.
+        self.panels_only = False
 
     # --- loading ------------------------------------------------------------------------------
 
@@ -139,6 +142,9 @@ class GGUFLinear(nn.Module):
                 self.dense = dequantize_blocks(self.weight.data, self.ggml_type, self.in_features).to(
                     self.copy_dtype
                 )
+            if self.panels is not None and self.kernel_max_rows == 0 and self.dense is None:
+                self.panels_only = True
+                self.weight.data = torch.empty(self.out_features, 0, dtype=torch.uint8)
             if self.use_native:
                 self._bind_fast()
         else:
@@ -169,6 +175,9 @@ class GGUFLinear(nn.Module):
         """Output rows `ids` of the weight in fp32 (the embedding lookup of a block table)."""
         if self.ggml_type is None:
             return self.dense[ids]
+        if self.panels_only:
+            blocks = native_kernel().gguf_panel_blocks(self.panels, self.ggml_type, self.in_features, ids)
+            return dequantize_blocks(blocks, self.ggml_type, self.in_features)
         return dequantize_blocks(self.weight.data[ids].contiguous(), self.ggml_type, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,17 +194,17 @@ class GGUFLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         rows, copy_from = x2.shape[0], self.copy_min_rows
-        if (
+        if self.panels_only or (
             self.panels is not None
             and x2.dtype == torch.float32
             and rows > (limit or 0)
             and (copy_from is None or self.dense is None or rows < copy_from)
         ):
-            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-            out = self._panel_matmul(x2, self.panels, self.ggml_type, self.out_features)
+            x32 = x2 if x2.dtype == torch.float32 and x2.stride(-1) == 1 else x2.float().contiguous()
+            out = self._panel_matmul(x32, self.panels, self.ggml_type, self.out_features)
             if self.bias is not None:
                 out = out + self.bias
-            return out.reshape(*lead, self.out_features)
+            return out.to(x.dtype).reshape(*lead, self.out_features)
         if self.ggml_type is not None and (
             self.dense is None or kernel_takes(x2, self.use_native, self.kernel_max_rows)
         ):

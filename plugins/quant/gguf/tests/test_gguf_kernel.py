@@ -207,6 +207,7 @@ def test_grouped_q4_1_computes_what_its_q4_1_blocks_do(gtype, isa):
         if isa >= 1:
             packed = ext.gguf_pack_panels(grouped, gtype, k)
             assert torch.equal(packed, ext.gguf_pack_panels(q41, int(T.Q4_1), k))
+            assert torch.equal(ext.gguf_panel_blocks(packed, gtype, k, torch.arange(n)), q41)
             xc = x.contiguous()
             assert torch.equal(
                 ext.gguf_matmul_panels(xc, packed, gtype, n, isa),
@@ -356,6 +357,9 @@ def test_panels_are_the_rounded_x_times_the_blocks(typ, isa):
         xq = (q.double().reshape(m, -1, 32) * dx.double()[..., None]).reshape(m, k)
         packed = ext.gguf_pack_panels(raw, int(typ), k)
         assert packed.shape[0] == -(-n // 16)
+        # The blocks come back from the panels byte for byte (a layer may keep only the panels).
+        ids = torch.tensor([n - 1, 0, *random.choices(range(n), k=3)])
+        assert torch.equal(ext.gguf_panel_blocks(packed, int(typ), k, ids), raw[ids])
         out = ext.gguf_matmul_panels(x, packed, int(typ), n, isa)
         assert out.shape == (m, n) and within_rounding(out, xq, w, k), f"{typ.name} m={m} n={n} k={k}"
         blocks = ext.gguf_matmul_q8(x.contiguous(), raw, int(typ))
@@ -403,6 +407,11 @@ def test_panels_for_every_batch_make_a_rows_result_the_same_in_any_batch(bias):
     assert torch.equal(out, ext.gguf_matmul_panels(x, layer.panels, int(T.Q4_1), n) + plus)
     for i in (0, x.shape[0] - 1):
         assert torch.equal(layer(x[i : i + 1]), out[i : i + 1])
+    # Only the panels are kept; rows (an embedding's lookup) and other dtypes are served from them.
+    assert layer.panels_only and layer.weight.numel() == 0
+    ids = torch.tensor([n - 1, 0, n // 2])
+    assert torch.equal(layer.rows(ids), kernel.dequantize_blocks(raw, int(T.Q4_1), k)[ids])
+    assert torch.equal(layer(x.bfloat16()), layer(x.bfloat16().float()).bfloat16())
 
 
 def test_layers_take_panels_for_every_batch_and_the_head_where_vnni_runs(monkeypatch):
@@ -453,6 +462,14 @@ def test_panels_then_the_bf16_copy_take_batches_by_size():
     plain.finalize()
     assert plain.dense is None and plain.copy_min_rows is None
     assert torch.equal(plain(x), ext.gguf_matmul_panels(x, plain.panels, typ, n))
+
+
+@needs_panels
+def test_panel_blocks_refuse_rows_outside_the_panels():
+    raw, _ = blocks_of(np.random.randn(20, 64), T.Q4_1)
+    packed = ext.gguf_pack_panels(raw, int(T.Q4_1), 64)
+    with pytest.raises(RuntimeError, match="row 32 is not in the panels"):
+        ext.gguf_panel_blocks(packed, int(T.Q4_1), 64, torch.tensor([0, 32]))
 
 
 @needs_panels

@@ -86,9 +86,15 @@ class GGUFBlocks:
         # With int8 activations where the panel kernel runs (AVX2 or AVX-512 VNNI): panels (0.75
         # bytes a weight) take every batch (`layer_panels_min_rows`, measured by lmstack-gguf).
         self.panels: torch.Tensor | None = None
+        self.panels_only = False
         if layer.int8_activations and panels_cpu():
             self.panels = ext.gguf_pack_panels(layer.w_packed, self.type, k)
             self.panel_matmul, self.max_rows = ext.gguf_matmul_panels, layer_panels_min_rows() - 1
+            if self.max_rows == 0:
+                # The panels take every batch: the blocks would only serve rows read back
+                # (`blocks`), which the panels give too, so they are dropped.
+                self.panels_only = True
+                layer.w_packed = layer.w_packed.new_empty(n, 0)
             return
         # On a CPU with native bf16, batches over 16 rows (prefill, many streams) multiply in
         # bf16: the layer rebuilt per call overtook the fp32 kernel between 16 and 20 rows (2-core
@@ -103,15 +109,16 @@ class GGUFBlocks:
 
                 self.dense = dequantize_blocks(layer.w_packed, self.type, k).to(torch.bfloat16)
 
-    def code_byte_offsets(self, k: int) -> torch.Tensor:
-        """[blocks, 16]: where each block's code bytes sit in a row of `w_packed`."""
+    @staticmethod
+    def code_byte_offsets(k: int, typ: int) -> torch.Tensor:
+        """[blocks, 16]: where each block's code bytes sit in a block row of type `typ`."""
         from lmstack_gguf.kernel import Q4_1G
 
         b = torch.arange(k // QK)
-        if self.type == Q4_1:
+        if typ == Q4_1:
             start = b * BLOCK_BYTES + 4
         else:
-            per = 1 << (self.type - Q4_1G)
+            per = 1 << (typ - Q4_1G)
             start = (b // per) * (4 + 16 * per) + 4 + (b % per) * 16
         return start[:, None] + torch.arange(QK // 2)
 
@@ -126,7 +133,21 @@ class GGUFBlocks:
         blocks = (layer.w_packed, self.type)
         return ((self.matmuls[0], blocks), (self.matmuls[1], blocks), self.max_rows)
 
+    def blocks(self, layer, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(block rows of output rows `ids`, their type): from `w_packed`, or, where only the
+        panels are kept, rebuilt from them (as Q4_1 for Q4_1G: the panels hold each block's d, m)."""
+        if not self.panels_only:
+            return layer.w_packed[ids], self.type
+        from lmstack_gguf.kernel import native_kernel
+
+        ext = native_kernel()
+        return ext.gguf_panel_blocks(self.panels, self.type, layer.in_features, ids), Q4_1
+
     def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if self.panels_only:
+            x32 = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+            out = self.panel_matmul(x32, self.panels, self.type, layer.out_features)
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         if x.dtype == torch.float32 and x.shape[0] <= self.max_rows and x.stride(-1) == 1:
             # Decode: straight to the kernel (block_matmul's checks cost ~20 us a call, a good
             # part of a small layer's time at one row).
@@ -166,7 +187,8 @@ class GGUFBlocks:
 
     def row_codes(self, layer, ids: torch.Tensor) -> torch.Tensor:
         """uint8 codes [len(ids), in] of output rows `ids`, read from their blocks."""
-        blocks = layer.w_packed[ids][:, self.code_byte_offsets(layer.in_features)]
+        rows, typ = self.blocks(layer, ids)
+        blocks = rows[:, self.code_byte_offsets(layer.in_features, typ)]
         return torch.cat((blocks & 15, blocks >> 4), dim=-1).reshape(len(ids), layer.in_features)
 
     def row_values(self, layer, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -176,7 +198,7 @@ class GGUFBlocks:
         and zeros took ~10 torch ops (~110 us a decode step at one token, Zen 3)."""
         from lmstack_gguf.kernel import dequantize_blocks
 
-        out = dequantize_blocks(layer.w_packed[ids], self.type, layer.in_features)
+        out = dequantize_blocks(*self.blocks(layer, ids), layer.in_features)
         return out if dtype == torch.float32 else out.to(dtype)
 
     def dequantized(self, layer) -> torch.Tensor:

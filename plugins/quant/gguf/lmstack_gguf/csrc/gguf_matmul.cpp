@@ -1229,6 +1229,60 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
   return out;
 }
 
+__attribute__((target("f16c"))) inline uint16_t float_to_half_exact(float f) {  // f: an fp16 value (d, m)
+  return uint16_t(_cvtss_sh(f, 0));
+}
+
+// Rows `rows` of W back from its panels, as GGML blocks [len(rows), K / 32 * block bytes]: Q4_0,
+// Q8_0, or Q4_1 for Q4_1 and Q4_1G panels (which hold a d and an m per block). d and m were fp16
+// values, so the blocks are the ones packed (Q4_1G's as the Q4_1 blocks of its groups). What a
+// layer that keeps only its panels reads for its rare other uses: rows of the embedding, codes.
+torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64_t k, const torch::Tensor& rows) {
+  TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of ", QK, ", got ", k);
+  const int64_t nb = k / QK, pbb = panel_block_bytes(type), codes = panel_code_bytes(type);
+  const int64_t kind = layout_of(type).kind == Q4_1G ? Q4_1 : type;
+  TORCH_CHECK(best_isa() >= ISA_AVX2, "gguf_panel_blocks needs F16C (AVX2 CPUs have it)");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(1) == nb * pbb,
+              "packed must be gguf_pack_panels' output for K = ", k);
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1, "rows must be a 1-D int64 tensor");
+  const auto ids = rows.contiguous();
+  const int64_t R = ids.size(0), bb = block_bytes(kind), n_max = packed.size(0) * PANEL;
+  auto out = torch::empty({R, nb * bb}, packed.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n_max, "row ", id[i], " is not in the panels");
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t pn = id[r] / PANEL, c = id[r] % PANEL;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* pb = src + (pn * nb + b) * pbb;
+        const float* dv = reinterpret_cast<const float*>(pb + codes);
+        uint8_t* blk = dst + r * nb * bb + b * bb;
+        const uint16_t d = float_to_half_exact(dv[c]);
+        std::memcpy(blk, &d, 2);
+        if (kind == Q8_0) {
+          for (int t = 0; t < 8; ++t)
+            for (int i = 0; i < 4; ++i) blk[2 + 4 * t + i] = uint8_t(int(pb[64 * t + 4 * c + i]) - 128);
+          continue;
+        }
+        uint8_t* q = blk + 2;
+        if (kind == Q4_1) {
+          const uint16_t m = float_to_half_exact(dv[PANEL + c]);
+          std::memcpy(blk + 2, &m, 2);
+          q = blk + 4;
+        }
+        // Panel byte 64j + 4c + i holds values 4j + i (low) and 16 + 4j + i (high): exactly
+        // block byte 4j + i's two nibbles.
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 4; ++i) q[4 * j + i] = pb[64 * j + 4 * c + i];
+      }
+    }
+  });
+  return out;
+}
+
 // x [M, K] @ W^T from panels (gguf_pack_panels of W [N, K]): x rounded to int8 per 32-block as
 // gguf_matmul_q8 does. AVX-512 VNNI or AVX2 (the caller keeps the blocks for other CPUs).
 torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& packed, int64_t type, int64_t n,
@@ -1344,6 +1398,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_matmul_panels", &gguf_matmul::gguf_matmul_panels,
         "x fp32 [M, K] @ W^T from gguf_pack_panels(W), x rounded to int8 per 32-block", py::arg("x"), py::arg("packed"),
         py::arg("type"), py::arg("n"), py::arg("isa") = -1);
+  m.def("gguf_panel_blocks", &gguf_matmul::gguf_panel_blocks,
+        "rows of W back from gguf_pack_panels(W) as GGML blocks (Q4_1 for Q4_1G)", py::arg("packed"), py::arg("type"),
+        py::arg("k"), py::arg("rows"));
   m.def("gguf_dequantize", &gguf_matmul::gguf_dequantize, "GGUF block rows -> float32 [N, K]", py::arg("w"),
         py::arg("type"), py::arg("k"), py::arg("into") = py::none());
   m.def("block_bytes", &gguf_matmul::block_bytes, "bytes per 32-value block of a GGML type");
