@@ -698,6 +698,15 @@ def test_min_chain_prob_auto_takes_the_bar_from_the_draft_policy(tiny_model_path
     llm = LLM(eagle_stack(tiny_model_path, trained_head_dir, num_draft_tokens=6, min_chain_prob="auto"))
     spec = llm.engine.speculator
     assert spec.stops_by_confidence
+    # Fixed, memory-bound costs (a query token 0.1 % of a step, a draft 1 %) in place of this
+    # machine's timings, so that whether drafting pays, and so this test, does not depend on
+    # the load (a busy CI machine once measured it as not paying and granted no chain).
+    policy = llm.engine.drafts.policy
+    record_step, record_drafting = policy.record_step, policy.record_drafting
+    policy.record_step = lambda num_tokens, seconds: record_step(num_tokens, 0.01 + 1e-5 * num_tokens)
+    policy.record_drafting = lambda num_drafts, seconds, num_seqs=0, first_seconds=0.0: record_drafting(
+        num_drafts, 1e-4 * num_drafts, num_seqs, 1e-4 * num_seqs if first_seconds > 0 else 0.0
+    )
     recorded = ChainRecorder(spec)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     ref = LLM(tiny_stack(tiny_model_path))
