@@ -91,16 +91,17 @@ def dequantize_blocks(
 
 
 def dequant_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-    """x @ W^T with W rebuilt in fp32 `SLAB_BYTES` at a time."""
+    """x @ W^T with W rebuilt in x's dtype (float32, or bfloat16 written by the C++ kernel in one
+    pass), `SLAB_BYTES` of fp32 rows at a time, into a reused buffer."""
     n = blocks.shape[0]
     step = min(n, max(1, SLAB_BYTES // (4 * k)))
     if step == n:
-        return F.linear(x, dequantize_blocks(blocks, ggml_type, k, reused_buffer(n, k, torch.float32)))
+        return F.linear(x, dequantize_blocks(blocks, ggml_type, k, reused_buffer(n, k, x.dtype)))
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
     for r in range(0, n, step):
         rows = min(step, n - r)
         out[:, r : r + rows] = F.linear(
-            x, dequantize_blocks(blocks[r : r + rows], ggml_type, k, reused_buffer(rows, k, torch.float32))
+            x, dequantize_blocks(blocks[r : r + rows], ggml_type, k, reused_buffer(rows, k, x.dtype))
         )
     return out
 

@@ -34,8 +34,6 @@ from lmstack_awq.int4_math import expand_groups, unpack_nibbles
 QK = 32
 Q4_1 = 3  # the GGML type id
 BLOCK_BYTES = 20
-# The most fp32 bytes of weight rebuilt at once for a batch over the kernel's rows.
-SLAB_BYTES = 8 << 20
 
 
 def fp16_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -49,11 +47,10 @@ def available() -> bool:
     """Whether lmstack-gguf is installed, its kernels built on this machine, and new enough to
     take the Q4_1G layout (else the layers take torch's int4 op)."""
     try:
-        from lmstack_gguf.kernel import grouped_type, native_kernel  # noqa: F401
+        from lmstack_gguf.kernel import grouped_type, native_kernel  # noqa: F401 (the version check)
     except ImportError:
         return False
-    ext = native_kernel()
-    return ext is not None and hasattr(ext, "row_bytes")
+    return native_kernel() is not None
 
 
 class GGUFBlocks:
@@ -107,7 +104,8 @@ class GGUFBlocks:
             if getattr(layer, "bf16_copy", False):
                 from lmstack_gguf.kernel import dequantize_blocks
 
-                self.dense = dequantize_blocks(layer.w_packed, self.type, k).to(torch.bfloat16)
+                bf16 = torch.empty(n, k, dtype=torch.bfloat16)  # written in one pass
+                self.dense = dequantize_blocks(layer.w_packed, self.type, k, bf16)
 
     @staticmethod
     def code_byte_offsets(k: int, typ: int) -> torch.Tensor:
@@ -164,25 +162,13 @@ class GGUFBlocks:
         return self.rebuilt_matmul(layer, x)
 
     def rebuilt_matmul(self, layer, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T with W rebuilt from the blocks (`SLAB_BYTES` of fp32 at most at a time) into a
-        reused buffer, multiplied in bf16 on a native-bf16 CPU (x rounded to bf16; fp32 matmuls run
-        ~3x slower there), else in fp32."""
-        from lmstack.scratch import reused_buffer
-        from lmstack_gguf.kernel import dequantize_blocks
+        """x @ W^T with W rebuilt from the blocks a slab at a time (lmstack-gguf's
+        `dequant_matmul`), multiplied in bf16 on a native-bf16 CPU (x rounded to bf16; fp32
+        matmuls run ~3x slower there), else in fp32."""
+        from lmstack_gguf.kernel import dequant_matmul
 
-        n, k = layer.out_features, layer.in_features
-        dtype = torch.bfloat16 if self.bf16 else torch.float32
-        xs = x.to(dtype)
-        step = max(1, SLAB_BYTES // (4 * k))
-        out = torch.empty(x.shape[0], n, dtype=dtype) if step < n else None
-        for r in range(0, n, step):
-            rows = min(step, n - r)
-            # (bf16 written by the kernel in one pass: half the bytes of fp32 then a copy)
-            w = dequantize_blocks(layer.w_packed[r : r + rows], self.type, k, reused_buffer(rows, k, dtype))
-            if out is None:
-                out = F.linear(xs, w)
-            else:
-                out[:, r : r + rows] = F.linear(xs, w)
+        xs = x.to(torch.bfloat16 if self.bf16 else torch.float32)
+        out = dequant_matmul(xs, layer.w_packed, self.type, layer.in_features)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def row_codes(self, layer, ids: torch.Tensor) -> torch.Tensor:
