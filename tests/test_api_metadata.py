@@ -110,7 +110,8 @@ def test_a_malformed_x_tenant_is_400_naming_the_header(server, bad):
 
 
 def test_http_metadata_reaches_the_engines_scheduler(shared_llm, monkeypatch):
-    """The whole way in one process: HTTP headers -> the app -> AsyncEngine -> the scheduler."""
+    """The whole way in one process: HTTP headers and whether the call streams -> the app ->
+    AsyncEngine -> the scheduler."""
     from litestar.testing import TestClient
 
     from lmstack.async_engine import AsyncEngine
@@ -129,5 +130,14 @@ def test_http_metadata_reaches_the_engines_scheduler(shared_llm, monkeypatch):
             assert r.status_code == 200 and r.headers["x-request-id"] == "trace-7", r.text
         r = client.post("/v1/completions", json=body("/v1/completions", max_tokens=1))
         assert r.status_code == 200
-    assert [seen[1:] for seen in recorder.seen] == [("trace-7", "acme"), ("trace-7", "acme"), (None, None)]
+        for path in ROUTES:
+            r = client.post(path, json=body(path, max_tokens=1, stream=True))
+            assert r.status_code == 200 and "data: [DONE]" in r.text
+    assert [seen[1:] for seen in recorder.seen[:3]] == [
+        ("trace-7", "acme"),
+        ("trace-7", "acme"),
+        (None, None),
+    ]
+    # Only SSE clients read tokens as they come: the scheduler bounds the gaps for those alone.
+    assert recorder.streamed == [False, False, False, True, True]
     assert not engine.has_unfinished()

@@ -269,10 +269,12 @@ class RecordingScheduler:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.seen: list[tuple[str, str | None, str | None]] = []
+        self.streamed: list[bool] = []
 
     def add(self, seq) -> None:
         req = seq.request
         self.seen.append((req.request_id, req.client_request_id, req.tenant))
+        self.streamed.append(req.streamed)
         self.inner.add(seq)
 
     def __getattr__(self, name):
@@ -293,6 +295,12 @@ def test_request_metadata_reaches_the_scheduler(llm, monkeypatch):
     # One caller id twice is two requests with their own engine ids; the plain one has no metadata.
     assert len(set(ids)) == 3
     assert rec.seen == [(ids[0], "trace-1", "acme"), (ids[1], "trace-1", "acme"), (ids[2], None, None)]
+    # A request is streamed unless its caller says it reads only the end, as `LLM.generate` does.
+    eng.add_request(prompt, params, streamed=False)
+    while eng.has_unfinished():
+        eng.step()
+    llm.generate([prompt], params)
+    assert rec.streamed == [True, True, True, False, False]
 
 
 class ReplayDrafter(Speculator):

@@ -95,9 +95,9 @@ def scheduler(cost: StepCostModel | None, **options) -> ContinuousScheduler:
     return ContinuousScheduler(opts, alloc, limits, cost)
 
 
-def decoding(sched: ContinuousScheduler, count: int) -> list:
+def decoding(sched: ContinuousScheduler, count: int, streamed: bool = True) -> list:
     """`count` sequences admitted and past their prompts (the next step decodes them)."""
-    seqs = [make_seq(5, 100) for _ in range(count)]
+    seqs = [make_seq(5, 100, streamed=streamed) for _ in range(count)]
     for s in seqs:
         sched.add(s)
     while any(s.is_prefill for s in seqs):
@@ -152,6 +152,20 @@ def test_whole_budget_when_time_is_not_at_stake(cost, options, decodes):
     sched = scheduler(cost, **options)
     decoding(sched, decodes)
     assert prompt_tokens_beside(sched, prompt_len=3000)[1] == 2048 - decodes
+
+
+def test_prompts_beside_requests_read_whole_take_the_budget_until_one_streams():
+    """Decodes whose callers read them only when they end (`Request.streamed` False: offline
+    batches, non-streaming HTTP calls) do not hold prompts back: fewer, fuller steps finish
+    every one of them sooner. One streamed decode among them brings the step target back."""
+    sched = scheduler(fitted(), max_step_ratio=2.5)
+    decoding(sched, 8, streamed=False)
+    assert prompt_tokens_beside(sched, prompt_len=3000)[1] == 2048 - 8
+    sched = scheduler(fitted(), max_step_ratio=2.5)
+    decoding(sched, 7, streamed=False)
+    decoding(sched, 1, streamed=True)
+    expected = int((2.5 * (A + B * 8) - A) / B) - 8
+    assert prompt_tokens_beside(sched, prompt_len=3000)[1] == expected < 2048 - 8
 
 
 def test_without_chunked_prefill_prompts_are_never_sized():

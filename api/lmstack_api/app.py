@@ -255,7 +255,7 @@ async def chat_completions(request: Request) -> Response:
     # X-Request-Id: that one may repeat across requests; it comes back in the header instead.
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     job = Job(state, "chat", rid, key, tenant=tenant, client_request_id=client_request_id(request.headers))
-    job.admit([prompt], sp, _client(request), cache_salt=req.cache_salt)
+    job.admit([prompt], sp, _client(request), cache_salt=req.cache_salt, streamed=req.stream)
     created = int(time.time())
     tt = TokenText(engine.tokenizer)
     model = state.model_name
@@ -340,7 +340,7 @@ async def completions(request: Request) -> Response:
     job = Job(
         state, "completions", rid, key, tenant=tenant, client_request_id=client_request_id(request.headers)
     )
-    job.admit(prompts, sp, _client(request), cache_salt=req.cache_salt)
+    job.admit(prompts, sp, _client(request), cache_salt=req.cache_salt, streamed=req.stream)
     created = int(time.time())
     tt = TokenText(engine.tokenizer)
     model, n = state.model_name, sp.n

@@ -65,9 +65,11 @@ class Job:
         params: SamplingParams,
         client: str,
         cache_salt: str | None = None,
+        streamed: bool = True,
     ) -> None:
         """Tokenize and validate every prompt, then take the queue slot and rate-limit budget;
-        raises APIError (400 / 429 / 503) and holds nothing when it does."""
+        raises APIError (400 / 429 / 503) and holds nothing when it does. `streamed`: the
+        client reads tokens as they come (SSE), so the scheduler bounds the gaps between them."""
         state = self.state
         engine = state.require_ready()
         try:
@@ -81,6 +83,7 @@ class Job:
                         tenant=self.tenant,
                         client_request_id=self.client_request_id,
                         cache_salt=cache_salt,
+                        streamed=streamed,
                     )
                 )
         except InvalidRequestError as exc:

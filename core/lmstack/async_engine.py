@@ -105,11 +105,13 @@ class AsyncEngine:
         tenant: str | None = None,
         client_request_id: str | None = None,
         cache_salt: str | None = None,
+        streamed: bool = True,
     ) -> Request:
         """Validate and tokenize (raises InvalidRequestError naming the field); submit the
         result with `stream`. Thread-safe. `tenant` and `client_request_id` ride on the Request
         for schedulers, caches and hooks to read; `cache_salt` keeps its KV blocks apart
-        from those of requests with another salt."""
+        from those of requests with another salt; `streamed`: whether the caller reads tokens
+        as they come (`Request.streamed`: False for a caller that reads only the final result)."""
         return self.engine.make_request(
             prompt,
             params,
@@ -118,6 +120,7 @@ class AsyncEngine:
             tenant=tenant,
             client_request_id=client_request_id,
             cache_salt=cache_salt,
+            streamed=streamed,
         )
 
     def stats(self) -> EngineStats:

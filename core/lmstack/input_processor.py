@@ -109,10 +109,12 @@ class InputProcessor:
         tenant: str | None = None,
         client_request_id: str | None = None,
         cache_salt: str | None = None,
+        streamed: bool = True,
     ) -> Request:
         """Validate and tokenize; raises InvalidRequestError naming the field. `tenant` and
         `client_request_id` are carried on the Request for components to read (see `Request`); `cache_salt`
-        keeps the request's KV blocks apart from those of requests with another salt."""
+        keeps the request's KV blocks apart from those of requests with another salt; `streamed`:
+        whether the caller reads tokens as they come (see `Request`)."""
         params = params or SamplingParams()
         ids, text = self.tokenize(prompt)
         self.check(ids, params)
@@ -130,6 +132,7 @@ class InputProcessor:
             tenant=tenant,
             client_request_id=client_request_id,
             cache_salt=check_cache_salt(cache_salt),
+            streamed=streamed,
         )
         req.stop_ids = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(
             params.stop_token_ids

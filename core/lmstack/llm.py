@@ -43,8 +43,9 @@ class LLM:
         if len(params) != len(plist):
             raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
         # Validate everything before anything runs, so one bad prompt fails the call cleanly.
+        # Results come back whole: no stream's gap between tokens needs bounding (`Request.streamed`).
         reqs = [
-            self.engine.make_request(p, sp, cache_salt=cache_salt)
+            self.engine.make_request(p, sp, cache_salt=cache_salt, streamed=False)
             for p, sp in zip(plist, params, strict=True)
         ]
         for r in reqs:

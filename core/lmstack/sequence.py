@@ -103,6 +103,10 @@ class Request:
       the API key itself.
     - `priority`: lower runs first under priority scheduling.
     - `cache_salt`: requests with different salts never share cached KV blocks.
+    - `streamed`: whether the caller reads tokens as they come (an SSE stream, a terminal).
+      The scheduler bounds the gap between tokens only for those: a request read when it ends
+      (`LLM.generate`, a non-streaming HTTP call) sees its total time, which that bound only
+      lengthens.
     """
 
     request_id: str
@@ -126,6 +130,7 @@ class Request:
     cache_salt: str | None = None
     # Prompt tokens whose KV came from a prefix cache when the request was first scheduled.
     num_cached_tokens: int = 0
+    streamed: bool = True
 
     @property
     def prompt_len(self) -> int:

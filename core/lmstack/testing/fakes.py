@@ -18,12 +18,18 @@ def make_seq(
     priority: int = 0,
     arrival: float | None = None,
     vocab: int = 1000,
+    streamed: bool = True,
 ) -> Sequence:
-    """A fresh waiting sequence with a deterministic pseudo-random prompt."""
+    """A fresh waiting sequence with a deterministic pseudo-random prompt; `streamed`: its
+    request's `Request.streamed`."""
     sid = next(_ids)
     prompt = [(sid * 31 + i * 7) % vocab for i in range(prompt_len)]
     req = Request(
-        f"r{sid}", prompt, SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0), priority=priority
+        f"r{sid}",
+        prompt,
+        SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0),
+        priority=priority,
+        streamed=streamed,
     )
     if arrival is not None:
         req.arrival_time = arrival
