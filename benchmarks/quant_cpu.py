@@ -22,7 +22,9 @@ Measurements, per stack:
                    output tokens per second of wall time (prefill included)
   weight_bytes     bytes of every tensor the loaded model holds: parameters, buffers and what
                    its modules keep beside them (a kernel's re-laid copy, scale tables, a bf16
-                   copy for batches), each storage once (a tied head counts once)
+                   copy for batches), each storage once (a tied head counts once), counted
+                   after the runs, so what a kernel builds on first use counts too
+                   (weight_bytes_at_load: the same count before any request)
   scratch_bytes    the reused work buffers kernels fill per call (a layer rebuilt for prefill),
                    after the run: resident too, but not weights
   kv_blocks, kv_sequences  blocks in --kv-memory and how many --seq-len-token sequences fit
@@ -143,7 +145,7 @@ def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "dtype": DTYPE_NAMES[runner.dtype],
         "kv_cache_dtype": DTYPE_NAMES[runner.kv_cache_dtype],
-        "weight_bytes": resident_weight_bytes(runner.model),
+        "weight_bytes_at_load": resident_weight_bytes(runner.model),
         "kv_blocks": engine.allocator.num_blocks,
         "kv_sequences": engine.allocator.num_blocks * engine.allocator.block_size // cfg["seq_len"],
         "torch_threads": torch.get_num_threads(),
@@ -171,6 +173,8 @@ def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     from lmstack.scratch import held_bytes
 
     result["scratch_bytes"] = held_bytes()
+    # Counted again after serving: tables or layouts a kernel builds on first use count too.
+    result["weight_bytes"] = resident_weight_bytes(runner.model)
     engine.shutdown()
     return result
 

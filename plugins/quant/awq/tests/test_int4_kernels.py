@@ -83,6 +83,15 @@ def test_cpu_int4pack_matches_reference_and_gives_codes_back(dtype):
     assert torch.equal(layer.codes(), codes)  # recovered from the re-laid buffer
     ids = torch.tensor([0, 95, 31, 32, 64, 7])
     assert torch.equal(layer.row_codes(ids), codes[ids])
+    # One (scale, offset) table beside the codes, in the dtype the op multiplies in (bf16 for
+    # this fp32 layer); a call in another half dtype computes its own and keeps nothing.
+    held = [v for v in vars(layer.kernel).values() if isinstance(v, torch.Tensor)]
+    assert [(t.dtype, t.shape) for t in held] == [(torch.bfloat16, (576 // 64, 96, 2))]
+    x = torch.randn(5, 576)
+    out = layer(x.half())
+    assert out.dtype == torch.float16
+    assert rel_error(out.float(), x @ w.t()) <= 2 * rel_error((x.half() @ w.half().t()).float(), x @ w.t()) + 2e-3
+    assert [v for v in vars(layer.kernel).values() if isinstance(v, torch.Tensor)] == held
 
 
 def _is_int8_rounded_x_times_blocks(out: torch.Tensor, x: torch.Tensor, layer) -> bool:

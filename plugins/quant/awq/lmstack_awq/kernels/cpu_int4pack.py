@@ -11,6 +11,8 @@ groups of 64, each carrying its 128-group's scale, which is exact.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from lmstack_awq.int4_math import expand_groups, unpack_nibbles
@@ -46,34 +48,40 @@ class CpuInt4Pack:
         self.gk = kernel_group(k, layer.group_size)
         codes = unpack_nibbles(layer.w_packed, k).to(torch.int32)
         layer.w_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES)
-        # Per op group: the scale / zero of the checkpoint group its first column belongs to.
+        # One (scale, offset) table, in the dtype the op multiplies in: the serving dtype, or
+        # bf16 for an fp32 model (its few-row calls run in bf16, its many-row ones dequantize
+        # from w_scales / w_zeros). An fp32 copy beside it would cost 8 bytes a group: a
+        # quarter byte a weight for the g32 head, half of what its codes take.
+        dtype = layer.spec.params_dtype
+        self.table = self.scale_offset(layer, torch.bfloat16 if dtype == torch.float32 else dtype)
+
+    def scale_offset(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        """[in / gk, out, 2] per op group: the scale and offset of the checkpoint group its first
+        column belongs to, computed in fp32 and rounded once to `dtype`."""
+        k = layer.in_features
         scale = expand_groups(layer.w_scales.float(), k, layer.group_size)[:, :: self.gk]
         zero = expand_groups(layer.w_zeros.float(), k, layer.group_size)[:, :: self.gk]
-        self.scale_zero32 = torch.stack([scale.t(), ((8 - zero) * scale).t()], dim=-1).contiguous()
-        self._by_dtype: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale_zero32}
-        self._layout: PackedLayout | None = None
+        return torch.stack([scale.t(), ((8 - zero) * scale).t()], dim=-1).to(dtype).contiguous()
 
     def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             if x.shape[0] >= FP32_DEQUANT_MIN_ROWS or layer.exact_fp32:
                 return x @ self.dequantized(layer).t()
             return self(layer, x.to(torch.bfloat16)).float()
-        sz = self._by_dtype.get(x.dtype)
-        if sz is None:
-            sz = self._by_dtype[x.dtype] = self.scale_zero32.to(x.dtype)
+        # Another half-precision dtype than the table's: a table for this call only.
+        sz = self.table if x.dtype == self.table.dtype else self.scale_offset(layer, x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), layer.w_packed, self.gk, sz)
 
     def layout(self, layer) -> PackedLayout:
-        if self._layout is None:
-            self._layout = PackedLayout(layer.out_features, layer.in_features)
-        return self._layout
+        return packed_layout(layer.out_features, layer.in_features)
 
     def dequantized(self, layer) -> torch.Tensor:
         """The fp32 weight [out, in], decoded from the packed layout (not kept)."""
         from lmstack_awq.int4_math import dequantize_int4
 
-        codes = self.layout(layer).unpack(layer.w_packed)
-        return dequantize_int4(codes, layer.w_scales, layer.w_zeros, layer.group_size, torch.float32)
+        return dequantize_int4(
+            self.codes(layer), layer.w_scales, layer.w_zeros, layer.group_size, torch.float32
+        )
 
     def row_codes(self, layer, ids: torch.Tensor) -> torch.Tensor:
         """uint8 codes [len(ids), in] of output rows `ids`, read straight from the packed layout
@@ -83,14 +91,8 @@ class CpuInt4Pack:
         return (byte >> (4 * (where % 2)).to(torch.uint8)) & 15
 
     def codes(self, layer) -> torch.Tensor:
-        """The codes back: multiply the identity (exact in fp32) and undo scale and offset."""
-        k = layer.in_features
-        eye = torch.eye(k, dtype=torch.float32)
-        w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.w_packed, self.gk, self.scale_zero32).t()
-        scale = self.scale_zero32[..., 0].t().repeat_interleave(self.gk, 1)
-        offset = self.scale_zero32[..., 1].t().repeat_interleave(self.gk, 1)
-        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-        return ((w - offset) / safe + 8).round().clamp(0, 15).to(torch.uint8)
+        """uint8 codes [out, in], read back from the packed layout."""
+        return self.layout(layer).unpack(layer.w_packed)
 
 
 BLOCK_ROWS = 32  # `supports` asks for whole blocks of 32 output rows (what AVX2 builds pack)
@@ -117,6 +119,13 @@ def probe_positions(rows: int, in_features: int) -> torch.Tensor:
     position = torch.empty(n, dtype=torch.int64)
     position[source] = torch.arange(n, dtype=torch.int64)
     return position.view(rows, in_features)
+
+
+@functools.cache
+def packed_layout(out_features: int, in_features: int) -> PackedLayout:
+    """One layout per weight shape, shared by every layer of that shape: its maps take 8 bytes
+    a column for each row of a block (~0.8 MB for a [*, 1536] weight), kept once, not per layer."""
+    return PackedLayout(out_features, in_features)
 
 
 class PackedLayout:
