@@ -90,7 +90,10 @@ def test_cpu_int4pack_matches_reference_and_gives_codes_back(dtype):
     x = torch.randn(5, 576)
     out = layer(x.half())
     assert out.dtype == torch.float16
-    assert rel_error(out.float(), x @ w.t()) <= 2 * rel_error((x.half() @ w.half().t()).float(), x @ w.t()) + 2e-3
+    assert (
+        rel_error(out.float(), x @ w.t())
+        <= 2 * rel_error((x.half() @ w.half().t()).float(), x @ w.t()) + 2e-3
+    )
     assert [v for v in vars(layer.kernel).values() if isinstance(v, torch.Tensor)] == held
 
 
