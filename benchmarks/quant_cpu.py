@@ -299,6 +299,11 @@ def main() -> None:
     ap.add_argument("--kv-memory", default="256MiB")
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence for kv_sequences")
     ap.add_argument("--folders", default=str(Path.home() / ".cache" / "lmstack" / "quantized"))
+    ap.add_argument(
+        "--attention",
+        default=None,
+        help="attention of every stack (e.g. auto: cpu-paged where it builds); default: the stack file's, torch",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.worker:
@@ -335,7 +340,8 @@ def main() -> None:
             folders[name] = folder
             results[name] = {"folder_note": note}
         cfg = {
-            "stack": stack_for(name, args.model, folders, args.kv_memory),
+            "stack": stack_for(name, args.model, folders, args.kv_memory)
+            | ({"attention": args.attention} if args.attention else {}),
             "decode_tokens": args.decode_tokens,
             "repeats": args.repeats,
             "streams": args.streams,

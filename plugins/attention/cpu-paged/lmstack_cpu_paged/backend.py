@@ -9,7 +9,8 @@ from lmstack.interfaces import AttentionBackend
 from lmstack_cpu_paged.build import load
 
 ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
-_NATIVE_WRITE = (torch.float32, torch.bfloat16)  # dtypes the native write_kv takes
+_NATIVE_SOURCE = (torch.float32, torch.bfloat16)  # K/V dtypes the native write_kv takes
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # caches it writes with their per-head scales
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -41,10 +42,11 @@ class CpuPagedAttention(AttentionBackend):
         )
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
-        # One native call for K and V (fp32 / bf16): the two index_copy_ of the base class cost
-        # ~10 us each per layer at decode. A scaled fp8 cache keeps the base class's path.
-        if k_scale is None and k_cache.dtype in _NATIVE_WRITE and k.dtype in _NATIVE_WRITE:
-            self._ext.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        # One native call for K and V: the two index_copy_ of the base class cost ~10 us each
+        # per layer at decode, and a scaled fp8 cache's quantization several torch ops more.
+        fits = k_cache.dtype in _FP8 if k_scale is not None else k_cache.dtype in _NATIVE_SOURCE
+        if fits and k.dtype in _NATIVE_SOURCE:
+            self._ext.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         else:
             super().write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 

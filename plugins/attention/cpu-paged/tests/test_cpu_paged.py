@@ -104,6 +104,79 @@ def test_decode_path_every_head_width_and_group(isa, kv_dtype):
             assert rel_error(out, ref) < 2e-5, (head_dim, group)
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_fp8_code_widens_to_its_value(isa, kv_dtype):
+    """The vector paths widen fp8 by way of fp16 (no table): every one of the 256 codes, e4m3's
+    subnormals and NaNs included, must come back as torch's value for it. A single cached key
+    whose V row holds the codes returns that row (its softmax weight is exactly 1): on the fast
+    path (head dims 16, 64), the general one (80), with 1, 8 and 3 query rows per KV head."""
+    backend = COMPONENT.factory(COMPONENT.options_type(isa=isa), None)
+    codes = torch.arange(256, dtype=torch.uint8)
+    for head_dim, group in ((16, 1), (64, 8), (80, 3)):
+        hkv = 4
+        q, _, _, kc, vc, meta, _ = paged_batch([(0, 1), (0, 1)], hkv, group, head_dim, 16, kv_dtype=kv_dtype)
+        n = hkv * head_dim
+        row = codes.repeat(-(-n // 256))[:n].roll(head_dim // 2).view(hkv, head_dim)
+        vc.view(torch.uint8)[:] = row
+        out = backend.decode(q, kc, vc, meta, scale=0.1, sliding_window=None)
+        want = row.view(kv_dtype).float().repeat_interleave(group, 0)
+        for seq in out:
+            torch.testing.assert_close(seq, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_native_fp8_write_stores_the_bytes_torch_would(kv_dtype, src_dtype):
+    """The native scaled-fp8 write against the base class's torch path (`quantize_kv`, then the
+    bytes copied): the same bytes for values past the format's range (saturated), far below it
+    (fp8 subnormals, zeros), NaN, random bit patterns and exact rounding ties, from strided K/V
+    views; a decode-sized batch (power-of-two scales, keeping the ties) and a prefill-sized one
+    (random scales; spread over threads)."""
+    from lmstack.interfaces import AttentionBackend
+
+    backend = COMPONENT.factory(COMPONENT.options_type(), None)
+    hkv, d, bs, nb = 3, 64, 16, 40
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (5, 300):
+        x = torch.randn(tokens, 2 * hkv * d + 7, generator=gen)
+        x[:, ::5] *= 1e4  # past the largest value once scaled
+        x[:, 1::7] *= 1e-5  # subnormals and zeros
+        x[0, 3], x[1, 4], x[1, 5] = float("nan"), float("-nan"), float("-inf")
+        # Random bit patterns over every exponent from below e4m3's subnormals to past e5m2's
+        # range (2^-27 .. 2^18), in K and in V: ties and carries at each scale.
+        shape = (tokens, 2, 64)
+        exponent = torch.randint(100, 145, shape, generator=gen)
+        mantissa, sign = (
+            torch.randint(0, 2**23, shape, generator=gen),
+            torch.randint(0, 2, shape, generator=gen),
+        )
+        drawn = (
+            ((sign << 31) | (exponent << 23) | mantissa).to(torch.int64).to(torch.int32).view(torch.float32)
+        )
+        x[:, 100:164], x[:, 300:364] = drawn[:, 0], drawn[:, 1]
+        # Exact ties of both formats (scaled by powers of two below, so they stay ties): normal
+        # values halfway between two codes, and subnormal ones, (n + 1/2) smallest subnormals.
+        for col, drop in ((20, 20), (40, 21), (200, 20), (240, 21)):
+            tie = (
+                (sign[:, 0, :16] << 31) | (exponent[:, 0, :16] << 23) | (mantissa[:, 0, :16] >> drop << drop)
+            )
+            x[:, col : col + 16] = (tie | (1 << (drop - 1))).to(torch.int32).view(torch.float32)
+        n = torch.arange(16) % 8 + 0.5
+        x[:, 60:76], x[:, 260:276] = n * 2.0**-9, -n * 2.0**-16
+        x = x.to(src_dtype)
+        k, v = x[:, : hkv * d].view(tokens, hkv, d), x[:, hkv * d : 2 * hkv * d].view(tokens, hkv, d)
+        k_scale = torch.rand(hkv, generator=gen) + 0.05 if tokens == 300 else torch.tensor([1.0, 0.5, 4.0])
+        v_scale = k_scale * (3 if tokens == 300 else 2)
+        slots = torch.randperm(nb * bs, generator=gen)[:tokens]
+        got = [torch.zeros(nb, bs, hkv, d, dtype=kv_dtype) for _ in range(2)]
+        want = [torch.zeros(nb, bs, hkv, d, dtype=kv_dtype) for _ in range(2)]
+        backend.write_kv(k, v, *got, slots, k_scale=k_scale, v_scale=v_scale)
+        AttentionBackend.write_kv(backend, k, v, *want, slots, k_scale=k_scale, v_scale=v_scale)
+        for g, w in zip(got, want):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (tokens, kv_dtype, src_dtype)
+
+
 def test_isas_agree():
     """Every runnable code path gives the same answer to fp32 rounding."""
     q, kc, vc, meta, dense = _batch([(700, 1), (10, 30)], hkv=2, group=3, head_dim=96, block_size=4)

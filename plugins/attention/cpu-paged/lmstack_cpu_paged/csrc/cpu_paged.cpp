@@ -33,7 +33,8 @@
 
 namespace cpu_paged {
 
-enum KvKind { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
+enum KvKind { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
+constexpr bool is_fp8(int kind) { return kind == KV_E4M3 || kind == KV_E5M2; }
 enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 constexpr int KEY_TILE = 32;  // keys scored together: one max / rescale per row per tile
@@ -55,7 +56,7 @@ namespace scalar {
 }  // namespace scalar
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 #define CPU_PAGED_AVX2
 #include "attention_impl.h"
@@ -64,7 +65,7 @@ namespace avx2 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
+#pragma GCC target("avx512f,avx2,fma,f16c")
 namespace avx512 {
 #define CPU_PAGED_AVX512
 #include "attention_impl.h"
@@ -75,14 +76,15 @@ namespace avx512 {
 int64_t best_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f")) return ISA_AVX512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return ISA_AVX2;
   return ISA_SCALAR;
 }
 
 namespace {
 
-// Every fp8 code's value, per format: widening is then one table lookup (a gather in the
-// vector paths), the same code for e4m3 and e5m2.
+// Every fp8 code's value, per format: the scalar path widens by one table lookup (the vector
+// paths convert by way of fp16, attention_impl.h).
 struct Fp8Tables {
   float e4m3[256], e5m2[256];
   Fp8Tables() {
@@ -167,8 +169,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   switch (k_cache.scalar_type()) {
     case at::kFloat: kind = KV_F32, esize = 4; break;
     case at::kBFloat16: kind = KV_BF16, esize = 2; break;
-    case at::kFloat8_e4m3fn: kind = KV_FP8, esize = 1, lut = fp8_tables().e4m3; break;
-    case at::kFloat8_e5m2: kind = KV_FP8, esize = 1, lut = fp8_tables().e5m2; break;
+    case at::kFloat8_e4m3fn: kind = KV_E4M3, esize = 1, lut = fp8_tables().e4m3; break;
+    case at::kFloat8_e5m2: kind = KV_E5M2, esize = 1, lut = fp8_tables().e5m2; break;
     default: TORCH_CHECK(false, "cpu-paged: unsupported KV cache dtype ", k_cache.scalar_type());
   }
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "cpu-paged: K and V caches differ in dtype");
@@ -264,7 +266,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   // --- run -------------------------------------------------------------------------------
   AttendFn attend = nullptr;
 #define CPU_PAGED_PICK(NS) \
-  attend = kind == KV_F32 ? &NS::attend<KV_F32> : kind == KV_BF16 ? &NS::attend<KV_BF16> : &NS::attend<KV_FP8>;
+  attend = kind == KV_F32    ? &NS::attend<KV_F32>  \
+           : kind == KV_BF16 ? &NS::attend<KV_BF16> \
+           : kind == KV_E4M3 ? &NS::attend<KV_E4M3> \
+                             : &NS::attend<KV_E5M2>;
   if (isa == ISA_AVX512) {
     CPU_PAGED_PICK(avx512)
   } else if (isa == ISA_AVX2) {
@@ -368,14 +373,41 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   return out;
 }
 
+// fp32 -> fp8 bits, rounded to nearest even, for |x| within the format's range or NaN (the
+// caller clamps first): c10's conversion, which torch's `.to()` runs, bit for bit, but without
+// its branches, so a row converts ~3x faster. MANT: mantissa bits (3: e4m3fn, 2: e5m2); BIAS:
+// exponent bias (7, 15); NAN: the format's NaN code. A value at or above the smallest normal
+// keeps fp32's exponent (rebiased) and its mantissa rounded to MANT bits; below it, the value
+// is a multiple of the smallest subnormal, RNE(|x| / subnormal), found by adding 2^23.
+template <int MANT, int BIAS, uint32_t NAN_CODE>
+static inline uint8_t fp8_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+  constexpr int DROP = 23 - MANT;
+  const uint32_t normal = ((a + ((1u << (DROP - 1)) - 1) + ((a >> DROP) & 1u)) >> DROP) - (uint32_t(127 - BIAS) << MANT);
+  float ax;
+  std::memcpy(&ax, &a, 4);
+  constexpr float inv_subnormal = float(1u << (BIAS - 1 + MANT));  // 1 / 2^(1 - BIAS - MANT)
+  const float t = ax * inv_subnormal + 8388608.0f;
+  uint32_t tb;
+  std::memcpy(&tb, &t, 4);
+  const uint32_t smallest_normal = uint32_t(127 + 1 - BIAS) << 23;
+  const uint32_t bits = a > 0x7f800000u ? NAN_CODE : a >= smallest_normal ? normal : tb - 0x4b000000u;
+  return uint8_t(sign | bits);
+}
+
 // This step's K and V rows into their cache slots: k, v [T, Hkv, D] (each token's Hkv x D
-// contiguous, any token stride), fp32 or bf16, into fp32 or bf16 caches [NB, BS, Hkv, D];
-// slot_mapping [T] int64 (block * BS + offset). One call for both tensors: the two
-// `index_copy_`s it replaces cost ~10 us each at decode, whatever their size. A bf16 target is
-// rounded to nearest even, as torch's conversion does. (A scaled fp8 cache keeps the Python path:
-// its rows are quantized by torch first.)
+// contiguous, any token stride), fp32 or bf16, into caches [NB, BS, Hkv, D] of fp32, bf16 or
+// (with k_scale / v_scale [Hkv]) scaled fp8; slot_mapping [T] int64 (block * BS + offset). One
+// call for both tensors: the two `index_copy_`s it replaces cost ~10 us each at decode,
+// whatever their size, and a scaled fp8 cache's quantization in torch a few more ops per layer.
+// Values are what torch's conversions give: bf16 rounded to nearest even; fp8 as
+// `lmstack.kv_quant.quantize_kv` computes it (x / scale in fp32, clamped to the format's
+// largest value, rounded to nearest even as c10's conversion does: fp8_bits), byte for byte.
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping) {
+              torch::Tensor slot_mapping, std::optional<torch::Tensor> k_scale,
+              std::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "cpu-paged write_kv: CPU tensors only");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -388,9 +420,14 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
               "cpu-paged write_kv: slot_mapping must be int64 [T]");
   const auto src_t = k.scalar_type(), dst_t = k_cache.scalar_type();
   TORCH_CHECK(v.scalar_type() == src_t && v_cache.scalar_type() == dst_t, "cpu-paged write_kv: K and V dtypes differ");
-  TORCH_CHECK((src_t == at::kFloat || src_t == at::kBFloat16) && (dst_t == at::kFloat || dst_t == at::kBFloat16),
-              "cpu-paged write_kv: float32 / bfloat16 only, got ", src_t, " into ", dst_t);
-  const int64_t T = k.size(0), row = k.size(1) * k.size(2), slots = k_cache.size(0) * k_cache.size(1);
+  const bool fp8 = dst_t == at::kFloat8_e4m3fn || dst_t == at::kFloat8_e5m2;
+  TORCH_CHECK((src_t == at::kFloat || src_t == at::kBFloat16) && (dst_t == at::kFloat || dst_t == at::kBFloat16 || fp8),
+              "cpu-paged write_kv: float32 / bfloat16 into float32 / bfloat16 / float8 only, got ", src_t, " into ",
+              dst_t);
+  const bool scaled = k_scale.has_value() && k_scale->defined();
+  TORCH_CHECK(scaled == fp8 && scaled == (v_scale.has_value() && v_scale->defined()),
+              "cpu-paged write_kv: an fp8 cache takes k_scale and v_scale, other caches neither");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2), row = H * D, slots = k_cache.size(0) * k_cache.size(1);
   for (const auto& t : {k, v})
     TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "cpu-paged write_kv: each token's rows must be contiguous");
   const auto slot_c = slot_mapping.contiguous();
@@ -398,28 +435,51 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "cpu-paged write_kv: slot ", slot[t], " outside the cache's ", slots);
   const int64_t es = k.element_size(), ed = k_cache.element_size();
-  auto copy = [&](const torch::Tensor& src, torch::Tensor& dst) {
+
+  // One token's row, source to target dtype; `scale`: the fp8 cache's per-head scales.
+  auto convert = [&](const char* a, char* b, const float* scale) {
+    if (src_t == dst_t) {
+      std::memcpy(b, a, row * es);
+      return;
+    }
+    auto value = [&](int64_t i) {
+      return src_t == at::kFloat ? reinterpret_cast<const float*>(a)[i]
+                                 : scalar::bf16_to_float(reinterpret_cast<const uint16_t*>(a)[i]);
+    };
+    if (fp8) {
+      const bool e4m3 = dst_t == at::kFloat8_e4m3fn;
+      const float limit = e4m3 ? 448.0f : 57344.0f;
+      uint8_t* o = reinterpret_cast<uint8_t*>(b);
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = h * D; i < (h + 1) * D; ++i) {
+          const float x = value(i) / scale[h];
+          const float c = x < -limit ? -limit : x > limit ? limit : x;  // NaN stays NaN, as torch's clamp
+          o[i] = e4m3 ? fp8_bits<3, 7, 0x7f>(c) : fp8_bits<2, 15, 0x7f>(c);
+        }
+    } else if (dst_t == at::kBFloat16) {  // fp32 -> bf16
+      uint16_t* o = reinterpret_cast<uint16_t*>(b);
+      for (int64_t i = 0; i < row; ++i) o[i] = scalar::float_to_bf16(value(i));
+    } else {  // bf16 -> fp32
+      float* o = reinterpret_cast<float*>(b);
+      for (int64_t i = 0; i < row; ++i) o[i] = value(i);
+    }
+  };
+  auto copy = [&](const torch::Tensor& src, torch::Tensor& dst, const std::optional<torch::Tensor>& scale) {
+    torch::Tensor sc;
+    if (fp8) {
+      sc = scale->to(at::kFloat).contiguous();
+      TORCH_CHECK(sc.numel() == H, "cpu-paged write_kv: one scale per KV head expected");
+    }
+    const float* scp = fp8 ? sc.data_ptr<float>() : nullptr;
     const char* sp = static_cast<const char*>(src.data_ptr());
     char* dp = static_cast<char*>(dst.data_ptr());
     const int64_t ss = src.stride(0) * es;
-    for (int64_t t = 0; t < T; ++t) {
-      const char* a = sp + t * ss;
-      char* b = dp + slot[t] * row * ed;
-      if (src_t == dst_t) {
-        std::memcpy(b, a, row * es);
-      } else if (dst_t == at::kBFloat16) {  // fp32 -> bf16
-        const float* f = reinterpret_cast<const float*>(a);
-        uint16_t* o = reinterpret_cast<uint16_t*>(b);
-        for (int64_t i = 0; i < row; ++i) o[i] = scalar::float_to_bf16(f[i]);
-      } else {  // bf16 -> fp32
-        const uint16_t* h = reinterpret_cast<const uint16_t*>(a);
-        float* o = reinterpret_cast<float*>(b);
-        for (int64_t i = 0; i < row; ++i) o[i] = scalar::bf16_to_float(h[i]);
-      }
-    }
+    // Conversions cost per value: a prefill chunk's rows are spread over the threads.
+#pragma omp parallel for if (T >= 64 && src_t != dst_t)
+    for (int64_t t = 0; t < T; ++t) convert(sp + t * ss, dp + slot[t] * row * ed, scp);
   };
-  copy(k, k_cache);
-  copy(v, v_cache);
+  copy(k, k_cache, k_scale);
+  copy(v, v_cache, v_scale);
 }
 
 }  // namespace cpu_paged
@@ -430,7 +490,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
         py::arg("context_lens"), py::arg("scale"), py::arg("window"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), py::arg("isa") = -1, py::arg("min_part") = 256);
-  m.def("write_kv", &cpu_paged::write_kv, "k, v [T, Hkv, D] into the caches' slots (fp32 / bf16)", py::arg("k"),
-        py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("write_kv", &cpu_paged::write_kv, "k, v [T, Hkv, D] into the caches' slots (fp32 / bf16 / scaled fp8)",
+        py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("best_isa", &cpu_paged::best_isa, "2: AVX-512, 1: AVX2+FMA, 0: scalar");
 }
