@@ -33,8 +33,8 @@ static inline vf vload_bf16(const uint16_t* p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
-// fp8 -> fp32 by way of fp16 (fp16_of_fp8 below); a table gather per register took twice as long
-// as bf16 rows do (Zen 4), though the rows are half the bytes.
+// fp8 -> fp32 by way of fp16 (why that is exact: the comment after these definitions); a table
+// gather per register took twice as long as bf16 rows do (Zen 4), though the rows are half the bytes.
 template <int Kind>
 static inline vf vload_fp8(const uint8_t* p) {
   __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -652,10 +652,10 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
     for (int h0 = 0; h0 < rows; h0 += group) {  // each KV head's rows
       const char* vh = vc + (h0 / group) * head_bytes;
       const int h1 = std::min(rows, h0 + group);
-      // More rows than one pass holds (prefill, verification): fp8 V rows (a few integer ops
-      // and a conversion per register) widened to fp32 once, as K above, instead of once per 4 rows, then the fp32
-      // passes; bf16 rows too where a row fills the registers (AVX2, d = 128), as fp32 rows then
-      // go in column passes as well. A bf16 row of 8 registers widens for less than the store and
+      // More rows than one pass holds (prefill, verification): fp8 V rows (a few integer ops and
+      // a conversion per register) widened to fp32 once, as K above, instead of once per 4 rows,
+      // then the fp32 passes; bf16 rows too where a row fills the registers (AVX2, d = 128), as
+      // fp32 rows then go in column passes as well. A bf16 row of 8 registers widens for less than the store and
       // reloads cost (measured: 5-16 % slower so at d = 64 on AVX2).
       if constexpr (is_fp8(Kind) || (Kind == KV_BF16 && NREG / 2 / NV == 0)) {
         if (h1 - h0 > 4) {
