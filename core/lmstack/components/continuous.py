@@ -9,7 +9,7 @@ are decoding, the prefill tokens of a step are sized from the engine's measured 
 Without running decodes, or before two step sizes are measured, prompts get the whole budget;
 so they do when no running request is streamed (`Request.streamed`): a caller that reads a
 request only when it ends sees its total time, which smaller chunks (more steps, each reading
-every weight) lengthen — 8-9 % of offline throughput on a 2-core Zen 4.
+every weight) lengthen: offline batches ran ~7 % faster without it (median, 2-core Zen 4).
 A chunk never drops below `MIN_PREFILL_TOKENS`, so new requests always progress.
 
 Order is FCFS by default; subclasses change it by overriding `waiting_order_key` (the example

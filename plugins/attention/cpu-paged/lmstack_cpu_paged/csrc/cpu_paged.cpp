@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace cpu_paged {
@@ -376,10 +377,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 // fp32 -> fp8 bits, rounded to nearest even, for |x| within the format's range or NaN (the
 // caller clamps first): c10's conversion, which torch's `.to()` runs, bit for bit, but without
 // its branches, so a row converts ~3x faster. MANT: mantissa bits (3: e4m3fn, 2: e5m2); BIAS:
-// exponent bias (7, 15); NAN: the format's NaN code. A value at or above the smallest normal
-// keeps fp32's exponent (rebiased) and its mantissa rounded to MANT bits; below it, the value
-// is a multiple of the smallest subnormal, RNE(|x| / subnormal), found by adding 2^23.
-template <int MANT, int BIAS, uint32_t NAN_CODE>
+// exponent bias (7, 15); NaN is 0x7f in both. A value at or above the smallest normal keeps
+// fp32's exponent (rebiased) and its mantissa rounded to MANT bits; below it, the value is a
+// multiple of the smallest subnormal, RNE(|x| / subnormal), found by adding 2^23.
+template <int MANT, int BIAS>
 static inline uint8_t fp8_bits(float x) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
@@ -393,8 +394,44 @@ static inline uint8_t fp8_bits(float x) {
   uint32_t tb;
   std::memcpy(&tb, &t, 4);
   const uint32_t smallest_normal = uint32_t(127 + 1 - BIAS) << 23;
-  const uint32_t bits = a > 0x7f800000u ? NAN_CODE : a >= smallest_normal ? normal : tb - 0x4b000000u;
+  const uint32_t bits = a > 0x7f800000u ? 0x7fu : a >= smallest_normal ? normal : tb - 0x4b000000u;
   return uint8_t(sign | bits);
+}
+
+template <typename Src>
+static inline float widen(Src v) {  // a K / V value: fp32, or bf16 bits
+  if constexpr (std::is_same_v<Src, float>)
+    return v;
+  else
+    return scalar::bf16_to_float(v);
+}
+
+// One token's K or V row (H heads x D values of Src) into its cache row of type `dst`, where the
+// two dtypes differ: fp32 -> bf16 (nearest even), bf16 -> fp32, or into fp8 as
+// `lmstack.kv_quant.quantize_kv` computes it: x / scale of its head in fp32, clamped to the
+// format's largest value (NaN stays NaN, as torch's clamp), then fp8_bits. Templated on the
+// source so that the per-value loops test no dtype.
+template <typename Src>
+static void convert_row(const Src* s, char* b, at::ScalarType dst, const float* scale, int64_t H, int64_t D) {
+  auto to_fp8 = [&](auto bits, float limit) {
+    uint8_t* o = reinterpret_cast<uint8_t*>(b);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = h * D; i < (h + 1) * D; ++i) {
+        const float x = widen(s[i]) / scale[h];
+        o[i] = bits(x < -limit ? -limit : x > limit ? limit : x);
+      }
+  };
+  if (dst == at::kFloat8_e4m3fn) {
+    to_fp8([](float x) { return fp8_bits<3, 7>(x); }, 448.0f);  // lambdas, not pointers: inlined
+  } else if (dst == at::kFloat8_e5m2) {
+    to_fp8([](float x) { return fp8_bits<2, 15>(x); }, 57344.0f);
+  } else if (dst == at::kBFloat16) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(b);
+    for (int64_t i = 0; i < H * D; ++i) o[i] = scalar::float_to_bf16(widen(s[i]));
+  } else {
+    float* o = reinterpret_cast<float*>(b);
+    for (int64_t i = 0; i < H * D; ++i) o[i] = widen(s[i]);
+  }
 }
 
 // This step's K and V rows into their cache slots: k, v [T, Hkv, D] (each token's Hkv x D
@@ -404,7 +441,7 @@ static inline uint8_t fp8_bits(float x) {
 // whatever their size, and a scaled fp8 cache's quantization in torch a few more ops per layer.
 // Values are what torch's conversions give: bf16 rounded to nearest even; fp8 as
 // `lmstack.kv_quant.quantize_kv` computes it (x / scale in fp32, clamped to the format's
-// largest value, rounded to nearest even as c10's conversion does: fp8_bits), byte for byte.
+// largest value, rounded to nearest even as c10's conversion does: convert_row), byte for byte.
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping, std::optional<torch::Tensor> k_scale,
               std::optional<torch::Tensor> v_scale) {
@@ -438,31 +475,12 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 
   // One token's row, source to target dtype; `scale`: the fp8 cache's per-head scales.
   auto convert = [&](const char* a, char* b, const float* scale) {
-    if (src_t == dst_t) {
+    if (src_t == dst_t)
       std::memcpy(b, a, row * es);
-      return;
-    }
-    auto value = [&](int64_t i) {
-      return src_t == at::kFloat ? reinterpret_cast<const float*>(a)[i]
-                                 : scalar::bf16_to_float(reinterpret_cast<const uint16_t*>(a)[i]);
-    };
-    if (fp8) {
-      const bool e4m3 = dst_t == at::kFloat8_e4m3fn;
-      const float limit = e4m3 ? 448.0f : 57344.0f;
-      uint8_t* o = reinterpret_cast<uint8_t*>(b);
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = h * D; i < (h + 1) * D; ++i) {
-          const float x = value(i) / scale[h];
-          const float c = x < -limit ? -limit : x > limit ? limit : x;  // NaN stays NaN, as torch's clamp
-          o[i] = e4m3 ? fp8_bits<3, 7, 0x7f>(c) : fp8_bits<2, 15, 0x7f>(c);
-        }
-    } else if (dst_t == at::kBFloat16) {  // fp32 -> bf16
-      uint16_t* o = reinterpret_cast<uint16_t*>(b);
-      for (int64_t i = 0; i < row; ++i) o[i] = scalar::float_to_bf16(value(i));
-    } else {  // bf16 -> fp32
-      float* o = reinterpret_cast<float*>(b);
-      for (int64_t i = 0; i < row; ++i) o[i] = value(i);
-    }
+    else if (src_t == at::kFloat)
+      convert_row(reinterpret_cast<const float*>(a), b, dst_t, scale, H, D);
+    else
+      convert_row(reinterpret_cast<const uint16_t*>(a), b, dst_t, scale, H, D);
   };
   auto copy = [&](const torch::Tensor& src, torch::Tensor& dst, const std::optional<torch::Tensor>& scale) {
     torch::Tensor sc;
