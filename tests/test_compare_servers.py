@@ -1,10 +1,11 @@
-"""`benchmarks/compare_servers.py`: the target arithmetic and report, and its transformers peer
+"""`benchmarks/e2e/compare_servers.py`: the target arithmetic and report, and its transformers peer
 (`benchmarks/peers/hf_static_server.py`) serving the load generator. (The llama.cpp peer needs a
 build of llama-server, which CI does not make; the recorded run in benchmarks/results shows it.)"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -20,8 +21,11 @@ from lmstack_bench.runner import LoadSpec
 from lmstack_api.testing import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-import compare_servers  # noqa: E402
+_spec = importlib.util.spec_from_file_location(
+    "compare_servers", REPO / "benchmarks" / "e2e" / "compare_servers.py"
+)
+compare_servers = sys.modules["compare_servers"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_servers)
 
 
 def steady_run(
@@ -222,7 +226,7 @@ def test_report_names_every_target_and_command():
         "date": "2026-11-29T12:00:00", "machine": {"cpu_model": "cpu", "cpus_usable": 2, "memory_total_gib": 8},
         "loadavg_before": (0.1, 0, 0), "git": {"commit": "abc", "dirty": False}, "gguf": "m.gguf",
         "input_len": 200, "output_len": 128, "slo": "ttft=2s", "targets": compare_servers.targets(results),
-        "command": "python benchmarks/compare_servers.py", "build_commands": ["cmake --build b"],
+        "command": "python benchmarks/e2e/compare_servers.py", "build_commands": ["cmake --build b"],
         "build_seconds": 200.0, "llama_server": "/b/llama-server", "server_commands": ["llama-server -np 8"],
         "bench_commands": ["lmstack bench serve --concurrency 8"],
     }  # fmt: skip
@@ -253,7 +257,7 @@ def test_shared_prefix_runs_compare_median_ttft():
         "date": "2026-12-01T06:00:00", "machine": {"cpu_model": "cpu", "cpus_usable": 2, "memory_total_gib": 8},
         "loadavg_before": (0.1, 0, 0), "git": {"commit": "abc", "dirty": False}, "gguf": "m.gguf",
         "workload": "shared-prefix", "prefix_len": 1024, "input_len": 32, "output_len": 16, "slo": "ttft=2s",
-        "targets": [t], "command": "python benchmarks/compare_servers.py --workload shared-prefix",
+        "targets": [t], "command": "python benchmarks/e2e/compare_servers.py --workload shared-prefix",
         "build_commands": [], "build_seconds": None, "llama_server": None, "server_commands": [],
         "bench_commands": [],
     }  # fmt: skip

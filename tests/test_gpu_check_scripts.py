@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py and benchmarks/quant_gpu_sweep.py stay runnable: their --smoke modes
+"""benchmarks/gpu/gpu_check.py and benchmarks/gpu/quant_gpu_sweep.py stay runnable: their --smoke modes
 run every section on the CPU with the Triton interpreter (tiny sizes, timings meaningless), and
 gpu_check's checks pass there (the engine on the CPU against transformers, the flash kernels,
 the quantizers' GEMMs in the interpreter)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu"
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:

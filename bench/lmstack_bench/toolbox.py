@@ -1,0 +1,468 @@
+"""What the scripts under `benchmarks/` share: the machine and commit a result names, where a
+result goes and how it is written, worker and server subprocesses, a raw SSE client, the A/B
+record and the batch-1 alternation. One importable module, so no script borrows another's
+helpers through `sys.path`.
+
+Imports are light on purpose: `--help` of every script must not wait for torch, so torch and
+lmstack are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# --- the checkout, the machine, the commit --------------------------------------------------
+
+
+def repo_root() -> Path:
+    """The checkout the running script belongs to: the first folder above the script (then above
+    the working directory) that holds `benchmarks/`. Results and `git` commands are taken there,
+    wherever lmstack-bench itself is installed."""
+    starts = [Path(sys.argv[0]).resolve().parent] if sys.argv and sys.argv[0] else []
+    starts.append(Path.cwd().resolve())
+    for start in starts:
+        for folder in (start, *start.parents):
+            if (folder / "benchmarks").is_dir() and (folder / "core").is_dir():
+                return folder
+    return Path.cwd()
+
+
+def log(msg: str) -> None:
+    """Progress goes to stderr; stdout is kept for a script's summary."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def command_line() -> str:
+    """The command as a person would retype it, recorded in every result."""
+    return shlex.join(["python", *sys.argv])
+
+
+def cmd_output(cmd: list[str], cwd: Path | None = None) -> str | None:
+    """A short command's stdout, or None when it is missing or fails."""
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=10, cwd=cwd or repo_root(), check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's flags from /proc/cpuinfo (empty elsewhere)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_model() -> str | None:
+    for line in (cmd_output(["lscpu"]) or "").splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or None
+
+
+def cpu_kind(flags: set[str] | list[str] | None = None) -> str:
+    """The kind of CPU a result is filed under: `amx` (Intel Xeon with AMX), `avx512` (AVX-512
+    without AMX, e.g. Zen 4 / Zen 5), `avx2` (no AVX-512), else the architecture. The kernels
+    take different paths on each, so results are only comparable within a kind."""
+    flags = set(cpu_flags() if flags is None else flags)
+    if "amx_tile" in flags:
+        return "amx"
+    if "avx512f" in flags:
+        return "avx512"
+    if "avx2" in flags:
+        return "avx2"
+    return platform.machine().lower() or "cpu"
+
+
+def gpu_kind(device_name: str) -> str:
+    """`NVIDIA H200` -> `h200`: GPU results are filed under the card's model."""
+    words = device_name.replace("NVIDIA", "").split()
+    return (words[0] if words else "gpu").lower()
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a result was measured on: CPU model, kind and vector flags, cores, memory,
+    Python, torch and its default thread count, transformers, lmstack."""
+    import psutil
+    import torch
+
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = None
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        lm_version = version("lmstack")
+    except PackageNotFoundError:
+        lm_version = None
+    flags = cpu_flags()
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_kind": cpu_kind(flags),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": affinity,
+        "cpu_flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2"))),
+        "memory_total_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads_default": torch.get_num_threads(),
+        "transformers": tf_version,
+        "lmstack": lm_version,
+        "hostname": platform.node(),
+    }
+
+
+def git_info() -> dict[str, Any]:
+    """The commit measured, and whether the tree had uncommitted changes."""
+    commit = cmd_output(["git", "rev-parse", "HEAD"])
+    status = cmd_output(["git", "status", "--porcelain"])
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+# --- where a result goes, and how it is written ---------------------------------------------
+
+
+def result_dir(script: str, out: str | Path | None = None, tag: str = "", kind: str | None = None) -> Path:
+    """`out`, or `benchmarks/results/<script>-<YYYY-MM-DD>-<kind>[-<tag>]/` (kind: `cpu_kind()`),
+    made. One folder per run, named so that the latest run per script and machine kind is easy
+    to find and keep (see benchmarks/README.md)."""
+    if out is None:
+        name = f"{script}-{dt.date.today().isoformat()}-{kind or cpu_kind()}" + (f"-{tag}" if tag else "")
+        out = repo_root() / "benchmarks" / "results" / name
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def write_json(path: Path, data: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def write_result(
+    folder: Path,
+    name: str,
+    report: dict[str, Any],
+    plot: Callable[[dict[str, Any], Path], None] | None = None,
+) -> Path:
+    """`<folder>/<name>.json`, then `<name>.png` drawn by `plot(report, path)`. A plotting failure
+    only warns: the numbers are in the JSON already and must not be lost to it."""
+    path = write_json(folder / f"{name}.json", report)
+    if plot is not None:
+        png = folder / f"{name}.png"
+        try:
+            plot(report, png)
+        except Exception as e:
+            log(f"warning: could not draw {png}: {type(e).__name__}: {e}")
+    return path
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# --- worker subprocesses --------------------------------------------------------------------
+
+
+class BenchError(Exception):
+    """A benchmark step failed; the message is the one line a script prints for it."""
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGTERM this worker when the parent dies (Linux), so none is left behind."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        sys.exit(1)
+
+
+def run_worker_process(
+    cmd: list[str], result: Path, label: str, timeout: float, verbose: bool = False, env: dict | None = None
+) -> dict[str, Any]:
+    """Run one worker (a script re-invoked with its worker arguments, writing JSON to `result`),
+    its output on our stderr, and return that JSON. A timeout, Ctrl-C or SIGTERM stops the
+    worker; a worker's error (`{"error": ..., "traceback": ...}`) or a death without a result
+    raises BenchError with one clear line."""
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, cwd=repo_root(), env=env)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"{label} worker ran past its timeout ({timeout:.0f}s); stopped it") from None
+    finally:
+        if proc.poll() is None:  # timeout, Ctrl-C or SIGTERM: stop our child by its pid
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    data: dict[str, Any] = {}
+    if result.is_file():
+        with contextlib.suppress(json.JSONDecodeError):
+            data = json.loads(result.read_text())
+    if "error" in data:
+        if verbose:
+            log(data.get("traceback", ""))
+        hint = "" if verbose else " (--verbose shows the worker's traceback)"
+        raise BenchError(f"{label} worker failed: {data['error']}{hint}")
+    if rc != 0 or not data:
+        if rc < 0:
+            why = f"signal {-rc}" + (" (killed: out of memory?)" if rc == -signal.SIGKILL else "")
+        else:
+            why = f"exit status {rc}"
+        raise BenchError(f"{label} worker ended with {why} and no result")
+    return data
+
+
+# --- servers --------------------------------------------------------------------------------
+
+
+def offline_stack(model: str, dtype: str, max_num_seqs: int) -> dict[str, Any]:
+    """The stack the offline benchmarks run (offline_throughput, decode_profile): continuous
+    batching, a paged 1 GiB cache, on the CPU."""
+    return {
+        "model": model,
+        "dtype": dtype,
+        "device": "cpu",
+        "scheduler": {"name": "continuous", "max_num_seqs": max_num_seqs, "max_num_batched_tokens": 2048},
+        "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "1GiB"},
+    }
+
+
+@dataclass
+class Server:
+    """A server process to start: its name in the results, argv, loopback port, extra environment."""
+
+    name: str
+    argv: list[str]
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self) -> str:
+        """The command line as recorded: its extra environment, then argv."""
+        return shlex.join([f"{k}={v}" for k, v in self.env.items()] + self.argv)
+
+
+@contextlib.contextmanager
+def started(server: Server, log_path: Path, timeout_s: float) -> Iterator[str]:
+    """Start `server` in its own session (output to `log_path`), wait until `/health` answers,
+    yield its base URL; stop its whole process group on the way out."""
+    import httpx
+
+    log("$ " + server.command())
+    f = log_path.open("w")
+    proc = subprocess.Popen(server.argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **server.env})  # fmt: skip
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{server.name} exited with {proc.returncode}; see {log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/health", timeout=2.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{server.name} not healthy after {timeout_s:.0f} s; see {log_path}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        f.close()
+
+
+@dataclass
+class StreamResult:
+    ok: bool = False  # ended with [DONE], no error event, usage present
+    done: bool = False
+    error: str | None = None
+    tokens_received: int = 0  # from per-token logprobs in the chunks
+    usage_completion: int | None = None
+    text: str = ""
+    start: float = 0.0
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    end: float = 0.0
+
+    @property
+    def usage_matches(self) -> bool:
+        return self.usage_completion is not None and self.usage_completion == self.tokens_received
+
+
+async def stream_completion(
+    client: Any,
+    base_url: str,
+    body: dict,
+    *,
+    stop_after_chunks: int | None = None,
+    count_tokens: bool = True,
+) -> StreamResult:
+    """POST a streamed `/v1/completions` on an `httpx.AsyncClient` and read the raw SSE until
+    [DONE] (so a missing `[DONE]` or a short usage count is visible, which the `openai` package
+    hides), or leave after `stop_after_chunks` chunks (a client that disconnects).
+    `count_tokens` asks for logprobs=0 so every chunk lists its tokens and the usage count can
+    be checked; without it (less server work, for throughput runs) the received count is taken
+    from the usage chunk."""
+    import httpx
+
+    res = StreamResult(start=time.perf_counter())
+    payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    if count_tokens:
+        payload["logprobs"] = 0
+    try:
+        async with client.stream("POST", base_url + "/v1/completions", json=payload) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            chunks = 0
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    res.done = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = obj["error"]["message"]
+                    continue
+                for ch in obj.get("choices") or []:
+                    res.text += ch.get("text") or ""
+                    lp = ch.get("logprobs")
+                    n = len(lp["tokens"]) if lp else int(not count_tokens)
+                    if n:
+                        now = time.perf_counter()
+                        if res.first_token is None:
+                            res.first_token = now
+                        res.token_times.extend([now] * n)
+                        res.tokens_received += n
+                if obj.get("usage"):
+                    res.usage_completion = obj["usage"]["completion_tokens"]
+                chunks += 1
+                if stop_after_chunks is not None and chunks >= stop_after_chunks:
+                    break
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    res.end = time.perf_counter()
+    if not count_tokens and res.usage_completion is not None:
+        res.tokens_received = res.usage_completion
+    res.ok = res.done and res.error is None and res.usage_matches
+    return res
+
+
+# --- A/B ------------------------------------------------------------------------------------
+# Every A/B script under benchmarks/ab/ compares variants in ONE process, alternating them
+# (ABBA: the order reversed every other round), so a noisy machine's drift falls on all alike,
+# and writes one record (`ab_record`) naming the CPU, the command and every result.
+
+
+def ab_order(names: list[str], round_index: int) -> list[str]:
+    """The variants' order in round `round_index`: as given, reversed every other round."""
+    return list(names) if round_index % 2 == 0 else list(names)[::-1]
+
+
+def git_show(rev: str, path: str, into: Path) -> Path:
+    """The file `path` (relative to the repository) as it is at `rev`, written into `into`."""
+    text = subprocess.run(
+        ["git", "show", f"{rev}:{path}"], cwd=repo_root(), check=True, capture_output=True
+    ).stdout
+    out = into / Path(path).name
+    out.write_bytes(text)
+    return out
+
+
+def ab_record(out: Path, results: list[dict] | dict, **fields: Any) -> dict:
+    """The A/B's record at `out`: this CPU (model, kind, flags), torch, the commit, the command
+    line, the caller's `fields` (what was compared: before / after, threads, a note ...) and
+    every result."""
+    import torch
+
+    flags = cpu_flags()
+    summary = {
+        "cpu_model": cpu_model(),
+        "cpu_kind": cpu_kind(flags),
+        "cpu_flags": sorted(f for f in flags if f.startswith(("avx2", "avx512", "amx"))),
+        "torch": torch.__version__,
+        "git": git_info(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": command_line(),
+        **fields,
+        "results": results,
+    }
+    write_json(out, summary)
+    return summary
+
+
+def alternate_batch1(
+    llms: dict, prompts: list[list[int]], params: Any, repeats: int
+) -> tuple[dict, dict, dict, dict]:
+    """Each prompt alone on each `lmstack.LLM`, the systems alternating prompt by prompt (their
+    order reversed every other repeat). Returns per system: decode tok/s per request ((output
+    tokens - 1) / (finish - first token)), the first repeat's outputs, and the tokens and
+    requests run."""
+    rates: dict[str, list[float]] = {n: [] for n in llms}
+    outputs: dict[str, list[list[int]]] = {n: [] for n in llms}
+    generated, requests = dict.fromkeys(llms, 0), dict.fromkeys(llms, 0)
+    for r in range(repeats):
+        for p in prompts:
+            for name in ab_order(list(llms), r):
+                out = llms[name].generate([p], params)[0]
+                m, n = out.metrics, len(out.token_ids)
+                generated[name] += n
+                requests[name] += 1
+                if n > 1 and m.first_token_time is not None and m.finished_time is not None:
+                    rates[name].append((n - 1) / (m.finished_time - m.first_token_time))
+                if r == 0:
+                    outputs[name].append(list(out.token_ids))
+    return rates, outputs, generated, requests
