@@ -97,7 +97,7 @@ def shared_llm(smollm2_path) -> Callable[[Mapping[str, Any]], Any]:
     hand-out checks that no request is left over from an earlier test, so a leak fails at the
     test after the one that caused it instead of skewing later results silently.
     """
-    from lmstack.llm import LLM
+    from lmstack.engine.llm import LLM
 
     built: dict[str, LLM] = {}
 

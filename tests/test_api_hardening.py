@@ -449,8 +449,8 @@ def test_sigterm_during_a_compile_exits_within_the_drain_timeout(server):
 
 @pytest.fixture(scope="module")
 def compiler(smollm2_path):
-    from lmstack.grammar import GrammarCompiler
     from lmstack.model.source import open_model_source
+    from lmstack.sample.grammar import GrammarCompiler
 
     return GrammarCompiler(open_model_source(smollm2_path).tokenizer, 49152, [2])
 

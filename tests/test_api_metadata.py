@@ -114,7 +114,7 @@ def test_http_metadata_reaches_the_engines_scheduler(shared_llm, monkeypatch):
     AsyncEngine -> the scheduler."""
     from litestar.testing import TestClient
 
-    from lmstack.async_engine import AsyncEngine
+    from lmstack.engine.async_engine import AsyncEngine
     from lmstack_api.app import create_app
     from lmstack_api.state import ServerState
 

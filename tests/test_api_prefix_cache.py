@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from lmstack.plugins import build_registry, make_plugin_manager
+from lmstack.stack.plugins import build_registry, make_plugin_manager
 
 pytestmark = pytest.mark.slow
 

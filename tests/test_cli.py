@@ -14,8 +14,8 @@ import pytest
 from lmstack import cli
 from lmstack.errors import ResolutionError
 from lmstack.hookspecs import hookimpl
-from lmstack.plugins import make_plugin_manager
 from lmstack.registry import Component, Registry, StackSection
+from lmstack.stack.plugins import make_plugin_manager
 from lmstack_api.config import ServerConfig
 
 
@@ -52,7 +52,7 @@ def fake_registry() -> Registry:
 @pytest.fixture
 def fakes(monkeypatch):
     """The CLI sees only the fake components."""
-    monkeypatch.setattr("lmstack.plugins.default_registry", fake_registry)
+    monkeypatch.setattr("lmstack.stack.plugins.default_registry", fake_registry)
 
 
 @pytest.fixture
@@ -155,13 +155,12 @@ def test_plugins_table(fakes, capsys):
     code, out, _ = run(capsys, "plugins")
     assert code == 0
     header, *rows = out.splitlines()
-    assert header.split() == ["KIND", "NAME", "DISTRIBUTION", "VERSION", "API", "OPTIONS", "CAPABILITIES"]
+    assert header.split() == ["KIND", "NAME", "DISTRIBUTION", "VERSION", "OPTIONS", "(DEFAULT)"]
     gpu = next(r for r in rows if "gpu-only" in r)
-    assert gpu.split()[:5] == ["attention", "gpu-only", "lmstack-fake", "2.0", ">=1.0,<2"]
-    assert "devices=[cuda]" in gpu
+    assert gpu.split() == ["attention", "gpu-only", "lmstack-fake", "2.0", "-"]  # takes no options
     sched = next(r for r in rows if r.startswith("scheduler"))
-    assert sched.split()[4] == "-"  # no API range declared
-    assert "max_num_seqs" in sched
+    assert sched.split()[4] == "max_num_seqs=8"
+    # The API range and capabilities are in `lmstack plugins gpu-only` (tests/test_plugins_help.py).
 
 
 def test_plugins_json(fakes, capsys):
@@ -200,7 +199,7 @@ def test_plugins_with_the_builtins(capsys, monkeypatch):
 @pytest.fixture
 def fake_generate(monkeypatch):
     calls = []
-    module = types.ModuleType("lmstack.cli_generate")
+    module = types.ModuleType("lmstack.commands.generate")
 
     def run_(args):
         calls.append(args)
@@ -209,8 +208,8 @@ def fake_generate(monkeypatch):
         return 0
 
     module.run = run_
-    monkeypatch.setitem(sys.modules, "lmstack.cli_generate", module)
-    monkeypatch.setattr("lmstack.cli_generate", module, raising=False)
+    monkeypatch.setitem(sys.modules, "lmstack.commands.generate", module)
+    monkeypatch.setattr("lmstack.commands.generate", module, raising=False)
     return calls
 
 

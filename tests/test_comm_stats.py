@@ -1,4 +1,4 @@
-"""`lmstack.comm_stats` counts the bytes each torch.distributed operation moves, including the
+"""`lmstack.testing.comm_stats` counts the bytes each torch.distributed operation moves, including the
 broadcasts torch's object collectives make internally (the executor's command broadcast)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from lmstack import comm_stats
+from lmstack.testing import comm_stats
 
 
 def test_counts_calls_and_bytes_per_operation():

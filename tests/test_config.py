@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmstack.config import (
+from lmstack.errors import ConfigError
+from lmstack.stack.config import (
     CORE_KEYS,
     KV_CACHE_AUTO,
     StackConfig,
@@ -17,9 +18,8 @@ from lmstack.config import (
     load_stack,
     parse_stack,
 )
-from lmstack.errors import ConfigError
-from lmstack.plugins import build_registry, make_plugin_manager
-from lmstack.resolve import resolve
+from lmstack.stack.plugins import build_registry, make_plugin_manager
+from lmstack.stack.resolve import resolve
 from lmstack_api.config import ServerConfig
 
 # The built-ins and lmstack-api's plugin (which declares `server:`), nothing else installed:

@@ -110,7 +110,7 @@ class ReplicaLayout:
         self.world_size = world_size
 
     def create_executor(self, spec):
-        from lmstack.multiproc import MultiprocExecutor
+        from lmstack.exec.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(spec, world_size=self.world_size)
 

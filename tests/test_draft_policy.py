@@ -1,4 +1,4 @@
-"""The adaptive draft length (`lmstack.draft_policy`) on synthetic step costs and acceptance,
+"""The adaptive draft length (`lmstack.spec.draft_policy`) on synthetic step costs and acceptance,
 and the feedback the engine gives a speculator (`Speculator.observe`)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from lmstack import LLM, SamplingParams
-from lmstack.draft_policy import MAX_PROBE_BACKOFF, DraftLengthPolicy
 from lmstack.interfaces import DraftFeedback, Speculator
+from lmstack.spec.draft_policy import MAX_PROBE_BACKOFF, DraftLengthPolicy
 
 pytest_plugins = ["lmstack.testing.fixtures"]
 

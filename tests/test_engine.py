@@ -13,7 +13,7 @@ from lmstack import SamplingParams
 from lmstack.errors import InvalidRequestError
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import BlockCache, Speculator
-from lmstack.verification import Draft
+from lmstack.sample.verification import Draft
 
 STACK = {
     "model": "smollm2-135m-instruct",
@@ -393,7 +393,7 @@ def test_block_cache_seam_reuses_full_prompt_blocks(llm):
 
 
 def test_async_engine_streams_and_aborts():
-    from lmstack.async_engine import AsyncEngine
+    from lmstack.engine.async_engine import AsyncEngine
 
     async def main(engine: AsyncEngine):
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Count to twenty."}])
@@ -439,7 +439,7 @@ def test_async_engine_streams_and_aborts():
 
 
 def test_sampler_rows_do_not_interact():
-    from lmstack.sampler import Sampler, SampleRow
+    from lmstack.sample.sampler import Sampler, SampleRow
 
     torch.manual_seed(0)
     logits = torch.randn(3, 50)

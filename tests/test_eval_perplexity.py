@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmstack.cli import main
-from lmstack.evaluate import perplexity, windows_of
+from lmstack_calibrate.perplexity import perplexity, windows_of
 
 TEXT = (
     "The lighthouse stood at the end of a long stone pier. Every evening the keeper climbed "
@@ -50,7 +50,7 @@ def _fp32_stack(model: str) -> dict:
 def test_tiny_model_matches_transformers(tiny_model_path):
     from transformers import LlamaForCausalLM
 
-    from lmstack.llm import LLM
+    from lmstack.engine.llm import LLM
 
     llm = LLM(_fp32_stack(str(tiny_model_path)))
     ids = llm.tokenizer.encode(TEXT)
@@ -64,7 +64,7 @@ def test_tiny_model_matches_transformers(tiny_model_path):
 
 
 def test_smollm2_matches_transformers(smollm2_path, hf_smollm2):
-    from lmstack.llm import LLM
+    from lmstack.engine.llm import LLM
 
     model, _ = hf_smollm2
     llm = LLM(_fp32_stack(str(smollm2_path)))

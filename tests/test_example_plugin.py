@@ -12,11 +12,11 @@ import json
 import pytest
 
 from lmstack import cli
-from lmstack.config import load_stack
 from lmstack.errors import ConfigError
 from lmstack.interfaces import EngineLimits
-from lmstack.plugins import build_registry, make_plugin_manager
-from lmstack.resolve import resolve
+from lmstack.stack.config import load_stack
+from lmstack.stack.plugins import build_registry, make_plugin_manager
+from lmstack.stack.resolve import resolve
 from lmstack.testing.fakes import make_seq
 
 DIST = "lmstack-priority-scheduler"
@@ -112,7 +112,7 @@ def _finish_order(scheduler: dict, jobs: list[tuple[int, int]]) -> list[int]:
     """Run prompts (priority, max_tokens) one at a time on the real model; return the job
     indices in the order they finished."""
     from lmstack import SamplingParams
-    from lmstack.engine import LLMEngine
+    from lmstack.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(
         {

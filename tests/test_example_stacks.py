@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmstack.config import load_stack
-from lmstack.plugins import default_registry
-from lmstack.resolve import resolve
+from lmstack.stack.config import load_stack
+from lmstack.stack.plugins import default_registry
+from lmstack.stack.resolve import resolve
 
 STACKS = sorted((Path(__file__).resolve().parent.parent / "examples" / "stacks").glob("*.yaml"))
 

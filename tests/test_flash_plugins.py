@@ -16,11 +16,11 @@ import textwrap
 import pytest
 
 from lmstack import SamplingParams, cli
-from lmstack.config import load_stack
+from lmstack.engine.llm import LLM
 from lmstack.errors import ResolutionError
-from lmstack.llm import LLM
-from lmstack.plugins import build_registry, make_plugin_manager
-from lmstack.resolve import resolve
+from lmstack.stack.config import load_stack
+from lmstack.stack.plugins import build_registry, make_plugin_manager
+from lmstack.stack.resolve import resolve
 
 PLUGINS = "flash-attention,flash-decoding"
 COMBINED = {"prefill": "flash-attention", "decode": "flash-decoding"}
@@ -110,7 +110,7 @@ def test_the_example_stack_fits_smollm2(flash_plugins, smollm2_path):
     from pathlib import Path
 
     from lmstack.model.source import open_model_source
-    from lmstack.resolve import check_model
+    from lmstack.stack.resolve import check_model
 
     path = Path(__file__).resolve().parent.parent / "examples" / "stacks" / "flash.yaml"
     r = resolve(load_stack(path), build_registry(make_plugin_manager()), check_device=False)
@@ -148,9 +148,9 @@ def test_the_option_switches_a_fresh_process_to_the_interpreter():
         import torch
         from lmstack.batch import AttentionMetadata
         from lmstack.components.torch_attention import TorchAttention
-        from lmstack.config import load_stack
-        from lmstack.plugins import build_registry, make_plugin_manager
-        from lmstack.resolve import resolve
+        from lmstack.stack.config import load_stack
+        from lmstack.stack.plugins import build_registry, make_plugin_manager
+        from lmstack.stack.resolve import resolve
 
         attention = {"prefill": {"name": "flash-attention", "interpret": True},
                      "decode": {"name": "flash-decoding", "interpret": True}}

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from lmstack import hardware
 from lmstack.cli import main
-from lmstack.config import load_stack
-from lmstack.plugins import default_registry
-from lmstack.resolve import resolve
+from lmstack.kernels import hardware
+from lmstack.stack.config import load_stack
+from lmstack.stack.plugins import default_registry
+from lmstack.stack.resolve import resolve
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lmstack import input_processor as ip_module
+from lmstack.engine import input_processor as ip_module
+from lmstack.engine.input_processor import InputProcessor
 from lmstack.errors import InvalidRequestError
-from lmstack.input_processor import InputProcessor
 from lmstack.interfaces import EngineLimits
 from lmstack.sampling_params import SamplingParams
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmstack.config import load_stack
 from lmstack.content_hash import CacheGeometry
-from lmstack.kv_quant import dequantize_kv, quantize_kv
-from lmstack.llm import LLM
+from lmstack.engine.llm import LLM
+from lmstack.quant.kv import dequantize_kv, quantize_kv
 from lmstack.sampling_params import SamplingParams
+from lmstack.stack.config import load_stack
 from lmstack.testing import reference_attention
 from lmstack.testing.kit import one_thread, tiny_stack
 

@@ -13,10 +13,10 @@ import torch
 from lmstack.batch import SeqPlan, StepPlan
 from lmstack.components.none_quantizer import NoQuantizer
 from lmstack.components.torch_attention import TorchAttention
+from lmstack.engine.planner import plan_step
+from lmstack.exec.model_runner import ModelRunner
 from lmstack.interfaces import ScheduledSeq
 from lmstack.model.source import open_model_source
-from lmstack.model_runner import ModelRunner
-from lmstack.planner import plan_step
 from lmstack.sampling_params import SamplingParams
 from lmstack.testing.fakes import make_seq
 

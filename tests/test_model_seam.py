@@ -26,8 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmstack import SamplingParams
 from lmstack.components.none_quantizer import NoQuantizer
-from lmstack.engine import LLMEngine
+from lmstack.engine.llm_engine import LLMEngine
 from lmstack.errors import ConfigError, ResolutionError
+from lmstack.exec.model_runner import ModelRunner
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import LinearSpec, Quantizer
 from lmstack.model.architecture import ModelArchitecture, ModelRegistry, build_model_registry
@@ -38,9 +39,8 @@ from lmstack.model.llama import ARCHITECTURE as LLAMA
 from lmstack.model.llama import LlamaModel, llama_checkpoint_name
 from lmstack.model.source import ModelSource, open_model_source
 from lmstack.model.weight_loader import ShardId, load_named_weights, set_weight_loader
-from lmstack.model_runner import ModelRunner
-from lmstack.plugins import make_plugin_manager
 from lmstack.registry import Component
+from lmstack.stack.plugins import make_plugin_manager
 
 
 class DenseCausalAttention:

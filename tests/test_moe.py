@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmstack.distributed import ParallelRanks
 from lmstack.errors import ConfigError
+from lmstack.exec.distributed import ParallelRanks
 from lmstack.model.linear import default_linear
 from lmstack.model.moe import MoEConfig, MoEModel, SparseMoE, moe_checkpoint_name
 from lmstack.model.source import open_model_source

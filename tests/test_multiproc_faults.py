@@ -113,9 +113,9 @@ def test_killed_worker_fails_requests_turns_health_503_and_exits_nonzero(tiny_mo
 
 def test_rank_that_never_joins_is_one_line_naming_it(tiny_model_path, monkeypatch):
     # This process as rank 0 of a launched 2-rank group whose rank 1 never starts.
+    from lmstack.engine.llm import LLM
     from lmstack.errors import BuildError
-    from lmstack.llm import LLM
-    from lmstack.plugins import make_plugin_manager
+    from lmstack.stack.plugins import make_plugin_manager
 
     for name, value in {
         "RANK": "0",

@@ -13,7 +13,7 @@ import torch
 
 from lmstack import SamplingParams
 from lmstack.batch import SeqPlan, StepPlan
-from lmstack.engine import LLMEngine
+from lmstack.engine.llm_engine import LLMEngine
 from lmstack.testing import make_seq
 
 # Raw-text prompts stay shorter than one block; the chat template's system prompt alone is longer.
@@ -82,7 +82,7 @@ def _attention(name: str) -> dict:
     """The stack's attention section for `name`; skips when that backend is unavailable here."""
     if name == "torch":
         return {}
-    from lmstack.plugins import default_registry
+    from lmstack.stack.plugins import default_registry
 
     if name not in default_registry().names("attention"):
         pytest.skip(f"the {name!r} attention plugin is not installed")
@@ -168,7 +168,7 @@ def test_greedy_equals_transformers_with_a_prefix_cache(
     tiered cache loads evicted blocks back from disk) and a 24-token budget (prompts are
     prefilled in chunks, the second pass starting at the cached boundary): the second pass is
     served partly from the cache and still equals transformers."""
-    from lmstack.plugins import build_registry, make_plugin_manager
+    from lmstack.stack.plugins import build_registry, make_plugin_manager
 
     if cache not in build_registry(make_plugin_manager()).names("cache"):
         pytest.skip(f"the {cache!r} cache plugin is not installed")
@@ -340,7 +340,7 @@ def _identity_with_drafts(shared_llm, prompts, hf_greedy, speculator, regime):
 def test_greedy_equals_transformers_with_ngram_speculation(shared_llm, prompts, hf_greedy, regime):
     """Speculative decoding (prompt lookup, drafts always on) changes no greedy token: the
     oracle prompts under chunked prefill, mid-run arrivals and preemption."""
-    from lmstack.plugins import build_registry, make_plugin_manager
+    from lmstack.stack.plugins import build_registry, make_plugin_manager
 
     if "ngram" not in build_registry(make_plugin_manager()).names("speculator"):
         pytest.skip("lmstack-ngram is not installed")
@@ -357,12 +357,12 @@ def smollm2_eagle_head(prompts, hf_greedy, tmp_path_factory):
     rejected ones."""
     pytest.importorskip("lmstack_eagle")
     from lmstack.model.source import open_model_source
-    from lmstack.quantize import CalibrationModel
+    from lmstack_calibrate.model import DenseModel
     from lmstack_eagle.head import HeadConfig, save_head
     from lmstack_eagle.train import Target, train_head
 
     source = open_model_source("smollm2-135m-instruct")
-    target = Target(CalibrationModel.load(source))
+    target = Target(DenseModel.load(source))
     seqs = [list(p) + list(g) for p, g in zip(prompts, hf_greedy, strict=True)]
     feats = [target.features(s) for s in seqs]
     torch.manual_seed(0)

@@ -10,9 +10,9 @@ import pytest
 from test_oracle import _stack, prompts  # noqa: F401  (`prompts` is a fixture)
 
 from lmstack import SamplingParams
-from lmstack.engine import LLMEngine
-from lmstack.llm import LLM
-from lmstack.plugins import build_registry, make_plugin_manager
+from lmstack.engine.llm import LLM
+from lmstack.engine.llm_engine import LLMEngine
+from lmstack.stack.plugins import build_registry, make_plugin_manager
 
 NEW_TOKENS = 10  # modest: the pipeline's share of the suite's time
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmstack.engine.output_processor import OutputProcessor, holdback
 from lmstack.model.source import open_model_source
-from lmstack.output_processor import OutputProcessor, holdback
-from lmstack.sampler import Sampled
+from lmstack.sample.sampler import Sampled
 from lmstack.sampling_params import SamplingParams
 from lmstack.sequence import FinishReason, Request, Sequence, SequenceStatus
 

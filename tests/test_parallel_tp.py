@@ -10,7 +10,7 @@ import pytest
 from test_oracle import QUESTIONS, RAW, _stack
 
 from lmstack import SamplingParams
-from lmstack.llm import LLM
+from lmstack.engine.llm import LLM
 from lmstack.testing.kit import one_thread
 
 pytest.importorskip("lmstack_tp")

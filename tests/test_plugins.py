@@ -20,18 +20,19 @@ import msgspec
 import pytest
 
 import lmstack
-from lmstack import cli, plugins
+from lmstack import cli
 from lmstack.errors import ResolutionError
 from lmstack.hookspecs import REGISTRATION_HOOKS, hookimpl
 from lmstack.plugin_api import PLUGIN_API_VERSION, PUBLIC_API
-from lmstack.plugins import (
+from lmstack.registry import KINDS, Component, InvalidComponent
+from lmstack.stack import plugins
+from lmstack.stack.plugins import (
     DEFAULT_PLUGINS,
     UNKNOWN_DISTRIBUTION,
     build_registry,
     default_registry,
     make_plugin_manager,
 )
-from lmstack.registry import KINDS, Component, InvalidComponent
 
 
 def component(name: str, kind: str, **kw) -> Component:
@@ -252,15 +253,15 @@ def test_an_invalid_component_in_a_named_plugin_is_an_error():
 
 
 def test_the_api_range_is_checked():
-    assert lmstack.PLUGIN_API_VERSION == PLUGIN_API_VERSION == "1.7"
+    assert lmstack.PLUGIN_API_VERSION == PLUGIN_API_VERSION == "1.8"
     assert component("ok", "speculator", api=">=1.0,<2").api_mismatch() is None
     assert component("any", "speculator").api_mismatch() is None  # not declared: accepted
     refused = component("x", "speculator", api=">=2.0", distribution="pkg", version="1.2")
     assert refused.api_mismatch() == (
-        "speculator 'x' (pkg 1.2) supports lmstack plugin API >=2.0, this lmstack provides 1.7; "
-        "upgrade lmstack or install a pkg release for API 1.7"
+        "speculator 'x' (pkg 1.2) supports lmstack plugin API >=2.0, this lmstack provides 1.8; "
+        "upgrade lmstack or install a pkg release for API 1.8"
     )
-    with pytest.raises(InvalidComponent, match=r"api='version 2' is not a version range.*'>=1.7,<2'"):
+    with pytest.raises(InvalidComponent, match=r"api='version 2' is not a version range.*'>=1.8,<2'"):
         component("bad", "speculator", api="version 2")
 
 
@@ -424,13 +425,15 @@ def autoloaded(installed, monkeypatch):
 
 def plugin_warnings(caplog) -> list[str]:
     return [
-        r.getMessage() for r in caplog.records if r.name == "lmstack.plugins" and r.levelno == logging.WARNING
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "lmstack.stack.plugins" and r.levelno == logging.WARNING
     ]
 
 
 def test_a_plugin_that_fails_to_import_is_skipped_with_one_warning(autoloaded, caplog):
     autoloaded.add("lmstack-broken", "broken", BROKEN_PLUGIN, version="9.9")
-    with caplog.at_level(logging.WARNING, logger="lmstack.plugins"):
+    with caplog.at_level(logging.WARNING, logger="lmstack.stack.plugins"):
         registry = default_registry()
     # The good plugins work.
     assert "fake-ngram" in registry.names("speculator") and "fake-fp8" in registry.names("quantizer")
@@ -533,7 +536,7 @@ BAD_PLUGINS = {
 def test_an_invalid_plugin_is_skipped_and_named_when_selected(autoloaded, caplog, case):
     source, expected = BAD_PLUGINS[case]
     autoloaded.add("lmstack-bad", "bad", source, version="1.2")
-    with caplog.at_level(logging.WARNING, logger="lmstack.plugins"):
+    with caplog.at_level(logging.WARNING, logger="lmstack.stack.plugins"):
         registry = default_registry()
     assert "fake-ngram" in registry.names("speculator")
     assert "fake-bad" not in registry.names("speculator")
@@ -574,7 +577,7 @@ def lmstack_register_speculators(register):
 def test_a_plugin_that_registers_nothing_is_a_warning(autoloaded, caplog):
     autoloaded.add("lmstack-forgot", "forgot", NO_HOOKIMPL)
     autoloaded.add("lmstack-idle", "idle", NEVER_REGISTERS)
-    with caplog.at_level(logging.WARNING, logger="lmstack.plugins"):
+    with caplog.at_level(logging.WARNING, logger="lmstack.stack.plugins"):
         registry = default_registry()
     by_plugin = {p.plugin: p for p in registry.problems}
     assert set(by_plugin) == {"forgot", "idle"}

@@ -8,13 +8,13 @@ import msgspec
 import pytest
 import torch
 
-from lmstack.config import StackConfig, load_stack
 from lmstack.errors import ConfigError, ResolutionError
-from lmstack.hardware import auto_dtype
+from lmstack.kernels.hardware import auto_dtype
 from lmstack.model.config import ModelConfig
-from lmstack.plugins import build_registry, make_plugin_manager
 from lmstack.registry import Component, Registry
-from lmstack.resolve import ResolvedStack, Selected, check_model, resolve
+from lmstack.stack.config import StackConfig, load_stack
+from lmstack.stack.plugins import build_registry, make_plugin_manager
+from lmstack.stack.resolve import ResolvedStack, Selected, check_model, resolve
 
 # ---------------------------------------------------------------------------------------------
 # A fake world of components (no built-ins, nothing installed)
@@ -300,7 +300,7 @@ def test_auto_dtype_takes_the_next_best_dtype_the_components_accept():
 
 
 def test_auto_dtype_takes_the_quantizers_choice_for_the_device(monkeypatch):
-    from lmstack import hardware
+    from lmstack.kernels import hardware
 
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
     caps = {"auto_dtypes": {"cpu": "float32"}, "auto_dtypes_reason": "its kernel computes in float32"}
@@ -320,8 +320,8 @@ def test_auto_dtype_is_float32_with_a_speculator_on_a_bf16_cpu(monkeypatch):
     """bf16 verification rows round unlike plain decoding's single rows (greedy output measured
     to drift on an Intel Xeon with AMX): with a speculator, auto picks float32 on a CPU, says why,
     and `lmstack check` warns about an explicit 16-bit dtype with a speculator."""
-    from lmstack import hardware
-    from lmstack.resolve import speculation_warning
+    from lmstack.kernels import hardware
+    from lmstack.stack.resolve import speculation_warning
 
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
     ngram = comp("ngram", "speculator", dist="lmstack-ngram", options_type=SpecOptions)
@@ -519,8 +519,8 @@ def test_the_builtin_defaults_resolve(monkeypatch):
 
 
 def test_auto_quantizer_picks_the_reader_of_the_checkpoint_format():
-    from lmstack.quant_format import CT_PACK_QUANTIZED, DENSE, GGUF
-    from lmstack.resolve import auto_quantizer
+    from lmstack.quant.formats import CT_PACK_QUANTIZED, DENSE, GGUF
+    from lmstack.stack.resolve import auto_quantizer
 
     reader = Component(
         name="int4-reader",

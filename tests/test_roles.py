@@ -7,13 +7,13 @@ import msgspec
 import pytest
 
 from lmstack import hookspecs, interfaces
-from lmstack.config import NAMED_SECTIONS, StackConfig, load_stack
 from lmstack.errors import ResolutionError
 from lmstack.hookspecs import hookimpl
-from lmstack.plugins import build_registry, make_plugin_manager
 from lmstack.registry import Component
-from lmstack.resolve import resolve
 from lmstack.roles import KINDS, ROLES, capability_names
+from lmstack.stack.config import NAMED_SECTIONS, StackConfig, load_stack
+from lmstack.stack.plugins import build_registry, make_plugin_manager
+from lmstack.stack.resolve import resolve
 
 
 def test_every_kind_has_its_hook_interface_and_capabilities():

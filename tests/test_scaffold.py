@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from lmstack import cli, scaffold
-from lmstack.config import load_stack
+from lmstack import cli
+from lmstack.commands import new_plugin as scaffold
 from lmstack.roles import KIND_NAMES
+from lmstack.stack.config import load_stack
 
 
 def test_every_kind_has_a_template():

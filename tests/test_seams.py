@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from lmstack import SamplingParams
-from lmstack.engine import LLMEngine
+from lmstack.engine.llm_engine import LLMEngine
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import Quantizer
 from lmstack.model.linear import default_linear
 from lmstack.outputs import RequestOutput
-from lmstack.plugins import make_plugin_manager
 from lmstack.registry import Component
+from lmstack.stack.plugins import make_plugin_manager
 
 
 class Int8Linear(nn.Module):
@@ -202,7 +202,7 @@ class ReplicaLayout:
     full replica — the executor seam a TP / PP / EP plugin builds on."""
 
     def create_executor(self, spec):
-        from lmstack.multiproc import MultiprocExecutor
+        from lmstack.exec.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(spec, world_size=2)
 
@@ -275,7 +275,7 @@ class Fp8KV:
 
 
 def test_incompatible_stack_is_rejected_before_the_model_is_opened(monkeypatch):
-    from lmstack import engine as engine_module
+    from lmstack.engine import llm_engine as engine_module
     from lmstack.errors import ResolutionError
 
     def no_model(*a, **k):

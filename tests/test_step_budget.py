@@ -8,9 +8,9 @@ import random
 import pytest
 
 from lmstack.components.continuous import MIN_PREFILL_TOKENS, ContinuousOptions, ContinuousScheduler
+from lmstack.engine.step_cost import StepCostModel
 from lmstack.errors import ConfigError
 from lmstack.interfaces import EngineLimits
-from lmstack.step_cost import StepCostModel
 from lmstack.testing.components import build_component
 from lmstack.testing.fakes import make_seq
 from lmstack.testing.scheduler import simulate
@@ -210,7 +210,7 @@ def test_option_values_are_checked():
 def test_the_scheduler_shares_the_engines_cost_model_the_draft_policy_keeps_its_own(tiny_model_path):
     """The scheduler reads every step's cost; the draft policy only decode steps' (drafting
     included), so without a speculator its model stays empty."""
-    from lmstack.engine import LLMEngine
+    from lmstack.engine.llm_engine import LLMEngine
 
     engine = LLMEngine({"model": str(tiny_model_path)})
     assert engine.scheduler.step_cost is engine.step_cost

@@ -13,8 +13,8 @@ import torch
 
 from lmstack import SamplingParams
 from lmstack.errors import InvalidRequestError
-from lmstack.grammar import GrammarCompiler, GrammarError
 from lmstack.interfaces import Speculator
+from lmstack.sample.grammar import GrammarCompiler, GrammarError
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -164,7 +164,7 @@ def test_without_xgrammar(llm, monkeypatch):
     """The core imports without xgrammar; asking for structured output then says what to install."""
     code = (
         "import sys; sys.modules['xgrammar'] = None\n"
-        "import lmstack, lmstack.engine, lmstack.llm, lmstack.grammar, lmstack.sampler\n"
+        "import lmstack, lmstack.engine.llm_engine, lmstack.engine.llm, lmstack.sample.grammar, lmstack.sample.sampler\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     monkeypatch.setitem(sys.modules, "xgrammar", None)

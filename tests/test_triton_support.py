@@ -1,10 +1,10 @@
-"""`lmstack.triton_support.split_k`: how many programs share a quantized GEMM's K range."""
+"""`lmstack.kernels.triton_support.split_k`: how many programs share a quantized GEMM's K range."""
 
 from __future__ import annotations
 
 import torch
 
-from lmstack.triton_support import SPLIT_K_TARGET_PROGRAMS, reduce_splits, split_k, split_k_output
+from lmstack.kernels.triton_support import SPLIT_K_TARGET_PROGRAMS, reduce_splits, split_k, split_k_output
 
 
 def test_splits_fill_the_grid_and_keep_two_steps_each():

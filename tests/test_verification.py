@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmstack.drafts import DraftBook
+from lmstack.engine.output_processor import OutputProcessor
 from lmstack.interfaces import Speculator
-from lmstack.output_processor import OutputProcessor
-from lmstack.sampler import Sampler, SampleRow
+from lmstack.sample.sampler import Sampler, SampleRow
+from lmstack.sample.verification import Draft, RejectionSampler
 from lmstack.sampling_params import SamplingParams
+from lmstack.spec.drafts import DraftBook
 from lmstack.testing.fakes import make_seq
-from lmstack.verification import Draft, RejectionSampler
 
 V = 5
 P = torch.tensor([0.40, 0.25, 0.15, 0.12, 0.08])  # the target's distribution at every position

@@ -15,7 +15,7 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from lmstack.errors import EngineDeadError, LmstackError
-from lmstack.resolve import ResolvedStack
+from lmstack.stack.resolve import ResolvedStack
 from lmstack_api import params as P
 from lmstack_api.errors import APIError, clip, from_status
 from lmstack_api.grammar_guard import bounded_schema_grammar

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from lmstack.resolve import ResolvedStack
+from lmstack.stack.resolve import ResolvedStack
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -39,57 +39,107 @@ class RateLimitConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Per API key (per client address when no keys are configured); null means unlimited.
     Token buckets refill continuously at the per-minute rate and hold at most one minute."""
 
-    requests_per_minute: PositiveInt | None = None
-    input_tokens_per_minute: PositiveInt | None = None
-    output_tokens_per_minute: PositiveInt | None = None
+    requests_per_minute: Annotated[
+        PositiveInt | None,
+        msgspec.Meta(description="requests per minute per API key or client (null: unlimited)"),
+    ] = None
+    input_tokens_per_minute: Annotated[
+        PositiveInt | None,
+        msgspec.Meta(description="prompt tokens per minute per API key or client (null: unlimited)"),
+    ] = None
+    output_tokens_per_minute: Annotated[
+        PositiveInt | None,
+        msgspec.Meta(description="generated tokens per minute per API key or client (null: unlimited)"),
+    ] = None
 
 
 class SLOConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Service-level objectives: a finished request meeting both counts toward goodput."""
 
-    ttft_ms: PositiveFloat = 2000.0
-    tpot_ms: PositiveFloat = 200.0
+    ttft_ms: Annotated[
+        PositiveFloat, msgspec.Meta(description="time-to-first-token objective for goodput, in milliseconds")
+    ] = 2000.0
+    tpot_ms: Annotated[
+        PositiveFloat,
+        msgspec.Meta(description="time-per-output-token objective for goodput, in milliseconds"),
+    ] = 200.0
 
 
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    host: str = "127.0.0.1"
-    port: Port = 8000
+    host: Annotated[str, msgspec.Meta(description="address to bind")] = "127.0.0.1"
+    port: Annotated[Port, msgspec.Meta(description="port to bind (0: any free one)")] = 8000
     # The name clients send as `model`; defaults to the stack's `model`.
-    served_model_name: str | None = None
+    served_model_name: Annotated[
+        str | None, msgspec.Meta(description="the model name clients send (null: the stack's model)")
+    ] = None
     # Bearer keys clients must send; empty means no authentication. `LMSTACK_API_KEYS`
     # (comma-separated) adds keys without writing them into the stack file. A key's requests
     # carry its tenant (`Request.tenant`): the one a `{key, tenant}` entry names, else an id
     # derived from the key (`key_tenant`). With keys configured, `X-Tenant` is ignored.
-    api_keys: list[str | ApiKey] = msgspec.field(default_factory=list)
+    api_keys: Annotated[
+        list[str | ApiKey],
+        msgspec.Meta(description="bearer keys, each a string or {key, tenant} (empty: no authentication)"),
+    ] = msgspec.field(default_factory=list)
     # Admission: past either bound a new request gets 503 with Retry-After.
-    max_waiting_requests: PositiveInt = 256
-    max_queued_tokens: PositiveInt = 262_144
+    max_waiting_requests: Annotated[
+        PositiveInt, msgspec.Meta(description="requests waiting for admission; past it, 503 with Retry-After")
+    ] = 256
+    max_queued_tokens: Annotated[
+        PositiveInt,
+        msgspec.Meta(description="prompt tokens waiting for admission; past it, 503 with Retry-After"),
+    ] = 262_144
     # The largest max_tokens a request may ask for (null: the context length).
-    max_tokens: PositiveInt | None = None
-    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    max_tokens: Annotated[
+        PositiveInt | None,
+        msgspec.Meta(description="the largest max_tokens a request may ask for (null: the context length)"),
+    ] = None
+    max_body_bytes: Annotated[PositiveInt, msgspec.Meta(description="the largest request body, in bytes")] = (
+        4 * 1024 * 1024
+    )
     rate_limit: RateLimitConfig = msgspec.field(default_factory=RateLimitConfig)
     slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
     # SIGTERM: stop admitting, let in-flight requests finish for up to this long, then exit.
-    drain_timeout_s: PositiveFloat = 30.0
+    drain_timeout_s: Annotated[
+        PositiveFloat, msgspec.Meta(description="on SIGTERM, seconds in-flight requests get to finish")
+    ] = 30.0
     # --- hostile-input bounds -----------------
     # Structured output: a json_schema past any of these is a 400 naming the bound. Size is
     # checked before compiling; time and memory bound the compile itself, which runs first in
     # a separate process that is killed at the bound (or when its request or the server ends).
-    grammar_max_schema_bytes: PositiveInt = 65_536
-    grammar_max_schema_properties: PositiveInt = 1_000  # summed over every `properties` map
-    grammar_compile_timeout_s: PositiveFloat = 10.0
-    grammar_compile_memory_mib: PositiveInt = 1024  # growth of the compiling process's RSS
+    grammar_max_schema_bytes: Annotated[
+        PositiveInt, msgspec.Meta(description="the largest json_schema for structured output, in bytes")
+    ] = 65_536
+    grammar_max_schema_properties: Annotated[
+        PositiveInt, msgspec.Meta(description="the most properties in a json_schema, over all its maps")
+    ] = 1_000
+    grammar_compile_timeout_s: Annotated[
+        PositiveFloat, msgspec.Meta(description="seconds a grammar may take to compile")
+    ] = 10.0
+    grammar_compile_memory_mib: Annotated[
+        PositiveInt, msgspec.Meta(description="MiB the grammar compiler's process may grow by")
+    ] = 1024
     # Compiled grammars are cached (LRU) up to this many MiB of xgrammar's own size estimate.
-    grammar_cache_mib: PositiveInt = 256
+    grammar_cache_mib: Annotated[
+        PositiveInt, msgspec.Meta(description="compiled-grammar cache (LRU), in MiB of xgrammar's estimate")
+    ] = 256
     # Slow clients: the request line and headers must arrive within header_timeout_s of the
     # connection opening (or of the previous response); the body within body_timeout_s of
     # the handler asking for it. Past either the client gets 408 and the connection closes.
-    header_timeout_s: PositiveFloat = 10.0
-    body_timeout_s: PositiveFloat = 30.0
+    header_timeout_s: Annotated[
+        PositiveFloat,
+        msgspec.Meta(description="seconds for the request line and headers to arrive (then 408)"),
+    ] = 10.0
+    body_timeout_s: Annotated[
+        PositiveFloat, msgspec.Meta(description="seconds for a request body to arrive once read (then 408)")
+    ] = 30.0
     # Sampling bounds. OpenAI allows at most 300 logit_bias entries and temperature in [0, 2];
     # raise max_temperature (the engine accepts up to 100) for clients written against vLLM.
-    max_logit_bias_entries: NonNegativeInt = 300
-    max_temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 2.0
+    max_logit_bias_entries: Annotated[
+        NonNegativeInt, msgspec.Meta(description="the most logit_bias entries a request may send")
+    ] = 300
+    max_temperature: Annotated[
+        float, msgspec.Meta(ge=0, le=100, description="the highest temperature a request may ask for")
+    ] = 2.0
 
     def __post_init__(self) -> None:
         tenants: dict[str, str | None] = {}
@@ -97,7 +147,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             key, tenant = (entry, None) if isinstance(entry, str) else (entry.key, entry.tenant)
             if key in tenants and tenants[key] != tenant:
                 # Reported at `server`; the ", got" part keeps the section (and so the keys)
-                # from being quoted in the message (lmstack.config.config_error).
+                # from being quoted in the message (lmstack.stack.config.config_error).
                 first, second = (t or "derived from the key" for t in (tenants[key], tenant))
                 raise ValueError(
                     f"api_keys lists one key twice, got it with tenant {first!r} and {second!r}; "

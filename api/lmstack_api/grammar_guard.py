@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from lmstack.errors import InvalidRequestError
-from lmstack.grammar import Grammar, GrammarCompiler, PreparedSchema
+from lmstack.sample.grammar import Grammar, GrammarCompiler, PreparedSchema
 from lmstack_api.errors import APIError, overloaded
 from lmstack_api.logs import get_logger
 

@@ -54,7 +54,7 @@ def main() -> int:
     inp = sys.stdin.buffer
     import xgrammar as xgr
 
-    from lmstack.grammar import _one_line
+    from lmstack.sample.grammar import error_reason
 
     info_json = read_frame(inp)
     if info_json is None:
@@ -70,7 +70,7 @@ def main() -> int:
             reply = {"ok": True, "nbytes": int(g.memory_size_bytes), "peak_rss": _peak_rss()}
             del g
         except Exception as exc:  # xgrammar's verdict on the schema, sent back as text
-            reply = {"ok": False, "error": _one_line(exc)}
+            reply = {"ok": False, "error": error_reason(exc)}
         write_frame(out, reply)
     return 0
 

@@ -16,12 +16,12 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from lmstack.config import load_stack
 from lmstack.errors import LmstackError
+from lmstack.exec.multiproc import launched, run_launched_worker
 from lmstack.model.source import open_model_source
-from lmstack.multiproc import launched, run_launched_worker
-from lmstack.plugins import build_registry, make_plugin_manager
-from lmstack.resolve import check_model, resolve
+from lmstack.stack.config import load_stack
+from lmstack.stack.plugins import build_registry, make_plugin_manager
+from lmstack.stack.resolve import check_model, resolve
 from lmstack_api.app import create_app
 from lmstack_api.config import server_config
 from lmstack_api.logs import configure_logging, get_logger

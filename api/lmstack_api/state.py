@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lmstack.async_engine import AsyncEngine
+from lmstack.engine.async_engine import AsyncEngine
 from lmstack.errors import EngineDeadError, LmstackError
-from lmstack.resolve import ResolvedStack
+from lmstack.stack.resolve import ResolvedStack
 from lmstack_api.config import TENANT_PATTERN, ServerConfig, key_tenants, server_config
 from lmstack_api.errors import APIError, clip, overloaded
 from lmstack_api.grammar_guard import CompileGuard

@@ -1,5 +1,5 @@
 """The `lmstack` command: check a stack, list plugins, generate text; plugins add more (serve,
-bench) through the `lmstack_register_commands` hook.
+bench, quantize, eval) through the `lmstack_register_commands` hook.
 
 A problem the user can fix (any `LmstackError`) is one line on stderr, ``error: <message>``,
 and exit status 2 — never a traceback.
@@ -15,13 +15,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmstack.errors import BuildError, LmstackError
+from lmstack.errors import BuildError, LmstackError, one_line
 
 if TYPE_CHECKING:
     import pluggy
 
     from lmstack.model.config import ModelConfig
-    from lmstack.resolve import ResolvedStack
+    from lmstack.stack.resolve import ResolvedStack
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -67,7 +67,7 @@ def _main(argv: list[str]) -> int:
         # A BuildError's was logged where the factory raised.
         if not isinstance(exc, BuildError):
             logging.getLogger("lmstack.cli").debug("%s", exc, exc_info=exc)
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
 
 
@@ -88,7 +88,7 @@ def _configure_logging(quiet_plugins: bool = False) -> Callable[[], None]:
     """lmstack's own log records (a skipped plugin's warning; at ``LMSTACK_LOG_LEVEL=debug``
     the tracebacks behind one-line errors) as ``level: message`` lines on stderr, for one
     command; returns what undoes it (`main` runs in-process in tests and embedders)."""
-    logger, plugins_logger = logging.getLogger("lmstack"), logging.getLogger("lmstack.plugins")
+    logger, plugins_logger = logging.getLogger("lmstack"), logging.getLogger("lmstack.stack.plugins")
     saved = logger.level, plugins_logger.level
     level = os.environ.get(LOG_LEVEL_ENV, "warning").strip().upper()
     logger.setLevel(level if level in logging.getLevelNamesMapping() else logging.WARNING)
@@ -147,11 +147,24 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
 
     plugins = sub.add_parser(
         "plugins",
-        help="list every installed component",
-        description="List every installed component: kind, name, distribution, version, options "
-        "and capabilities.",
+        help="list every installed component, or show one in full",
+        description="List every installed component (kind, name, distribution, version, options "
+        "with their defaults) and the stack sections plugins declare; with NAME, show that "
+        "component in full: capabilities, API range, and each option's type, default, allowed "
+        "values and description.",
     )
-    plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plugins.add_argument(
+        "name",
+        nargs="?",
+        metavar="NAME",
+        help="a component or stack section (every component of that name: `none` is one per kind)",
+    )
+    plugins.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON instead of a table: a list of components (and sections, kind `section`), "
+        "each option with its type, default, allowed values and description",
+    )
     plugins.add_argument(
         "--check",
         action="store_true",
@@ -176,9 +189,6 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
     generate.add_argument("prompt", metavar="PROMPT")
     generate.set_defaults(handler=_cmd_generate)
 
-    _add_eval_parser(sub)
-    _add_quantize_parser(sub)
-
     from lmstack.roles import KIND_NAMES
 
     new_plugin = sub.add_parser(
@@ -198,7 +208,7 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
     new_plugin.set_defaults(handler=_cmd_new_plugin)
 
     if pm is not None:
-        from lmstack.plugins import register_commands
+        from lmstack.stack.plugins import register_commands
 
         register_commands(pm, sub)
     return parser
@@ -210,9 +220,9 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from lmstack.config import load_stack
-    from lmstack.plugins import default_registry
-    from lmstack.resolve import check_model, resolve
+    from lmstack.stack.config import load_stack
+    from lmstack.stack.plugins import default_registry
+    from lmstack.stack.resolve import check_model, resolve
 
     if args.build and args.skip_model:
         raise LmstackError("--build needs the model's metadata; leave out --skip-model")
@@ -226,7 +236,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         model_config = open_model_source(resolved.model, models=models).config
         check_model(resolved, model_config)
         if args.build:
-            from lmstack.build import check_build
+            from lmstack.stack.build import check_build
 
             check_build(resolved, model_config, models)
 
@@ -247,8 +257,11 @@ def _model_registry():
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from lmstack.plugins import default_registry
+    from lmstack.commands import plugins
+    from lmstack.stack.plugins import default_registry
 
+    if args.check and args.name:
+        raise LmstackError("--check lists the problems of every plugin; leave out NAME")
     registry = default_registry()
     if args.check:
         problems = registry.problems
@@ -257,49 +270,11 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         else:
             print("\n".join(str(p) for p in problems) if problems else "no problems")
         return 1 if problems else 0
-    components = registry.all()
-    rows = [
-        {
-            "kind": c.kind,
-            "name": c.name,
-            "distribution": c.distribution,
-            "version": c.version,
-            "api": c.api,
-            "options": c.option_names,
-            "capabilities": _jsonable(dict(c.capabilities)),
-            "requires": _jsonable(dict(c.requires)),
-            "description": c.description,
-        }
-        for c in components
-    ]
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    if not rows:
-        print("no components installed")
-        return 0
-    print(
-        _table(
-            ["KIND", "NAME", "DISTRIBUTION", "VERSION", "API", "OPTIONS", "CAPABILITIES"],
-            [
-                [
-                    r["kind"],
-                    r["name"],
-                    r["distribution"],
-                    r["version"],
-                    r["api"] or "-",  # not declared: accepted by every lmstack
-                    ", ".join(r["options"]) or "-",
-                    _pairs(r["capabilities"]) or "-",
-                ]
-                for r in rows
-            ],
-        )
-    )
-    return 0
+    return plugins.run(registry, args.name, args.json)
 
 
 def _plugin_manager() -> pluggy.PluginManager:
-    from lmstack.plugins import make_plugin_manager
+    from lmstack.stack.plugins import make_plugin_manager
 
     return make_plugin_manager()
 
@@ -312,16 +287,21 @@ def _commands(parser: argparse.ArgumentParser) -> set[str]:
 
 
 # Commands this repository's other distributions add, for a hint when one is not installed.
-_KNOWN_PLUGIN_COMMANDS = {"serve": "lmstack-api", "bench": "lmstack-bench"}
+_KNOWN_PLUGIN_COMMANDS = {
+    "serve": "lmstack-api",
+    "bench": "lmstack-bench",
+    "quantize": "lmstack-calibrate",
+    "eval": "lmstack-calibrate",
+}
 
 
 def _unknown_command(command: str, load_error: LmstackError | None) -> str:
     if load_error is not None:
-        return f"unknown command {command!r}: plugins could not be loaded ({_one_line(load_error)})"
+        return f"unknown command {command!r}: plugins could not be loaded ({one_line(load_error)})"
     dist = _KNOWN_PLUGIN_COMMANDS.get(command)
     if dist is None:
         return f"unknown command {command!r}; run `lmstack --help` for the commands"
-    from lmstack.plugins import ALLOW_LIST_ENV, AUTOLOAD_ENV
+    from lmstack.stack.plugins import ALLOW_LIST_ENV, AUTOLOAD_ENV
 
     return (
         f"unknown command {command!r}: it comes from the {dist} distribution, which is not installed or "
@@ -330,86 +310,13 @@ def _unknown_command(command: str, load_error: LmstackError | None) -> str:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from lmstack import cli_generate
+    from lmstack.commands import generate as cli_generate
 
     return int(cli_generate.run(args) or 0)
 
 
-def _add_eval_parser(sub: Any) -> None:
-    evaluate = sub.add_parser(
-        "eval", help="measure the served model", description="Measure the model a stack serves."
-    )
-    what = evaluate.add_subparsers(dest="what", required=True, metavar="WHAT")
-    ppl = what.add_parser(
-        "perplexity",
-        help="windowed perplexity over a text file",
-        description="Perplexity of the model the stack serves (its quantizer and KV-cache dtype "
-        "apply) over a text file, in non-overlapping windows of W predicted tokens, each run "
-        "through the engine as one request.",
-    )
-    ppl.add_argument("--stack", required=True, metavar="FILE", help="path to a stack YAML file")
-    ppl.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file")
-    ppl.add_argument("--model", default=None, metavar="M", help="serve this model instead of the stack's")
-    ppl.add_argument(
-        "--max-tokens", type=_positive_int, default=None, metavar="N", help="read at most N tokens"
-    )
-    ppl.add_argument("--window", type=_positive_int, default=512, metavar="W", help="tokens per window")
-    ppl.add_argument("--json", action="store_true", help="print one JSON object")
-    ppl.set_defaults(handler=_cmd_eval_perplexity)
-
-
-def _add_quantize_parser(sub: Any) -> None:
-    q = sub.add_parser(
-        "quantize",
-        help="write a quantized Hugging Face folder of the stack's model",
-        description="Quantize the stack's model (dequantized to fp32) with a quantizer plugin's "
-        "checkpoint format and write a Hugging Face folder (compressed-tensors config.json, "
-        "safetensors, tokenizer, chat template) that `model: DIR` serves. Methods that "
-        "calibrate (awq) run their search on calibration text first.",
-    )
-    q.add_argument("--stack", required=True, metavar="FILE", help="path to a stack YAML file")
-    q.add_argument(
-        "--method", required=True, metavar="NAME", help="a quantizer: awq, rtn-int4, fp8, nvfp4, ..."
-    )
-    q.add_argument(
-        "--out", required=True, metavar="DIR", help="the folder to write (must not exist or be empty)"
-    )
-    q.add_argument("--model", default=None, metavar="M", help="quantize this model instead of the stack's")
-    q.add_argument(
-        "--group-size", type=_positive_int, default=None, metavar="N", help="the quantizer's group size"
-    )
-    q.add_argument(
-        "--calibration",
-        default=None,
-        metavar="SOURCE",
-        help="a text file, or `self` (the default: the model's own sampled answers to built-in "
-        "prompts, saved as calibration.txt in the output folder)",
-    )
-    q.add_argument(
-        "--num-samples",
-        type=_positive_int,
-        default=32,
-        metavar="N",
-        help="calibration samples (a format that validates, e.g. awq's scale tuning, cuts a few more after them)",
-    )
-    q.add_argument("--seq-len", type=_positive_int, default=512, metavar="L", help="tokens per sample")
-    q.set_defaults(handler=_cmd_quantize)
-
-
-def _cmd_eval_perplexity(args: argparse.Namespace) -> int:
-    from lmstack.evaluate import run_cli
-
-    return run_cli(args)
-
-
-def _cmd_quantize(args: argparse.Namespace) -> int:
-    from lmstack.quantize import run_cli
-
-    return run_cli(args)
-
-
 def _cmd_new_plugin(args: argparse.Namespace) -> int:
-    from lmstack import scaffold
+    from lmstack.commands import new_plugin as scaffold
 
     target = scaffold.write_plugin(args.kind, args.name, args.dir)
     print(scaffold.next_steps(args.kind, args.name, target))
@@ -419,7 +326,7 @@ def _cmd_new_plugin(args: argparse.Namespace) -> int:
 def _print_check(
     path: str, resolved: ResolvedStack, model_config: ModelConfig | None, built: bool = False
 ) -> None:
-    from lmstack.resolve import DTYPE_NAMES, ROLE_LABEL
+    from lmstack.stack.resolve import DTYPE_NAMES, ROLE_LABEL
 
     print(f"stack     {path}")
     print(f"model     {resolved.model}")
@@ -454,8 +361,8 @@ def _print_check(
         print(f"{ROLE_LABEL[role]}: {reason}")
     if resolved.auto_reasons:
         print()
-    from lmstack.hardware import dtype_warning
-    from lmstack.resolve import speculation_warning
+    from lmstack.kernels.hardware import dtype_warning
+    from lmstack.stack.resolve import speculation_warning
 
     slow = dtype_warning(resolved.device, resolved.dtype) if resolved.config.dtype != "auto" else None
     if slow:
@@ -503,11 +410,6 @@ def _jsonable(value: Any) -> Any:
     return msgspec.to_builtins(value, str_keys=True, enc_hook=repr)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return " ".join(text.split())
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -519,7 +421,7 @@ def _positive_int(text: str) -> int:
 
 
 def _version() -> str:
-    from lmstack.plugins import lmstack_version
+    from lmstack.stack.plugins import lmstack_version
 
     return lmstack_version()
 

@@ -81,3 +81,8 @@ class EngineDeadError(RuntimeError):
 
 class WorkerDied(EngineDeadError):
     """A worker process of a multi-process executor died (or stopped answering)."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line for a CLI message or a log record (its text, whitespace folded)."""
+    return " ".join((str(exc) or type(exc).__name__).split())

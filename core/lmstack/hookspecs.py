@@ -25,7 +25,7 @@ import pluggy
 from lmstack.roles import KINDS
 
 if TYPE_CHECKING:
-    from lmstack.engine import LLMEngine
+    from lmstack.engine.llm_engine import LLMEngine
     from lmstack.model.architecture import ModelArchitecture
     from lmstack.outputs import EngineStats, RequestOutput
     from lmstack.registry import Component, StackSection

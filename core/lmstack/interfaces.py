@@ -16,14 +16,15 @@ import torch
 from torch import nn
 
 from lmstack.content_hash import CacheGeometry, request_key
-from lmstack.step_cost import StepCostModel
+from lmstack.engine.step_cost import StepCostModel
+from lmstack.model.shard import Shard
 
 if TYPE_CHECKING:
     from lmstack.batch import AttentionMetadata, ModelOutput, StepPlan
     from lmstack.model.config import ModelConfig
-    from lmstack.quant_format import WeightFormat
+    from lmstack.quant.formats import WeightFormat
+    from lmstack.sample.verification import Draft
     from lmstack.sequence import Request, Sequence
-    from lmstack.verification import Draft
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +274,7 @@ class AttentionBackend(ABC):
     (s // block_size, s % block_size). New tokens' K/V are written with `write_kv` before
     `prefill` / `decode` run, so kernels may read the whole context from the cache.
 
-    Scaled float8 caches (`lmstack.kv_quant`): a backend that declares `float8_e4m3fn` or
+    Scaled float8 caches (`lmstack.quant.kv`): a backend that declares `float8_e4m3fn` or
     `float8_e5m2` in its `kv_cache_dtypes` capability receives keyword arguments `k_scale` and
     `v_scale` (fp32 [num_kv_heads], this layer's, fixed for the engine's life) in `write_kv`,
     `prefill` and `decode`: the cache holds value / scale, so attention reads
@@ -293,7 +294,7 @@ class AttentionBackend(ABC):
     ) -> None:
         """k, v: [T, Hkv, D]; slot_mapping: [T] int64."""
         if k_scale is not None:
-            from lmstack.kv_quant import quantize_kv
+            from lmstack.quant.kv import quantize_kv
 
             k, v = quantize_kv(k, k_scale, k_cache.dtype), quantize_kv(v, v_scale, v_cache.dtype)
             # index_copy_ has no float8 CPU kernel: copy the bytes.
@@ -357,7 +358,8 @@ class LinearSpec:
     [r * part / tp, (r + 1) * part / tp) of every part (its local output is the parts' shards
     concatenated), a row-parallel layer keeps input columns [r * in / tp, (r + 1) * in / tp) and
     its output is a partial sum the model reduces over the tp group (its bias is loaded on tp rank
-    0 only). Its weight loaders receive whole checkpoint tensors and keep their shard.
+    0 only). Its weight loaders receive whole checkpoint tensors and keep their shard, which
+    `shard` (`lmstack.model.shard.Shard`) spells out row by row.
     """
 
     in_features: int
@@ -377,31 +379,26 @@ class LinearSpec:
             raise ValueError(
                 f"linear {self.name}: output_sizes {self.output_sizes} do not add up to {self.out_features}"
             )
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"linear {self.name}: tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
-        if self.tp_size > 1 and self.parallel != "replicated":
-            split = self.output_sizes if self.parallel == "column" else (self.in_features,)
-            bad = [n for n in split if n % self.tp_size]
-            if bad:
-                dim = "output part" if self.parallel == "column" else "input size"
-                raise ValueError(f"linear {self.name}: {dim} {bad[0]} is not divisible by tp={self.tp_size}")
+        # Building it checks the tp rank and that the degree divides what it splits.
+        object.__setattr__(self, "_shard", Shard.of(self))
+
+    @property
+    def shard(self) -> Shard:
+        """This rank's rows and columns of the layer (`lmstack.model.shard`)."""
+        return self._shard
 
     @property
     def local_output_sizes(self) -> tuple[int, ...]:
         """This rank's share of every output part."""
-        if self.parallel == "column" and self.tp_size > 1:
-            return tuple(n // self.tp_size for n in self.output_sizes)
-        return self.output_sizes
+        return self.shard.local_output_sizes
 
     @property
     def local_out_features(self) -> int:
-        return sum(self.local_output_sizes)
+        return self.shard.local_out_features
 
     @property
     def local_in_features(self) -> int:
-        if self.parallel == "row" and self.tp_size > 1:
-            return self.in_features // self.tp_size
-        return self.in_features
+        return self.shard.local_in_features
 
 
 LinearFactory = Callable[[LinearSpec], nn.Module]
@@ -441,7 +438,7 @@ class Quantizer(ABC):
 
     def weight_format(self) -> WeightFormat | None:
         """The checkpoint format `lmstack quantize --method <this quantizer>` writes
-        (`lmstack.quant_format.WeightFormat`); None: this quantizer only reads checkpoints."""
+        (`lmstack.quant.formats.WeightFormat`); None: this quantizer only reads checkpoints."""
         return None
 
 
@@ -474,7 +471,7 @@ class Speculator(ABC):
     """Proposes draft tokens; the core verifies them (lossless).
 
     The core decides each step how many drafts each sequence may have
-    (`lmstack.draft_policy`: measured acceptance against the step's measured cost, so drafting
+    (`lmstack.spec.draft_policy`: measured acceptance against the step's measured cost, so drafting
     stops when the batch is compute-bound and resumes when it is not); `propose` is asked only
     for sequences allowed at least one, each with `seq.draft_limit` set, and longer drafts are
     cut. `adaptive = False` keeps the limit at `num_draft_tokens`."""
@@ -490,7 +487,7 @@ class Speculator(ABC):
     # (Plugin API 1.5.) Of the last `propose`, the seconds its sequences' first drafts took (a
     # draft head's pass over the tokens verified since it last drafted, which yields the first
     # draft); 0 if not told. The core then prices a sequence's first draft at its share and each
-    # further draft at the rest's (`lmstack.draft_policy`).
+    # further draft at the rest's (`lmstack.spec.draft_policy`).
     first_draft_seconds: float = 0.0
     # (Plugin API 1.6.) True: the speculator ends each chain where its own estimate that the
     # chain so far is accepted (a draft head's probabilities multiplied along it) falls below
@@ -504,7 +501,7 @@ class Speculator(ABC):
     @abstractmethod
     def propose(self, seqs: list[Sequence]) -> dict[int, list[int] | Draft]:
         """seq_id -> draft tokens (may be empty; at most `seq.draft_limit`) for sequences in
-        decode. A drafter that samples its tokens returns `lmstack.verification.Draft(tokens,
+        decode. A drafter that samples its tokens returns `lmstack.sample.verification.Draft(tokens,
         probs)` with the [k, vocab] distributions it drew them from, so verification can correct
         for them; plain token lists are verified as deterministic drafts."""
 
@@ -546,5 +543,5 @@ class ParallelLayout(ABC):
 
     @abstractmethod
     def create_executor(self, spec: Any) -> Executor:
-        """`spec` is an `lmstack.executor.ExecutorSpec` (model source, dtype, device,
+        """`spec` is an `lmstack.exec.executor.ExecutorSpec` (model source, dtype, device,
         quantizer, attention backends)."""

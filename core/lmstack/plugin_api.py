@@ -13,8 +13,8 @@ refuses a component whose range excludes `PLUGIN_API_VERSION`, naming both versi
 - ``lmstack.registry``: `Component`, `NoOptions`, `StackSection`; ``lmstack.hookspecs``:
   `hookimpl`; ``lmstack.roles``: the capability structs;
 - the values passed through the interfaces: ``lmstack.batch``, ``lmstack.sequence``,
-  ``lmstack.sampling_params``, ``lmstack.drafts``, ``lmstack.verification``,
-  ``lmstack.outputs``, ``lmstack.model.config`` (`ModelConfig`), ``lmstack.executor``
+  ``lmstack.sampling_params``, ``lmstack.spec.drafts``, ``lmstack.sample.verification``,
+  ``lmstack.outputs``, ``lmstack.model.config`` (`ModelConfig`), ``lmstack.exec.executor``
   (what a parallel layout creates executors from);
 - ``lmstack.errors``: the errors a component raises for bad input;
 - ``lmstack.testing``: the conformance kits, `build_component`, the tiny test model;
@@ -29,7 +29,7 @@ Everything else in lmstack is internal and may change in any release.
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.7"  # 1.7: `lmstack.scale_tuning`, `AWQConfig.tune_*`, `calibrate(validation=)`
+PLUGIN_API_VERSION = "1.8"  # 1.8: modules grouped by concern (old paths alias), `lmstack.kernels`, front ends
 """The plugin API this lmstack provides; see the module docstring for when it changes."""
 
 PUBLIC_API: dict[str, tuple[str, ...]] = {
@@ -48,6 +48,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "DraftFeedback",
         "Executor",
         "ParallelLayout",
+        "LinearFactory",  # 1.8
     ),
     "lmstack.registry": ("Component", "NoOptions", "StackSection"),
     "lmstack.hookspecs": ("hookimpl",),
@@ -63,12 +64,20 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.batch": ("AttentionMetadata", "SeqPlan", "StepPlan", "ModelInput", "ModelOutput"),
     "lmstack.sequence": ("Sequence", "SequenceStatus", "FinishReason", "Request"),
     "lmstack.sampling_params": ("SamplingParams",),
-    "lmstack.drafts": ("DraftBook",),
-    "lmstack.verification": ("Draft", "Verification"),
+    "lmstack.spec.drafts": ("DraftBook",),
+    "lmstack.sample.verification": ("Draft", "Verification"),
     "lmstack.outputs": ("CompletionOutput", "RequestMetrics", "RequestOutput", "EngineStats"),
     "lmstack.model.config": ("ModelConfig",),
-    "lmstack.executor": ("ExecutorSpec", "InProcessExecutor"),
-    "lmstack.errors": ("LmstackError", "ConfigError", "ResolutionError", "InvalidRequestError", "BuildError"),
+    "lmstack.exec.executor": ("ExecutorSpec", "InProcessExecutor"),
+    "lmstack.errors": (
+        "LmstackError",
+        "ConfigError",
+        "ResolutionError",
+        "InvalidRequestError",
+        "BuildError",
+        "one_line",
+        "EngineDeadError",  # 1.8
+    ),
     "lmstack.testing": (
         "AllocatorConformance",
         "AttentionConformance",
@@ -109,7 +118,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     ),
     "lmstack.model.linear": ("default_linear", "dense_parameter"),
     "lmstack.model.tp_shard": ("part_rows", "input_columns", "keeps_bias", "bias_rows"),
-    "lmstack.quant_format": (
+    "lmstack.quant.formats": (
         "DENSE",
         "GGUF",
         "CT_PACK_QUANTIZED",
@@ -120,12 +129,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "WeightFormat",
         "Calibrated",
     ),
-    # 1.2: the AWQ search any quantizer's format can use (issue 11).
-    "lmstack.awq_search": ("AWQConfig", "AWQCalibration", "awq_calibrate", "search_scales", "search_clip"),
-    "lmstack.quantize": ("CalibrationModel", "ScaleGroup"),
-    # 1.7: end-to-end tuning of a format's group scales after the AWQ search (issue 11).
-    "lmstack.scale_tuning": ("ScaleTunable", "TuneResult", "teacher_log_probs", "tune_scales"),
-    "lmstack.distributed": (
+    "lmstack.exec.distributed": (
         "ParallelRanks",
         "ParallelState",
         "get_parallel",
@@ -135,12 +139,43 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "tp_all_gather",
         "moe_all_reduce",
     ),
-    "lmstack.parallel_layout": ("ShardedLayout", "check_tensor_parallel"),
-    "lmstack.multiproc": ("MultiprocExecutor",),
+    "lmstack.exec.parallel_layout": ("ShardedLayout", "check_tensor_parallel"),
+    "lmstack.exec.multiproc": ("MultiprocExecutor", "launched", "run_launched_worker"),  # 1.8: the last two
     "lmstack.content_hash": ("CacheGeometry", "block_hash", "config_digest", "hash_hex", "request_key"),
     # 1.3: speculation (issue 12): feedback to the drafter, the adaptive draft length.
-    "lmstack.draft_policy": ("DraftLengthPolicy",),
+    "lmstack.spec.draft_policy": ("DraftLengthPolicy",),
     # 1.4: the engine's measured step cost (issue 15), `BuildContext.step_cost`.
-    "lmstack.step_cost": ("StepCostModel",),
+    "lmstack.engine.step_cost": ("StepCostModel",),
+    # 1.8: the core grouped by concern (issue 56). Old module paths still import (with a
+    # DeprecationWarning) until 2.0: `lmstack._moved.MOVED`.
+    # What kernel plugins build on: native builds, Triton support, scratch buffers, CPU features.
+    "lmstack.kernels.native": ("NativeExtension", "ExtensionBuildError"),
+    "lmstack.kernels.triton_support": (
+        "capabilities_with_interpreter",
+        "cuda_device_conflict",
+        "enable_interpreter",
+        "interpreter_opt_in",
+        "next_pow2",
+        "split_k",
+        "split_k_output",
+        "reduce_splits",
+    ),
+    "lmstack.kernels.scratch": ("reused_buffer", "held_bytes"),
+    "lmstack.kernels.hardware": ("cpu_flags", "cpu_name", "native_bf16_cpu", "usable_cpus"),
+    # The model's building blocks a draft model (EAGLE) or an expert layout reuses.
+    "lmstack.model.layer_ops": ("rms_norm", "rotate_", "silu_mul"),
+    "lmstack.model.rope": ("RotaryEmbedding", "rotate"),
+    "lmstack.model.moe": ("MoEConfig", "valid_ep_degrees"),
+    "lmstack.commands.progress": ("Progress",),
+    # Front ends (lmstack-api, lmstack-bench, an embedder's own server): load, resolve and run a
+    # stack the way `lmstack serve` does.
+    "lmstack.engine.llm": ("LLM",),
+    "lmstack.engine.async_engine": ("AsyncEngine",),
+    "lmstack.engine.llm_engine": ("LLMEngine",),
+    "lmstack.stack.config": ("load_stack",),
+    "lmstack.stack.resolve": ("ResolvedStack", "resolve", "check_model"),
+    "lmstack.stack.plugins": ("make_plugin_manager", "build_registry"),
+    "lmstack.model.source": ("open_model_source",),
+    "lmstack.sample.grammar": ("Grammar", "GrammarCompiler", "PreparedSchema", "error_reason"),
 }
 """Module -> the names in it that plugins may import (everything else is internal)."""

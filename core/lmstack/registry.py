@@ -32,7 +32,7 @@ class Component:
     `factory(options, ctx)` builds the instance; `options` is an instance of `options_type`
     (a msgspec Struct with ``forbid_unknown_fields=True``) and `ctx` a `BuildContext`.
 
-    `capabilities` says what the component supports (see `lmstack.resolve` for the keys the
+    `capabilities` says what the component supports (see `lmstack.stack.resolve` for the keys the
     core checks), `requires` what it needs from the rest of the stack.
 
     Two optional hooks cover what a static mapping cannot say:
@@ -86,6 +86,10 @@ class Component:
     def option_names(self) -> list[str]:
         return list(getattr(self.options_type, "__struct_fields__", ()))
 
+    def option_docs(self) -> list[OptionDoc]:
+        """Every option with its type, default, allowed values and description."""
+        return describe_options(self.options_type)
+
     def api_mismatch(self) -> str | None:
         """Why this lmstack cannot load the component (its `api` range excludes
         `PLUGIN_API_VERSION`), or None when it can."""
@@ -119,6 +123,164 @@ def _check_options_type(options_type: Any, who: str) -> None:
             f"{who}: options_type {name} must forbid unknown fields, or a misspelled option in a "
             f"stack file is silently ignored; declare it as {fix}"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Options, described for `lmstack plugins`
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OptionDoc:
+    """One option of a component (or key of a stack section) as `lmstack plugins` shows it.
+
+    Everything is read from the options Struct: the type and default from the field, the
+    allowed values from a ``Literal`` / ``enum.Enum`` type or ``msgspec.Meta`` bounds, and the
+    description from ``msgspec.Meta(description=...)``::
+
+        class MyOptions(msgspec.Struct, forbid_unknown_fields=True):
+            tile: Annotated[int, msgspec.Meta(ge=16, le=256, description="keys per tile")] = 64
+
+    The same metadata is what ``msgspec.json.schema`` puts into a JSON schema."""
+
+    name: str  # nested Struct fields are dotted: ``rate_limit.requests_per_minute``
+    type: str  # ``int``, ``int | null``, ``float | 'auto'``, ``list[str | ApiKey]``
+    default: Any = None  # JSON-able; meaningless when `required`
+    required: bool = False
+    choices: tuple[Any, ...] = ()  # the values a Literal / Enum allows
+    bounds: Mapping[str, Any] = field(default_factory=dict)  # ge, gt, le, lt, min_length, pattern ...
+    description: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "type": self.type,
+            "default": self.default,
+            "required": self.required,
+            "choices": list(self.choices),
+            "bounds": dict(self.bounds),
+            "description": self.description,
+        }
+
+
+_BOUND_KEYS = ("ge", "gt", "le", "lt", "multiple_of", "min_length", "max_length", "pattern")
+
+
+def describe_options(options_type: type, prefix: str = "") -> list[OptionDoc]:
+    """The fields of a msgspec Struct as `OptionDoc`s, in declaration order. A field that is
+    itself a Struct (a sub-section such as ``slo:``) is listed as its own fields, dotted."""
+    info = msgspec.inspect.type_info(options_type)
+    if not isinstance(info, msgspec.inspect.StructType):
+        return []
+    docs: list[OptionDoc] = []
+    for f in info.fields:
+        name = prefix + f.encode_name
+        inner = f.type.type if isinstance(f.type, msgspec.inspect.Metadata) else f.type
+        if isinstance(inner, msgspec.inspect.StructType) and not f.required:
+            docs.extend(describe_options(inner.cls, prefix=f"{name}."))
+            continue
+        members = _members(f.type)
+        if f.default is not msgspec.NODEFAULT:
+            default = f.default
+        elif f.default_factory is not msgspec.NODEFAULT:
+            default = f.default_factory()
+        else:
+            default = None
+        docs.append(
+            OptionDoc(
+                name=name,
+                type=_type_name(f.type),
+                default=msgspec.to_builtins(default, str_keys=True, enc_hook=repr),
+                required=f.required,
+                choices=tuple(v for m in members for v in _choices(m)),
+                bounds={
+                    k: getattr(m, k) for m in members for k in _BOUND_KEYS if getattr(m, k, None) is not None
+                },
+                description=_description(f.type),
+            )
+        )
+    return docs
+
+
+def _members(info: Any) -> list[Any]:
+    """The alternatives of a (possibly annotated) type, each without its Metadata wrapper."""
+    info = _bare(info)
+    types = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    return [_bare(t) for t in types]
+
+
+def _bare(info: Any) -> Any:
+    while isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    return info
+
+
+def _description(info: Any) -> str:
+    """``Meta(description=...)`` on the field's type, or on the one member of an Optional that
+    carries it (``Annotated[int, Meta(...)] | None``)."""
+    candidates = [info]
+    bare = _bare(info)
+    if isinstance(bare, msgspec.inspect.UnionType):
+        candidates += list(bare.types)
+    for candidate in candidates:
+        while isinstance(candidate, msgspec.inspect.Metadata):
+            text = (candidate.extra_json_schema or {}).get("description")
+            if text:
+                return str(text)
+            candidate = candidate.type
+    return ""
+
+
+def _choices(info: Any) -> tuple[Any, ...]:
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return tuple(info.values)
+    if isinstance(info, msgspec.inspect.EnumType):
+        return tuple(member.value for member in info.cls)
+    return ()
+
+
+_SCALAR_NAMES = {
+    msgspec.inspect.IntType: "int",
+    msgspec.inspect.FloatType: "float",
+    msgspec.inspect.BoolType: "bool",
+    msgspec.inspect.StrType: "str",
+    msgspec.inspect.NoneType: "null",  # what the stack file (YAML) writes
+    msgspec.inspect.AnyType: "any",
+}
+
+
+def _type_name(info: Any) -> str:
+    """A readable name of a msgspec type. A Literal alone reads as its values' type (the
+    allowed values are listed beside it); inside a union with other types it is spelled out,
+    ``float | 'auto'``, so the type says what else is accepted."""
+    members = _members(info)
+    alone = len([m for m in members if not isinstance(m, msgspec.inspect.NoneType)]) == 1
+    names: list[str] = []
+    for member in members:
+        if isinstance(member, msgspec.inspect.LiteralType | msgspec.inspect.EnumType):
+            values = _choices(member)
+            if alone:
+                spelled = sorted({type(v).__name__ for v in values})
+            else:
+                spelled = [repr(v) for v in values]
+        else:
+            spelled = [_one_type_name(member)]
+        names.extend(n for n in spelled if n not in names)
+    return " | ".join(names)
+
+
+def _one_type_name(info: Any) -> str:
+    for cls, name in _SCALAR_NAMES.items():
+        if isinstance(info, cls):
+            return name
+    if isinstance(info, msgspec.inspect.ListType | msgspec.inspect.VarTupleType | msgspec.inspect.SetType):
+        return f"list[{_type_name(info.item_type)}]"
+    if isinstance(info, msgspec.inspect.DictType):
+        return f"dict[{_type_name(info.key_type)}, {_type_name(info.value_type)}]"
+    if isinstance(info, msgspec.inspect.StructType | msgspec.inspect.DataclassType):
+        return info.cls.__name__
+    # Everything else (bytes, datetimes, tuples of fixed length...) by msgspec's own class name.
+    return type(info).__name__.removesuffix("Type").lower()
 
 
 @dataclass(frozen=True)
@@ -156,6 +318,10 @@ class StackSection:
     distribution: str = ""
     version: str = ""
 
+    def option_docs(self) -> list[OptionDoc]:
+        """Every key of the section (nested ones dotted: ``slo.ttft_ms``), described."""
+        return describe_options(self.type)
+
 
 class Registry:
     """All components, by kind and name, and the stack sections plugins declare. Filled once by
@@ -169,7 +335,7 @@ class Registry:
         self.problems: list[PluginProblem] = []
 
     def add_section(self, section: StackSection, distribution: str = "", version: str = "") -> None:
-        from lmstack.config import CORE_KEYS  # config imports this module's neighbours; keep it lazy
+        from lmstack.stack.config import CORE_KEYS  # config imports this module's neighbours; keep it lazy
 
         if distribution and not section.distribution:
             section = replace(section, distribution=distribution, version=version)

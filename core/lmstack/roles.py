@@ -62,7 +62,7 @@ class AttentionCapabilities(Capabilities, forbid_unknown_fields=True, frozen=Tru
 class QuantizerCapabilities(Capabilities, forbid_unknown_fields=True, frozen=True):
     dtypes: DtypeNames | None = None  # model (activation) dtypes
     kv_cache_dtype: str | None = None  # the KV-cache dtype under quant.kv_cache: auto
-    # Checkpoint formats it reads (`lmstack.quant_format` ids: "dense", "gguf",
+    # Checkpoint formats it reads (`lmstack.quant.formats` ids: "dense", "gguf",
     # "compressed-tensors/pack-quantized", ...); None: not declared (treated as dense + gguf).
     checkpoint_formats: tuple[str, ...] | None = None
     # Device type -> the dtype `dtype: auto` takes there (what its kernels compute best, e.g.

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from lmstack.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from lmstack.grammar import Grammar
+    from lmstack.sample.grammar import Grammar
 
 
 @dataclass
@@ -92,7 +92,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise bad("allowed_token_ids", "must not be empty")
         if self.grammar is not None:
-            from lmstack.grammar import Grammar  # no xgrammar import: that module loads it lazily
+            from lmstack.sample.grammar import Grammar  # no xgrammar import: that module loads it lazily
 
             if not isinstance(self.grammar, Grammar):
                 raise bad("grammar", f"must be a compiled lmstack Grammar, got {type(self.grammar).__name__}")

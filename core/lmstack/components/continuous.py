@@ -4,7 +4,7 @@ a per-step token budget, a cap on running sequences, and preemption by recompute
 Prefill that does not starve decode: a step that runs prefill chunks beside running decodes
 takes as long as its largest part, so every running stream waits for the chunk. While streams
 are decoding, the prefill tokens of a step are sized from the engine's measured step cost
-(`lmstack.step_cost`, t(T) = a + b * T) so that the step is predicted to take at most
+(`lmstack.engine.step_cost`, t(T) = a + b * T) so that the step is predicted to take at most
 `max_step_ratio` times what the decodes alone would take (and at most `max_step_ms`, if set).
 Without running decodes, or before two step sizes are measured, prompts get the whole budget;
 so they do when no running request is streamed (`Request.streamed`): a caller that reads a
@@ -18,8 +18,11 @@ priority plugin does), and everything else — budgets, chunking, preemption —
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
+from lmstack.engine.step_cost import StepCostModel
 from lmstack.errors import ConfigError
 from lmstack.interfaces import (
     BuildContext,
@@ -31,7 +34,6 @@ from lmstack.interfaces import (
 )
 from lmstack.registry import Component
 from lmstack.sequence import Sequence, SequenceStatus
-from lmstack.step_cost import StepCostModel
 
 # The fewest prefill tokens a step gives prompts while streams decode: below this a prompt's
 # time to first token grows with little gain in the gap between tokens.
@@ -39,18 +41,28 @@ MIN_PREFILL_TOKENS = 16
 
 
 class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: Annotated[int, msgspec.Meta(description="the most sequences running at once")] = 64
+    max_num_batched_tokens: Annotated[
+        int, msgspec.Meta(description="the most tokens one step computes, prompt chunks and decodes together")
+    ] = 2048
     # Split long prompts into chunks that share steps with running decodes.
-    chunked_prefill: bool = True
+    chunked_prefill: Annotated[
+        bool, msgspec.Meta(description="split long prompts into chunks that share steps with running decodes")
+    ] = True
     # Cap one prompt's chunk so a single long prompt cannot take the whole budget (0: no cap).
-    max_prefill_chunk: int = 0
+    max_prefill_chunk: Annotated[
+        int, msgspec.Meta(description="the most tokens of one prompt per step (0: no cap)")
+    ] = 0
     # While streams decode, a step carrying prefill is predicted to take at most this many
     # times the decode-only step (measured step cost; 0: no limit). Bounds the gap between a
     # stream's tokens (ITL P99) at the price of more steps per prompt (TTFT).
-    max_step_ratio: float = 2.5
+    max_step_ratio: Annotated[
+        float, msgspec.Meta(description="a step with prefill over a decode-only one, at most (0: no limit)")
+    ] = 2.5
     # An absolute bound on such a step, in milliseconds (0: none).
-    max_step_ms: float = 0.0
+    max_step_ms: Annotated[
+        float, msgspec.Meta(description="the longest such step, in milliseconds (0: no bound)")
+    ] = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):

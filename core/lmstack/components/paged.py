@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from typing import Annotated
 
 import msgspec
 
@@ -34,11 +35,15 @@ def parse_bytes(value: int | str, path: str = "allocator.kv_cache_memory") -> in
 
 
 class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
-    block_size: int = 16
+    block_size: Annotated[int, msgspec.Meta(description="tokens per KV-cache block (1 to 1024)")] = 16
     # Memory budget for K and V of all layers; the block count is derived from it.
-    kv_cache_memory: int | str = "1GiB"
+    kv_cache_memory: Annotated[
+        int | str, msgspec.Meta(description='memory for K and V of all layers ("1GiB"); sets the block count')
+    ] = "1GiB"
     # Overrides the budget (tests use it to force preemption).
-    num_blocks: int | None = None
+    num_blocks: Annotated[
+        int | None, msgspec.Meta(description="KV-cache blocks, overriding kv_cache_memory (null: from it)")
+    ] = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

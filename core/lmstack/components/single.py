@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from lmstack.errors import ConfigError
-from lmstack.executor import ExecutorSpec, InProcessExecutor
+from lmstack.exec.executor import ExecutorSpec, InProcessExecutor
 from lmstack.interfaces import Executor, ParallelLayout
 from lmstack.registry import Component
 
 
 class SingleOptions(msgspec.Struct, forbid_unknown_fields=True):
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
+    tp: Annotated[
+        int, msgspec.Meta(description="tensor-parallel ranks: 1 (install a parallel plugin for more)")
+    ] = 1
+    pp: Annotated[
+        int, msgspec.Meta(description="pipeline stages: 1 (install a parallel plugin for more)")
+    ] = 1
+    ep: Annotated[
+        int, msgspec.Meta(description="expert-parallel ranks: 1 (install a parallel plugin for more)")
+    ] = 1
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep"):

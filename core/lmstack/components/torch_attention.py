@@ -63,7 +63,7 @@ def _dequantize(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.d
     the query into the subnormal range and the raw fp8 dot products past its max.)"""
     if scale is None:
         return stored.to(dtype)
-    return (stored.float() * scale).to(dtype)  # one rounding, as `lmstack.kv_quant.dequantize_kv`
+    return (stored.float() * scale).to(dtype)  # one rounding, as `lmstack.quant.kv.dequantize_kv`
 
 
 class TorchAttention(AttentionBackend):

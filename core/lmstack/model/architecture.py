@@ -185,7 +185,7 @@ def build_model_registry(pm: pluggy.PluginManager) -> ModelRegistry:
 
 
 def _skip(pm: pluggy.PluginManager, plugin: object, message: str) -> None:
-    from lmstack.plugins import PluginProblem, origin_of, warn
+    from lmstack.stack.plugins import PluginProblem, origin_of, warn
 
     dist, version = origin_of(pm, plugin)
     warn(PluginProblem(pm.get_name(plugin) or "?", dist, version, " ".join(message.split())))
@@ -194,6 +194,6 @@ def _skip(pm: pluggy.PluginManager, plugin: object, message: str) -> None:
 @functools.cache
 def default_model_registry() -> ModelRegistry:
     """The built-in architectures only (what a caller without a plugin manager gets)."""
-    from lmstack.plugins import make_plugin_manager
+    from lmstack.stack.plugins import make_plugin_manager
 
     return build_model_registry(make_plugin_manager(autoload=False))

@@ -9,7 +9,7 @@ C++ compiler on the machine) runs the torch reference ops, which define the sema
 native rotary embedding gives the same bits, the native RMSNorm differs only in the summation
 order of its mean of squares.
 
-The extension is built against the installed torch by `lmstack.native` (`make install` runs
+The extension is built against the installed torch by `lmstack.kernels.native` (`make install` runs
 `python -m lmstack.model.layer_ops`; otherwise the first fp32 CPU forward builds it).
 `LMSTACK_NATIVE_LAYER_OPS=0` turns it off (A/B measurements).
 """
@@ -25,8 +25,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from lmstack.kernels.native import NativeExtension
 from lmstack.model.rope import rotate_ as rotate_reference
-from lmstack.native import NativeExtension
 
 EXTENSION = NativeExtension(
     name="lmstack_layer_ops",
@@ -142,6 +142,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
+    if gate_up.requires_grad:  # autograd cannot follow an in-place op on a chunk (scale tuning)
+        return F.silu(gate) * up
     return F.silu(gate, inplace=True).mul_(up)
 
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from lmstack.distributed import ParallelRanks, get_parallel, layer_range, tp_all_reduce
 from lmstack.errors import ConfigError
+from lmstack.exec.distributed import ParallelRanks, get_parallel, layer_range, tp_all_reduce
 from lmstack.interfaces import LinearFactory, LinearSpec, ParallelHint
 from lmstack.model.architecture import AttentionFn, ModelArchitecture
 from lmstack.model.checkpoint import CheckpointTensor
@@ -117,20 +117,26 @@ class DecoderLayer(nn.Module):
         gate_up, down = _callables(self.gate_up_proj, self.down_proj)
         return tp_all_reduce(down(silu_mul(gate_up(x))))
 
+    def attention(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionFn
+    ) -> torch.Tensor:
+        """The attention block on the normalised residual stream h [T, hidden]: o_proj's output
+        (a fresh tensor), summed over the tp group. Its own method so that offline tools
+        (lmstack-calibrate) can run the block alone, as they run `mlp`."""
+        qkv_proj, o_proj = _callables(self.qkv_proj, self.o_proj)
+        # Q and K heads sit side by side in the fused projection: rotated in one go, in place.
+        q, k, v = qkv_rope_(qkv_proj(h), *rope, self.num_heads, self.num_kv_heads)
+        o = attn.attend(self.index, q, k, v)
+        return tp_all_reduce(o_proj(o.reshape(h.shape[0], self.q_size)))
+
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionFn
     ) -> torch.Tensor:
         """x [T, hidden] (left untouched: a caller may keep it as a layer's hidden state);
         rope: the step's full-width cos / sin tables (`RotaryEmbedding.tables_full`)."""
-        norm_in, qkv_proj, o_proj, norm_post = _callables(
-            self.input_layernorm, self.qkv_proj, self.o_proj, self.post_attention_layernorm
-        )
-        qkv = qkv_proj(norm_in(x))
-        # Q and K heads sit side by side in the fused projection: rotated in one go, in place.
-        q, k, v = qkv_rope_(qkv, *rope, self.num_heads, self.num_kv_heads)
-        o = attn.attend(self.index, q, k, v)
+        norm_in, norm_post = _callables(self.input_layernorm, self.post_attention_layernorm)
         # The residual adds happen in place on o_proj's and down_proj's (fresh) outputs.
-        h, x = norm_post(tp_all_reduce(o_proj(o.reshape(x.shape[0], self.q_size))), x)
+        h, x = norm_post(self.attention(norm_in(x), rope, attn), x)
         return self.mlp(h).add_(x)
 
 
@@ -313,7 +319,7 @@ def build_llama(
     max_positions: int,
     ranks: ParallelRanks | None = None,
 ) -> LlamaModel:
-    """`ranks` defaults to this process's (`lmstack.distributed.get_parallel`): a worker of a
+    """`ranks` defaults to this process's (`lmstack.exec.distributed.get_parallel`): a worker of a
     parallel layout builds its shard (or its pipeline stage), any other process the whole model."""
     return LlamaModel(
         config, linear, dtype=dtype, max_positions=max_positions, ranks=ranks or get_parallel().ranks

@@ -12,7 +12,7 @@ each taking its tokens with `index_select` and adding its weighted output back w
 any other linear); the router and the shared expert's gate stay dense, as the head does
 (quantizing a router changes which experts run).
 
-Expert parallelism (`lmstack.distributed`): every ep rank sees every token and routes it the
+Expert parallelism (`lmstack.exec.distributed`): every ep rank sees every token and routes it the
 same way (the router is replicated), holds experts [ep_rank * E / ep, (ep_rank + 1) * E / ep),
 each split tp-ways inside its tp group, and the layer's output is its partial sum, reduced over
 the moe group (ep x tp ranks). The shared expert is computed by ep rank 0 only, so the sum counts
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmstack.distributed import ParallelRanks, get_parallel, moe_all_reduce, shard_range
 from lmstack.errors import ConfigError
+from lmstack.exec.distributed import ParallelRanks, get_parallel, moe_all_reduce, shard_range
 from lmstack.interfaces import LinearFactory, LinearSpec
 from lmstack.model.architecture import ModelArchitecture
 from lmstack.model.checkpoint import CheckpointTensor

@@ -1,7 +1,7 @@
 """Pipeline stages: which of a model's parameters one stage holds, and the checkpoint-name filter
 that keeps a stage from loading (or even reading) the tensors of the others.
 
-A stage holds decoder layers [start, end) (`lmstack.distributed.layer_range`); the first stage
+A stage holds decoder layers [start, end) (`lmstack.exec.distributed.layer_range`); the first stage
 also embeds tokens and the last one holds the final norm and the LM head. With tied embeddings
 and more than one stage the last stage has no embedding, so the embedding tensor is loaded into
 its head instead.

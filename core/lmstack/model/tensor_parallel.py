@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmstack.distributed import tp_all_gather, tp_all_reduce
+from lmstack.exec.distributed import tp_all_gather, tp_all_reduce
 from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
 from lmstack.model.config import ModelConfig

@@ -1,9 +1,9 @@
-"""Where a checkpoint tensor's rows and columns land in a tensor-parallel linear's local shard.
+"""Where a checkpoint tensor's rows and columns land in a tensor-parallel linear's local shard:
+plugin API 1.1's functions, kept as spellings of `lmstack.model.shard.Shard` (which a layer
+reads as `spec.shard`; `lmstack.model.quantized_linear.QuantizedLinear` builds on it).
 
-Weight loaders receive whole checkpoint tensors (`LinearSpec` docstring); a quantized linear
-keeps only its rank's share. These helpers say which share, in units of the whole layer's
-output rows and input columns, so a packed format converts them to its own units (packed
-columns, scale groups) by dividing by its alignment.
+Units are the whole layer's output rows and input columns; a packed format converts them to
+its own (packed columns, scale groups) with `Shard.column_slice`.
 """
 
 from __future__ import annotations
@@ -15,27 +15,20 @@ from lmstack.interfaces import LinearSpec
 
 def part_rows(spec: LinearSpec, shard_id: int | None) -> tuple[int, int, int]:
     """(offset in the local output, first row of the checkpoint part, local row count) of part
-    `shard_id` (None: a layer of one part). A column-parallel rank keeps rows
-    [r * part / tp, (r + 1) * part / tp) of every part; other layouts keep whole parts."""
-    index = shard_id or 0
-    if not 0 <= index < len(spec.output_sizes):
-        raise ValueError(f"shard {shard_id} out of range for a linear of {len(spec.output_sizes)} parts")
-    local = spec.local_output_sizes
-    start = spec.tp_rank * local[index] if spec.parallel == "column" and spec.tp_size > 1 else 0
-    return sum(local[:index]), start, local[index]
+    `shard_id` (None: a layer of one part): `Shard.part`."""
+    part = spec.shard.part(shard_id or 0)
+    return part.offset, part.start, part.rows
 
 
 def input_columns(spec: LinearSpec) -> tuple[int, int]:
-    """(first input column, count) this rank keeps: its share of a row-parallel layer's input,
-    all of it otherwise."""
-    count = spec.local_in_features
-    start = spec.tp_rank * count if spec.parallel == "row" and spec.tp_size > 1 else 0
-    return start, count
+    """(first input column, count) this rank keeps: `Shard.columns`."""
+    cols = spec.shard.columns
+    return cols.start, cols.stop - cols.start
 
 
 def keeps_bias(spec: LinearSpec) -> bool:
-    """A row-parallel layer's outputs are summed over ranks, so only rank 0 adds the bias."""
-    return not (spec.parallel == "row" and spec.tp_size > 1 and spec.tp_rank != 0)
+    """Whether this rank adds the bias: `Shard.keeps_bias`."""
+    return spec.shard.keeps_bias
 
 
 def bias_rows(spec: LinearSpec, bias: torch.Tensor, size: int, start: int, rows: int) -> torch.Tensor:

@@ -13,16 +13,15 @@ loader that keeps the packed data instead, and a parallel layout one that keeps 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from lmstack.errors import ConfigError
-from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
-from lmstack.model.tp_shard import bias_rows, part_rows
+from lmstack.model.shard import Part, Shard
 
 ShardId = int
 """Index of a checkpoint tensor inside a fused parameter's `output_sizes`."""
@@ -48,24 +47,12 @@ def default_weight_loader(
 
 def fused_weight_loader(output_sizes: Sequence[int]) -> WeightLoader:
     """A loader for a parameter made of several checkpoint tensors stacked along dim 0 (a fused
-    q/k/v or gate/up weight or bias): shard i goes to rows [sum(sizes[:i]), sum(sizes[:i+1]))."""
-    sizes = tuple(int(s) for s in output_sizes)
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    q/k/v or gate/up weight or bias): shard i goes to rows [sum(sizes[:i]), sum(sizes[:i+1])).
+    (`shard_loader` of an unsplit layer; the inputs are read off the parameter.)"""
 
     def load(param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId | None = None) -> None:
-        if shard_id is None:
-            default_weight_loader(param, loaded)
-            return
-        if not 0 <= shard_id < len(sizes):
-            raise ValueError(f"shard {shard_id} out of range for a fused parameter of {len(sizes)} parts")
-        target = param.data.narrow(0, offsets[shard_id], sizes[shard_id])
-        value = to_dense(loaded, param.dtype)
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(
-                f"shard {shard_id}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}"
-            )
-        with torch.no_grad():
-            target.copy_(value)
+        shard = Shard(output_sizes, _param_inputs(param))
+        shard_loader(shard, bias=param.dim() == 1)(param, loaded, shard_id)
 
     return load
 
@@ -117,9 +104,10 @@ def load_named_weights(
 
 # --- tensor-parallel shards --------------------------------------------------------------------
 # A sharded parameter's loader still receives the whole checkpoint tensor (see LinearSpec) and
-# keeps its own rows or columns. It cuts before decoding, so a rank converts (and, for packed
-# GGUF rows, dequantizes) only its shard: a dense tensor is narrowed as a view, packed GGUF data
-# is selected row by row (quant blocks run along a row, so whole rows stay a valid tensor).
+# keeps its own rows or columns (which ones: `lmstack.model.shard`). It cuts before decoding, so
+# a rank converts (and, for packed GGUF rows, dequantizes) only its shard: a dense tensor is
+# narrowed as a view, packed GGUF data is selected row by row (quant blocks run along a row, so
+# whole rows stay a valid tensor).
 
 
 def take_rows(tensor: CheckpointTensor, start: int, length: int) -> CheckpointTensor:
@@ -147,95 +135,86 @@ def take_columns(tensor: CheckpointTensor, start: int, length: int, dtype: torch
     return tensor.dequantize(dtype).narrow(-1, start, length)
 
 
-def column_parallel_loader(output_sizes: Sequence[int], tp_rank: int, tp_size: int) -> WeightLoader:
-    """A column-parallel weight or bias: of every part i (`output_sizes[i]` whole rows) this rank
-    keeps rows [r * n_i / tp, (r + 1) * n_i / tp); the parameter holds those shards concatenated
-    in part order. A whole (unsplit) fused tensor (shard id None) is cut into its parts first."""
-    sizes = tuple(int(s) for s in output_sizes)
-    local = tuple(n // tp_size for n in sizes)
-    offsets = [sum(local[:i]) for i in range(len(sizes))]
+def loaded_parts(
+    shard: Shard, loaded: CheckpointTensor, shard_id: ShardId | None
+) -> Iterator[tuple[Part, CheckpointTensor]]:
+    """(part, that part's whole checkpoint tensor) for what one loader call of a fused projection
+    got: the part `shard_id` names, or each part of a whole fused tensor (as some checkpoints
+    store qkv / gate_up), still in its stored form."""
+    if shard_id is not None:
+        yield shard.part(shard_id), loaded
+        return
+    if len(shard.parts) == 1:
+        yield shard.parts[0], loaded
+        return
+    rows = sum(shard.output_sizes)
+    if tuple(loaded.shape)[0] != rows:
+        raise ValueError(f"expected {rows} rows, got shape {tuple(loaded.shape)}")
+    for part in shard.parts:
+        yield part, take_rows(loaded, part.fused_start, part.size)
 
-    def load_part(param: nn.Parameter, loaded: CheckpointTensor, part: int) -> None:
-        shape = tuple(loaded.shape)
-        if shape[0] != sizes[part]:
-            raise ValueError(f"part {part}: expected {sizes[part]} rows, got shape {shape}")
-        value = to_dense(take_rows(loaded, tp_rank * local[part], local[part]), param.dtype)
-        target = param.data.narrow(0, offsets[part], local[part])
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(
-                f"part {part}: expected shard shape {tuple(target.shape)}, got {tuple(value.shape)}"
-            )
-        target.copy_(value)
+
+def kept_rows(tensor: CheckpointTensor, part: Part) -> CheckpointTensor:
+    """This rank's rows of a part's whole tensor, still in its stored form (cut before decoding,
+    so a rank converts only its shard)."""
+    if part.rows == part.size:
+        return tensor
+    return take_rows(tensor, part.start, part.rows)
+
+
+def shard_loader(shard: Shard, *, bias: bool = False) -> WeightLoader:
+    """The loader of a dense parameter holding `shard` of a linear layer's weight
+    ([local out, local in]) or, with `bias`, of its bias: every part's rows for this rank (and a
+    row split's input columns) decoded into the parameter's dtype and copied to their place; a
+    bias another rank adds (`Shard.keeps_bias`) is zeros."""
 
     @torch.no_grad()
     def load(param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId | None = None) -> None:
-        if shard_id is not None:
-            if not 0 <= shard_id < len(sizes):
-                raise ValueError(f"shard {shard_id} out of range for a fused parameter of {len(sizes)} parts")
-            load_part(param, loaded, shard_id)
-            return
-        if len(sizes) == 1:
-            load_part(param, loaded, 0)
-            return
-        if tuple(loaded.shape)[0] != sum(sizes):
-            raise ValueError(f"expected {sum(sizes)} rows, got shape {tuple(loaded.shape)}")
-        start = 0
-        for part, n in enumerate(sizes):
-            load_part(param, take_rows(loaded, start, n), part)
-            start += n
+        for part, tensor in loaded_parts(shard, loaded, shard_id):
+            target = param.data[part.local]
+            if bias and not shard.keeps_bias:
+                target.zero_()
+                continue
+            want = (part.size,) if bias else (part.size, shard.in_features)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"part {part.index}: expected shape {want}, got {tuple(tensor.shape)}")
+            mine = kept_rows(tensor, part)
+            if shard.splits_columns and not bias:
+                cols = shard.columns
+                value = take_columns(mine, cols.start, cols.stop - cols.start, param.dtype)
+            else:
+                value = to_dense(mine, param.dtype)
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"part {part.index}: expected shard shape {tuple(target.shape)}, got {tuple(value.shape)}"
+                )
+            target.copy_(value)
+
+    return load
+
+
+def _param_inputs(param: nn.Parameter) -> int:
+    """The input columns of an unsplit weight: its width (a bias has none)."""
+    return int(param.shape[-1]) if param.dim() == 2 else 0
+
+
+def column_parallel_loader(output_sizes: Sequence[int], tp_rank: int, tp_size: int) -> WeightLoader:
+    """`shard_loader` of a column-parallel weight or bias (plugin API 1.1's spelling): a column
+    split leaves the inputs whole, so they are read off the parameter."""
+
+    def load(param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId | None = None) -> None:
+        shard = Shard(output_sizes, _param_inputs(param), "column", tp_rank, tp_size)
+        shard_loader(shard, bias=param.dim() == 1)(param, loaded, shard_id)
 
     return load
 
 
 def row_parallel_loader(in_features: int, tp_rank: int, tp_size: int, *, bias: bool) -> WeightLoader:
-    """A row-parallel weight keeps input columns [r * in / tp, (r + 1) * in / tp). Its bias is
-    added once to the sum over ranks, so tp rank 0 keeps it and the others hold zeros."""
-    local = in_features // tp_size
+    """`shard_loader` of a row-parallel weight or bias (plugin API 1.1's spelling): a row split
+    keeps every output row, so their count is read off the parameter."""
 
-    @torch.no_grad()
     def load(param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId | None = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"got shard {shard_id} for a parameter that is not fused")
-        if bias:
-            if tp_rank == 0:
-                default_weight_loader(param, loaded)
-            else:
-                param.data.zero_()
-            return
-        if tuple(loaded.shape)[-1] != in_features:
-            raise ValueError(f"expected {in_features} input columns, got shape {tuple(loaded.shape)}")
-        value = take_columns(loaded, tp_rank * local, local, param.dtype)
-        if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"expected shard shape {tuple(param.shape)}, got {tuple(value.shape)}")
-        param.data.copy_(value)
+        shard = Shard((int(param.shape[0]),), in_features, "row", tp_rank, tp_size)
+        shard_loader(shard, bias=bias)(param, loaded, shard_id)
 
     return load
-
-
-def loaded_parts(
-    output_sizes: Sequence[int], loaded: CheckpointTensor, shard_id: ShardId | None
-) -> Iterable[tuple[ShardId, CheckpointTensor]]:
-    """(part index, that part's whole checkpoint tensor) for what one loader call of a fused
-    projection got: the part `shard_id` names, or each part of a whole fused tensor (as some
-    checkpoints store qkv / gate_up), still in its stored form."""
-    if shard_id is not None or len(output_sizes) == 1:
-        yield (shard_id or 0), loaded
-        return
-    if tuple(loaded.shape)[0] != sum(output_sizes):
-        raise ValueError(f"expected {sum(output_sizes)} rows, got shape {tuple(loaded.shape)}")
-    start = 0
-    for part, n in enumerate(output_sizes):
-        yield part, take_rows(loaded, start, n)
-        start += n
-
-
-def load_bias_parts(
-    spec: LinearSpec, param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId | None
-) -> None:
-    """A quantized linear's bias loader (the bias stays dense): each loaded part's rows for this
-    rank go to their place in `param`, zeros where another rank adds the bias (`bias_rows`)."""
-    for part, tensor in loaded_parts(spec.output_sizes, loaded, shard_id):
-        offset, start, rows = part_rows(spec, part)
-        value = to_dense(tensor, param.dtype).reshape(-1)
-        value = bias_rows(spec, value, spec.output_sizes[part], start, rows)
-        param.data[offset : offset + rows] = value.to(param.device)

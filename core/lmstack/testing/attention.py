@@ -12,7 +12,7 @@ import torch
 
 from lmstack.batch import AttentionMetadata
 from lmstack.interfaces import AttentionBackend
-from lmstack.kv_quant import FP8_KV_DTYPES, HEADROOM, dequantize_kv, quantize_kv
+from lmstack.quant.kv import FP8_KV_DTYPES, HEADROOM, dequantize_kv, quantize_kv
 from lmstack.testing.kit import ComponentKit
 
 

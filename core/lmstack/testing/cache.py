@@ -70,7 +70,7 @@ class CacheConformance(ComponentKit):
 
     @classmethod
     def make_llm(cls, model_path, options: dict[str, Any], **sections: Any):
-        from lmstack.llm import LLM
+        from lmstack.engine.llm import LLM
 
         pm, name = plugin_manager_for(lookup(cls.component, cls.kind))
         stack = tiny_stack(model_path, **sections)

@@ -38,7 +38,7 @@ TINY_MODEL_CONFIG = ModelConfig(
 
 def lookup(component: str | Component, kind: str) -> Component:
     """The component a kit tests: a `Component`, or the name of one in the registry a plain run
-    sees (`lmstack.plugins.default_registry()`: built-ins plus installed entry points)."""
+    sees (`lmstack.stack.plugins.default_registry()`: built-ins plus installed entry points)."""
     if isinstance(component, Component):
         assert component.kind == kind, (
             f"{component.kind} {component.name!r} was given to the {kind} kit; use the {component.kind} kit"
@@ -60,7 +60,7 @@ def _default_registry():
     looks its component up in every check)."""
     import os
 
-    from lmstack.plugins import ALLOW_LIST_ENV, AUTOLOAD_ENV, default_registry
+    from lmstack.stack.plugins import ALLOW_LIST_ENV, AUTOLOAD_ENV, default_registry
 
     key = (os.environ.get(AUTOLOAD_ENV, ""), os.environ.get(ALLOW_LIST_ENV, ""))
     if key not in _REGISTRIES:
@@ -143,7 +143,7 @@ def _earlier_components(kind: str, ctx: BuildContext) -> None:
 
 @functools.cache
 def _builtin_registry():
-    from lmstack.plugins import build_registry, make_plugin_manager
+    from lmstack.stack.plugins import build_registry, make_plugin_manager
 
     return build_registry(make_plugin_manager(autoload=False))
 

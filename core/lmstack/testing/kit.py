@@ -105,7 +105,7 @@ def plugin_manager_for(component: Component):
     """(plugin manager, name) under which a stack can select `component`: the default one when
     it is the registered component of that name, else one with the component added (renamed if
     an installed component already has its name)."""
-    from lmstack.plugins import build_registry, make_plugin_manager
+    from lmstack.stack.plugins import build_registry, make_plugin_manager
 
     pm = make_plugin_manager()
     registry = build_registry(pm)
@@ -130,8 +130,8 @@ _REFERENCE_ENGINES: dict[str, Any] = {}
 
 def reference_llm(stack: Mapping[str, Any]):
     """An `LLM` with only built-in components, shared for the session per distinct stack."""
-    from lmstack.llm import LLM
-    from lmstack.plugins import make_plugin_manager
+    from lmstack.engine.llm import LLM
+    from lmstack.stack.plugins import make_plugin_manager
 
     key = json.dumps(stack, sort_keys=True, default=str)
     if key not in _REFERENCE_ENGINES:
@@ -153,7 +153,7 @@ def tiny_stack(model_path: str | Path, **sections: Any) -> dict[str, Any]:
 
 def kit_llm(kit: ComponentKit, model_path: str | Path, **sections: Any):
     """An `LLM` on the tiny model with the kit's component selected under the kit's options."""
-    from lmstack.llm import LLM
+    from lmstack.engine.llm import LLM
 
     pm, name = plugin_manager_for(kit.registered())
     stack = tiny_stack(model_path, **sections)

@@ -10,6 +10,7 @@ what the multi-process server tests and `benchmarks/parallel.py` start, also und
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import msgspec
 
@@ -19,8 +20,10 @@ from lmstack.registry import Component
 
 
 class ReplicasOptions(msgspec.Struct, forbid_unknown_fields=True):
-    world_size: int = 2
-    join_timeout_s: float = 60.0
+    world_size: Annotated[int, msgspec.Meta(description="processes, each holding the full model")] = 2
+    join_timeout_s: Annotated[
+        float, msgspec.Meta(description="seconds to wait for the ranks to join before giving up")
+    ] = 60.0
 
 
 class ReplicasLayout(ParallelLayout):
@@ -29,7 +32,7 @@ class ReplicasLayout(ParallelLayout):
         self.join_timeout = options.join_timeout_s
 
     def create_executor(self, spec) -> Executor:
-        from lmstack.multiproc import MultiprocExecutor
+        from lmstack.exec.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(spec, self.world_size, join_timeout=self.join_timeout)
 
@@ -52,7 +55,7 @@ def lmstack_register_parallel(register) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`lmstack` with this plugin added (for subprocesses and torchrun, which cannot take a
     plugin object)."""
-    import lmstack.plugins as plugins
+    import lmstack.stack.plugins as plugins
     from lmstack.cli import main as cli_main
 
     make = plugins.make_plugin_manager

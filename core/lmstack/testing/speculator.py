@@ -1,6 +1,6 @@
 """Speculator conformance: drafts never change what a request gets.
 
-Two checks. Statistically, the core's rejection sampler (`lmstack.verification`), given drafts
+Two checks. Statistically, the core's rejection sampler (`lmstack.sample.verification`), given drafts
 from a known draft distribution q, emits tokens distributed as the target p: on a 6-token
 vocabulary with fixed p and q, 2000 seeded verifications per case, the total-variation distance
 between the emitted first tokens' frequencies and p must stay under 0.05 (its expected value at
@@ -51,8 +51,8 @@ def verified_first_tokens(
     verifications of one-token drafts against target p: drafts drawn from q with q given to
     the sampler (a sampling drafter), or, with q None, always `draft_token` (a deterministic
     drafter)."""
-    from lmstack.sampler import Sampler, SampleRow
-    from lmstack.verification import Draft, RejectionSampler
+    from lmstack.sample.sampler import Sampler, SampleRow
+    from lmstack.sample.verification import Draft, RejectionSampler
 
     vocab = p.shape[0]
     sampler = Sampler(vocab, seed=seed)
@@ -167,7 +167,7 @@ class SpeculatorConformance(ComponentKit):
         decoding's. Skipped where no `prefix` cache is installed (lmstack-prefix-cache)."""
         import pytest
 
-        from lmstack.plugins import build_registry, make_plugin_manager
+        from lmstack.stack.plugins import build_registry, make_plugin_manager
 
         if "prefix" not in build_registry(make_plugin_manager()).names("cache"):
             pytest.skip("no `prefix` cache installed (pip install lmstack-prefix-cache)")

@@ -10,14 +10,16 @@ changes only the order in which waiting sequences are admitted (and running ones
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+
+import msgspec
 
 from lmstack.components.continuous import ContinuousOptions, ContinuousScheduler
+from lmstack.engine.step_cost import StepCostModel
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import BuildContext, EngineLimits, KVAllocator
 from lmstack.registry import Component
 from lmstack.sequence import Sequence
-from lmstack.step_cost import StepCostModel
 
 __all__ = ["PriorityOptions", "PriorityScheduler", "COMPONENT", "lmstack_register_schedulers"]
 
@@ -25,7 +27,10 @@ __all__ = ["PriorityOptions", "PriorityScheduler", "COMPONENT", "lmstack_registe
 class PriorityOptions(ContinuousOptions, forbid_unknown_fields=True):
     """Everything `continuous` accepts, plus the admission policy."""
 
-    policy: Literal["priority", "shortest-first"] = "priority"
+    policy: Annotated[
+        Literal["priority", "shortest-first"],
+        msgspec.Meta(description="admit by Request.priority, or shortest predicted work first"),
+    ] = "priority"
 
 
 class PriorityScheduler(ContinuousScheduler):

@@ -15,6 +15,8 @@ or plain kernel for the device. What a kernel plugin has to do around the kernel
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,10 @@ __all__ = ["COMPONENT", "SdpaAttention", "SdpaOptions", "lmstack_register_attent
 class SdpaOptions(msgspec.Struct, forbid_unknown_fields=True):
     # True: SDPA reads the KV heads as they are (`enable_gqa`, torch >= 2.5). False: repeat each
     # KV head for its query group first (a copy; what kernels without GQA support need).
-    enable_gqa: bool = True
+    enable_gqa: Annotated[
+        bool,
+        msgspec.Meta(description="SDPA reads KV heads as they are (torch >= 2.5); false: repeat them first"),
+    ] = True
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

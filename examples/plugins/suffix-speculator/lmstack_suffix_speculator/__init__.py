@@ -14,6 +14,8 @@ own.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from lmstack.errors import ConfigError
@@ -28,10 +30,14 @@ __all__ = ["COMPONENT", "SuffixOptions", "SuffixSpeculator", "lmstack_register_s
 class SuffixOptions(msgspec.Struct, forbid_unknown_fields=True):
     # The longest and shortest suffix looked up; longer matches are tried first (they predict
     # better), shorter ones only when no longer one occurred.
-    max_ngram: int = 3
-    min_ngram: int = 1
+    max_ngram: Annotated[
+        int, msgspec.Meta(description="longest suffix looked up, in tokens (tried first)")
+    ] = 3
+    min_ngram: Annotated[int, msgspec.Meta(description="shortest suffix looked up, in tokens")] = 1
     # The most tokens proposed per step: each costs a query token in the verifying step.
-    num_draft_tokens: int = 4
+    num_draft_tokens: Annotated[
+        int, msgspec.Meta(description="the most tokens proposed per step (each costs a query token)")
+    ] = 4
 
     def __post_init__(self) -> None:
         if self.min_ngram < 1:

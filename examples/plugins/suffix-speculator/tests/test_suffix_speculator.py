@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 from lmstack import LLM, SamplingParams
-from lmstack.config import load_stack
 from lmstack.errors import ConfigError
-from lmstack.plugins import default_registry
-from lmstack.resolve import resolve
+from lmstack.stack.config import load_stack
+from lmstack.stack.plugins import default_registry
+from lmstack.stack.resolve import resolve
 from lmstack.testing import SpeculatorConformance
 from lmstack_suffix_speculator import SuffixOptions, SuffixSpeculator
 

@@ -1,4 +1,4 @@
-"""Building and loading the C++ extension (`lmstack.native`: compiled against the installed
+"""Building and loading the C++ extension (`lmstack.kernels.native`: compiled against the installed
 torch into ~/.cache/lmstack/cpu_paged/<torch version>-<source hash>).
 
 `python -m lmstack_cpu_paged.build` builds it ahead of time (`make install` runs it); otherwise
@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from lmstack.native import ExtensionBuildError as BuildError
-from lmstack.native import NativeExtension
+from lmstack.kernels.native import ExtensionBuildError as BuildError
+from lmstack.kernels.native import NativeExtension
 
 __all__ = ["BuildError", "EXTENSION", "load", "load_error", "main"]
 

@@ -33,10 +33,16 @@ CAPABILITIES: dict[str, Any] = {
 
 class CpuPagedOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Code path: "auto" picks AVX-512, else AVX2+FMA, else plain C++, from what the CPU reports.
-    isa: Literal["auto", "avx512", "avx2", "scalar"] = "auto"
+    isa: Annotated[
+        Literal["auto", "avx512", "avx2", "scalar"],
+        msgspec.Meta(description="code path (auto: the widest the CPU reports)"),
+    ] = "auto"
     # Decode splits a long context over threads only when the batch leaves threads idle, and
     # never into parts shorter than this many keys.
-    min_part: Annotated[int, msgspec.Meta(ge=32)] = 256
+    min_part: Annotated[
+        int,
+        msgspec.Meta(ge=32, description="fewest keys per thread when decode splits a context"),
+    ] = 256
 
 
 def check(options: CpuPagedOptions, stack, key: str) -> str | None:

@@ -193,10 +193,10 @@ def test_isas_agree():
 def test_build_failure_is_one_clear_line(monkeypatch):
     """A machine that cannot build the extension: resolution names the reason in one line and
     the torch backend still resolves."""
-    from lmstack.config import load_stack
     from lmstack.errors import ResolutionError
-    from lmstack.plugins import default_registry
-    from lmstack.resolve import resolve
+    from lmstack.stack.config import load_stack
+    from lmstack.stack.plugins import default_registry
+    from lmstack.stack.resolve import resolve
 
     def no_compiler():
         raise builder.BuildError("no C++ compiler found (install g++ or set CXX)")

@@ -6,7 +6,7 @@ import torch
 
 from lmstack.batch import AttentionMetadata
 from lmstack.interfaces import AttentionBackend
-from lmstack.triton_support import enable_interpreter
+from lmstack.kernels.triton_support import enable_interpreter
 
 
 class FlashAttention(AttentionBackend):

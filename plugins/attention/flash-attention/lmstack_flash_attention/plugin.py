@@ -7,13 +7,17 @@ imported when a stack actually builds the component.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from lmstack.hookspecs import hookimpl
+from lmstack.kernels.triton_support import (
+    capabilities_with_interpreter,
+    cuda_device_conflict,
+    interpreter_opt_in,
+)
 from lmstack.registry import Component
-from lmstack.triton_support import capabilities_with_interpreter, cuda_device_conflict, interpreter_opt_in
 
 NAME = "flash-attention"
 
@@ -34,7 +38,9 @@ CAPABILITIES: dict[str, Any] = {
 class FlashAttentionOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Run the kernel in the Triton interpreter (NumPy, on the CPU): for tests on machines
     # without a GPU, never for serving. TRITON_INTERPRET=1 in the environment does the same.
-    interpret: bool = False
+    interpret: Annotated[
+        bool, msgspec.Meta(description="run the Triton kernels in the interpreter on the CPU (tests only)")
+    ] = False
 
 
 def capabilities_for(options: FlashAttentionOptions) -> Mapping[str, Any]:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmstack.triton_support import enable_interpreter, next_pow2
+from lmstack.kernels.triton_support import enable_interpreter, next_pow2
 
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -12,8 +12,12 @@ from typing import Annotated, Any
 import msgspec
 
 from lmstack.hookspecs import hookimpl
+from lmstack.kernels.triton_support import (
+    capabilities_with_interpreter,
+    cuda_device_conflict,
+    interpreter_opt_in,
+)
 from lmstack.registry import Component
-from lmstack.triton_support import capabilities_with_interpreter, cuda_device_conflict, interpreter_opt_in
 
 NAME = "flash-decoding"
 
@@ -33,9 +37,14 @@ CAPABILITIES: dict[str, Any] = {
 class FlashDecodingOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Run the kernels in the Triton interpreter (NumPy, on the CPU): for tests on machines
     # without a GPU, never for serving. TRITON_INTERPRET=1 in the environment does the same.
-    interpret: bool = False
+    interpret: Annotated[
+        bool, msgspec.Meta(description="run the Triton kernels in the interpreter on the CPU (tests only)")
+    ] = False
     # KV splits per sequence; unset: chosen per step from the context length and the SM count.
-    num_splits: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
+    num_splits: (
+        Annotated[int, msgspec.Meta(ge=1, le=128, description="KV splits per sequence (null: per step)")]
+        | None
+    ) = None
 
 
 def capabilities_for(options: FlashDecodingOptions) -> Mapping[str, Any]:

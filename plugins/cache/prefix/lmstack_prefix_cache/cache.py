@@ -9,6 +9,8 @@ allocation takes them (then `evict` forgets them).
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from lmstack.content_hash import request_key
@@ -20,7 +22,10 @@ class PrefixCacheOptions(msgspec.Struct, forbid_unknown_fields=True):
     # False: each tenant (from the API key) has its own blocks, as if salted. True: tenants with
     # the same prompt share blocks (faster, but one tenant can tell from time to first token that
     # another sent the same prefix). A request's own cache_salt always separates.
-    share_across_tenants: bool = False
+    share_across_tenants: Annotated[
+        bool,
+        msgspec.Meta(description="tenants with the same prompt share blocks (faster; leaks prefix timing)"),
+    ] = False
 
 
 class PrefixCache(BlockCache):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from lmstack.components.paged import PagedAllocator
 from lmstack.content_hash import CacheGeometry
-from lmstack.plugins import build_registry, make_plugin_manager
 from lmstack.sampling_params import SamplingParams
 from lmstack.sequence import Request, Sequence
+from lmstack.stack.plugins import build_registry, make_plugin_manager
 from lmstack_prefix_cache import PrefixCache, PrefixCacheOptions
 
 BS = 4

@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Annotated
 
 import msgspec
 import torch
@@ -32,12 +33,20 @@ log = logging.getLogger("lmstack.cache.tiered")
 
 
 class TieredCacheOptions(msgspec.Struct, forbid_unknown_fields=True):
-    disk_path: str
-    disk_capacity: int | str = "20GiB"
-    share_across_tenants: bool = False
+    disk_path: Annotated[str, msgspec.Meta(description="directory of the disk tier")]
+    disk_capacity: Annotated[
+        int | str, msgspec.Meta(description='size of the disk tier, bytes or "20GiB"')
+    ] = "20GiB"
+    share_across_tenants: Annotated[
+        bool,
+        msgspec.Meta(description="tenants with the same prompt share blocks (faster; leaks prefix timing)"),
+    ] = False
     # Blocks waiting for the writer thread; past this, new blocks are not written (a cache may
     # skip a write; it must never block the engine).
-    max_pending_writes: int = 512
+    max_pending_writes: Annotated[
+        int,
+        msgspec.Meta(description="blocks queued for the disk writer; past it, new blocks are not written"),
+    ] = 512
 
     def __post_init__(self) -> None:
         if not self.disk_path:

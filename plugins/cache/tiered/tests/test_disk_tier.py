@@ -10,9 +10,9 @@ import torch
 
 from lmstack.components.paged import PagedAllocator
 from lmstack.content_hash import CacheGeometry
-from lmstack.plugins import build_registry, make_plugin_manager
 from lmstack.sampling_params import SamplingParams
 from lmstack.sequence import Request, Sequence
+from lmstack.stack.plugins import build_registry, make_plugin_manager
 from lmstack_tiered_cache import DiskStore, TieredCache, TieredCacheOptions
 from lmstack_tiered_cache.store import CorruptEntry, decode_block, encode_block
 

@@ -1,5 +1,5 @@
 """The checks that the model's experts split over the degrees a stack asks for (the layout
-itself is the core's `lmstack.parallel_layout.ShardedLayout`: one worker process per rank).
+itself is the core's `lmstack.exec.parallel_layout.ShardedLayout`: one worker process per rank).
 
 Placement and dispatch (the model side is `lmstack.model.moe`): dense layers are replicated
 across the ep ranks, so every ep rank has every token; ep rank r holds experts [r * E / ep,
@@ -13,9 +13,9 @@ attention), which this layout does not do; the README has the byte counts.
 from __future__ import annotations
 
 from lmstack.errors import ResolutionError
+from lmstack.exec.parallel_layout import check_tensor_parallel
 from lmstack.interfaces import BuildContext
 from lmstack.model.moe import MoEConfig, valid_ep_degrees
-from lmstack.parallel_layout import check_tensor_parallel
 
 
 def _listed(degrees: list[int]) -> str:

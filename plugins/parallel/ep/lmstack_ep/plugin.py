@@ -4,20 +4,24 @@ each holding 1/N of every mixture-of-experts layer's experts (and the dense laye
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
-from lmstack.distributed import ParallelRanks
 from lmstack.errors import ConfigError
+from lmstack.exec.distributed import ParallelRanks
+from lmstack.exec.parallel_layout import ShardedLayout
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import BuildContext
-from lmstack.parallel_layout import ShardedLayout
 from lmstack.registry import Component
 from lmstack_ep.layout import check_cache_tiers, check_expert_parallel
 
 
 class EpOptions(msgspec.Struct, forbid_unknown_fields=True):
-    ep: int = 2  # ranks the experts are split over
-    tp: int = 1  # ranks each expert (and each dense layer) is split over, inside an ep rank
+    ep: Annotated[int, msgspec.Meta(description="ranks the experts are split over")] = 2
+    tp: Annotated[
+        int, msgspec.Meta(description="ranks each expert (and dense layer) is split over, inside an ep rank")
+    ] = 1
 
     def __post_init__(self) -> None:
         for axis in ("ep", "tp"):

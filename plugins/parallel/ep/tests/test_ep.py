@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from lmstack.engine.llm import LLM
 from lmstack.errors import BuildError, ResolutionError
-from lmstack.llm import LLM
 from lmstack.model.moe import MoEConfig
 from lmstack.testing import ParallelConformance
 from lmstack.testing.kit import KIT_PROMPTS, greedy, one_thread, reference_llm, tiny_stack

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Annotated
 
 import msgspec
 
-from lmstack.distributed import ParallelRanks
 from lmstack.errors import ConfigError
-from lmstack.executor import ExecutorSpec
+from lmstack.exec.distributed import ParallelRanks
+from lmstack.exec.executor import ExecutorSpec
+from lmstack.exec.parallel_layout import ShardedLayout, check_tensor_parallel
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import BuildContext, Executor
-from lmstack.parallel_layout import ShardedLayout, check_tensor_parallel
 from lmstack.registry import Component
 from lmstack_pp.stage import StageExecutor
 
 
 class PipelineOptions(msgspec.Struct, forbid_unknown_fields=True):
-    pp: int = 2  # pipeline stages (processes per pipeline)
-    micro_batches: int = 0  # micro-batches a step is split into; 0: as many as stages
-    tp: int = 1  # tensor-parallel ranks per stage (needs the tp plugin's rank-aware layers)
+    pp: Annotated[int, msgspec.Meta(description="pipeline stages, one process each (times tp)")] = 2
+    micro_batches: Annotated[
+        int, msgspec.Meta(description="micro-batches a step is split into (0: as many as stages)")
+    ] = 0
+    tp: Annotated[
+        int, msgspec.Meta(description="tensor-parallel ranks per stage (uses the tp plugin's layers)")
+    ] = 1
 
     def __post_init__(self) -> None:
         for name in ("pp", "micro_batches", "tp"):
@@ -37,7 +42,7 @@ class PipelineLayout(ShardedLayout):
         self.options = options
 
     def create_executor(self, spec: ExecutorSpec) -> Executor:
-        from lmstack.multiproc import MultiprocExecutor
+        from lmstack.exec.multiproc import MultiprocExecutor
 
         local = functools.partial(StageExecutor, micro_batches=self.options.micro_batches)
         spec = dataclasses.replace(spec, parallel=self.ranks)

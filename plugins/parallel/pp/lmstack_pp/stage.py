@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from lmstack.batch import ModelOutput, StepPlan
-from lmstack.distributed import ParallelRanks, get_parallel
-from lmstack.executor import ExecutorSpec, InProcessExecutor
+from lmstack.exec.distributed import ParallelRanks, get_parallel
+from lmstack.exec.executor import ExecutorSpec, InProcessExecutor
 from lmstack_pp.microbatch import split_plan
 
 # A file path: every rank appends one JSON line per micro-batch (rank, stage, step, micro-batch,

@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 from lmstack_pp.stage import TRACE_ENV
 
-from lmstack.llm import LLM
+from lmstack.engine.llm import LLM
 from lmstack.testing.kit import KIT_PROMPTS, greedy, reference_llm, tiny_stack
 
 

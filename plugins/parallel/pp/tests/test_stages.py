@@ -7,13 +7,13 @@ import pytest
 import torch
 from lmstack_pp.microbatch import split_plan, split_points
 
-from lmstack import distributed
 from lmstack.batch import SeqPlan, StepPlan
 from lmstack.components.none_quantizer import NoQuantizer
 from lmstack.components.torch_attention import TorchAttention
-from lmstack.distributed import ParallelRanks, ParallelState
+from lmstack.exec import distributed
+from lmstack.exec.distributed import ParallelRanks, ParallelState
+from lmstack.exec.model_runner import ModelRunner
 from lmstack.model.source import open_model_source
-from lmstack.model_runner import ModelRunner
 from lmstack.testing.tiny_model import write_tiny_model
 
 

@@ -3,13 +3,15 @@ each holding 1/N of every decoder layer's heads and MLP and of the vocabulary.""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
-from lmstack.distributed import ParallelRanks
 from lmstack.errors import ConfigError
+from lmstack.exec.distributed import ParallelRanks
+from lmstack.exec.parallel_layout import ShardedLayout, check_tensor_parallel
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import BuildContext
-from lmstack.parallel_layout import ShardedLayout, check_tensor_parallel
 from lmstack.registry import Component
 
 # Which plugin shards along the other axes (this one accepts them at 1 only).
@@ -17,9 +19,14 @@ _OTHER_AXES = {"pp": "the `pp` plugin (pipeline parallelism)", "ep": "the `ep` p
 
 
 class TpOptions(msgspec.Struct, forbid_unknown_fields=True):
-    tp: int = 2  # ranks the model is split over
-    pp: int = 1
-    ep: int = 1
+    tp: Annotated[int, msgspec.Meta(description="ranks the model's tensors are split over")] = 2
+    pp: Annotated[
+        int, msgspec.Meta(description="pipeline stages: 1 (parallel.name: pp composes with tp)")
+    ] = 1
+    ep: Annotated[
+        int,
+        msgspec.Meta(description="expert-parallel ranks: 1 (parallel.name: ep composes with tp)"),
+    ] = 1
 
     def __post_init__(self) -> None:
         if self.tp < 1:

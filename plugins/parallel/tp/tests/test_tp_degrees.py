@@ -7,11 +7,11 @@ import multiprocessing
 
 import pytest
 
+from lmstack.engine.llm import LLM
 from lmstack.errors import ConfigError, ResolutionError
+from lmstack.exec.parallel_layout import check_tensor_parallel
 from lmstack.interfaces import LinearSpec, Quantizer
-from lmstack.llm import LLM
 from lmstack.model.config import ModelConfig
-from lmstack.parallel_layout import check_tensor_parallel
 from lmstack.testing.kit import tiny_stack
 
 # SmolLM2-135M's sizes (config.json of HuggingFaceTB/SmolLM2-135M-Instruct).

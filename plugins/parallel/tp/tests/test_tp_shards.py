@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from lmstack.distributed import ParallelRanks
+from lmstack.exec.distributed import ParallelRanks
 from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import GGUFTensor
 from lmstack.model.hf_loader import iter_safetensors, parse_llama_config, read_json

@@ -22,7 +22,7 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
 from lmstack.errors import ConfigError
-from lmstack.quant_format import WeightFormat
+from lmstack.quant.formats import WeightFormat
 from lmstack_awq.int4_math import (
     SYMMETRIC_ZERO,
     Int4Quantized,
@@ -97,7 +97,7 @@ class Int4WeightFormat(WeightFormat):
         return qw.dequantize(torch.float32)
 
     def tune_start(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """`lmstack.scale_tuning.ScaleTunable`: linear `name`'s codes less zero points (as GPTQ
+        """`lmstack_calibrate.scale_tuning.ScaleTunable`: linear `name`'s codes less zero points (as GPTQ
         left them, else rounded to nearest now), scales and group size."""
         qw = self.rounded.get(name) or self.quantize(weight)
         self.rounded[name] = qw

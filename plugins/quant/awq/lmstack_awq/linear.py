@@ -27,7 +27,7 @@ from torch import nn
 
 from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, to_dense
-from lmstack.model.weight_loader import set_weight_loader
+from lmstack.model.quantized_linear import QuantizedLinear
 from lmstack_awq import kernels
 from lmstack_awq.autoawq import unpack_autoawq
 from lmstack_awq.int4_format import SCALE_DTYPE, decode_ct_codes, decode_ct_zero
@@ -42,17 +42,12 @@ _SOURCE_PARAMS: dict[str, tuple[str, ...]] = {
 }
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     def __init__(self, spec: LinearSpec, scheme: Int4Scheme, source: Source) -> None:
-        super().__init__()
-        self.spec, self.scheme, self.source = spec, scheme, source
-        self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
+        super().__init__(spec)
+        self.scheme, self.source = scheme, source
         self.group_size = scheme.effective_group(spec.in_features)
-        if spec.parallel == "row" and spec.tp_size > 1 and self.in_features % self.group_size:
-            raise ValueError(
-                f"linear {spec.name}: a row split of {spec.in_features} inputs over tp={spec.tp_size} "
-                f"cuts int4 groups of {self.group_size}"
-            )
+        self.shard.column_slice(self.group_size, "int4 groups")  # ValueError where a row split cuts a group
         self.groups = num_groups(self.in_features, self.group_size)
         out = self.out_features
         self.register_buffer("w_packed", torch.zeros(out, -(-self.in_features // 8) * 4, dtype=torch.uint8))
@@ -62,13 +57,7 @@ class Int4Linear(nn.Module):
         if source == "ct" and not scheme.symmetric:
             names = (*names, "weight_zero_point")
         for name in names:
-            param = nn.Parameter(torch.empty(0), requires_grad=False)
-            setattr(self, name, param)
-            set_weight_loader(param, self._loader(name), num_shards=len(spec.output_sizes))
-        self.bias: nn.Parameter | None = None
-        if spec.bias:
-            self.bias = nn.Parameter(torch.zeros(out, dtype=spec.params_dtype), requires_grad=False)
-            set_weight_loader(self.bias, self._bias_loader(), num_shards=len(spec.output_sizes))
+            setattr(self, name, self.loaded_parameter(torch.empty(0), self._loader(name)))
         self._kernel: kernels.Int4Kernel | None = None
         # ((op, args) fp32, (op, args) int8, most rows): decode rows straight to the kernel's
         # C++ op, set with the kernel (`Int4Kernel.direct`).
@@ -82,36 +71,24 @@ class Int4Linear(nn.Module):
         # On a native-bf16 CPU, keep a bf16 copy for batches over 16 rows (`cpu_bf16_copy`).
         self.bf16_copy = False
 
-    # --- where a part's rows and this rank's columns are ----------------------------------------
-
-    def _rows(self, shard_id: int | None) -> tuple[int, int, int, int]:
-        """(first row in the checkpoint part, rows kept, first local row, part's full rows)."""
-        spec = self.spec
-        part = 0 if shard_id is None else shard_id
-        if shard_id is None and len(spec.output_sizes) > 1:
-            full = spec.out_features  # a whole fused tensor in one piece
-            return 0, self.out_features, 0, full
-        full, local = spec.output_sizes[part], spec.local_output_sizes[part]
-        start = spec.tp_rank * local if spec.parallel == "column" and spec.tp_size > 1 else 0
-        return start, local, sum(spec.local_output_sizes[:part]), full
-
-    def _col_start(self) -> int:
-        spec = self.spec
-        return spec.tp_rank * self.in_features if spec.parallel == "row" and spec.tp_size > 1 else 0
+    # --- where a part's rows and this rank's columns go ---------------------------------------
 
     def _put(self, buffer: torch.Tensor, shard_id: int | None, value: torch.Tensor, per: int) -> None:
-        """Write `value` (a whole checkpoint part, [part rows, columns]) into `buffer`'s rows of
-        that part, keeping this rank's rows and columns; `per` input columns per value column
-        (1 for codes, group_size for scales and zeros)."""
-        src, rows, dst, full = self._rows(shard_id)
-        if value.shape[0] != full:
-            raise ValueError(f"expected {full} output rows, got {value.shape[0]}")
-        col0 = self._col_start() // per
-        width = buffer.shape[1] if per > 1 else self.in_features
-        value = value[src : src + rows, col0 : col0 + width]
-        if per == 1:
-            value = pack_nibbles(value)
-        buffer[dst : dst + rows].copy_(value.to(buffer.device, buffer.dtype))
+        """Write `value` (what one loader call got, decoded to [rows, columns]: a part, or a whole
+        fused tensor) into `buffer`'s rows of its part(s), keeping this rank's rows and columns;
+        `per` input columns per value column (1 for codes, group_size for scales and zeros)."""
+        rows = self._rows_loaded(shard_id)
+        if value.shape[0] != rows:
+            raise ValueError(f"expected {rows} output rows, got {value.shape[0]}")
+        for part, whole in self.parts(value, shard_id):
+            mine = self.shard.cut(whole, part, per)
+            if per == 1:
+                mine = pack_nibbles(mine)
+            buffer[part.local].copy_(mine.to(buffer.device, buffer.dtype))
+
+    def _rows_loaded(self, shard_id: int | None) -> int:
+        """Output rows of the tensor one loader call gets: a part's, or a whole fused layer's."""
+        return self.spec.out_features if shard_id is None else self.shard.part(shard_id).size
 
     def _store_quantized(self, shard_id: int | None, codes, scale, zero) -> None:
         total_groups = num_groups(self.spec.in_features, self.group_size)
@@ -146,7 +123,7 @@ class Int4Linear(nn.Module):
         t = to_dense(loaded, torch.float32) if name == "weight_scale" else loaded
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a safetensors tensor")
-        _, _, _, full = self._rows(shard_id)
+        full = self._rows_loaded(shard_id)
         total_groups = num_groups(self.spec.in_features, self.group_size)
         if name == "weight_shape":
             want = [full, self.spec.in_features]
@@ -173,23 +150,10 @@ class Int4Linear(nn.Module):
     def _load_autoawq(self, name: str, loaded: CheckpointTensor, shard_id: int | None) -> None:
         if not isinstance(loaded, torch.Tensor):
             raise ValueError(f"{name} must be a safetensors tensor")
-        _, _, _, full = self._rows(shard_id)
+        full = self._rows_loaded(shard_id)
         codes, per = unpack_autoawq(name, loaded, full, self.spec.in_features, self.group_size)
         buffer = {"qweight": self.w_packed, "qzeros": self.w_zeros, "scales": self.w_scales}[name]
         self._put(buffer, shard_id, codes, per)
-
-    def _bias_loader(self):
-        def load(param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None = None) -> None:
-            spec = self.spec
-            if spec.parallel == "row" and spec.tp_size > 1 and spec.tp_rank != 0:
-                return  # the sum over ranks adds rank 0's bias once; the others keep zeros
-            value = to_dense(loaded, param.dtype).reshape(-1)
-            src, rows, dst, full = self._rows(shard_id)
-            if value.shape[0] != full:
-                raise ValueError(f"expected {full} bias values, got {value.shape[0]}")
-            param.data[dst : dst + rows].copy_(value[src : src + rows].to(param.device))
-
-        return load
 
     # --- compute ----------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from torch import nn
 from lmstack.errors import ConfigError
 from lmstack.interfaces import LinearFactory, LinearSpec, Quantizer
 from lmstack.model.linear import default_linear
-from lmstack.quant_format import (
+from lmstack.quant.formats import (
     AUTOAWQ_GEMM,
     CT_PACK_QUANTIZED,
     DENSE,

@@ -1,12 +1,12 @@
-"""`lmstack quantize --method awq`: the int4 format made `Calibrated` by the core's AWQ search
-(`lmstack.awq_search`: activation-aware scales, clipping search, then GPTQ rounding through
+"""`lmstack quantize --method awq`: the int4 format made `Calibrated` by lmstack-calibrate's AWQ
+search (`lmstack_calibrate.awq_search`: activation-aware scales, clipping search, then GPTQ rounding through
 `Int4WeightFormat.gptq`)."""
 
 from __future__ import annotations
 
-from lmstack.awq_search import AWQCalibration, AWQConfig, awq_calibrate, search_clip, search_scales
 from lmstack_awq.int4_format import Int4WeightFormat
 from lmstack_awq.int4_math import Int4Scheme
+from lmstack_calibrate.awq_search import AWQCalibration, AWQConfig, awq_calibrate, search_clip, search_scales
 
 
 class AwqWeightFormat(AWQCalibration, Int4WeightFormat):

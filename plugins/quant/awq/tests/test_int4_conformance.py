@@ -35,8 +35,8 @@ class TestRtnInt4SymmetricConformance(QuantizerConformance):
 
 
 def _logprobs(stack):
-    from lmstack.llm import LLM
-    from lmstack.plugins import make_plugin_manager
+    from lmstack.engine.llm import LLM
+    from lmstack.stack.plugins import make_plugin_manager
 
     llm = LLM(stack, plugin_manager=make_plugin_manager())
     sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0)

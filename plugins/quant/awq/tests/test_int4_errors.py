@@ -13,8 +13,8 @@ from lmstack.testing.kit import tiny_stack
 
 
 def _llm(path, **quant):
-    from lmstack.llm import LLM
-    from lmstack.plugins import make_plugin_manager
+    from lmstack.engine.llm import LLM
+    from lmstack.stack.plugins import make_plugin_manager
 
     return LLM(tiny_stack(path, quant={"weights": "awq", **quant}), plugin_manager=make_plugin_manager())
 
@@ -72,8 +72,8 @@ def test_an_unknown_scheme_is_named(int4_models, tmp_path, edit, message):
 
 
 def test_rtn_int4_on_a_quantized_checkpoint_names_the_format(int4_models):
-    from lmstack.llm import LLM
-    from lmstack.plugins import make_plugin_manager
+    from lmstack.engine.llm import LLM
+    from lmstack.stack.plugins import make_plugin_manager
 
     stack = tiny_stack(int4_models["ct"], quant={"weights": "rtn-int4"})
     with pytest.raises(LmstackError, match="compressed-tensors/pack-quantized"):
@@ -81,9 +81,9 @@ def test_rtn_int4_on_a_quantized_checkpoint_names_the_format(int4_models):
 
 
 def test_auto_picks_awq_for_an_int4_checkpoint(int4_models):
-    from lmstack.config import load_stack
-    from lmstack.plugins import default_registry
-    from lmstack.resolve import resolve
+    from lmstack.stack.config import load_stack
+    from lmstack.stack.plugins import default_registry
+    from lmstack.stack.resolve import resolve
 
     resolved = resolve(load_stack(tiny_stack(int4_models["autoawq"])), default_registry())
     assert resolved.quantizer.name == "awq" and resolved.checkpoint_format == "autoawq/gemm"
@@ -111,8 +111,8 @@ def test_compact_head_and_embedding(tmp_path, mode):
 
 
 def _llm_rtn(path, **options):
-    from lmstack.llm import LLM
-    from lmstack.plugins import make_plugin_manager
+    from lmstack.engine.llm import LLM
+    from lmstack.stack.plugins import make_plugin_manager
 
     return LLM(
         tiny_stack(path, quant={"weights": "rtn-int4", **options}), plugin_manager=make_plugin_manager()

@@ -119,7 +119,7 @@ def test_gguf_blocks_match_the_dequantized_layer_and_give_codes_back(symmetric):
     group of 64 or 128): d = scale exactly, m = -zero * scale rounded once to fp16, so the result is
     the dequantized weight's up to that rounding and fp32 sums. The blocks replace the nibbles and
     the separate scales and zeros: the layer holds the blocks' bytes and nothing else."""
-    from lmstack_gguf.kernel import dequantize_blocks, native_kernel
+    from lmstack_gguf.api import dequantize_blocks, native_kernel
 
     rng = random.Random()
     n, k, group = rng.randint(1, 70), 32 * rng.randint(1, 20), rng.choice((32, 64, 128))
@@ -162,7 +162,7 @@ def test_gguf_blocks_match_the_dequantized_layer_and_give_codes_back(symmetric):
     )
     # fp32_activations: int8: decode batches round x to int8 per 32 values (lmstack-gguf's q8 kernel).
     layer.int8_activations = True
-    from lmstack_gguf.kernel import native_kernel
+    from lmstack_gguf.api import native_kernel
 
     x = torch.randn(rng.randint(1, layer.kernel.max_rows), k)  # the rows the kernel takes
     assert torch.equal(layer(x), native_kernel().gguf_matmul_q8(x, layer.w_packed, kernel.type))
@@ -173,7 +173,7 @@ def test_gguf_blocks_match_the_dequantized_layer_and_give_codes_back(symmetric):
 def test_bf16_copy_is_kept_only_when_asked_on_a_native_bf16_cpu():
     """`cpu_bf16_copy`: batches over 16 rows multiply by a bf16 copy of the layer (the blocks'
     values in bf16) where the CPU computes bf16 natively; elsewhere the option changes nothing."""
-    from lmstack.hardware import native_bf16_cpu
+    from lmstack.kernels.hardware import native_bf16_cpu
 
     layer, _ = _layer(40, 128, 128)
     layer.bf16_copy = True
@@ -220,8 +220,7 @@ def test_int8_activation_batches_take_panels_where_vnni_runs(group):
     the panels run (AVX2 or AVX-512 VNNI) every batch multiplies by 16-row panels of the blocks
     (x rounded to int8 per 32 values, as the block kernel does), and the layer keeps only the
     panels: codes, rows and the dequantized weight come back from them unchanged."""
-    from lmstack_gguf.kernel import native_kernel
-    from lmstack_gguf.quantizer import layer_panels_min_rows, panels_cpu
+    from lmstack_gguf.api import layer_panels_min_rows, native_kernel, panels_cpu
 
     rng = random.Random()
     n, k = rng.randint(1, 70), 32 * rng.randint(1, 20)

@@ -23,53 +23,34 @@ from torch import nn
 
 from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
-from lmstack.model.tp_shard import bias_rows, input_columns, part_rows
-from lmstack.model.weight_loader import set_weight_loader
+from lmstack.model.quantized_linear import QuantizedLinear
 from lmstack_fp8 import fp8
 from lmstack_fp8.scheme import Fp8Scheme
 
 
-def _shape(t: CheckpointTensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
-class Fp8Linear(nn.Module):
+class Fp8Linear(QuantizedLinear):
     def __init__(self, spec: LinearSpec, scheme: Fp8Scheme, from_checkpoint: bool, kernel: str) -> None:
-        super().__init__()
-        self.spec, self.scheme, self.from_checkpoint, self.kernel = spec, scheme, from_checkpoint, kernel
-        out, inp, parts = spec.local_out_features, spec.local_in_features, len(spec.output_sizes)
-        self.weight = nn.Parameter(torch.empty(out, inp, dtype=fp8.FP8), requires_grad=False)
-        set_weight_loader(self.weight, self._load_weight, num_shards=parts)
+        super().__init__(spec)
+        self.scheme, self.from_checkpoint, self.kernel = scheme, from_checkpoint, kernel
+        out, inp, parts = self.out_features, self.in_features, len(spec.output_sizes)
+        self.weight = self.loaded_parameter(torch.empty(out, inp, dtype=fp8.FP8), self._load_weight)
         scale = torch.ones(out, dtype=torch.float32)
         if from_checkpoint:
-            self.weight_scale = nn.Parameter(scale, requires_grad=False)
-            set_weight_loader(self.weight_scale, self._load_weight_scale, num_shards=parts)
+            self.weight_scale = self.loaded_parameter(scale, self._load_weight_scale)
         else:
             self.register_buffer("weight_scale", scale)  # computed while `weight` loads
         self.input_scale: nn.Parameter | None = None
         if from_checkpoint and scheme.activations == "static":
             # One calibrated scale per part; the parts share their input, so the largest serves all.
-            self.input_scale = nn.Parameter(torch.zeros(parts), requires_grad=False)
-            set_weight_loader(self.input_scale, self._load_input_scale, num_shards=parts)
-        self.bias: nn.Parameter | None = None
-        if spec.bias:
-            self.bias = nn.Parameter(torch.empty(out, dtype=spec.params_dtype), requires_grad=False)
-            set_weight_loader(self.bias, self._load_bias, num_shards=parts)
+            self.input_scale = self.loaded_parameter(torch.zeros(parts), self._load_input_scale)
 
     # --- loading ------------------------------------------------------------------------------
 
-    def _part(self, shard_id: int | None) -> tuple[int, int, int, int]:
-        """(local offset, first checkpoint row, rows, the part's whole size)."""
-        if shard_id is None and len(self.spec.output_sizes) > 1:
-            raise ValueError("expected one tensor per part of the fused projection")
-        offset, start, rows = part_rows(self.spec, shard_id)
-        return offset, start, rows, self.spec.output_sizes[shard_id or 0]
-
     def _load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
-        offset, start, rows, size = self._part(shard_id)
-        want = (size, self.spec.in_features)
-        if _shape(loaded) != want:
-            raise ValueError(f"expected shape {want}, got {_shape(loaded)}")
+        part = self.part(shard_id)
+        want = (part.size, self.spec.in_features)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"expected shape {want}, got {tuple(loaded.shape)}")
         if self.from_checkpoint:
             if isinstance(loaded, GGUFTensor) or loaded.dtype != fp8.FP8:
                 raise ValueError(f"expected float8_e4m3fn weights, got {getattr(loaded, 'dtype', loaded)}")
@@ -77,34 +58,26 @@ class Fp8Linear(nn.Module):
         else:
             # Scales come from whole rows, so every tensor-parallel split quantizes alike.
             value, scale = fp8.quantize_weight(to_dense(loaded, torch.float32), per_channel=True)
-            self.weight_scale[offset : offset + rows] = scale[start : start + rows, 0]
-        col, cols = input_columns(self.spec)
-        param.data[offset : offset + rows] = value[start : start + rows, col : col + cols]
+            self.weight_scale[part.local] = scale[part.kept, 0]
+        param.data[part.local] = self.shard.cut(value, part)
 
     def _load_weight_scale(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
-        offset, start, rows, size = self._part(shard_id)
+        part = self.part(shard_id)
         scale = to_dense(loaded, torch.float32).reshape(-1)
-        want = size if self.scheme.per_channel_weights else 1
+        want = part.size if self.scheme.per_channel_weights else 1
         if scale.numel() != want:
             kind = "per-channel" if want > 1 else "per-tensor"
             raise ValueError(
-                f"expected {want} {kind} scales (as the config says), got shape {_shape(loaded)}"
+                f"expected {want} {kind} scales (as the config says), got shape {tuple(loaded.shape)}"
             )
-        value = scale[start : start + rows] if want > 1 else scale.expand(rows)
-        param.data[offset : offset + rows] = value
+        param.data[part.local] = scale[part.kept] if want > 1 else scale.expand(part.rows)
 
     def _load_input_scale(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
-        self._part(shard_id)
+        part = self.part(shard_id)
         scale = to_dense(loaded, torch.float32).reshape(-1)
         if scale.numel() != 1:
-            raise ValueError(f"expected one per-tensor input scale, got shape {_shape(loaded)}")
-        param.data[shard_id or 0] = scale[0]
-
-    def _load_bias(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
-        offset, start, rows, size = self._part(shard_id)
-        param.data[offset : offset + rows] = bias_rows(
-            self.spec, to_dense(loaded, param.dtype), size, start, rows
-        )
+            raise ValueError(f"expected one per-tensor input scale, got shape {tuple(loaded.shape)}")
+        param.data[part.index] = scale[0]
 
     # --- computing ----------------------------------------------------------------------------
 

@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import BuildContext
-from lmstack.quant_format import CT_FLOAT_QUANTIZED, DENSE, GGUF
+from lmstack.quant.formats import CT_FLOAT_QUANTIZED, DENSE, GGUF
 from lmstack.registry import Component
 
 
 class Fp8Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # auto: torch._scaled_mm (W8A8) on CUDA, weight-only dequantize-per-layer on the CPU;
     # emulate: W8A8 arithmetic without an fp8 matmul (the scaled_mm reference). See linear.py.
-    kernel: Literal["auto", "dequant", "scaled_mm", "emulate"] = "auto"
+    kernel: Annotated[
+        Literal["auto", "dequant", "scaled_mm", "emulate"],
+        msgspec.Meta(description="auto: torch._scaled_mm (W8A8) on CUDA, weight-only dequantize on the CPU"),
+    ] = "auto"
     # For a dense / GGUF checkpoint quantized at load: "dynamic" quantizes activations per token
     # where the kernel does (FP8_DYNAMIC, what `lmstack quantize --method fp8` writes), "none"
     # never. A float-quantized checkpoint's own config decides otherwise.
-    activations: Literal["dynamic", "none"] = "dynamic"
+    activations: Annotated[
+        Literal["dynamic", "none"],
+        msgspec.Meta(description="quantizing at load: fp8 activations per token (dynamic) or never (none)"),
+    ] = "dynamic"
 
 
 def build(options: Fp8Options, ctx: BuildContext):

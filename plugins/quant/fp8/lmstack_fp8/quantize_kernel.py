@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmstack.triton_support import enable_interpreter
+from lmstack.kernels.triton_support import enable_interpreter
 from lmstack_fp8 import fp8
 
 BLOCK = 1024

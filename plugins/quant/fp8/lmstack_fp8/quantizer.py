@@ -6,7 +6,7 @@ from torch import nn
 
 from lmstack.errors import ConfigError
 from lmstack.interfaces import LinearFactory, LinearSpec, Quantizer
-from lmstack.quant_format import CT_FLOAT_QUANTIZED, DENSE, GGUF, WeightFormat, checkpoint_format_id
+from lmstack.quant.formats import CT_FLOAT_QUANTIZED, DENSE, GGUF, WeightFormat, checkpoint_format_id
 from lmstack_fp8.scheme import Fp8Scheme, Fp8WeightFormat, parse_scheme
 
 KERNELS = ("auto", "dequant", "scaled_mm", "emulate")

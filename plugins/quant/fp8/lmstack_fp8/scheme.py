@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lmstack.errors import ConfigError
-from lmstack.quant_format import CT_FLOAT_QUANTIZED, WeightFormat
+from lmstack.quant.formats import CT_FLOAT_QUANTIZED, WeightFormat
 from lmstack_fp8 import fp8
 
 

@@ -50,7 +50,7 @@ def test_written_checkpoint_serves_as_quantizing_at_load(tiny_model_path, tmp_pa
     """A float-quantized folder we write loads (fp8 weights stay fp8) and scores every prompt
     token exactly as the dense model quantized at load does."""
     folder = write_quantized_folder(tiny_model_path, tmp_path / "fp8", Fp8WeightFormat())
-    from lmstack.llm import LLM
+    from lmstack.engine.llm import LLM
 
     served = LLM(tiny_stack(folder, quant={"weights": "fp8"}))
     at_load = LLM(tiny_stack(tiny_model_path, quant={"weights": "fp8"}))

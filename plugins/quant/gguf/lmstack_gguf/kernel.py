@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from lmstack.scratch import reused_buffer
+from lmstack.kernels.scratch import reused_buffer
 
 # The GGML types kept as blocks (the C++ kernel's); any other type is dequantized at load.
 KEPT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)

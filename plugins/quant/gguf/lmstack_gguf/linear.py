@@ -19,8 +19,7 @@ from torch import nn
 
 from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
-from lmstack.model.tp_shard import input_columns, part_rows
-from lmstack.model.weight_loader import load_bias_parts, loaded_parts, set_weight_loader, take_rows
+from lmstack.model.quantized_linear import QuantizedLinear
 from lmstack_gguf.kernel import (
     KEPT_TYPES,
     NATIVE_MAX_ROWS,
@@ -33,7 +32,7 @@ from lmstack_gguf.kernel import (
 )
 
 
-class GGUFLinear(nn.Module):
+class GGUFLinear(QuantizedLinear):
     def __init__(
         self,
         spec: LinearSpec,
@@ -55,9 +54,7 @@ class GGUFLinear(nn.Module):
         `dense_copy`): batches from this many rows multiply by the dense copy instead of the
         panels (`prefill: panels+bf16`: a CPU with AMX tiles multiplies large bfloat16 batches
         faster than the int8 panels)."""
-        super().__init__()
-        self.spec = spec
-        self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
+        super().__init__(spec)
         self.use_native = use_native
         self.int8_activations = int8_activations
         self.kernel_max_rows = kernel_max_rows
@@ -67,17 +64,12 @@ class GGUFLinear(nn.Module):
         self.copy_dtype = copy_dtype
         self.use_panels = panels and int8_activations
         self.copy_min_rows = copy_min_rows if self.use_panels and dense_copy else None
-        self.weight = nn.Parameter(torch.empty(self.out_features, 0, dtype=torch.uint8), requires_grad=False)
-        set_weight_loader(self.weight, self._load_weight, num_shards=len(spec.output_sizes))
+        self.weight = self.loaded_parameter(
+            torch.empty(self.out_features, 0, dtype=torch.uint8), self._load_weight
+        )
         self.ggml_type: int | None = None
         # fp32 [out, in]: when the blocks are not kept, or as the dense copy.
         self.register_buffer("dense", None)
-        self.bias: nn.Parameter | None = None
-        if spec.bias:
-            self.bias = nn.Parameter(
-                torch.zeros(self.out_features, dtype=spec.params_dtype), requires_grad=False
-            )
-            set_weight_loader(self.bias, self._load_bias, num_shards=len(spec.output_sizes))
         # part -> (ggml type, uint8 block rows) or (None, fp32 rows), until finalize().
         self._parts: dict[int, tuple[int | None, torch.Tensor]] = {}
         # (op, its arguments after x, most rows it takes) once finalized with the kernels built:
@@ -94,24 +86,18 @@ class GGUFLinear(nn.Module):
 
     @torch.no_grad()
     def _load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
-        for part, tensor in loaded_parts(self.spec.output_sizes, loaded, shard_id):
-            _, start, rows = part_rows(self.spec, part)
-            want = (self.spec.output_sizes[part], self.spec.in_features)
+        for part, tensor in self.parts(loaded, shard_id):
+            want = (part.size, self.spec.in_features)
             if tuple(tensor.shape) != want:
                 raise ValueError(f"expected shape {want}, got {tuple(tensor.shape)}")
-            mine = take_rows(tensor, start, rows)
-            col, cols = input_columns(self.spec)
+            mine, cols = self.kept_rows(tensor, part), self.shard.columns
             kept = isinstance(mine, GGUFTensor) and mine.ggml_type in KEPT_TYPES
-            if kept and col % QK == 0 and cols % QK == 0:
+            if kept and cols.start % QK == 0 and cols.stop % QK == 0:
                 per = block_bytes(int(mine.ggml_type))
-                raw = mine.raw()[:, col // QK * per : (col + cols) // QK * per]
-                self._parts[part] = (int(mine.ggml_type), raw.contiguous())
+                raw = mine.raw()[:, cols.start // QK * per : cols.stop // QK * per]
+                self._parts[part.index] = (int(mine.ggml_type), raw.contiguous())
             else:
-                self._parts[part] = (None, to_dense(mine, torch.float32)[:, col : col + cols].contiguous())
-
-    @torch.no_grad()
-    def _load_bias(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
-        load_bias_parts(self.spec, param, loaded, shard_id)
+                self._parts[part.index] = (None, to_dense(mine, torch.float32)[:, cols].contiguous())
 
     def set_blocks(self, ggml_type: int, blocks: torch.Tensor) -> None:
         """The whole local weight at once, already in blocks (the LM head's table)."""

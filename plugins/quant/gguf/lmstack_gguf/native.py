@@ -1,5 +1,5 @@
 """The GGUF block kernels (csrc/gguf_matmul.cpp), built against the installed torch by
-`lmstack.native` into ~/.cache/lmstack/gguf_matmul/<torch version>-<source hash>.
+`lmstack.kernels.native` into ~/.cache/lmstack/gguf_matmul/<torch version>-<source hash>.
 
 `python -m lmstack_gguf.native` builds them ahead of time (`make install` runs it); otherwise the
 first stack using `gguf` builds them. Where they cannot be built the quantizer dequantizes each
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from lmstack.native import NativeExtension
+from lmstack.kernels.native import NativeExtension
 
 EXTENSION = NativeExtension(
     name="lmstack_gguf_ext",

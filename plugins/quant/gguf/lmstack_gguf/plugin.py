@@ -5,23 +5,31 @@ Imported whenever lmstack loads plugins; the kernels are built when a stack firs
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import BuildContext
-from lmstack.quant_format import GGUF
+from lmstack.quant.formats import GGUF
 from lmstack.registry import Component
 
 
 class GGUFOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # The embedding / tied LM head: Q8_0 blocks where they reproduce the table exactly (a GGUF's
     # Q8_0 embedding does), else dense; "dense": always the dense fp32 table.
-    lm_head: Literal["blocks", "dense"] = "blocks"
+    lm_head: Annotated[
+        Literal["blocks", "dense"],
+        msgspec.Meta(description="embedding / tied LM head: Q8_0 blocks where exact, or always dense fp32"),
+    ] = "blocks"
     # "auto": decode batches (<= 32 rows) run the C++ kernel where it builds; "torch": every
     # matmul dequantizes and multiplies densely (A/B runs).
-    kernel: Literal["auto", "torch"] = "auto"
+    kernel: Annotated[
+        Literal["auto", "torch"],
+        msgspec.Meta(
+            description="auto: decode batches (<= 32 rows) run the C++ kernel; torch: dense dequantize"
+        ),
+    ] = "auto"
     # Batches the kernel does not take: "panels" (int8 activations): every batch of a decoder
     # layer, and the LM head's (from 6 rows where AVX2 is the widest code), the blocks re-laid
     # out at load in panels of 16 weight rows, so that one instruction multiplies 4 values of x
@@ -38,11 +46,19 @@ class GGUFOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # "auto": "panels" where activations are int8 and the kernels run (AVX2 or AVX-512;
     # "panels+bf16" where the CPU has AMX, amx_bf16), else "dense-bf16" where the CPU computes
     # bfloat16 natively (avx512_bf16 / amx_bf16) and activations are int8, else "dense-copy".
-    prefill: Literal["auto", "panels", "panels+bf16", "dense-copy", "dense-bf16", "dequantize"] = "auto"
+    prefill: Annotated[
+        Literal["auto", "panels", "panels+bf16", "dense-copy", "dense-bf16", "dequantize"],
+        msgspec.Meta(
+            description="how batches the kernel does not take multiply (auto: by CPU features; README)"
+        ),
+    ] = "auto"
     # What the kernel multiplies the blocks by: "fp32" activations (the logits of the dequantized
     # checkpoint); "int8": each 32-block of x rounded to int8 first and integer dot products, as
     # llama.cpp does (batch-1 decode ~1.7x faster in the 4-bit layers; perplexity in the README).
-    activations: Literal["fp32", "int8"] = "fp32"
+    activations: Annotated[
+        Literal["fp32", "int8"],
+        msgspec.Meta(description="what the kernel multiplies blocks by: fp32, or x rounded to int8 per 32"),
+    ] = "fp32"
 
 
 def build(options: GGUFOptions, ctx: BuildContext):

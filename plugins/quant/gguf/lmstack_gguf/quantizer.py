@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from lmstack.errors import ConfigError
-from lmstack.hardware import cpu_flags, native_bf16_cpu
 from lmstack.interfaces import LinearFactory, LinearSpec, Quantizer
-from lmstack.quant_format import GGUF, checkpoint_format_id
+from lmstack.kernels.hardware import cpu_flags, native_bf16_cpu
+from lmstack.quant.formats import GGUF, checkpoint_format_id
 from lmstack_gguf.head import keep_embedding_and_head_as_blocks
 from lmstack_gguf.kernel import QK, native_kernel
 from lmstack_gguf.linear import GGUFLinear

@@ -21,8 +21,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about
 
 
 def _llm(weights: str, **extra):
-    from lmstack.llm import LLM
-    from lmstack.plugins import make_plugin_manager
+    from lmstack.engine.llm import LLM
+    from lmstack.stack.plugins import make_plugin_manager
 
     stack = {
         "model": "smollm2-135m-instruct",
@@ -102,9 +102,9 @@ def test_int8_activations_cost_little_accuracy(pair):
 
 
 def test_example_stack_resolves():
-    from lmstack.config import load_stack
-    from lmstack.plugins import default_registry
-    from lmstack.resolve import resolve
+    from lmstack.stack.config import load_stack
+    from lmstack.stack.plugins import default_registry
+    from lmstack.stack.resolve import resolve
 
     r = resolve(load_stack(EXAMPLE), default_registry())
     assert r.quantizer.name == "gguf" and r.dtype == torch.float32

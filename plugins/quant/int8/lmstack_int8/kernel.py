@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmstack.hardware import native_bf16_cpu
-from lmstack.scratch import reused_buffer
+from lmstack.kernels.hardware import native_bf16_cpu
+from lmstack.kernels.scratch import reused_buffer
 
 QMAX = 127
 # fp32 activations with at most this many rows go through the C++ kernel (measured crossover with

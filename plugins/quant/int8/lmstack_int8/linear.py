@@ -14,12 +14,11 @@ from torch import nn
 
 from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, to_dense
-from lmstack.model.tp_shard import input_columns, part_rows
-from lmstack.model.weight_loader import load_bias_parts, loaded_parts, set_weight_loader, take_rows
+from lmstack.model.quantized_linear import QuantizedLinear
 from lmstack_int8.kernel import Int8Matmul, dequantize_rows, native_kernel, quantize_rows
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(QuantizedLinear):
     def __init__(
         self,
         spec: LinearSpec,
@@ -27,21 +26,11 @@ class Int8Linear(nn.Module):
         use_native: bool = True,
         int8_activations: bool = False,
     ) -> None:
-        super().__init__()
-        self.spec = spec
-        self.in_features, self.out_features = spec.local_in_features, spec.local_out_features
-        parts = len(spec.output_sizes)
-        self.weight = nn.Parameter(
-            torch.zeros(self.out_features, self.in_features, dtype=torch.int8), requires_grad=False
+        super().__init__(spec)
+        self.weight = self.loaded_parameter(
+            torch.zeros(self.out_features, self.in_features, dtype=torch.int8), self._load_weight
         )
-        set_weight_loader(self.weight, self._load_weight, num_shards=parts)
         self.register_buffer("weight_scale", torch.zeros(self.out_features, dtype=torch.float32))
-        self.bias: nn.Parameter | None = None
-        if spec.bias:
-            self.bias = nn.Parameter(
-                torch.zeros(self.out_features, dtype=spec.params_dtype), requires_grad=False
-            )
-            set_weight_loader(self.bias, self._load_bias, num_shards=parts)
         self.matmul = Int8Matmul(exact_fp32, use_native, int8_activations)
         # (kernel, weight, scales, most rows) bound at the first call after loading, or False
         # without the kernel: a module's parameter / buffer lookups and `Int8Matmul.path`'s checks cost
@@ -54,19 +43,13 @@ class Int8Linear(nn.Module):
     def _load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
         self.matmul.reset()
         self._fast = None
-        for part, tensor in loaded_parts(self.spec.output_sizes, loaded, shard_id):
-            offset, start, rows = part_rows(self.spec, part)
-            want = (self.spec.output_sizes[part], self.spec.in_features)
+        for part, tensor in self.parts(loaded, shard_id):
+            want = (part.size, self.spec.in_features)
             if tuple(tensor.shape) != want:
                 raise ValueError(f"expected shape {want}, got {tuple(tensor.shape)}")
-            q, scale = quantize_rows(to_dense(take_rows(tensor, start, rows), torch.float32))
-            col, cols = input_columns(self.spec)
-            param.data[offset : offset + rows] = q[:, col : col + cols].to(param.device)
-            self.weight_scale[offset : offset + rows] = scale.to(self.weight_scale.device)
-
-    @torch.no_grad()
-    def _load_bias(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
-        load_bias_parts(self.spec, param, loaded, shard_id)
+            q, scale = quantize_rows(to_dense(self.kept_rows(tensor, part), torch.float32))
+            param.data[part.local] = q[:, self.shard.columns].to(param.device)
+            self.weight_scale[part.local] = scale.to(self.weight_scale.device)
 
     # --- computing ----------------------------------------------------------------------------
 

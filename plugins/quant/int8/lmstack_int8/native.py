@@ -1,5 +1,5 @@
 """The int8 matmul's C++ kernel (csrc/int8_matmul.cpp), built against the installed torch by
-`lmstack.native` into ~/.cache/lmstack/int8_matmul/<torch version>-<source hash>.
+`lmstack.kernels.native` into ~/.cache/lmstack/int8_matmul/<torch version>-<source hash>.
 
 `python -m lmstack_int8.native` builds it ahead of time (`make install` runs it); otherwise the
 first int8 matmul builds it. Where it cannot be built, `kernel.Int8Matmul` keeps torch's paths
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from lmstack.native import NativeExtension
+from lmstack.kernels.native import NativeExtension
 
 EXTENSION = NativeExtension(
     name="lmstack_int8_ext",

@@ -10,7 +10,7 @@ from torch import nn
 
 from lmstack.errors import ConfigError
 from lmstack.interfaces import LinearFactory, LinearSpec, Quantizer
-from lmstack.quant_format import DENSE, GGUF, checkpoint_format_id
+from lmstack.quant.formats import DENSE, GGUF, checkpoint_format_id
 from lmstack_int8.head import quantize_embedding_and_head
 from lmstack_int8.linear import Int8Linear
 

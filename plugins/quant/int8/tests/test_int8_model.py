@@ -29,8 +29,8 @@ def tied_model_path(tmp_path_factory):
 
 
 def _llm(path, **quant):
-    from lmstack.llm import LLM
-    from lmstack.plugins import make_plugin_manager
+    from lmstack.engine.llm import LLM
+    from lmstack.stack.plugins import make_plugin_manager
 
     return LLM(tiny_stack(path, quant={"weights": "int8", **quant}), plugin_manager=make_plugin_manager())
 
@@ -94,9 +94,9 @@ def test_quantized_checkpoints_are_refused():
 
 
 def test_example_stack_resolves():
-    from lmstack.config import load_stack
-    from lmstack.plugins import default_registry
-    from lmstack.resolve import resolve
+    from lmstack.stack.config import load_stack
+    from lmstack.stack.plugins import default_registry
+    from lmstack.stack.resolve import resolve
 
     resolved = resolve(load_stack(EXAMPLE), default_registry(), check_device=False)
     quantizer = resolved.selected["quantizer"]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lmstack.triton_support import enable_interpreter, reduce_splits, split_k, split_k_output
+from lmstack.kernels.triton_support import enable_interpreter, reduce_splits, split_k, split_k_output
 
 
 @triton.jit

@@ -3,27 +3,36 @@ import Triton (the kernel module is imported when a layer first runs it)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from lmstack.hookspecs import hookimpl
 from lmstack.interfaces import BuildContext
-from lmstack.quant_format import CT_NVFP4, DENSE, GGUF
+from lmstack.kernels.triton_support import cuda_device_conflict, interpreter_opt_in
+from lmstack.quant.formats import CT_NVFP4, DENSE, GGUF
 from lmstack.registry import Component
-from lmstack.triton_support import cuda_device_conflict, interpreter_opt_in
 
 NAME = "nvfp4"
 
 
 class Nvfp4Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # auto: the Triton dequantizing GEMM on CUDA, dequantize-per-layer on the CPU.
-    kernel: Literal["auto", "dequant", "triton"] = "auto"
+    kernel: Annotated[
+        Literal["auto", "dequant", "triton"],
+        msgspec.Meta(
+            description="auto: the Triton dequantizing GEMM on CUDA, dequantize per layer on the CPU"
+        ),
+    ] = "auto"
     # Quantizing a dense / GGUF checkpoint at load: try a few group scales and keep the one with
     # the least squared error (False: plain round-to-nearest from each group's absmax).
-    scale_search: bool = True
+    scale_search: Annotated[
+        bool, msgspec.Meta(description="quantizing at load: pick each group's scale by least squared error")
+    ] = True
     # Run the Triton kernel in the Triton interpreter on the CPU (tests only).
-    interpret: bool = False
+    interpret: Annotated[
+        bool, msgspec.Meta(description="run the Triton kernel in the interpreter on the CPU (tests only)")
+    ] = False
 
 
 def check(options: Nvfp4Options, stack, key: str) -> str | None:

@@ -6,7 +6,7 @@ from torch import nn
 
 from lmstack.errors import ConfigError
 from lmstack.interfaces import LinearFactory, LinearSpec, Quantizer
-from lmstack.quant_format import CT_NVFP4, DENSE, GGUF, WeightFormat, checkpoint_format_id
+from lmstack.quant.formats import CT_NVFP4, DENSE, GGUF, WeightFormat, checkpoint_format_id
 from lmstack_nvfp4 import nvfp4
 from lmstack_nvfp4.scheme import SCALE_SEARCH, Nvfp4WeightFormat, parse_scheme
 

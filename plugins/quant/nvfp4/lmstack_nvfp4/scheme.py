@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from lmstack.awq_search import AWQCalibration, AWQConfig
 from lmstack.errors import ConfigError
-from lmstack.quant_format import CT_NVFP4, WeightFormat
+from lmstack.quant.formats import CT_NVFP4, WeightFormat
+from lmstack_calibrate.awq_search import AWQCalibration, AWQConfig
 from lmstack_nvfp4 import nvfp4
 
 # Multiples of a group's absmax / 6 scale tried when quantizing; the one with the least squared

@@ -44,7 +44,7 @@ def _logprobs(llm) -> list[list[float]]:
 def test_written_checkpoint_serves_as_quantizing_at_load(tiny_model_path, tmp_path):
     """An nvfp4-pack-quantized folder we write scores every prompt token exactly as the dense
     model quantized at load does (the same codes and scales)."""
-    from lmstack.llm import LLM
+    from lmstack.engine.llm import LLM
 
     folder = write_quantized_folder(tiny_model_path, tmp_path / "nvfp4", Nvfp4WeightFormat())
     served = LLM(tiny_stack(folder, quant={"weights": "nvfp4"}))

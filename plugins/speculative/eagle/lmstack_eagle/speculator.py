@@ -13,7 +13,7 @@ tokens.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import torch
@@ -41,21 +41,34 @@ class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # The head: a bundled head's name (one per target, e.g. "smollm2-135m-instruct") or a folder
     # (config.json + model.safetensors, EAGLE-1 tensor names);
     # `lmstack eagle train --stack STACK --out DIR` builds one.
-    head: str = ""
+    head: Annotated[
+        str,
+        msgspec.Meta(description="a bundled head's name or a head folder (`lmstack eagle train` builds one)"),
+    ] = ""
     # The most drafts per sequence per step.
-    num_draft_tokens: int = 4
-    # Let the core size the draft per step (lmstack.draft_policy); false: always num_draft_tokens.
-    adaptive: bool = True
+    num_draft_tokens: Annotated[
+        int, msgspec.Meta(description="the most draft tokens per sequence per step")
+    ] = 4
+    # Let the core size the draft per step (lmstack.spec.draft_policy); false: always num_draft_tokens.
+    adaptive: Annotated[
+        bool,
+        msgspec.Meta(description="let the core size the draft per step (false: always num_draft_tokens)"),
+    ] = True
     # Draft only among the head's N most frequent training tokens (the folder's
     # draft_vocab.json): the LM head then costs N / vocab of a full one per draft token; a token
     # outside is never drafted (verification stays exact). 0: the whole vocabulary.
-    draft_vocab: int = 0
+    draft_vocab: Annotated[
+        int, msgspec.Meta(description="draft only among the head's N most frequent tokens (0: all of them)")
+    ] = 0
     # The head's linears (and a reduced draft vocabulary's rows): "fp32" (as trained, the
     # serving dtype), or "int8": int8 rows with one scale each, multiplied by lmstack-int8's CPU
     # kernel (fp32 activations; needs that distribution and its built kernel). A draft pass
     # reads its weights once per draft token: a quarter of the bytes makes drafting cheaper
     # (README); drafts may differ slightly, verification keeps the output exact.
-    head_weights: Literal["fp32", "int8"] = "fp32"
+    head_weights: Annotated[
+        Literal["fp32", "int8"],
+        msgspec.Meta(description="the head's linears as trained (fp32) or int8 rows (lmstack-int8 kernel)"),
+    ] = "fp32"
     # A chain stops before a draft whose chain probability falls below this: the product of the
     # head's probabilities (softmax of its draft logits) of the drafts up to it, the head's own
     # estimate that verification accepts them all (a sequence whose first draft falls below it
@@ -67,7 +80,10 @@ class EagleOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # (`Sequence.draft_min_gain`); without `adaptive` there is no bar. A number: a fixed bar
     # under the policy's own chain lengths. 0: chains run to the length the policy allows.
     # Not the default: on a 2-core Zen 5 neither beat the policy's own lengths (README).
-    min_chain_prob: float | Literal["auto"] = 0.0
+    min_chain_prob: Annotated[
+        float | Literal["auto"],
+        msgspec.Meta(description="stop a chain below this chain probability (0: none; auto: per step)"),
+    ] = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 16:
@@ -301,7 +317,7 @@ def check_head(options: EagleOptions, mc: Any) -> None:
 def int8_kernel_problem() -> str | None:
     """Why `head_weights: int8` cannot run here, or None (the resolver's check)."""
     try:
-        from lmstack_int8.native import EXTENSION
+        from lmstack_int8.api import EXTENSION
     except ImportError:
         return "head_weights: int8 needs lmstack-int8 installed (its CPU kernel multiplies the head)"
     problem = EXTENSION.load_error()
@@ -316,7 +332,7 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """lmstack-int8's `Int8Linear` of an fp32 CPU weight (int8 rows, one scale each; its C++
     kernel for decode-sized batches, an exact fp32 path above), with the bias kept in fp32. The
     resolver has checked the device and the kernel."""
-    from lmstack_int8.head import int8_table
+    from lmstack_int8.api import int8_table
 
     table = int8_table(weight.float(), exact_fp32=True)
     if bias is not None:

@@ -1,8 +1,8 @@
 """`lmstack eagle train`: an EAGLE-1 head for a stack's model, by self-distillation.
 
 (a) The target answers the training prompts (and the held-out ones) greedily through
-`lmstack.LLM(stack)` (all at once, batched by the engine); (b) `lmstack.quantize.CalibrationModel`
-recomputes the final-norm hidden state at every position of prompt + answer in fp32; (c) the
+`lmstack.LLM(stack)` (all at once, batched by the engine); (b) `lmstack_calibrate.model.DenseModel` (the
+core's model in fp32) recomputes the final-norm hidden state at every position of prompt + answer in fp32; (c) the
 head (fc + one decoder layer; the target's embedding and LM head frozen) learns EAGLE-1's loss
 SmoothL1(f'_{t+1}, f_{t+1}) + 0.1 * CE(lm_head(f'_{t+1}), target's distribution) with AdamW,
 on batches of packed sequences, over an unrolled drafting chain: step j > 1 reads the head's own
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lmstack.commands.progress import Progress
 from lmstack.errors import ConfigError
-from lmstack.progress import Progress
 from lmstack_eagle.head import EagleHead, HeadConfig, head_path, load_head, save_draft_vocab, save_head
 
 DEFAULT_STACK = {
@@ -58,24 +58,18 @@ class TrainResult:
 
 
 class Target:
-    """The target's frozen pieces in fp32: embedding, LM head and the hidden-state forward."""
+    """The target's frozen pieces in fp32: embedding, LM head and the hidden-state forward
+    (`model`: a `lmstack_calibrate.model.DenseModel`, the core's model on dense weights)."""
 
-    def __init__(self, cm: Any) -> None:
-        self.cm = cm
-        w = cm.weights
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        w = model.weights
         self.embedding = w["model.embed_tokens.weight"]
         self.lm_head = w.get("lm_head.weight", self.embedding)
-        self.norm = w["model.norm.weight"]
-        self.eps = cm.config.rms_norm_eps
 
-    @torch.no_grad()
     def features(self, ids: list[int]) -> torch.Tensor:
         """The final norm's output at every position of `ids`: [L, H] fp32."""
-        x = self.cm.embed(torch.tensor([ids]))
-        for i in range(self.cm.num_layers):
-            x, _ = self.cm.layer_forward(i, x)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.norm * x)[0]
+        return self.model.hidden(torch.tensor([ids]))[0]
 
 
 def generate_answers(
@@ -338,8 +332,8 @@ def train(
     per prompt at `temperature`: more, and more varied, text); with `heldout` prompts, also
     measure the head offline on the target's greedy answers to those (`chain_acceptance`, 4
     drafts). `init`: a head folder to continue training from (its weights are the start)."""
-    from lmstack.llm import LLM
-    from lmstack.quantize import CalibrationModel
+    from lmstack.engine.llm import LLM
+    from lmstack_calibrate.model import DenseModel
 
     heldout = heldout or []
     seconds: dict[str, float] = {}
@@ -385,7 +379,7 @@ def train(
     del llm
     seconds["generate"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    target = Target(CalibrationModel.load(source))
+    target = Target(DenseModel.load(source))
     bar = Progress(len(sequences), "eagle: hidden states", "sequences") if progress else None
     features = []
     for ids in sequences:

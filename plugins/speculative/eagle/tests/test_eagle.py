@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from lmstack import LLM, SamplingParams
 from lmstack.errors import LmstackError
 from lmstack.model.source import open_model_source
-from lmstack.quantize import CalibrationModel
 from lmstack.testing import SpeculatorConformance
 from lmstack.testing.kit import tiny_stack
+from lmstack_calibrate.model import DenseModel
 from lmstack_eagle.draft_pass import DraftPass
 from lmstack_eagle.head import (
     BUNDLED_HEADS,
@@ -336,7 +336,7 @@ def test_bundling_a_head_keeps_its_weights_in_float16_and_its_record_without_pat
 
 
 def test_trainer_loss_decreases(tiny_model_path, tiny_config):
-    cm = CalibrationModel.load(open_model_source(str(tiny_model_path)))
+    cm = DenseModel.load(open_model_source(str(tiny_model_path)))
     target = Target(cm)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, tiny_config.vocab_size, (24,), generator=gen).tolist() for _ in range(6)]
@@ -484,7 +484,7 @@ def test_draft_vocab_rows_come_from_any_lm_head():
 
 def test_the_command_is_registered():
     from lmstack.cli import build_parser
-    from lmstack.plugins import make_plugin_manager
+    from lmstack.stack.plugins import make_plugin_manager
 
     args = build_parser(make_plugin_manager()).parse_args(
         ["eagle", "train", "--out", "x", "--num-prompts", "3"]
@@ -560,7 +560,7 @@ def test_int8_head_drafts_like_the_fp32_head(tiny_model_path, trained_head_dir):
 
     if problem := int8_kernel_problem():
         pytest.skip(problem)
-    from lmstack_int8.linear import Int8Linear
+    from lmstack_int8.api import Int8Linear
 
     fp32 = LLM(eagle_stack(tiny_model_path, trained_head_dir, num_draft_tokens=4, adaptive=False))
     int8 = LLM(
@@ -587,11 +587,11 @@ def test_int8_head_drafts_like_the_fp32_head(tiny_model_path, trained_head_dir):
 def test_int8_head_is_refused_off_the_cpu_or_without_its_kernel(
     tiny_model_path, trained_head_dir, monkeypatch
 ):
-    from lmstack.config import load_stack
-    from lmstack.plugins import default_registry
-    from lmstack.resolve import resolve
+    from lmstack.stack.config import load_stack
+    from lmstack.stack.plugins import default_registry
+    from lmstack.stack.resolve import resolve
 
-    EXTENSION = pytest.importorskip("lmstack_int8.native").EXTENSION
+    EXTENSION = pytest.importorskip("lmstack_int8.api").EXTENSION
     stack = eagle_stack(tiny_model_path, trained_head_dir, head_weights="int8")
     with pytest.raises(LmstackError, match="cuda"):
         resolve(load_stack({**stack, "device": "cuda"}), default_registry())

@@ -2,11 +2,13 @@
 
 Drafts are deterministic (the core verifies them as one-hot proposals: greedy output is
 identical to plain decoding, sampled output keeps the target distribution). How many drafts a
-sequence gets each step is the core's adaptive draft length (`lmstack.draft_policy`), capped by
+sequence gets each step is the core's adaptive draft length (`lmstack.spec.draft_policy`), capped by
 `num_draft_tokens`; a sequence whose suffix never occurred before gets none and costs nothing.
 """
 
 from __future__ import annotations
+
+from typing import Annotated
 
 import msgspec
 
@@ -21,13 +23,20 @@ PURGE_EVERY = 256  # steps between sweeps of finished sequences' indexes
 class NgramOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Suffix lengths looked up, longest first: a longer match predicts better, a shorter one
     # is tried only when no longer one occurred.
-    min_ngram: int = 1
-    max_ngram: int = 4
+    min_ngram: Annotated[int, msgspec.Meta(description="shortest suffix looked up, in tokens")] = 1
+    max_ngram: Annotated[
+        int, msgspec.Meta(description="longest suffix looked up, in tokens (tried first)")
+    ] = 4
     # The most drafts per sequence per step.
-    num_draft_tokens: int = 5
+    num_draft_tokens: Annotated[
+        int, msgspec.Meta(description="the most draft tokens per sequence per step")
+    ] = 5
     # Let the core size the draft per step from measured acceptance and step cost (down to 0
     # when the batch is compute-bound); false: always up to num_draft_tokens.
-    adaptive: bool = True
+    adaptive: Annotated[
+        bool,
+        msgspec.Meta(description="let the core size the draft per step (false: always num_draft_tokens)"),
+    ] = True
 
     def __post_init__(self) -> None:
         if self.min_ngram < 1:

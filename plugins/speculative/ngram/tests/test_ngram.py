@@ -11,10 +11,10 @@ import random
 import pytest
 
 from lmstack import LLM, SamplingParams
-from lmstack.config import load_stack
 from lmstack.errors import ConfigError
-from lmstack.plugins import default_registry
-from lmstack.resolve import resolve
+from lmstack.stack.config import load_stack
+from lmstack.stack.plugins import default_registry
+from lmstack.stack.resolve import resolve
 from lmstack.testing import SpeculatorConformance
 from lmstack_ngram import NgramIndex
 

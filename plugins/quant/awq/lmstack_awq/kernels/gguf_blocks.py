@@ -10,7 +10,7 @@ per 32 weights (0.53 a weight) where Q4_1 takes 20; groups of 32 (the int4 head)
 blocks replace the layer's nibble buffer and hold its scales and zeros, so the module keeps one
 copy of the weight and nothing beside it; `codes` reads the nibbles back.
 
-Batches of at most `lmstack_gguf.kernel.NATIVE_MAX_ROWS` rows take the kernel with fp32
+Batches of at most `lmstack_gguf.api.NATIVE_MAX_ROWS` rows take the kernel with fp32
 activations (the dequantized model's result up to fp32 summation order), or with
 `layer.int8_activations` the kernel that rounds x to int8 per 32 values first (llama.cpp's
 scheme, `fp32_activations: int8`). Larger ones (prefill) rebuild the weight a slab at a time into
@@ -28,7 +28,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from lmstack.hardware import native_bf16_cpu
+from lmstack.kernels.hardware import native_bf16_cpu
 from lmstack_awq.int4_math import expand_groups, unpack_nibbles
 
 QK = 32
@@ -44,10 +44,10 @@ def fp16_bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def available() -> bool:
-    """Whether lmstack-gguf is installed, its kernels built on this machine, and new enough to
-    take the Q4_1G layout (else the layers take torch's int4 op)."""
+    """Whether lmstack-gguf is installed (lmstack-awq's optional dependency `gguf`) and its
+    kernels built on this machine (else the layers take torch's int4 op)."""
     try:
-        from lmstack_gguf.kernel import grouped_type, native_kernel  # noqa: F401 (the version check)
+        from lmstack_gguf.api import native_kernel
     except ImportError:
         return False
     return native_kernel() is not None
@@ -59,8 +59,15 @@ class GGUFBlocks:
         return layer.in_features % QK == 0 and layer.group_size % QK == 0 and available()
 
     def __init__(self, layer) -> None:
-        from lmstack_gguf.kernel import NATIVE_MAX_ROWS, group_q4_1, grouped_type, native_kernel
-        from lmstack_gguf.quantizer import BF16_COPY_MIN_ROWS, layer_panels_min_rows, panels_cpu
+        from lmstack_gguf.api import (
+            BF16_COPY_MIN_ROWS,
+            NATIVE_MAX_ROWS,
+            group_q4_1,
+            grouped_type,
+            layer_panels_min_rows,
+            native_kernel,
+            panels_cpu,
+        )
 
         n, k = layer.out_features, layer.in_features
         nb = k // QK
@@ -102,7 +109,7 @@ class GGUFBlocks:
         if self.bf16:
             self.max_rows = BF16_COPY_MIN_ROWS - 1
             if getattr(layer, "bf16_copy", False):
-                from lmstack_gguf.kernel import dequantize_blocks
+                from lmstack_gguf.api import dequantize_blocks
 
                 bf16 = torch.empty(n, k, dtype=torch.bfloat16)  # written in one pass
                 self.dense = dequantize_blocks(layer.w_packed, self.type, k, bf16)
@@ -110,7 +117,7 @@ class GGUFBlocks:
     @staticmethod
     def code_byte_offsets(k: int, typ: int) -> torch.Tensor:
         """[blocks, 16]: where each block's code bytes sit in a block row of type `typ`."""
-        from lmstack_gguf.kernel import Q4_1G
+        from lmstack_gguf.api import Q4_1G
 
         b = torch.arange(k // QK)
         if typ == Q4_1:
@@ -136,7 +143,7 @@ class GGUFBlocks:
         panels are kept, rebuilt from them (as Q4_1 for Q4_1G: the panels hold each block's d, m)."""
         if not self.panels_only:
             return layer.w_packed[ids], self.type
-        from lmstack_gguf.kernel import native_kernel
+        from lmstack_gguf.api import native_kernel
 
         ext = native_kernel()
         return ext.gguf_panel_blocks(self.panels, self.type, layer.in_features, ids), Q4_1
@@ -165,7 +172,7 @@ class GGUFBlocks:
         """x @ W^T with W rebuilt from the blocks a slab at a time (lmstack-gguf's
         `dequant_matmul`), multiplied in bf16 on a native-bf16 CPU (x rounded to bf16; fp32
         matmuls run ~3x slower there), else in fp32."""
-        from lmstack_gguf.kernel import dequant_matmul
+        from lmstack_gguf.api import dequant_matmul
 
         xs = x.to(torch.bfloat16 if self.bf16 else torch.float32)
         out = dequant_matmul(xs, layer.w_packed, self.type, layer.in_features)
@@ -182,7 +189,7 @@ class GGUFBlocks:
         matmul multiplies by (m rounded to fp16 once, see above). The tied head's embedding
         lookup: one native call where unpacking the codes and applying the groups' scales
         and zeros took ~10 torch ops (~110 us a decode step at one token, Zen 3)."""
-        from lmstack_gguf.kernel import dequantize_blocks
+        from lmstack_gguf.api import dequantize_blocks
 
         out = dequantize_blocks(*self.blocks(layer, ids), layer.in_features)
         return out if dtype == torch.float32 else out.to(dtype)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lmstack.grammar import GrammarState
-from lmstack.sampler import Sampler, SampleRow
+from lmstack.sample.grammar import GrammarState
+from lmstack.sample.sampler import Sampler, SampleRow
+from lmstack.sample.verification import Draft, RejectionSampler, Verification
 from lmstack.sequence import Sequence
-from lmstack.verification import Draft, RejectionSampler, Verification
 
 
 @dataclass

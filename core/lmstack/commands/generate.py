@@ -9,7 +9,7 @@ from lmstack.sampling_params import SamplingParams
 
 
 def run(args: argparse.Namespace) -> int:
-    from lmstack.engine import LLMEngine
+    from lmstack.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(args.stack)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)

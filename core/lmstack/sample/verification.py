@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lmstack.model.layer_ops import argmax_rows
-from lmstack.sampler import Sampled, Sampler, SampleRow, needs_processing
+from lmstack.sample.sampler import Sampled, Sampler, SampleRow, needs_processing
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 
 from lmstack.model.detokenizer import IncrementalDetokenizer
 from lmstack.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from lmstack.sampler import Sampled
+from lmstack.sample.sampler import Sampled
 from lmstack.sequence import FinishReason, Request, Sequence, SequenceStatus
 
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from lmstack.batch import ModelOutput, StepPlan
-from lmstack.distributed import ParallelRanks
+from lmstack.exec.distributed import ParallelRanks
+from lmstack.exec.model_runner import ModelRunner
 from lmstack.interfaces import AttentionBackend, Executor, Quantizer
 from lmstack.model.architecture import ModelRegistry
 from lmstack.model.config import ModelConfig
-from lmstack.model_runner import ModelRunner
 
 
 @dataclass
@@ -30,7 +30,7 @@ class ExecutorSpec:
     quantizer: Quantizer
     prefill: AttentionBackend
     decode: AttentionBackend
-    stack: object = None  # lmstack.resolve.ResolvedStack
+    stack: object = None  # lmstack.stack.resolve.ResolvedStack
     models: ModelRegistry | None = None  # the installed model architectures; None: the built-ins
     parallel: ParallelRanks | None = None  # a multi-process layout's degrees (workers set their rank)
     # How each rank of a multi-process layout builds its own executor (picklable; a pipeline

@@ -11,8 +11,8 @@ from collections.abc import Container
 from typing import Any
 
 from lmstack.errors import InvalidRequestError
-from lmstack.grammar import GrammarCompiler
 from lmstack.interfaces import EngineLimits
+from lmstack.sample.grammar import GrammarCompiler
 from lmstack.sampling_params import SamplingParams
 from lmstack.sequence import Request
 

@@ -27,7 +27,14 @@ from typing import Any
 import msgspec
 import torch
 
-from lmstack.config import (
+from lmstack.errors import ConfigError, ResolutionError
+from lmstack.kernels.hardware import auto_dtype
+from lmstack.model.config import ModelConfig
+from lmstack.quant.formats import DENSE, GGUF, checkpoint_format_id
+from lmstack.registry import Component, Registry
+from lmstack.roles import ROLE_NAMES, check_capabilities
+from lmstack.roles import ROLES as ROLE_TABLE
+from lmstack.stack.config import (
     ATTENTION_AUTO,
     CORE_KEYS,
     DEFAULT_ATTENTION,
@@ -40,13 +47,6 @@ from lmstack.config import (
     convert,
     stack_from_mapping,
 )
-from lmstack.errors import ConfigError, ResolutionError
-from lmstack.hardware import auto_dtype
-from lmstack.model.config import ModelConfig
-from lmstack.quant_format import DENSE, GGUF, checkpoint_format_id
-from lmstack.registry import Component, Registry
-from lmstack.roles import ROLE_NAMES, check_capabilities
-from lmstack.roles import ROLES as ROLE_TABLE
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -128,7 +128,7 @@ class ResolvedStack:
     sections: Mapping[str, msgspec.Struct]
     # How each section shows itself to readers (secrets left out); name -> public(value).
     section_views: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
-    # The model's checkpoint format (`lmstack.quant_format` id) as read at resolution.
+    # The model's checkpoint format (`lmstack.quant.formats` id) as read at resolution.
     checkpoint_format: str | None = None
     # Why `dtype` is what it is: "set in the stack", or what `dtype: auto` saw.
     dtype_reason: str = "set in the stack"
@@ -723,7 +723,7 @@ def check_model(resolved: ResolvedStack, model_config: ModelConfig) -> None:
     _check_block_size(r)
     tp = getattr(r.parallel.options, "tp", 1)
     if isinstance(tp, int) and tp > 1:  # heads and widths; the quantizer's alignment at build
-        from lmstack.parallel_layout import check_tensor_parallel
+        from lmstack.exec.parallel_layout import check_tensor_parallel
 
         check_tensor_parallel(tp, model_config)
     _check_checkpoint_format(r, model_config)

@@ -3,7 +3,7 @@
 
 Off unless ``LMSTACK_COMM_STATS=1`` is in the environment when a rank starts (spawned workers and
 torchrun ranks inherit it): then the torch.distributed functions below are wrapped in that
-process, so every caller (lmstack.distributed's helpers, a plugin calling torch directly, the
+process, so every caller (lmstack.exec.distributed's helpers, a plugin calling torch directly, the
 executor's command broadcast) is counted. Counted per call: the bytes of the tensor this rank
 contributes (all-reduce: the tensor; all-gather / all-to-all / reduce-scatter: its input;
 broadcast: the tensor, sent or received; send / recv: the tensor). Object collectives

@@ -41,7 +41,7 @@ def _xgrammar():
     return xgrammar
 
 
-def _one_line(exc: BaseException) -> str:
+def error_reason(exc: BaseException) -> str:
     """xgrammar's C++ errors carry a '[time] file.cc:line:' prefix and check text: keep the reason."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     msg = lines[0] if lines else type(exc).__name__
@@ -200,7 +200,9 @@ class GrammarCompiler:
                     prepared.text, any_whitespace=False, strict_mode=prepared.strict
                 )
             except (RuntimeError, ValueError, TypeError) as e:
-                raise InvalidRequestError(f"invalid JSON schema: {_one_line(e)}", param=_SCHEMA_PARAM) from e
+                raise InvalidRequestError(
+                    f"invalid JSON schema: {error_reason(e)}", param=_SCHEMA_PARAM
+                ) from e
 
         return self._get(prepared.key, build)
 

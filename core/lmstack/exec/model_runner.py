@@ -10,10 +10,10 @@ import torch
 
 from lmstack.batch import AttentionMetadata, ModelInput, ModelOutput, StepPlan
 from lmstack.interfaces import AttentionBackend, Quantizer
-from lmstack.kv_quant import calibrate_kv_scales, is_scaled
 from lmstack.model.architecture import ModelArchitecture
 from lmstack.model.checkpoint import CheckpointTensor
 from lmstack.model.config import ModelConfig
+from lmstack.quant.kv import calibrate_kv_scales, is_scaled
 
 
 class ForwardContext:

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lmstack.grammar import GrammarError
 from lmstack.model.layer_ops import argmax_rows
+from lmstack.sample.grammar import GrammarError
 from lmstack.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from lmstack.grammar import GrammarState
+    from lmstack.sample.grammar import GrammarState
 
 
 @dataclass

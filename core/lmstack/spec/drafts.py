@@ -1,5 +1,5 @@
 """The drafts in flight: how many drafts each decoding sequence may have this step (the
-adaptive draft length, `lmstack.draft_policy`), what the speculator proposed, trimmed to what
+adaptive draft length, `lmstack.spec.draft_policy`), what the speculator proposed, trimmed to what
 the request may still emit, kept until the step that verifies it; then what became of them,
 back to the policy and the speculator."""
 
@@ -10,12 +10,12 @@ from collections import Counter
 
 import torch
 
-from lmstack.draft_policy import DraftLengthPolicy
+from lmstack.engine.output_processor import OutputProcessor
+from lmstack.engine.step_cost import StepCostModel
 from lmstack.interfaces import DraftFeedback, Speculator
-from lmstack.output_processor import OutputProcessor
+from lmstack.sample.verification import Draft
 from lmstack.sequence import Sequence
-from lmstack.step_cost import StepCostModel
-from lmstack.verification import Draft
+from lmstack.spec.draft_policy import DraftLengthPolicy
 
 
 class DraftBook:

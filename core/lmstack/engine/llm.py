@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from lmstack.engine import LLMEngine, StackSource
-from lmstack.grammar import Grammar
+from lmstack.engine.llm_engine import LLMEngine, StackSource
 from lmstack.outputs import EngineStats, RequestOutput
+from lmstack.sample.grammar import Grammar
 from lmstack.sampling_params import SamplingParams
 
 Prompt = str | list[int]

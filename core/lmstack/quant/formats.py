@@ -78,7 +78,7 @@ class Calibrated(Protocol):
     """A `WeightFormat` whose method searches on calibration data before `encode` (AWQ).
 
     `lmstack quantize` calls `calibrate(model, samples)` once, before any `encode`: `model` is a
-    `lmstack.quantize.CalibrationModel` (the dense fp32 weights by Hugging Face name, the
+    `lmstack_calibrate.model.DenseModel` (the dense fp32 weights by Hugging Face name, the
     decoder layers' forward pieces and, per layer, the `ScaleGroup`s of linears that share an
     input), `samples` the calibration token ids [num_samples, seq_len]. It may rewrite any
     weight in `model.weights` as long as the model's function is kept up to quantization error

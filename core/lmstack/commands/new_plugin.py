@@ -185,7 +185,7 @@ return $Camel$suffix()
         imports=(
             "from lmstack.components.none_speculator import NoSpeculator",
             "from lmstack.sequence import Sequence",
-            "from lmstack.verification import Draft",
+            "from lmstack.sample.verification import Draft",
         ),
         base="NoSpeculator",
         suffix="Speculator",
@@ -208,7 +208,7 @@ return $Camel$suffix()
     "parallel": KindTemplate(
         imports=(
             "from lmstack.components.single import SingleLayout, SingleOptions",
-            "from lmstack.executor import ExecutorSpec",
+            "from lmstack.exec.executor import ExecutorSpec",
             "from lmstack.interfaces import Executor",
         ),
         base="SingleLayout",
@@ -310,7 +310,7 @@ def check_kind(kind: str) -> None:
         )
     if kind not in TEMPLATES:
         raise ScaffoldError(
-            f"lmstack new-plugin has no template for kind {kind!r} yet; add one to lmstack.scaffold.TEMPLATES"
+            f"lmstack new-plugin has no template for kind {kind!r} yet; add one to lmstack.commands.new_plugin.TEMPLATES"
         )
 
 
@@ -332,7 +332,7 @@ def stack_selection(kind: str, name: str) -> dict[str, dict[str, str]]:
 
 def builtin_registry():
     """The core's own components (no installed plugins): the references the templates extend."""
-    from lmstack.plugins import build_registry, make_plugin_manager
+    from lmstack.stack.plugins import build_registry, make_plugin_manager
 
     return build_registry(make_plugin_manager(autoload=False))
 
@@ -354,7 +354,7 @@ def plugin_api_range() -> str:
 
 def lmstack_requirement() -> str:
     """The `lmstack` requirement: at least this release; below the plugin API's next major."""
-    from lmstack.plugins import lmstack_version
+    from lmstack.stack.plugins import lmstack_version
 
     release = ".".join(lmstack_version().split(".")[:2])
     major = plugin_api_range().rpartition("<")[2]

@@ -1,22 +1,22 @@
 """What the parallel plugins (`tp`, `pp`, `ep`) share: a layout that starts one worker process
 per rank, each building its shard of the model, and the checks that a model splits over the
-degrees a stack asks for. `lmstack.resolve.check_model` runs the head / width check as soon as
+degrees a stack asks for. `lmstack.stack.resolve.check_model` runs the head / width check as soon as
 the model's config is read; the layout's factory runs it again with the built quantizer's shard
 alignment, before the executor exists: a bad degree fails before any worker starts or any
 weight loads.
 
 A plugin validates its own options, then returns `ShardedLayout(ParallelRanks(tp=..., pp=...,
-ep=...))`; `lmstack.multiproc` gives each worker its rank (`init_parallel`) and the model reads
-it at build time (`lmstack.distributed.get_parallel`).
+ep=...))`; `lmstack.exec.multiproc` gives each worker its rank (`init_parallel`) and the model reads
+it at build time (`lmstack.exec.distributed.get_parallel`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from lmstack.distributed import ParallelRanks
 from lmstack.errors import ResolutionError
-from lmstack.executor import ExecutorSpec
+from lmstack.exec.distributed import ParallelRanks
+from lmstack.exec.executor import ExecutorSpec
 from lmstack.interfaces import Executor, LinearSpec, ParallelLayout, Quantizer
 from lmstack.model.config import ModelConfig
 from lmstack.model.tensor_parallel import tp_problem, valid_tp_degrees
@@ -31,7 +31,7 @@ class ShardedLayout(ParallelLayout):
         self.world_size = ranks.world_size
 
     def create_executor(self, spec: ExecutorSpec) -> Executor:
-        from lmstack.multiproc import MultiprocExecutor
+        from lmstack.exec.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(dataclasses.replace(spec, parallel=self.ranks), self.world_size)
 

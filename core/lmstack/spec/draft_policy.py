@@ -6,7 +6,7 @@ any device) an extra query token costs almost nothing and every accepted draft i
 free; once the step is compute-bound (large batches) an extra token costs what a plain decode
 token costs, and a draft accepted with probability g < 1 loses. Two things are measured:
 
-- the step's cost: t(T) = a + b * T seconds for T query tokens (`lmstack.step_cost`), from
+- the step's cost: t(T) = a + b * T seconds for T query tokens (`lmstack.engine.step_cost`), from
   the steps that only decode (and verify), drafting included (a prefill chunk's tokens cost
   differently, and drafting never changes them), as the line through the two measured sizes
   around this step's (`fit_near`: the marginal cost of a token where the step is, not averaged
@@ -72,7 +72,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmstack.step_cost import StepCostModel
+from lmstack.engine.step_cost import StepCostModel
 
 PRIOR_ACCEPTANCE = 0.6  # before anything is measured
 PSEUDO_COUNTS = 4.0  # weight of the engine-wide rate in a sequence's own estimate

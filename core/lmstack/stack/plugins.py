@@ -10,7 +10,7 @@ switches keep runs reproducible (tests must not depend on what happens to be ins
 One broken plugin must not take every command down. An autoloaded entry-point plugin that
 fails to import, implements a hook wrongly (a misspelled name, a misnamed argument), raises in
 its registration hook or registers something invalid is *skipped*: one warning line (logger
-``lmstack.plugins``) names it and its distribution, and the problem is kept in
+``lmstack.stack.plugins``) names it and its distribution, and the problem is kept in
 `Registry.problems` (`lmstack plugins --check` lists them; an unknown component name mentions
 them). Plugins the user asked for by name — built-ins, `extra_plugins`, entry points in the
 ``LMSTACK_PLUGINS`` allow-list — fail loudly instead, with the same message.
@@ -33,7 +33,7 @@ from typing import Any
 import pluggy
 
 from lmstack import hookspecs
-from lmstack.errors import LmstackError, ResolutionError
+from lmstack.errors import LmstackError, ResolutionError, one_line
 from lmstack.registry import KINDS, Component, InvalidComponent, PluginProblem, Registry, StackSection
 
 __all__ = [
@@ -132,7 +132,7 @@ def _register(pm: pluggy.PluginManager, plugin: object, name: str | None) -> Non
     try:
         pm.register(plugin, name=name)
     except (pluggy.PluginValidationError, ValueError) as exc:
-        raise ResolutionError(f"plugin {label!r} cannot be registered: {_one_line(exc)}") from exc
+        raise ResolutionError(f"plugin {label!r} cannot be registered: {one_line(exc)}") from exc
 
 
 def _load_entry_points(pm: PluginManager, allowed: frozenset[str] | None) -> None:
@@ -169,7 +169,7 @@ def _load_entry_points(pm: PluginManager, allowed: frozenset[str] | None) -> Non
         except Exception as exc:  # any import-time failure of third-party code
             log.debug("plugin %r failed to import", name, exc_info=True)
             problem(
-                f"failed to import {ep.value}: {type(exc).__name__}: {_one_line(exc)}; "
+                f"failed to import {ep.value}: {type(exc).__name__}: {one_line(exc)}; "
                 f"fix or uninstall {dist_name}, or leave it out with {ALLOW_LIST_ENV}"
             )
             continue
@@ -186,7 +186,7 @@ def _load_entry_points(pm: PluginManager, allowed: frozenset[str] | None) -> Non
         except (pluggy.PluginValidationError, ValueError) as exc:
             if pm.is_registered(module):  # pluggy may have added some of its hooks already
                 pm.unregister(module)
-            problem(f"cannot be registered: {_one_line(exc)}")
+            problem(f"cannot be registered: {one_line(exc)}")
             continue
         pm.entry_points.add(id(module))
         if tolerant:
@@ -260,7 +260,7 @@ def _check_hook_names(pm: pluggy.PluginManager) -> None:
         origin = _origins(pm).get(id(exc.plugin), (UNKNOWN_DISTRIBUTION, ""))
         raise ResolutionError(
             f"plugin {_label(pm, exc.plugin)!r} ({origin[0]}) implements a hook lmstack does not "
-            f"define ({_one_line(exc)}); check its spelling, or the plugin needs a newer lmstack"
+            f"define ({one_line(exc)}); check its spelling, or the plugin needs a newer lmstack"
         ) from exc
 
 
@@ -355,7 +355,7 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
         except ResolutionError as exc:
             if plugin_id not in tolerant:
                 raise
-            report(offer.problem(f"clashes with another plugin: {_one_line(exc)}"))
+            report(offer.problem(f"clashes with another plugin: {one_line(exc)}"))
             continue
         other_hooks = [c for c in pm.get_hookcallers(offer.obj) or () if c.name not in _REGISTERING_HOOKS]
         if plugin_id in entry_points and not offer.items and not other_hooks:
@@ -383,10 +383,10 @@ def _call_registration(
         except InvalidComponent as exc:  # raised by Component() inside the hook
             offer.problems.append(f"offers an invalid component in {hook_name}: {exc}")
         except LmstackError as exc:
-            offer.problems.append(f"failed in {hook_name}: {_one_line(exc)}")
+            offer.problems.append(f"failed in {hook_name}: {one_line(exc)}")
         except Exception as exc:
             log.debug("plugin %r failed in %s", offer.plugin, hook_name, exc_info=True)
-            offer.problems.append(f"failed in {hook_name}: {type(exc).__name__}: {_one_line(exc)}")
+            offer.problems.append(f"failed in {hook_name}: {type(exc).__name__}: {one_line(exc)}")
         if len(offer.problems) > before and id(impl.plugin) not in tolerant:
             raise ResolutionError(str(offer.problem(offer.problems[before])))
 
@@ -537,7 +537,3 @@ def _label(pm: pluggy.PluginManager, plugin: object) -> str:
         return plugin.__name__
     cls = plugin if isinstance(plugin, type) else type(plugin)
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join((str(exc) or type(exc).__name__).split())

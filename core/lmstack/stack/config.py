@@ -2,7 +2,7 @@
 
 Component sections stay raw mappings here (``{name: ..., **options}``): a component's options
 belong to the plugin that provides it, so they are converted to its `options_type` only when the
-stack is resolved against the installed components (`lmstack.resolve`). Every error is a
+stack is resolved against the installed components (`lmstack.stack.resolve`). Every error is a
 `ConfigError` naming the full key path (``scheduler.max_num_seqs``).
 """
 
@@ -22,7 +22,7 @@ from lmstack.roles import NAMED_SECTIONS, ROLE
 
 # Names the stack accepts for dtypes; each is an attribute of `torch` (`torch.bfloat16`, ...).
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
-DTYPE_AUTO = "auto"  # the default: `lmstack.hardware.auto_dtype` picks per device
+DTYPE_AUTO = "auto"  # the default: `lmstack.kernels.hardware.auto_dtype` picks per device
 KV_CACHE_DTYPES = (*MODEL_DTYPES, "float8_e4m3fn", "float8_e5m2")
 # Other spellings `quant.kv_cache` accepts (the names quantization tools and issues use).
 KV_CACHE_ALIASES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -36,7 +36,7 @@ QUANT_AUTO = "auto"
 
 DEFAULT_ATTENTION = ROLE["attention_prefill"].default
 # `attention.<phase>: auto`: the installed backend ranked best for the device (`auto_rank`
-# capability) that fits this stack and machine, else the reference backend (`lmstack.resolve`).
+# capability) that fits this stack and machine, else the reference backend (`lmstack.stack.resolve`).
 ATTENTION_AUTO = "auto"
 ATTENTION_PHASES = ("prefill", "decode")
 
@@ -61,7 +61,7 @@ def _default_quant() -> dict[str, Any]:
 # per phase) and `quant` (weights and KV cache) have shapes of their own.
 _SCALAR_FIELDS: list[tuple[str, Any, Any]] = [
     ("model", str, "smollm2-135m-instruct"),
-    # "auto": what this device computes best (`lmstack.hardware.auto_dtype`).
+    # "auto": what this device computes best (`lmstack.kernels.hardware.auto_dtype`).
     ("dtype", Literal["auto", "float32", "float16", "bfloat16"], DTYPE_AUTO),
     ("device", str, "cpu"),
     ("max_model_len", PositiveInt | None, None),
@@ -376,11 +376,16 @@ def _type_at(struct_type: type, rel: str) -> Any:
 
 
 def _unwrap(info: Any) -> Any:
-    """The Struct (or container) inside an Optional / Union, if there is exactly one."""
+    """The Struct (or container) inside an Optional / Union, if there is exactly one; without
+    the ``Annotated[..., msgspec.Meta(...)]`` wrapper an option's description puts around it."""
+    while isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
     if isinstance(info, msgspec.inspect.UnionType):
         inner = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
         if len(inner) == 1:
-            return inner[0]
+            info = inner[0]
+    while isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
     return info
 
 

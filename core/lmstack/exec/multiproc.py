@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lmstack import comm_stats
 from lmstack.batch import ModelOutput, StepPlan
 from lmstack.errors import ConfigError, EngineDeadError, JoinTimeout, LmstackError, WorkerDied
-from lmstack.executor import ExecutorSpec, InProcessExecutor
+from lmstack.exec.executor import ExecutorSpec, InProcessExecutor
 from lmstack.interfaces import Executor
+from lmstack.testing import comm_stats
 
 JOIN_TIMEOUT_S = 60.0
 # Idle ranks wait for the next command inside a broadcast, which times out with the process
@@ -156,8 +156,8 @@ def _rank_spec(spec: ExecutorSpec, local_rank: int) -> ExecutorSpec:
 def _rank_executor(rank: int, spec: ExecutorSpec) -> InProcessExecutor:
     ranks = getattr(spec, "parallel", None)  # a layout's ParallelRanks, when it sets one
     if ranks is not None:
-        from lmstack.distributed import init_parallel
-        from lmstack.hardware import usable_cpus
+        from lmstack.exec.distributed import init_parallel
+        from lmstack.kernels.hardware import usable_cpus
 
         init_parallel(ranks.with_rank(rank))
         # torch read OMP_NUM_THREADS at import: share the host's cores between the ranks
@@ -495,7 +495,7 @@ class MultiprocExecutor(Executor):
 
     def comm_stats(self) -> list[dict[str, dict[str, int]]]:
         """Per rank: bytes and calls per torch.distributed operation since the last reset
-        (`lmstack.comm_stats`; empty unless LMSTACK_COMM_STATS=1 when the ranks started)."""
+        (`lmstack.testing.comm_stats`; empty unless LMSTACK_COMM_STATS=1 when the ranks started)."""
         return self._call("comm_stats")
 
     def reset_comm_stats(self) -> None:

@@ -15,23 +15,23 @@ from typing import Any
 import pluggy
 import torch
 
-from lmstack.build import build_stack
-from lmstack.config import StackConfig, load_stack
-from lmstack.drafts import DraftBook
-from lmstack.grammar import GrammarCompiler
-from lmstack.input_processor import InputProcessor
+from lmstack.engine.input_processor import InputProcessor
+from lmstack.engine.output_processor import OutputProcessor
+from lmstack.engine.planner import PlannedStep, plan_step
 from lmstack.model.architecture import build_model_registry
 from lmstack.model.source import open_model_source
-from lmstack.output_processor import OutputProcessor
 from lmstack.outputs import EngineStats, RequestOutput
-from lmstack.planner import PlannedStep, plan_step
-from lmstack.plugins import build_registry, make_plugin_manager
-from lmstack.resolve import ResolvedStack, check_model, resolve
-from lmstack.sampler import Sampled, Sampler
+from lmstack.sample.grammar import GrammarCompiler
+from lmstack.sample.sampler import Sampled, Sampler
+from lmstack.sample.step_sampler import Choice, StepSampler
+from lmstack.sample.verification import RejectionSampler
 from lmstack.sampling_params import SamplingParams
 from lmstack.sequence import FinishReason, Request, Sequence, SequenceStatus
-from lmstack.step_sampler import Choice, StepSampler
-from lmstack.verification import RejectionSampler
+from lmstack.spec.drafts import DraftBook
+from lmstack.stack.build import build_stack
+from lmstack.stack.config import StackConfig, load_stack
+from lmstack.stack.plugins import build_registry, make_plugin_manager
+from lmstack.stack.resolve import ResolvedStack, check_model, resolve
 
 StackSource = str | PathLike | Mapping[str, Any] | StackConfig | ResolvedStack
 Prompt = str | list[int]

@@ -24,13 +24,13 @@ import torch
 
 from lmstack.content_hash import CacheGeometry, config_digest
 from lmstack.errors import BuildError
-from lmstack.executor import ExecutorSpec
-from lmstack.hardware import usable_cpus
+from lmstack.exec.executor import ExecutorSpec
 from lmstack.interfaces import BuildContext, EngineLimits, Executor
+from lmstack.kernels.hardware import usable_cpus
 from lmstack.model.architecture import ModelRegistry
 from lmstack.model.config import ModelConfig
-from lmstack.resolve import DTYPE_NAMES, ResolvedStack, Selected
 from lmstack.roles import ROLE, ROLES
+from lmstack.stack.resolve import DTYPE_NAMES, ResolvedStack, Selected
 
 log = logging.getLogger(__name__)
 

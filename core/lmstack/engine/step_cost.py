@@ -1,7 +1,7 @@
 """What a step costs: t(T) = a + b * T seconds for T query tokens, measured as the engine runs.
 
 Two decisions are made against it each step: how many draft tokens are worth verifying
-(`lmstack.draft_policy`) and how large a prefill chunk may ride along with running decodes
+(`lmstack.spec.draft_policy`) and how large a prefill chunk may ride along with running decodes
 before it stalls them (the `continuous` scheduler's step-time target). Both need only the
 fixed cost of a step (a: reading the weights, launching ops) and the marginal cost of one more
 query token (b).

@@ -7,11 +7,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from lmstack.engine import LLMEngine, StackSource
+from lmstack.engine.llm_engine import LLMEngine, StackSource
 from lmstack.errors import EngineDeadError
-from lmstack.grammar import GrammarCompiler
 from lmstack.interfaces import EngineLimits
 from lmstack.outputs import EngineStats, RequestOutput
+from lmstack.sample.grammar import GrammarCompiler
 from lmstack.sampling_params import SamplingParams
 from lmstack.sequence import Request
 

@@ -1,0 +1,1 @@
+"""Speculation bookkeeping in the core: the drafts of each sequence and the adaptive draft length."""
