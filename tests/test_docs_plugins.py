@@ -80,7 +80,9 @@ def test_the_convention_is_followed() -> None:
 @pytest.mark.parametrize("block", RUNNABLE, ids=[f"line-{b.line}" for b in RUNNABLE])
 def test_runnable_block(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     # Padding with blank lines makes tracebacks show the document's own line numbers.
-    code = compile("\n" * (block.line - 1) + block.code, str(DOC), "exec")
+    # dont_inherit: a block runs as a reader runs it, without this module's `from __future__`
+    # (postponed annotations would hide what msgspec must resolve from the block's own names).
+    code = compile("\n" * (block.line - 1) + block.code, str(DOC), "exec", dont_inherit=True)
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__main__"}
     try:
