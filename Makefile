@@ -60,4 +60,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
-	$(PY) benchmarks/offline_throughput.py
+	$(PY) benchmarks/e2e/offline_throughput.py
