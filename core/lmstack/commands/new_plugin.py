@@ -451,7 +451,9 @@ __all__ = ["COMPONENT", "$Camel$suffix", "${Camel}Options", "$hook"]
 class ${Camel}Options($options_base, forbid_unknown_fields=True):
     """What a stack may set beside the name (`$selection`).
 $options_doc
-    Add fields with defaults; a key the stack gives that is no field here is refused."""
+    Add fields with defaults, each with the line `lmstack plugins $name` shows for it:
+    `tile: Annotated[int, msgspec.Meta(description="keys per tile")] = 64`.
+    A key the stack gives that is no field here is refused."""
 
 
 class $Camel$suffix($base):
