@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 
 # Every distribution in the repository: the core first, then whatever else exists.
 CORE := core
-OTHER_PYPROJECTS := $(sort $(wildcard api/pyproject.toml bench/pyproject.toml plugins/*/*/pyproject.toml examples/plugins/*/pyproject.toml))
+OTHER_PYPROJECTS := $(sort $(wildcard api/pyproject.toml bench/pyproject.toml calibrate/pyproject.toml plugins/*/*/pyproject.toml examples/plugins/*/pyproject.toml))
 OTHER_DISTS := $(patsubst %/pyproject.toml,%,$(OTHER_PYPROJECTS))
 TEST_TOOLS := pytest hypothesis ruff transformers accelerate matplotlib psutil openai jsonschema httpx
 

@@ -312,16 +312,14 @@ def test_a_plugin_adds_a_command(monkeypatch, capsys):
     assert (code, out, err) == (3, "hello world\n", "")
 
 
-def test_serve_and_bench_come_from_their_distributions():
-    pm = make_plugin_manager(autoload=False, extra_plugins=["lmstack_api.plugin", "lmstack_bench.plugin"])
-    parser = cli.build_parser(pm)
-    assert {"check", "plugins", "generate", "serve", "bench"} <= cli._commands(parser)
+def test_serve_bench_quantize_and_eval_come_from_their_distributions():
+    dists = ["lmstack_api.plugin", "lmstack_bench.plugin", "lmstack_calibrate.plugin"]
+    parser = cli.build_parser(make_plugin_manager(autoload=False, extra_plugins=dists))
+    assert {"check", "plugins", "generate", "serve", "bench", "quantize", "eval"} <= cli._commands(parser)
     assert cli._commands(cli.build_parser(make_plugin_manager(autoload=False))) == {
         "check",
         "plugins",
         "generate",
-        "eval",
-        "quantize",
         "new-plugin",
     }
     args = parser.parse_args(["bench", "serve", "--help"])

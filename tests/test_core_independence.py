@@ -1,4 +1,5 @@
-"""The core knows no distribution: lmstack-api and lmstack-bench plug into it, never the reverse."""
+"""The core knows no distribution: lmstack-api, lmstack-bench and lmstack-calibrate plug into it,
+never the reverse."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from pathlib import Path
 import pytest
 
 CORE = Path(__file__).resolve().parents[1] / "core" / "lmstack"
-OTHERS = ("lmstack_api", "lmstack_bench")
+OTHERS = ("lmstack_api", "lmstack_bench", "lmstack_calibrate")
 
-# Run the CLI in a process where importing either distribution fails, as if it were not installed.
+# Run the CLI in a process where importing any of them fails, as if it were not installed.
 BLOCKED_CLI = f"""
 import sys
 
@@ -42,7 +43,7 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def test_nothing_under_core_imports_the_api_or_the_benchmark():
+def test_nothing_under_core_imports_the_api_the_benchmark_or_calibrate():
     offenders = {
         str(p.relative_to(CORE)): sorted(_imports(p) & set(OTHERS)) for p in sorted(CORE.rglob("*.py"))
     }
@@ -59,6 +60,15 @@ def _run(*args: str, stack: Path | None = None) -> subprocess.CompletedProcess:
         env=env,
         timeout=600,
     )
+
+
+def test_quantize_without_calibrate_names_the_distribution():
+    quantize = _run("quantize", "--stack", "stack.yaml", "--method", "awq", "--out", "out")
+    assert quantize.returncode == 2
+    assert quantize.stderr.strip().splitlines() == [
+        "error: unknown command 'quantize': it comes from the lmstack-calibrate distribution, which is "
+        "not installed or not loaded (install it, and check LMSTACK_DISABLE_PLUGIN_AUTOLOAD / LMSTACK_PLUGINS)"
+    ]
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import torch
 
 from lmstack.cli import main
 from lmstack.model.source import open_model_source
-from lmstack.quantize import CalibrationModel
+from lmstack_calibrate.model import DenseModel
 
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("lmstack_awq")
@@ -36,7 +36,7 @@ def _hf(folder):
 def _served_logprobs(folder, quantizer: str, ids: torch.Tensor) -> torch.Tensor:
     """lmstack's log-probabilities of each next prompt token, served from `folder` in fp32 (the
     embedding and head kept dense, as transformers does)."""
-    from lmstack.llm import LLM
+    from lmstack.engine.llm import LLM
     from lmstack.sampling_params import SamplingParams
 
     llm = LLM(
@@ -59,7 +59,7 @@ def _hf_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_calibration_forward_matches_transformers(tiny_model_path):
-    model = CalibrationModel.load(open_model_source(str(tiny_model_path)))
+    model = DenseModel.load(open_model_source(str(tiny_model_path)))
     ids = _ids()
     with torch.no_grad():
         expected = _hf(tiny_model_path)(ids).logits
@@ -194,7 +194,7 @@ def test_awq_command_records_its_calibration(tiny_model_path, tmp_path):
     assert torch.isfinite(lps).all()
 
 
-def _dequantized_folder(folder) -> CalibrationModel:
+def _dequantized_folder(folder) -> DenseModel:
     """The folder's model with every int4 linear decoded to fp32 (biases and the rest as stored)."""
     from safetensors.torch import load_file
 
@@ -215,7 +215,7 @@ def _dequantized_folder(folder) -> CalibrationModel:
             )
         elif not name.rsplit(".", 1)[-1].startswith("weight_"):
             weights[name] = t.float()
-    return CalibrationModel(open_model_source(str(folder)).config, weights)
+    return DenseModel(open_model_source(str(folder)).config, weights)
 
 
 def test_awq_folder_carries_its_bias_correction(tiny_model_path, tmp_path):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lmstack.model.source import open_model_source
-from lmstack.quantize import CalibrationModel
 from lmstack_awq.search import AWQCalibration, AWQConfig
+from lmstack_calibrate.model import DenseModel
 
 
 class FakeInt4(AWQCalibration):
@@ -31,10 +31,10 @@ class FakeInt4(AWQCalibration):
 
 
 @pytest.fixture(scope="module")
-def outlier_model(tiny_model_path) -> CalibrationModel:
+def outlier_model(tiny_model_path) -> DenseModel:
     """The tiny model with a few strong input channels after each norm, like real LLMs' activation
     outliers (the case AWQ is for)."""
-    model = CalibrationModel.load(open_model_source(str(tiny_model_path)))
+    model = DenseModel.load(open_model_source(str(tiny_model_path)))
     gen = torch.Generator().manual_seed(1)
     for name, w in model.weights.items():
         if name.endswith("layernorm.weight"):
@@ -43,11 +43,11 @@ def outlier_model(tiny_model_path) -> CalibrationModel:
     return model
 
 
-def _copy(model: CalibrationModel) -> CalibrationModel:
-    return CalibrationModel(model.config, {k: v.clone() for k, v in model.weights.items()})
+def _copy(model: DenseModel) -> DenseModel:
+    return DenseModel(model.config, {k: v.clone() for k, v in model.weights.items()})
 
 
-def _quantized(model: CalibrationModel, fmt: FakeInt4) -> CalibrationModel:
+def _quantized(model: DenseModel, fmt: FakeInt4) -> DenseModel:
     q = _copy(model)
     for name in q.all_linear_names():
         q.weights[name] = fmt.fake_quantize(q.weights[name])
@@ -72,7 +72,8 @@ def test_scale_fold_keeps_the_dense_model(outlier_model):
     # folds into v_proj's rows, one per row repeated over the query heads that share it.
     assert model.config.num_heads > model.config.num_kv_heads
     assert any("v_proj" in n for n in changed) and any("o_proj" in n for n in changed)
-    torch.testing.assert_close(model.logits(ids), before, rtol=1e-4, atol=1e-4)
+    # Up to fp32 rounding: the model's native RMSNorm sums in its own order (max |logit| ~18 here).
+    torch.testing.assert_close(model.logits(ids), before, rtol=1e-4, atol=2e-4)
 
 
 def test_awq_beats_round_to_nearest(outlier_model):
@@ -142,21 +143,16 @@ def test_gptq_rounded_linears_are_written_as_rounded():
     torch.testing.assert_close(back, rounded, rtol=0, atol=0)
 
 
-def _block_errors(model: CalibrationModel, dense: CalibrationModel, fmt: FakeInt4, ids: torch.Tensor):
+def _block_errors(model: DenseModel, dense: DenseModel, fmt: FakeInt4, ids: torch.Tensor):
     """Layer 0's attention block and MLP output errors (dense minus quantized) [N, H] on `ids`,
     the MLP's input taken after the quantized attention, as served."""
     quantized = {n: fmt.fake_quantize(model.weights[n]) for n in model.linear_names(0)}
-    p = model.prefix(0)
     x = model.embed(ids)
-    h = model._norm(x, p + "input_layernorm.weight")
-    o, down = p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"
-    got = model._linear(model._attention(0, h, quantized), o, quantized)
-    want = dense._linear(dense._attention(0, dense._norm(x, p + "input_layernorm.weight"), None), o, None)
+    got = model.attention(0, model.norm(0, "input_layernorm", x), quantized)
+    want = dense.attention(0, dense.norm(0, "input_layernorm", x))
     x2 = x + got
-    h2 = model._norm(x2, p + "post_attention_layernorm.weight")
-    mlp_got = model._linear(model._mlp_act(0, h2, quantized), down, quantized)
-    h2_dense = dense._norm(x2, p + "post_attention_layernorm.weight")
-    mlp_want = dense._linear(dense._mlp_act(0, h2_dense, None), down, None)
+    mlp_got = model.mlp(0, model.norm(0, "post_attention_layernorm", x2), quantized)
+    mlp_want = dense.mlp(0, dense.norm(0, "post_attention_layernorm", x2))
     return (want - got).reshape(-1, x.shape[-1]), (mlp_want - mlp_got).reshape(-1, x.shape[-1])
 
 
@@ -186,7 +182,7 @@ def test_bias_correction_cancels_each_blocks_mean_error(outlier_model):
         assert err.mean(0).abs().max() < 1e-3 * scale
 
 
-def _kl_to(dense: CalibrationModel, model: CalibrationModel, ids: torch.Tensor) -> float:
+def _kl_to(dense: DenseModel, model: DenseModel, ids: torch.Tensor) -> float:
     t = torch.log_softmax(dense.logits(ids), -1)
     s = torch.log_softmax(model.logits(ids), -1)
     return (t.exp() * (t - s)).sum(-1).mean().item()

@@ -1,7 +1,7 @@
 """The AWQ search (Lin et al., "AWQ: Activation-aware Weight Quantization", 2023), over the
-layers of a `lmstack.quantize.CalibrationModel`, for any `WeightFormat` (its `fake_quantize` is
-what the search optimises against). It lives in the core so that every quantizer plugin can
-make its format `Calibrated` with it (`AWQCalibration`): lmstack-awq's int4 (plus GPTQ
+layers of a `lmstack_calibrate.model.DenseModel`, for any `WeightFormat` (its `fake_quantize` is
+what the search optimises against). It is public so that every quantizer plugin can make its
+format `Calibrated` with it (`AWQCalibration`): lmstack-awq's int4 (plus GPTQ
 rounding, which that format offers through a `gptq` method) and lmstack-nvfp4's FP4.
 
 Per decoder layer, in order:
@@ -23,13 +23,13 @@ Per decoder layer, in order:
    own (the grid is asymmetric, so the best range need not be centred on zero). The error of one (row, group) is
    d^T C_g d with d the weight error and C_g the inputs' covariance over that group's
    channels, so every ratio costs one small einsum instead of a matmul over all tokens;
-4. with `bias_correction`, bias correction (`CalibrationModel.correct_biases`): o_proj's and
+4. with `bias_correction`, bias correction (`DenseModel.correct_biases`): o_proj's and
    down_proj's biases take the mean error of the attention block and of the MLP (dense minus
    quantized, on the calibration inputs), so that the layer's output error has no constant part;
 5. propagate: the next layer's inputs are this layer's outputs with its weights quantized
    (fake_quantize of the final weights, and the biases), so later layers calibrate on what they
    will see when served.
-6. with `tune_epochs` (formats that are `lmstack.scale_tuning.ScaleTunable`), the codes are
+6. with `tune_epochs` (formats that are `lmstack_calibrate.scale_tuning.ScaleTunable`), the codes are
    frozen and the group scales and biases tuned end to end towards the dense model's
    next-token distributions on the calibration samples (`tune_scales`); a few samples at the
    end of the calibration set stay out of the search and the tuning, to pick the epoch kept.
@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from lmstack.quant_format import WeightFormat
-from lmstack.scale_tuning import ScaleTunable, teacher_log_probs, tune_scales
+from lmstack.quant.formats import WeightFormat
+from lmstack_calibrate.scale_tuning import ScaleTunable, teacher_log_probs, tune_scales
 
 
 @dataclass
@@ -67,13 +67,13 @@ class AWQConfig:
     # After each layer is quantized, give o_proj and down_proj the biases that cancel the mean
     # output error of the attention block and the MLP on the calibration inputs (the model's
     # config then has attention_bias / mlp_bias; the other linears get zero biases). Off by
-    # default in the core; lmstack-awq turns it on (measured on SmolLM2-135M: README).
+    # default here; lmstack-awq turns it on (measured on SmolLM2-135M: README).
     bias_correction: bool = False
     # After the search, tune every linear's group scales (codes frozen) and the biases end to
     # end, distilling the dense model over the calibration samples, for `tune_epochs` epochs
-    # (`lmstack.scale_tuning`; formats that are `ScaleTunable` only). `lmstack quantize` cuts
+    # (`lmstack_calibrate.scale_tuning`; formats that are `ScaleTunable` only). `lmstack quantize` cuts
     # `tune_val_samples` more samples after the search's (`validation`), which pick the epoch
-    # kept. 0 (the core's default): no tuning; lmstack-awq turns it on (README).
+    # kept. 0 (the default here): no tuning; lmstack-awq turns it on (README).
     tune_epochs: int = 0
     tune_lr: float = 1e-3  # Adam's step on the log of each scale
     tune_bias_lr: float = 1e-3
@@ -221,7 +221,7 @@ def awq_calibrate(
     on_epoch: Callable[[int, dict[str, float], dict[str, torch.Tensor]], None] | None = None,
     validation: torch.Tensor | None = None,
 ) -> None:
-    """Run AWQ over every layer of `model` (a `CalibrationModel`), rewriting its weights in place;
+    """Run AWQ over every layer of `model` (a `DenseModel`), rewriting its weights in place;
     then, with `cfg.tune_epochs`, tune the scales end to end (`on_epoch`: called after each
     epoch; `validation`: samples [n, seq_len] that pick the epoch kept, none: the last)."""
     weights = model.weights
@@ -316,7 +316,7 @@ def awq_calibrate(
 
 
 class AWQCalibration:
-    """A mixin for a `WeightFormat` that makes it `lmstack.quant_format.Calibrated` with AWQ:
+    """A mixin for a `WeightFormat` that makes it `lmstack.quant.formats.Calibrated` with AWQ:
     `calibrate` runs `awq_calibrate` with `self.awq` (an `AWQConfig`)."""
 
     awq: AWQConfig

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from lmstack.commands.progress import Progress
 from lmstack.errors import ConfigError
-from lmstack.progress import Progress
 
 DEFAULT_WINDOW = 512
 
@@ -51,18 +50,6 @@ def windows_of(ids: list[int], window: int) -> list[list[int]]:
         if len(chunk) >= 2:
             out.append(chunk)
     return out
-
-
-def read_text(path: str | Path) -> str:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"text file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read text file {path}: {exc}") from None
-    if not text.strip():
-        raise ConfigError(f"text file {path} is empty")
-    return text
 
 
 def perplexity(
@@ -118,23 +105,15 @@ def perplexity(
     return PerplexityResult(math.exp(nll), nll, count, len(chunks), window)
 
 
-def load_stack_with_model(path: str, model: str | None) -> Any:
-    """The stack file at `path`, with its model replaced by `model` when given."""
-    import msgspec
-
-    from lmstack.config import load_stack
-
-    stack = load_stack(path)
-    return msgspec.structs.replace(stack, model=model) if model else stack
-
-
 def run_cli(args: Any) -> int:
     """`lmstack eval perplexity`: prints the perplexity (or one JSON object with --json)."""
     import json
 
-    from lmstack.engine import LLMEngine
-    from lmstack.hardware import cpu_description
-    from lmstack.resolve import DTYPE_NAMES
+    from lmstack.engine.llm_engine import LLMEngine
+    from lmstack.kernels.hardware import cpu_description
+    from lmstack.stack.resolve import DTYPE_NAMES
+    from lmstack_calibrate.calibration_text import read_text
+    from lmstack_calibrate.quantize import load_stack_with_model
 
     text = read_text(args.text)
     engine = LLMEngine(load_stack_with_model(args.stack, args.model))
@@ -166,6 +145,6 @@ def run_cli(args: Any) -> int:
 
 
 def _checkpoint_format(engine: Any) -> str:
-    from lmstack.quant_format import checkpoint_format_id
+    from lmstack.quant.formats import checkpoint_format_id
 
     return checkpoint_format_id(engine.model_config.quantization)

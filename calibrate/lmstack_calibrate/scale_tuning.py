@@ -8,7 +8,7 @@ the KL divergence from the dense model's next-token distribution over the calibr
 the quantized model is distilled towards the dense one through the few parameters the
 checkpoint already stores (one scale per row and group, 1/128 of the weights at group 128).
 The epoch kept is the one with the least KL on validation samples cut from the calibration
-text after the search's (`lmstack quantize` cuts them: `lmstack.quantize.split_validation`;
+text after the search's (`lmstack quantize` cuts them: `lmstack_calibrate.calibration_text.split_validation`;
 none: the last epoch).
 
 A format takes part by implementing `ScaleTunable` (lmstack-awq's int4 does); the teacher's
@@ -77,7 +77,7 @@ def tune_scales(
     progress: Any = None,
     on_epoch: Callable[[int, dict[str, float], dict[str, torch.Tensor]], None] | None = None,
 ) -> TuneResult:
-    """Tune the scales of every decoder linear of `model` (a `lmstack.quantize.CalibrationModel`
+    """Tune the scales of every decoder linear of `model` (a `lmstack_calibrate.model.DenseModel`
     whose linears hold what the search left: to be quantized by `fmt.tune_start`) and its
     linears' biases, `epochs` passes over `train` one sample a step; `teacher` holds the dense
     model's log-probs of train's then val's samples. Leaves the served weights in
