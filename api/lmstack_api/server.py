@@ -18,10 +18,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from lmstack.errors import LmstackError
 from lmstack.exec.multiproc import launched, run_launched_worker
-from lmstack.model.source import open_model_source
-from lmstack.stack.config import load_stack
-from lmstack.stack.plugins import build_registry, make_plugin_manager
-from lmstack.stack.resolve import check_model, resolve
+from lmstack.stack.plugins import make_plugin_manager
+from lmstack.stack.prepare import prepare_stack, resolve_stack
 from lmstack_api.app import create_app
 from lmstack_api.config import server_config
 from lmstack_api.logs import configure_logging, get_logger
@@ -128,21 +126,22 @@ def serve(stack_path: str, host: str | None = None, port: int | None = None, log
         return run_launched_worker()
     # This distribution's own plugin (the `server:` section) even when autoload is off.
     pm = make_plugin_manager(extra_plugins=["lmstack_api.plugin"])
-    stack = resolve(load_stack(stack_path), build_registry(pm))
+    stack = resolve_stack(stack_path, pm)
     if launch is not None and launch.world_size > 1 and stack.parallel.component.name == "single":
         # Its other ranks would wait for a rank 0 that never joins them.
         raise LmstackError(
             f"the launcher started WORLD_SIZE={launch.world_size} ranks, but the stack's parallel "
             "layout is `single` (one process); select a parallel layout with that many ranks"
         )
-    # The model's metadata (no weights) against the stack: conflicts stop here, in one line.
-    check_model(stack, open_model_source(stack.model).config)
+    # The model's metadata (no weights) against the stack: conflicts stop here, in one line. The
+    # engine gets this pass as it is (the model file is opened once in this process).
+    prepared = prepare_stack(stack, plugin_manager=pm)
     cfg = server_config(stack)
     host = host or cfg.host
     # Bind before anything loads, so a port in use is one line now, not an error after the
     # weights are in memory.
     sock = _listen(host, port if port is not None else cfg.port)
-    state = ServerState(stack)
+    state = ServerState(stack, prepared=prepared)
     config = uvicorn.Config(
         create_app(stack, state),
         host=host,

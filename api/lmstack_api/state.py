@@ -12,6 +12,7 @@ from typing import Any
 
 from lmstack.engine.async_engine import AsyncEngine
 from lmstack.errors import EngineDeadError, LmstackError
+from lmstack.stack.prepare import PreparedStack
 from lmstack.stack.resolve import ResolvedStack
 from lmstack_api.config import TENANT_PATTERN, ServerConfig, key_tenants, server_config
 from lmstack_api.errors import APIError, clip, overloaded
@@ -53,8 +54,12 @@ def client_request_id(headers: Any) -> str | None:
 
 
 class ServerState:
-    def __init__(self, stack: ResolvedStack, engine: AsyncEngine | None = None) -> None:
+    def __init__(
+        self, stack: ResolvedStack, engine: AsyncEngine | None = None, *, prepared: PreparedStack | None = None
+    ) -> None:
         self.stack = stack
+        # What `lmstack serve` already loaded, resolved and opened: the engine builds from it.
+        self.prepared = prepared
         self.config: ServerConfig = server_config(stack)
         self.model_name = self.config.served_model_name or stack.config.model
         env_keys = [k.strip() for k in os.environ.get("LMSTACK_API_KEYS", "").split(",") if k.strip()]
@@ -97,7 +102,7 @@ class ServerState:
             return
         started = time.monotonic()
         try:
-            engine = await asyncio.to_thread(AsyncEngine, self.stack)
+            engine = await asyncio.to_thread(AsyncEngine, self.prepared or self.stack)
             self.max_piece_bytes = await asyncio.to_thread(max_piece_bytes, engine.tokenizer)
         except Exception as exc:  # logged once, here; then the process exits non-zero
             self.load_exception = exc

@@ -220,25 +220,23 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from lmstack.stack.config import load_stack
-    from lmstack.stack.plugins import default_registry
-    from lmstack.stack.resolve import check_model, resolve
+    from lmstack.stack.prepare import prepare_stack, resolve_stack
 
     if args.build and args.skip_model:
         raise LmstackError("--build needs the model's metadata; leave out --skip-model")
-    stack = load_stack(args.stack)
-    resolved = resolve(stack, default_registry())
+    # One pass, as `serve` makes it: the same plugins resolve the stack and pick the model's
+    # architecture (a plugin's architecture is checked as it will be served).
+    pm = _plugin_manager()
     model_config = None
-    if not args.skip_model:
-        from lmstack.model.source import open_model_source
-
-        models = _model_registry() if args.build else None
-        model_config = open_model_source(resolved.model, models=models).config
-        check_model(resolved, model_config)
+    if args.skip_model:
+        resolved = resolve_stack(args.stack, pm)
+    else:
+        prepared = prepare_stack(args.stack, plugin_manager=pm)
+        resolved, model_config = prepared.resolved, prepared.model_config
         if args.build:
             from lmstack.stack.build import check_build
 
-            check_build(resolved, model_config, models)
+            check_build(resolved, model_config, prepared.models)
 
     if args.json:
         out = resolved.describe()
@@ -248,12 +246,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
     else:
         _print_check(args.stack, resolved, model_config, built=args.build)
     return 0
-
-
-def _model_registry():
-    from lmstack.model.architecture import build_model_registry
-
-    return build_model_registry(_plugin_manager())
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -326,7 +318,7 @@ def _cmd_new_plugin(args: argparse.Namespace) -> int:
 def _print_check(
     path: str, resolved: ResolvedStack, model_config: ModelConfig | None, built: bool = False
 ) -> None:
-    from lmstack.stack.resolve import DTYPE_NAMES, ROLE_LABEL
+    from lmstack.stack.resolved import DTYPE_NAMES, ROLE_LABEL
 
     print(f"stack     {path}")
     print(f"model     {resolved.model}")

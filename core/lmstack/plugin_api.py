@@ -175,6 +175,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.stack.config": ("load_stack",),
     "lmstack.stack.resolve": ("ResolvedStack", "resolve", "check_model"),
     "lmstack.stack.plugins": ("make_plugin_manager", "build_registry"),
+    "lmstack.stack.prepare": ("PreparedStack", "StackSource", "prepare_stack", "resolve_stack"),
     "lmstack.model.source": ("open_model_source",),
     "lmstack.sample.grammar": ("Grammar", "GrammarCompiler", "PreparedSchema", "error_reason"),
 }

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping
-from os import PathLike
 from typing import Any
 
 import pluggy
@@ -18,8 +16,6 @@ import torch
 from lmstack.engine.input_processor import InputProcessor
 from lmstack.engine.output_processor import OutputProcessor
 from lmstack.engine.planner import PlannedStep, plan_step
-from lmstack.model.architecture import build_model_registry
-from lmstack.model.source import open_model_source
 from lmstack.outputs import EngineStats, RequestOutput
 from lmstack.sample.grammar import GrammarCompiler
 from lmstack.sample.sampler import Sampled, Sampler
@@ -29,11 +25,8 @@ from lmstack.sampling_params import SamplingParams
 from lmstack.sequence import FinishReason, Request, Sequence, SequenceStatus
 from lmstack.spec.drafts import DraftBook
 from lmstack.stack.build import build_stack
-from lmstack.stack.config import StackConfig, load_stack
-from lmstack.stack.plugins import build_registry, make_plugin_manager
-from lmstack.stack.resolve import ResolvedStack, check_model, resolve
+from lmstack.stack.prepare import StackSource, prepare_stack
 
-StackSource = str | PathLike | Mapping[str, Any] | StackConfig | ResolvedStack
 Prompt = str | list[int]
 
 
@@ -43,20 +36,17 @@ class LLMEngine:
     `grammar_compiler` may be called from other threads."""
 
     def __init__(self, stack: StackSource, *, plugin_manager: pluggy.PluginManager | None = None) -> None:
-        self.pm = plugin_manager or make_plugin_manager()
-        if isinstance(stack, ResolvedStack):
-            resolved = stack
-        else:
-            cfg = stack if isinstance(stack, StackConfig) else load_stack(stack)
-            resolved = resolve(cfg, build_registry(self.pm))
-        self.stack = resolved
-        self.models = build_model_registry(self.pm)  # architectures: the checkpoint picks one
-        self.source = open_model_source(resolved.model, models=self.models)
+        # One pass through the stack (`lmstack.stack.prepare`): a caller that prepared it
+        # (`lmstack serve`) hands over its plugins, resolution and open model.
+        prepared = prepare_stack(stack, plugin_manager=plugin_manager)
+        self.pm = prepared.plugin_manager
+        self.stack = resolved = prepared.resolved
+        self.models = prepared.models  # architectures: the checkpoint picked one
+        self.source = prepared.source
         self.model_config = mc = self.source.config
-        check_model(resolved, mc)  # before any weight loads
         self.tokenizer = self.source.tokenizer
 
-        built = build_stack(resolved, mc, self.models)
+        built = build_stack(resolved, mc, self.models, source=self.source)
         self.components, self.executor, self.limits = built.components, built.executor, built.limits
         c = self.components
         self.quantizer, self.parallel = c["quantizer"], c["parallel"]

@@ -32,6 +32,9 @@ class ExecutorSpec:
     decode: AttentionBackend
     stack: object = None  # lmstack.stack.resolve.ResolvedStack
     models: ModelRegistry | None = None  # the installed model architectures; None: the built-ins
+    # The engine's open model source (`lmstack.model.source.ModelSource`), so this process opens
+    # its model once; None: the executor opens `model` itself (a worker process does).
+    source: object = None
     parallel: ParallelRanks | None = None  # a multi-process layout's degrees (workers set their rank)
     # How each rank of a multi-process layout builds its own executor (picklable; a pipeline
     # stage's, say); None: InProcessExecutor.
@@ -49,7 +52,7 @@ class InProcessExecutor(Executor):
         from lmstack.model.source import open_model_source
 
         s = self.spec
-        source = open_model_source(s.model, models=s.models)
+        source = s.source if s.source is not None else open_model_source(s.model, models=s.models)
         self.runner = ModelRunner(
             s.model_config,
             source.architecture,

@@ -316,9 +316,12 @@ class MultiprocExecutor(Executor):
         self._procs: list[Any] = []
         self._conn: Any = None
         self._local: InProcessExecutor | None = None  # launched: rank 0's own model
-        # The resolved stack holds component factories (not picklable); workers don't need it.
+        # The resolved stack holds component factories (not picklable); workers don't need it,
+        # nor rank 0's open model source (each worker opens the model in its own process).
         # `local_executor` (picklable) builds each rank's executor; rank 0's results come back.
-        wire = dataclasses.replace(spec, stack=None, rank_executor=local_executor or spec.rank_executor)
+        wire = dataclasses.replace(
+            spec, stack=None, source=None, rank_executor=local_executor or spec.rank_executor
+        )
         launch = launched()
         if launch is None:
             self._spawn(wire)
@@ -405,7 +408,7 @@ class MultiprocExecutor(Executor):
         where = f" (rendezvous at {launch.master_addr}:{launch.master_port})"
         _join(store, 0, self.world_size, _backend(wire.device), self.join_timeout, where)
         dist.broadcast_object_list([wire], src=0)
-        self._local = _rank_executor(0, wire)
+        self._local = _rank_executor(0, dataclasses.replace(wire, source=self.spec.source))
         self._lock = threading.Lock()
         self._last_call = time.monotonic()
         self._stopping = threading.Event()

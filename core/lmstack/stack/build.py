@@ -45,9 +45,15 @@ class BuiltStack:
 
 class _Builder:
     def __init__(
-        self, stack: ResolvedStack, model_config: ModelConfig, models: ModelRegistry, *, load: bool = True
+        self,
+        stack: ResolvedStack,
+        model_config: ModelConfig,
+        models: ModelRegistry,
+        *,
+        load: bool = True,
+        source: object = None,
     ) -> None:
-        self.stack, self.mc, self.models = stack, model_config, models
+        self.stack, self.mc, self.models, self.source = stack, model_config, models, source
         # load=False: factories only; no executor, no weights, no KV cache (`check_build`).
         self.load = load
         self.ctx = BuildContext(model_config, stack.device, stack.dtype, stack.kv_cache_dtype)
@@ -99,6 +105,7 @@ class _Builder:
                 decode=c["attention_decode"],
                 stack=self.stack,
                 models=self.models,
+                source=self.source,
             )
         )
         with _blame("parallel", self.stack.parallel, what=f"failed to load the model {self.stack.model!r}"):
@@ -149,13 +156,16 @@ class _Builder:
         )
 
 
-def build_stack(stack: ResolvedStack, model_config: ModelConfig, models: ModelRegistry) -> BuiltStack:
-    """Build every role's component, the executor (weights loaded) and the KV cache. Raises
-    `BuildError` when a factory or the model load fails."""
+def build_stack(
+    stack: ResolvedStack, model_config: ModelConfig, models: ModelRegistry, *, source: object = None
+) -> BuiltStack:
+    """Build every role's component, the executor (weights loaded) and the KV cache. `source`:
+    the model source already open in this process (`lmstack.model.source.ModelSource`), else the
+    executor opens the model. Raises `BuildError` when a factory or the model load fails."""
     if stack.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # The cores this process may use (a cpuset or taskset), not the machine's count.
         torch.set_num_threads(usable_cpus())
-    builder = _Builder(stack, model_config, models)
+    builder = _Builder(stack, model_config, models, source=source)
     components = builder.run()
     assert builder.executor is not None and builder.limits is not None  # set by the stages above
     return BuiltStack(components, builder.executor, builder.limits, builder.ctx)
