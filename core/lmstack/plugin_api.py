@@ -115,8 +115,13 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "take_columns",
         "column_parallel_loader",
         "row_parallel_loader",
+        "shard_loader",  # 1.8
     ),
     "lmstack.model.linear": ("default_linear", "dense_parameter"),
+    # 1.8: one shard arithmetic (`Shard`, built from a `LinearSpec`: `spec.shard`) and the base of
+    # quantized linears (parts, bias, tensor-parallel loading).
+    "lmstack.model.shard": ("Shard", "Part"),
+    "lmstack.model.quantized_linear": ("QuantizedLinear",),
     "lmstack.model.tp_shard": ("part_rows", "input_columns", "keeps_bias", "bias_rows"),
     "lmstack.quant.formats": (
         "DENSE",
@@ -149,7 +154,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     # 1.8: the core grouped by concern (issue 56). Old module paths still import (with a
     # DeprecationWarning) until 2.0: `lmstack._moved.MOVED`.
     # What kernel plugins build on: native builds, Triton support, scratch buffers, CPU features.
-    "lmstack.kernels.native": ("NativeExtension", "ExtensionBuildError"),
+    "lmstack.kernels.native": ("NativeExtension", "ExtensionBuildError", "BuildReport"),
     "lmstack.kernels.triton_support": (
         "capabilities_with_interpreter",
         "cuda_device_conflict",
@@ -161,11 +166,20 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "reduce_splits",
     ),
     "lmstack.kernels.scratch": ("reused_buffer", "held_bytes"),
-    "lmstack.kernels.hardware": ("cpu_flags", "cpu_name", "native_bf16_cpu", "usable_cpus"),
+    "lmstack.kernels.hardware": (
+        "cpu_flags",
+        "cpu_name",
+        "native_bf16_cpu",
+        "usable_cpus",
+        "cpu_description",
+    ),
     # The model's building blocks a draft model (EAGLE) or an expert layout reuses.
     "lmstack.model.layer_ops": ("rms_norm", "rotate_", "silu_mul"),
     "lmstack.model.rope": ("RotaryEmbedding", "rotate"),
     "lmstack.model.moe": ("MoEConfig", "valid_ep_degrees"),
+    # The model itself, for offline tools that run it on weights of their own (lmstack-calibrate:
+    # `DecoderLayer.attention` / `mlp` run one block, `llama_checkpoint_name` maps the names).
+    "lmstack.model.llama": ("LlamaModel", "DecoderLayer", "llama_checkpoint_name"),
     "lmstack.commands.progress": ("Progress",),
     # Front ends (lmstack-api, lmstack-bench, an embedder's own server): load, resolve and run a
     # stack the way `lmstack serve` does.
@@ -173,7 +187,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.engine.async_engine": ("AsyncEngine",),
     "lmstack.engine.llm_engine": ("LLMEngine",),
     "lmstack.stack.config": ("load_stack",),
-    "lmstack.stack.resolve": ("ResolvedStack", "resolve", "check_model"),
+    "lmstack.stack.resolve": ("ResolvedStack", "resolve", "check_model", "DTYPE_NAMES"),
     "lmstack.stack.plugins": ("make_plugin_manager", "build_registry"),
     "lmstack.stack.prepare": ("PreparedStack", "StackSource", "prepare_stack", "resolve_stack"),
     "lmstack.model.source": ("open_model_source",),

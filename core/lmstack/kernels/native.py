@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -56,8 +57,24 @@ class ExtensionBuildError(RuntimeError):
     """The extension could not be built or loaded; the message is one line saying why."""
 
 
+@dataclass(frozen=True)
+class BuildReport:
+    """How `python -m <build module>` reports a build: `title` names the distribution, `what`
+    the extension; `isa_names` names the extension's `best_isa()` levels; `without`: what still
+    works when the build failed."""
+
+    title: str
+    what: str
+    isa_names: Mapping[int, str]
+    without: str
+
+
 class NativeExtension:
-    """One C++ extension: `sources` are compiled, `headers` only hashed (an edit rebuilds)."""
+    """One C++ extension: `sources` are compiled, `headers` only hashed (an edit rebuilds).
+
+    A plugin's build module holds one, and needs nothing else: ``load = EXTENSION.load``,
+    ``load_error = EXTENSION.load_error`` and ``main = EXTENSION.report_build`` (with `report`
+    set) are its whole interface."""
 
     def __init__(
         self,
@@ -66,7 +83,9 @@ class NativeExtension:
         sources: Sequence[Path],
         headers: Sequence[Path] = (),
         flags: Sequence[str] = DEFAULT_FLAGS,
+        report: BuildReport | None = None,
     ) -> None:
+        self.report = report
         self.name = name  # the Python module name of the built extension
         self.cache_name = cache_name  # its folder under ~/.cache/lmstack
         self.sources = tuple(Path(p) for p in sources)
@@ -152,9 +171,13 @@ class NativeExtension:
         result = self._load_cached()
         return None if isinstance(result, ExtensionBuildError) else result
 
-    def report_build(self, title: str, what: str, isa_names: Mapping[int, str], without: str) -> int:
+    def report_build(self, report: BuildReport | None = None) -> int:
         """Build now and say what came of it: a plugin's `python -m <build module>`, which `make
-        install` runs. Exit status 0 either way (`without`: what still works if it failed)."""
+        install` runs. Exit status 0 either way (`report.without`: what still works if it failed)."""
+        report = report or self.report
+        if report is None:
+            raise ValueError(f"{self.name}: no BuildReport to report the build with")
+        title, what, isa_names, without = report.title, report.what, report.isa_names, report.without
         print(f"{title}: building the {what} against torch {torch.__version__} ...", flush=True)
         problem = self.load_error()
         if problem is None:

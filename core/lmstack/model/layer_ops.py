@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from lmstack.kernels.native import NativeExtension
+from lmstack.kernels.native import BuildReport, NativeExtension
 from lmstack.model.rope import rotate_ as rotate_reference
 
 EXTENSION = NativeExtension(
@@ -164,7 +164,9 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def main() -> int:
     """Build now (run by `make install`); without it the torch ops run."""
-    return EXTENSION.report_build("lmstack", "layer ops", ISA_NAMES, "the torch reference ops will run")
+    return EXTENSION.report_build(
+        BuildReport("lmstack", "layer ops", ISA_NAMES, "the torch reference ops will run")
+    )
 
 
 if __name__ == "__main__":

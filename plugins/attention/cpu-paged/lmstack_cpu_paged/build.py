@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import ModuleType
 
+from lmstack.kernels.native import BuildReport, NativeExtension
 from lmstack.kernels.native import ExtensionBuildError as BuildError
-from lmstack.kernels.native import NativeExtension
 
 __all__ = ["BuildError", "EXTENSION", "load", "load_error", "main"]
 
@@ -23,28 +22,19 @@ EXTENSION = NativeExtension(
     cache_name="cpu_paged",
     sources=[SOURCES / "cpu_paged.cpp"],
     headers=[SOURCES / "attention_impl.h"],
-)
-
-
-def load() -> ModuleType:
-    """The compiled extension, built on first use; raises `BuildError` (one line) if it cannot be."""
-    return EXTENSION.load()
-
-
-def load_error() -> str | None:
-    """Why the extension is unavailable, or None when it loads."""
-    return EXTENSION.load_error()
-
-
-def main() -> int:
-    """Build now (run by `make install`); a machine that cannot build keeps every other backend."""
-    return EXTENSION.report_build(
+    report=BuildReport(
         "lmstack cpu-paged",
         "attention extension",
         {2: "AVX-512", 1: "AVX2+FMA", 0: "scalar"},
         "stacks naming attention cpu-paged will be refused, the torch backend still works",
-    )
+    ),
+)
 
+
+# The build module's interface (`lmstack.kernels.native.NativeExtension`).
+load = EXTENSION.load  # the compiled extension, built on first use; ExtensionBuildError (one line) if not
+load_error = EXTENSION.load_error  # why it is unavailable, or None
+main = EXTENSION.report_build  # build now (`make install` runs it); exit status 0 either way
 
 if __name__ == "__main__":
     sys.exit(main())

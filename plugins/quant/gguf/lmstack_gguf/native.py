@@ -10,34 +10,22 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import ModuleType
 
-from lmstack.kernels.native import NativeExtension
+from lmstack.kernels.native import BuildReport, NativeExtension
 
+ISA_NAMES = {2: "AVX-512 (F, BW, DQ, VL, VNNI)", 1: "AVX2+FMA+F16C", 0: "scalar"}
 EXTENSION = NativeExtension(
     name="lmstack_gguf_ext",
     cache_name="gguf_matmul",
     sources=[Path(__file__).resolve().parent / "csrc" / "gguf_matmul.cpp"],
+    report=BuildReport("lmstack-gguf", "kernels", ISA_NAMES, "`quant.weights: gguf` will dequantize at load"),
 )
-ISA_NAMES = {2: "AVX-512 (F, BW, DQ, VL, VNNI)", 1: "AVX2+FMA+F16C", 0: "scalar"}
 
 
-def load() -> ModuleType:
-    """The compiled kernels, built on first use; raises `ExtensionBuildError` (one line) if they cannot be."""
-    return EXTENSION.load()
-
-
-def load_error() -> str | None:
-    """Why the kernels are unavailable, or None when they load."""
-    return EXTENSION.load_error()
-
-
-def main() -> int:
-    """Build now (run by `make install`); without the kernels the quantizer dequantizes at load."""
-    return EXTENSION.report_build(
-        "lmstack-gguf", "kernels", ISA_NAMES, "`quant.weights: gguf` will dequantize at load"
-    )
-
+# The build module's interface (`lmstack.kernels.native.NativeExtension`).
+load = EXTENSION.load  # the compiled extension, built on first use; ExtensionBuildError (one line) if not
+load_error = EXTENSION.load_error  # why it is unavailable, or None
+main = EXTENSION.report_build  # build now (`make install` runs it); exit status 0 either way
 
 if __name__ == "__main__":
     sys.exit(main())

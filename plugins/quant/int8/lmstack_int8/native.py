@@ -10,34 +10,22 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import ModuleType
 
-from lmstack.kernels.native import NativeExtension
+from lmstack.kernels.native import BuildReport, NativeExtension
 
+ISA_NAMES = {3: "AVX-512 (F, BW, VL) + VNNI", 2: "AVX-512 (F, BW, VL)", 1: "AVX2+FMA", 0: "scalar"}
 EXTENSION = NativeExtension(
     name="lmstack_int8_ext",
     cache_name="int8_matmul",
     sources=[Path(__file__).resolve().parent / "csrc" / "int8_matmul.cpp"],
+    report=BuildReport("lmstack-int8", "kernel", ISA_NAMES, "int8 weights still work through torch's ops"),
 )
-ISA_NAMES = {3: "AVX-512 (F, BW, VL) + VNNI", 2: "AVX-512 (F, BW, VL)", 1: "AVX2+FMA", 0: "scalar"}
 
 
-def load() -> ModuleType:
-    """The compiled kernel, built on first use; raises `ExtensionBuildError` (one line) if it cannot be."""
-    return EXTENSION.load()
-
-
-def load_error() -> str | None:
-    """Why the kernel is unavailable, or None when it loads."""
-    return EXTENSION.load_error()
-
-
-def main() -> int:
-    """Build now (run by `make install`); without the kernel the int8 quantizer still works."""
-    return EXTENSION.report_build(
-        "lmstack-int8", "kernel", ISA_NAMES, "int8 weights still work through torch's ops"
-    )
-
+# The build module's interface (`lmstack.kernels.native.NativeExtension`).
+load = EXTENSION.load  # the compiled extension, built on first use; ExtensionBuildError (one line) if not
+load_error = EXTENSION.load_error  # why it is unavailable, or None
+main = EXTENSION.report_build  # build now (`make install` runs it); exit status 0 either way
 
 if __name__ == "__main__":
     sys.exit(main())
