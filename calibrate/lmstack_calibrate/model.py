@@ -154,22 +154,31 @@ class DenseModel:
     def _get(self, name: str, w: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
         return w[name] if w and name in w else self.weights.get(name)
 
+    def _module_params(
+        self, i: int, module: str, w: dict[str, torch.Tensor] | None
+    ) -> dict[str, torch.Tensor]:
+        """Layer i's `module` weight (and bias, where `weights` holds one) as `functional_call`
+        on that module takes them, from `weights` with `w` replacing some by Hugging Face name. A
+        fused module's parts are concatenated; its bias takes zeros for parts without one."""
+        names = self._parts[i][module]
+        ws = [self._get(n + ".weight", w) for n in names]
+        params = {"weight": ws[0] if len(ws) == 1 else torch.cat(ws)}
+        bs = [self._get(n + ".bias", w) for n in names]
+        if any(b is not None for b in bs):
+            bs = [t.new_zeros(t.shape[0]) if b is None else b for b, t in zip(bs, ws)]
+            params["bias"] = bs[0] if len(bs) == 1 else torch.cat(bs)
+        return params
+
     def _params(
         self, i: int, modules: tuple[str, ...], w: dict[str, torch.Tensor] | None, prefix: str = ""
     ) -> dict[str, torch.Tensor]:
-        """`modules` of layer i as `functional_call` takes them (`<prefix><module>.weight`,
-        `.bias`), from `weights` with `w` replacing some by Hugging Face name. A fused module's
-        parts are concatenated; its bias takes zeros for parts without one."""
-        params: dict[str, torch.Tensor] = {}
-        for module in modules:
-            names = self._parts[i][module]
-            ws = [self._get(n + ".weight", w) for n in names]
-            params[f"{prefix}{module}.weight"] = ws[0] if len(ws) == 1 else torch.cat(ws)
-            bs = [self._get(n + ".bias", w) for n in names]
-            if any(b is not None for b in bs):
-                bs = [t.new_zeros(t.shape[0]) if b is None else b for b, t in zip(bs, ws)]
-                params[f"{prefix}{module}.bias"] = bs[0] if len(bs) == 1 else torch.cat(bs)
-        return params
+        """`_module_params` of several of layer i's modules, named from the layer (`prefix`:
+        what the called module adds, e.g. `module.` for `_Method`)."""
+        return {
+            f"{prefix}{module}.{key}": t
+            for module in modules
+            for key, t in self._module_params(i, module, w).items()
+        }
 
     def _rope(self, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.rope.tables_full(torch.arange(length).repeat(b), torch.float32)
@@ -210,11 +219,8 @@ class DenseModel:
 
     def norm(self, i: int, which: str, x: torch.Tensor) -> torch.Tensor:
         """Layer i's RMSNorm `which` (`input_layernorm`, `post_attention_layernorm`) on x [B, L, H]."""
-        params = self._params(i, (which,), None)
-        out = functional_call(
-            getattr(self.model.layers[i], which), {"weight": params[which + ".weight"]}, x.flatten(0, 1)
-        )
-        return out.view(x.shape)
+        norm = getattr(self.model.layers[i], which)
+        return functional_call(norm, self._module_params(i, which, None), x.flatten(0, 1)).view(x.shape)
 
     def attention(self, i: int, h: torch.Tensor, w: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Layer i's attention block (q/k/v, rotary embedding, attention, o_proj) on its normed
@@ -236,12 +242,7 @@ class DenseModel:
     ) -> torch.Tensor:
         """Layer i's unfused linear `name` (o_proj, down_proj: a Hugging Face weight name) on x."""
         module = next(m for m, parts in self._parts[i].items() if parts == [name.removesuffix(".weight")])
-        params = self._params(i, (module,), w)
-        return functional_call(
-            getattr(self.model.layers[i], module),
-            {k.removeprefix(module + "."): v for k, v in params.items()},
-            x,
-        )
+        return functional_call(getattr(self.model.layers[i], module), self._module_params(i, module, w), x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head on the last layer's output: logits [..., V]."""
