@@ -21,12 +21,12 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
+    import torch
+
 from lmstack_bench.toolbox import ab_record, git_show, result_dir
-
-from lmstack.kernels.native import NativeExtension
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = "plugins/attention/cpu-paged/lmstack_cpu_paged/csrc"
@@ -41,10 +41,12 @@ CASES = {
     "prefill 512": ([512], [0]),
     "prefill 256 over 1024": ([256], [1024]),
 }
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
+DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "fp8_e4m3": "float8_e4m3fn"}  # name: torch dtype
 
 
 def build(sources: Path, version: str) -> object:
+    from lmstack.kernels.native import NativeExtension
+
     ext = NativeExtension(
         name=f"ab_cpu_paged_{version}",
         cache_name="kernel_ab/cpu_paged",
@@ -61,6 +63,9 @@ def git_sources(rev: str, into: Path) -> Path:
 
 
 def inputs(geometry: str, case: str, dtype: torch.dtype, gen: torch.Generator) -> tuple:
+    import numpy as np
+    import torch
+
     hq, hkv, d = GEOMETRIES[geometry]
     qlens, ctxs = CASES[case]
     nbs = [(c + q + BLOCK - 1) // BLOCK for q, c in zip(qlens, ctxs, strict=True)]
@@ -92,6 +97,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32,fp8_e4m3")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+
+    import torch
+
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         exts = {"before": build(git_sources(args.before, Path(tmp)), "before")}
@@ -101,7 +109,9 @@ def main() -> None:
     for geometry in args.geometries.split(","):
         for dname in args.dtypes.split(","):
             for case in CASES:
-                q, kc, vc, tables, starts, context, scale, scales = inputs(geometry, case, DTYPES[dname], gen)
+                q, kc, vc, tables, starts, context, scale, scales = inputs(
+                    geometry, case, getattr(torch, DTYPES[dname]), gen
+                )
 
                 def call(
                     ext,
@@ -162,6 +172,7 @@ def main() -> None:
 
 def plot(results: list[dict], path: Path, cpu: str) -> None:
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

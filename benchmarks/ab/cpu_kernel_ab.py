@@ -27,14 +27,12 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-from gguf import GGMLQuantizationType as GT
-from gguf import quants
+if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
+    import torch
+
 from lmstack_bench.toolbox import ab_record, git_show, result_dir
-
-from lmstack.kernels.native import NativeExtension
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {  # name: (source in the repository, extension module name)
@@ -46,6 +44,8 @@ LAYERS, HEAD = 30, (49152, 576)
 
 
 def build(kernel: str, source: Path, version: str) -> object:
+    from lmstack.kernels.native import NativeExtension
+
     _, name = KERNELS[kernel]
     ext = NativeExtension(name=f"{name}_{version}", cache_name=f"kernel_ab/{kernel}", sources=[source])
     return ext.load()
@@ -53,6 +53,11 @@ def build(kernel: str, source: Path, version: str) -> object:
 
 def weights(seed: int) -> dict[str, list[tuple[torch.Tensor, int, int]]]:
     """Per path family: [(weight, type, K)] for one decode step (30 layers + head)."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as GT
+    from gguf import quants
+
     rng = np.random.default_rng(seed)
     shapes = LAYER_SHAPES * LAYERS + [HEAD]
     int8 = [(torch.randint(-127, 128, s, dtype=torch.int8), 0, s[1]) for s in shapes]
@@ -89,6 +94,9 @@ def main() -> None:
         "--isa", type=int, default=-1, help="gguf paths: force the kernels' ISA (1: AVX2); -1: the CPU's best"
     )
     args = ap.parse_args()
+
+    import torch
+
     torch.set_num_threads(args.threads)
     paths = args.paths.split(",")
     rows = [int(r) for r in args.rows.split(",")]
@@ -158,6 +166,7 @@ def main() -> None:
 
 def plot(results: list[dict], path: Path, cpu: str) -> None:
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

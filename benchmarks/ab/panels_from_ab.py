@@ -23,15 +23,17 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lmstack_bench.toolbox import ab_record, result_dir
 
-from lmstack.engine.llm_engine import LLMEngine
-from lmstack.sampling_params import SamplingParams
-from lmstack.stack.config import load_stack
+if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
+    from lmstack.engine.llm_engine import LLMEngine
 
 
 def decode_ms_per_step(engine: LLMEngine, batch: int, new_tokens: int) -> float:
+    from lmstack.sampling_params import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request([100 + i + j for j in range(200)], params)
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--what", choices=["layers", "head"], default="layers", help="whose crossover to vary")
     args = ap.parse_args(argv)
 
+    from lmstack.engine.llm_engine import LLMEngine
+    from lmstack.stack.config import load_stack
     from lmstack_gguf import quantizer
 
     if not quantizer.panels_cpu():

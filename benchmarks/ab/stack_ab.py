@@ -19,16 +19,17 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
+    from lmstack.engine.llm_engine import LLMEngine
 from lmstack_bench.toolbox import ab_order, ab_record, result_dir
-
-from lmstack.engine.llm_engine import LLMEngine
-from lmstack.sampling_params import SamplingParams
 
 
 def run_all(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
     """Seconds from submitting every prompt until the last request finishes."""
+    from lmstack.sampling_params import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     pending = {engine.add_request(p, params) for p in prompts}
@@ -49,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+
+    import torch
+
+    from lmstack.engine.llm_engine import LLMEngine
+
     rng = random.Random(args.seed)
     spread = max(1, args.prompt_len // 10)
     prompts = [

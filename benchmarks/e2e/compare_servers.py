@@ -62,9 +62,6 @@ import httpx
 from lmstack_bench.report import BenchResult, load_result, plot_cdfs, plot_sweep, result_from_json, table
 from lmstack_bench.toolbox import Server, git_info, machine_info, result_dir, started
 
-from lmstack.model.source import resolve_model_path
-from lmstack_api.testing import free_port
-
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 LMSTACK = str(Path(PY).with_name("lmstack"))
@@ -250,6 +247,8 @@ class Peers:
 
 
 def server(args: argparse.Namespace, name: str, gguf: Path, peers: Peers) -> Server:
+    from lmstack_api.testing import free_port
+
     slots = max(args.concurrency)
     shared = args.workload == "shared-prefix"
     ctx_per_slot = args.input_len + args.output_len + 256 + (args.prefix_len if shared else 0)
@@ -552,6 +551,9 @@ def main() -> int:
         "--replot", type=Path, metavar="REPORT.json", help="only rewrite a recorded run's .md/.png"
     )
     args = ap.parse_args()
+
+    from lmstack.model.source import resolve_model_path
+
     if args.replot:
         return replot(args.replot)
     if args.quick:

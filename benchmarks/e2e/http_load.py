@@ -26,11 +26,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 from lmstack_bench.toolbox import result_dir, stream_completion, write_json
 
-from lmstack_api.testing import ServerProcess  # noqa: E402
+if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
+    from lmstack_api.testing import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = "river mountain engine garden signal market winter lantern copper harbor violin meadow".split()
@@ -163,6 +165,9 @@ def main() -> int:
         help="folder (default benchmarks/results/http_load-<date>-<cpu kind>[-sigterm][-custom])",
     )
     args = ap.parse_args()
+
+    from lmstack_api.testing import ServerProcess
+
     with ServerProcess(stack(args)) as srv:
         summary = asyncio.run(run(args, srv))
     if args.sigterm:

@@ -22,12 +22,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 from lmstack_bench.toolbox import machine_info, result_dir, stream_completion, write_result
 
-from lmstack import LLM, SamplingParams  # noqa: E402
-from lmstack_api.testing import ServerProcess  # noqa: E402
+if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
+    from lmstack import LLM
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = 0.90
@@ -55,6 +56,8 @@ def workload(args, tokenizer) -> list[list[int]]:
 
 
 def run_offline(llm: LLM, prompts, args) -> dict:
+    from lmstack import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -125,6 +128,9 @@ def main() -> int:
         help="folder (default benchmarks/results/http_throughput-<date>-<cpu kind>[-custom])",
     )
     args = ap.parse_args()
+
+    from lmstack import LLM
+    from lmstack_api.testing import ServerProcess
 
     runs: dict[str, list[dict]] = {"offline": [], "http": []}
     for rep in range(args.repeats):

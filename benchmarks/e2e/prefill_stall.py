@@ -32,8 +32,6 @@ import yaml
 from lmstack_bench.report import load_result
 from lmstack_bench.toolbox import Server, git_info, machine_info, result_dir, started, write_result
 
-from lmstack_api.testing import free_port
-
 REPO = Path(__file__).resolve().parents[2]
 LMSTACK = str(Path(sys.executable).with_name("lmstack"))
 MODEL = "smollm2-135m-instruct"
@@ -41,6 +39,8 @@ MODEL = "smollm2-135m-instruct"
 
 def serving(stack: Path, log: Path, name: str):
     """`lmstack serve STACK` on a free port until healthy (compare_servers' launcher)."""
+    from lmstack_api.testing import free_port
+
     port = free_port()
     argv = [LMSTACK, "serve", str(stack), "--port", str(port), "--log-level", "warning"]
     return started(Server(name=name, argv=argv, port=port), log, timeout_s=600.0)

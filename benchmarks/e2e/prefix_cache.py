@@ -23,10 +23,12 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lmstack_bench.toolbox import machine_info, result_dir
 
-from lmstack_api.testing import ServerProcess  # noqa: E402
+if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
+    from lmstack_api.testing import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 CACHES = {"off": {"name": "none"}, "on": {"name": "prefix"}}
@@ -92,6 +94,9 @@ def main() -> int:
         help="folder (default benchmarks/results/prefix_cache-<date>-<cpu kind>)",
     )
     a = p.parse_args()
+
+    from lmstack_api.testing import ServerProcess
+
     a.out = result_dir("prefix_cache", a.out)
     raw: dict[str, dict[str, dict]] = {w: {} for w in TARGETS}
     for setting, cache in CACHES.items():

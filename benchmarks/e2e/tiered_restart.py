@@ -24,11 +24,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 from lmstack_bench.toolbox import machine_info, result_dir, write_json
 
-from lmstack_api.testing import ServerProcess  # noqa: E402
+if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
+    from lmstack_api.testing import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = 3.0
@@ -86,6 +88,9 @@ def main() -> int:
         help="folder (default benchmarks/results/tiered_restart-<date>-<cpu kind>)",
     )
     a = p.parse_args()
+
+    from lmstack_api.testing import ServerProcess
+
     runs = []
     for rep in range(a.repeats):
         rng = random.Random(rep)

@@ -12,15 +12,6 @@ import statistics
 import time
 from functools import partial
 
-import torch
-
-from lmstack.interfaces import LinearSpec
-from lmstack_awq.compact import Int8Rows
-from lmstack_awq.int4_math import Int4Scheme
-from lmstack_awq.kernels.cpu_int4pack import CpuInt4Pack
-from lmstack_awq.kernels.reference import ReferenceKernel
-from lmstack_awq.linear import Int4Linear
-
 SHAPES = (("qkv", 576, 960), ("gate_up", 576, 3072), ("down", 1536, 576), ("head", 576, 49152))
 
 
@@ -39,6 +30,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
+
+    import torch
+
+    from lmstack.interfaces import LinearSpec
+    from lmstack_awq.compact import Int8Rows
+    from lmstack_awq.int4_math import Int4Scheme
+    from lmstack_awq.kernels.cpu_int4pack import CpuInt4Pack
+    from lmstack_awq.kernels.reference import ReferenceKernel
+    from lmstack_awq.linear import Int4Linear
+
     torch.set_num_threads(args.threads)
     print(
         f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s)"

@@ -35,12 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from lmstack_bench.toolbox import result_dir
-
-from lmstack.components.torch_attention import TorchAttention
-from lmstack.kernels.hardware import auto_dtype, cpu_flags, cpu_name
-from lmstack.testing import paged_batch
 
 REPO = Path(__file__).resolve().parents[2]
 GEOMETRIES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # query heads, KV heads, head dim
@@ -62,6 +57,10 @@ def interleaved(calls: dict, reps: int) -> dict[str, float]:
 
 
 def kernel_cells(args, backends):
+    import torch
+
+    from lmstack.testing import paged_batch
+
     cells = []
     for geo in args.geometries:
         hq, hkv, d = GEOMETRIES[geo]
@@ -115,7 +114,10 @@ def _cell(phase, geo, dtype, label, med):
 
 
 def e2e(args) -> dict:
+    import torch
+
     from lmstack.engine.llm_engine import LLMEngine
+    from lmstack.kernels.hardware import auto_dtype
     from lmstack.sampling_params import SamplingParams
     from lmstack.stack.config import load_stack
 
@@ -227,6 +229,12 @@ def main() -> None:
         "--out", default=None, help="folder (default benchmarks/results/cpu_attention-<date>-<cpu kind>)"
     )
     args = p.parse_args()
+
+    import torch
+
+    from lmstack.components.torch_attention import TorchAttention
+    from lmstack.kernels.hardware import cpu_flags, cpu_name
+
     if args.threads:
         torch.set_num_threads(args.threads)
     # The torch backend's bf16 prefill is slow on a CPU without native bf16 (seconds per call

@@ -21,10 +21,10 @@ import socket
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
+    import torch
 from lmstack_bench.toolbox import result_dir, write_json
 
 
@@ -45,6 +45,8 @@ def _port() -> int:
 
 
 def _median_ms(fn, repeats: int) -> float:
+    import torch.distributed as dist
+
     fn()  # warm-up (gloo sets up pairs lazily)
     times = []
     for _ in range(repeats):
@@ -56,6 +58,9 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ep)
@@ -99,6 +104,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
+
+    import torch
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _port()

@@ -23,11 +23,12 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
+    import torch
+
 from lmstack_bench.toolbox import result_dir, write_json
-
-from lmstack.interfaces import LinearSpec
 
 SHAPES = {
     "qkv_proj": (576, (576, 192, 192)),
@@ -48,6 +49,9 @@ def cpu_name() -> str:
 
 
 def layers(path: str, dtype: torch.dtype):
+    import torch
+
+    from lmstack.interfaces import LinearSpec
     from lmstack.model.linear import default_linear
 
     if path == "dense":
@@ -85,8 +89,13 @@ def median_us(fn, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+
+    import torch
+
+    args.threads = args.threads or torch.get_num_threads()
+
     torch.set_num_threads(args.threads)
     results = []
     with torch.no_grad():

@@ -29,22 +29,19 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-from gguf import GGMLQuantizationType, quants
+if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
+    import torch
+
 from lmstack_bench.toolbox import result_dir, write_json
 
-from lmstack.kernels.hardware import cpu_description
-from lmstack_gguf.kernel import dequant_matmul, native_kernel
-
-SHAPES = {  # name: (in K, out N, encoding)
-    "qkv": (576, 960, GGMLQuantizationType.Q4_1),
-    "o": (576, 576, GGMLQuantizationType.Q4_1),
-    "gate_up": (576, 3072, GGMLQuantizationType.Q4_1),
-    "down": (1536, 576, GGMLQuantizationType.Q4_1),
-    "head": (576, 49152, GGMLQuantizationType.Q8_0),
+SHAPES = {  # name: (in K, out N, encoding: a gguf.GGMLQuantizationType name)
+    "qkv": (576, 960, "Q4_1"),
+    "o": (576, 576, "Q4_1"),
+    "gate_up": (576, 3072, "Q4_1"),
+    "down": (1536, 576, "Q4_1"),
+    "head": (576, 49152, "Q8_0"),
 }
 ROWS = (1, 8, 32, 128)
 PATHS = ("dense_fp32", "dequant", "native", "native_q8", "bf16_copy", "panels", "panels_avx2")
@@ -52,6 +49,11 @@ PATHS = ("dense_fp32", "dequant", "native", "native_q8", "bf16_copy", "panels", 
 
 def make_call(ext, path: str, copies: list[tuple], x: torch.Tensor, typ: int, k: int):
     """A call running `path` on the next copy (blocks, dense values, bf16 values, panels) each time."""
+    import torch
+    import torch.nn.functional as F
+
+    from lmstack_gguf.kernel import dequant_matmul
+
     state = {"i": 0}
 
     def call():
@@ -93,6 +95,14 @@ def main() -> None:
                     help="paths to measure (dense_fp32, the reference of the ratios, always runs)")  # fmt: skip
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     args = ap.parse_args()
+
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    from lmstack.kernels.hardware import cpu_description
+    from lmstack_gguf.kernel import native_kernel
+
     ext = native_kernel()
     if ext is None:
         raise SystemExit("lmstack-gguf's kernels are not built (python -m lmstack_gguf.native)")
@@ -105,7 +115,8 @@ def main() -> None:
     ]
     results = []
     with torch.inference_mode():
-        for name, (k, n, typ) in ((s, SHAPES[s]) for s in args.shapes):
+        for name, (k, n, typ_name) in ((s, SHAPES[s]) for s in args.shapes):
+            typ = GGMLQuantizationType[typ_name]
             count = max(1, min(32, int(args.stream_mb * 2**20 // (4 * n * k))))
             copies = []
             for _ in range(count):

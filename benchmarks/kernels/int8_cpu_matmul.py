@@ -36,13 +36,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
+    import torch
+
 from lmstack_bench.toolbox import result_dir, write_json
-
-from lmstack.kernels.hardware import cpu_description, cpu_flags
-from lmstack_int8.kernel import dequant_matmul, native_kernel, quantize_rows
 
 SHAPES = {  # name: (in K, out N)
     "qkv": (576, 960),
@@ -79,6 +78,11 @@ def make_call(path: str, copies: list[tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def make_one(path: str, w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor):
+    import torch
+    import torch.nn.functional as F
+
+    from lmstack_int8.kernel import dequant_matmul, native_kernel
+
     op = torch.ops.aten._weight_int8pack_mm
     bf16, fp16 = torch.bfloat16, torch.float16
     if path == "dense_fp32":
@@ -145,6 +149,12 @@ def main() -> None:
         "--paths", default=",".join(PATHS), help="comma-separated subset (dense_fp32 always runs)"
     )
     args = ap.parse_args()
+
+    import torch
+
+    from lmstack.kernels.hardware import cpu_description, cpu_flags
+    from lmstack_int8.kernel import quantize_rows
+
     paths = ["dense_fp32"] + [p for p in args.paths.split(",") if p and p != "dense_fp32"]
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:

@@ -18,15 +18,16 @@ import argparse
 import shutil
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("gguf", type=Path)
     ap.add_argument("out", type=Path)
     args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     folder, name = str(args.gguf.parent), args.gguf.name
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

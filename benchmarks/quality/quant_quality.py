@@ -30,8 +30,6 @@ from pathlib import Path
 
 from lmstack_bench.toolbox import result_dir, write_json
 
-from lmstack.kernels.hardware import cpu_name  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "benchmarks" / "data"
 HELDOUT = DATA / "heldout_gpl3.txt"
@@ -101,6 +99,8 @@ def main() -> int:
         "benchmarks/e2e/quant_cpu.py reuses them)",
     )
     args = ap.parse_args()
+
+    from lmstack.kernels.hardware import cpu_name
 
     out = result_dir("quant_quality", args.out)
     lmstack = [sys.executable, "-m", "lmstack.cli"]
