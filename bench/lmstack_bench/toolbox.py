@@ -422,10 +422,12 @@ def git_show(rev: str, path: str, into: Path) -> Path:
     return out
 
 
-def ab_record(out: Path, results: list[dict] | dict, **fields: Any) -> dict:
+def ab_record(
+    out: Path, results: list[dict] | dict, ratios: dict[str, float] | None = None, **fields: Any
+) -> dict:
     """The A/B's record at `out`: this CPU (model, kind, flags), torch, the commit, the command
     line, the caller's `fields` (what was compared: before / after, threads, a note ...) and
-    every result."""
+    every result; with `ratios` (case -> ratio), also their bar chart beside it (`out` as .png)."""
     import torch
 
     flags = cpu_flags()
@@ -441,7 +443,29 @@ def ab_record(out: Path, results: list[dict] | dict, **fields: Any) -> dict:
         "results": results,
     }
     write_json(out, summary)
+    if ratios:
+        title = f"{out.stem}: {summary['cpu_model']} ({summary['cpu_kind']}), {summary['date'][:10]}"
+        plot_ratios(ratios, out.with_suffix(".png"), title)
     return summary
+
+
+def plot_ratios(
+    ratios: dict[str, float], path: Path, title: str, xlabel: str = "ratio to the first variant"
+) -> None:
+    """One horizontal bar per compared case, a line at 1.0: the picture every A/B record gets."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(ratios) + 1.2))
+    names = list(ratios)
+    ax.barh(names, [ratios[n] for n in names], color="tab:blue")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    for i, n in enumerate(names):
+        ax.text(ratios[n], i, f" {ratios[n]:.2f}x", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def alternate_batch1(

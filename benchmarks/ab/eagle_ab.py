@@ -100,6 +100,7 @@ def main() -> None:
     ab_record(
         result_dir("eagle_ab", args.out) / "eagle_ab.json",
         systems,
+        ratios={f"{name} / plain": s["speedup"] for name, s in systems.items() if name != "plain"},
         stack=base,
         prompts=len(prompts),
         repeats=args.repeats,

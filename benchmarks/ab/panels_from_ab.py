@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ab_record(
         out / "panels_from_ab.json",
         results,
+        ratios={f"batch {r['batch']}: from one row / from min rows": r["ratio_of_medians"] for r in results},
         benchmark="panels_from_ab",
         stack=str(args.stack),
         what=args.what,

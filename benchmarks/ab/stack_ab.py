@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ab_record(
         out / "stack_ab.json",
         {"seconds": times, "median_s": medians, "ratio_vs_first": ratios},
+        ratios={f"{s} T={t}": ratios[s][t] for s in medians if s != base for t in args.new_tokens},
         threads=torch.get_num_threads(),
         workload={
             "prompts": args.prompts,
