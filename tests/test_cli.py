@@ -53,6 +53,8 @@ def fake_registry() -> Registry:
 def fakes(monkeypatch):
     """The CLI sees only the fake components."""
     monkeypatch.setattr("lmstack.stack.plugins.default_registry", fake_registry)
+    # `check` resolves through the one pass of `lmstack.stack.prepare`.
+    monkeypatch.setattr("lmstack.stack.prepare.build_registry", lambda pm: fake_registry())
 
 
 @pytest.fixture

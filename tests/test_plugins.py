@@ -118,7 +118,7 @@ def test_fake_plugin_components_are_registered():
 
 
 def test_builtins_are_attributed_to_lmstack(no_env):
-    assert DEFAULT_PLUGINS == ("lmstack.components.builtins",)
+    assert DEFAULT_PLUGINS == ("lmstack.components.builtins", "lmstack.commands.new_plugin")
     registry = build_registry(make_plugin_manager(autoload=False))
     expected_version = importlib.metadata.version("lmstack")
     for kind, name in [
@@ -527,7 +527,7 @@ BAD_PLUGINS = {
             register(Component(name="fake-bad", kind="speculator", factory=lambda o, c: None, api=">=2.0"))
         """,
         "is refused: speculator 'fake-bad' (lmstack-bad 1.2) supports lmstack plugin API >=2.0, this "
-        "lmstack provides 1.7; upgrade lmstack or install a lmstack-bad release for API 1.7",
+        "lmstack provides 1.8; upgrade lmstack or install a lmstack-bad release for API 1.8",
     ),
 }
 
@@ -553,7 +553,7 @@ def test_an_allow_listed_plugin_with_an_unsupported_api_is_an_error(installed, m
     installed.activate()
     monkeypatch.setenv("LMSTACK_PLUGINS", "bad,fake_ngram")
     with pytest.raises(
-        ResolutionError, match=r"supports lmstack plugin API >=2.0, this lmstack provides 1.7"
+        ResolutionError, match=r"supports lmstack plugin API >=2.0, this lmstack provides 1.8"
     ):
         default_registry()
 

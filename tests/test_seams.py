@@ -275,13 +275,13 @@ class Fp8KV:
 
 
 def test_incompatible_stack_is_rejected_before_the_model_is_opened(monkeypatch):
-    from lmstack.engine import llm_engine as engine_module
     from lmstack.errors import ResolutionError
+    from lmstack.stack import prepare as prepare_module
 
     def no_model(*a, **k):
         raise AssertionError("the model was opened before the conflict was reported")
 
-    monkeypatch.setattr(engine_module, "open_model_source", no_model)
+    monkeypatch.setattr(prepare_module, "open_model_source", no_model)
     pm = make_plugin_manager(autoload=False, extra_plugins=[Fp8KV()])
     with pytest.raises(ResolutionError) as e:
         LLMEngine(

@@ -48,6 +48,12 @@ MOVED: dict[str, str] = {
     "lmstack.scaffold": "lmstack.commands.new_plugin",
     "lmstack.progress": "lmstack.commands.progress",
     "lmstack.comm_stats": "lmstack.testing.comm_stats",
+    # Offline quantization left the serving core for the lmstack-calibrate distribution: these
+    # import when it is installed (`CalibrationModel` is gone: `lmstack_calibrate.model.DenseModel`).
+    "lmstack.awq_search": "lmstack_calibrate.awq_search",
+    "lmstack.scale_tuning": "lmstack_calibrate.scale_tuning",
+    "lmstack.quantize": "lmstack_calibrate.quantize",
+    "lmstack.evaluate": "lmstack_calibrate.perplexity",
 }
 """Old module name -> where it lives now. (`lmstack.engine` kept its name: it is now the package
 that re-exports `LLMEngine`.)"""

@@ -189,24 +189,6 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
     generate.add_argument("prompt", metavar="PROMPT")
     generate.set_defaults(handler=_cmd_generate)
 
-    from lmstack.roles import KIND_NAMES
-
-    new_plugin = sub.add_parser(
-        "new-plugin",
-        help="write a ready-to-install plugin package for one component kind",
-        description="Write a plugin package: a component of KIND named NAME that extends the core's "
-        "reference implementation, its entry point, tests running the kind's conformance kit, and a "
-        "README to fill in. An existing non-empty folder is never overwritten.",
-    )
-    new_plugin.add_argument("kind", metavar="KIND", help=f"one of: {', '.join(KIND_NAMES)}")
-    new_plugin.add_argument(
-        "name", metavar="NAME", help="the component's name: lowercase letters, digits and dashes"
-    )
-    new_plugin.add_argument(
-        "--dir", metavar="D", default=None, help="where to write it (default: ./lmstack-NAME-KIND)"
-    )
-    new_plugin.set_defaults(handler=_cmd_new_plugin)
-
     if pm is not None:
         from lmstack.stack.plugins import register_commands
 
@@ -305,14 +287,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from lmstack.commands import generate as cli_generate
 
     return int(cli_generate.run(args) or 0)
-
-
-def _cmd_new_plugin(args: argparse.Namespace) -> int:
-    from lmstack.commands import new_plugin as scaffold
-
-    target = scaffold.write_plugin(args.kind, args.name, args.dir)
-    print(scaffold.next_steps(args.kind, args.name, target))
-    return 0
 
 
 def _print_check(

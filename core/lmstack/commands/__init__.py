@@ -1,2 +1,3 @@
-"""CLI commands beyond the core four (serve, check, plugins, generate): `new-plugin`, and the
-progress bar long commands share."""
+"""The CLI's commands beyond the stack's own (serve comes from lmstack-api, quantize and eval
+from lmstack-calibrate): `generate`, `plugins`, `new-plugin`, and the progress bar long commands
+share. `lmstack.cli` parses the arguments and dispatches here."""

@@ -12,6 +12,7 @@ the role table (`lmstack.roles`) and the registry. A new kind needs one entry he
 
 from __future__ import annotations
 
+import argparse
 import re
 import string
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lmstack.errors import LmstackError
+from lmstack.hookspecs import hookimpl
 from lmstack.roles import KIND, KIND_NAMES, ROLES
 
 
@@ -353,12 +355,14 @@ def plugin_api_range() -> str:
 
 
 def lmstack_requirement() -> str:
-    """The `lmstack` requirement: at least this release; below the plugin API's next major."""
+    """The `lmstack` requirement: at least this release, below the next one that may carry a new
+    plugin-API major. lmstack raises the first non-zero part of its version with each plugin-API
+    major (the minor while it is 0.x, the major from 1.0 on; docs/plugins.md, "Version")."""
     from lmstack.stack.plugins import lmstack_version
 
-    release = ".".join(lmstack_version().split(".")[:2])
-    major = plugin_api_range().rpartition("<")[2]
-    return f"lmstack>={release},<{major}"
+    major, minor = (int(part) for part in lmstack_version().split(".")[:2])
+    cap = f"0.{minor + 1}" if major == 0 else str(major + 1)
+    return f"lmstack>={major}.{minor},<{cap}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,8 +513,9 @@ test = ["pytest>=8"]
 [project.entry-points.lmstack]
 $entry_point = "$package"
 
-[tool.setuptools]
-packages = ["$package"]
+# Every subpackage goes into the wheel (a plain `packages = [...]` list would leave them out).
+[tool.setuptools.packages.find]
+include = ["$package", "$package.*"]
 
 # The lmstack repository's code style, which the generated code follows; change it freely.
 [tool.ruff]
@@ -736,3 +741,33 @@ def next_steps(kind: str, name: str, target: Path) -> str:
             f"  select it in a stack: {'; '.join(yaml_flow(stack_selection(kind, name)))}",
         ]
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The command: registered through the same hook a plugin's commands use (`DEFAULT_PLUGINS`)
+# ---------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def lmstack_register_commands(subparsers: argparse._SubParsersAction) -> None:
+    command = subparsers.add_parser(
+        "new-plugin",
+        help="write a ready-to-install plugin package for one component kind",
+        description="Write a plugin package: a component of KIND named NAME that extends the core's "
+        "reference implementation, its entry point, tests running the kind's conformance kit, and a "
+        "README to fill in. An existing non-empty folder is never overwritten.",
+    )
+    command.add_argument("kind", metavar="KIND", help=f"one of: {', '.join(KIND_NAMES)}")
+    command.add_argument(
+        "name", metavar="NAME", help="the component's name: lowercase letters, digits and dashes"
+    )
+    command.add_argument(
+        "--dir", metavar="D", default=None, help="where to write it (default: ./lmstack-NAME-KIND)"
+    )
+    command.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    target = write_plugin(args.kind, args.name, args.dir)
+    print(next_steps(args.kind, args.name, target))
+    return 0

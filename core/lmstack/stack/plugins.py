@@ -49,7 +49,8 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "lmstack"
-DEFAULT_PLUGINS: tuple[str, ...] = ("lmstack.components.builtins",)
+# The reference components, and the `new-plugin` command (registered as any plugin's command is).
+DEFAULT_PLUGINS: tuple[str, ...] = ("lmstack.components.builtins", "lmstack.commands.new_plugin")
 
 AUTOLOAD_ENV = "LMSTACK_DISABLE_PLUGIN_AUTOLOAD"
 ALLOW_LIST_ENV = "LMSTACK_PLUGINS"
