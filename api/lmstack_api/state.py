@@ -55,7 +55,11 @@ def client_request_id(headers: Any) -> str | None:
 
 class ServerState:
     def __init__(
-        self, stack: ResolvedStack, engine: AsyncEngine | None = None, *, prepared: PreparedStack | None = None
+        self,
+        stack: ResolvedStack,
+        engine: AsyncEngine | None = None,
+        *,
+        prepared: PreparedStack | None = None,
     ) -> None:
         self.stack = stack
         # What `lmstack serve` already loaded, resolved and opened: the engine builds from it.
