@@ -22,7 +22,17 @@ refuses a component whose range excludes `PLUGIN_API_VERSION`, naming both versi
 - the reference components a plugin may extend or delegate to
   (``lmstack.components.continuous``, ``paged``, ``torch_attention``, ``single``,
   ``none_quantizer``, ``none_speculator``, ``none_cache``);
-- ``lmstack.content_hash``: stable KV-block content hashes and the cache geometry (caches).
+- ``lmstack.content_hash``: stable KV-block content hashes and the cache geometry (caches);
+- what quantizers and layouts build on: ``lmstack.model.shard`` (one tensor-parallel shard
+  arithmetic), ``lmstack.model.quantized_linear``, the weight loaders and checkpoint tensors,
+  ``lmstack.exec.distributed`` and the parallel layouts' bases;
+- ``lmstack.kernels``: the native (C++) extension build, Triton support, scratch buffers and CPU
+  feature detection that kernel plugins share;
+- front ends (lmstack-api, lmstack-bench, an embedder's server): ``lmstack.stack.prepare`` (one
+  pass through a stack), the engines, the stack loader and resolver, grammar compilation.
+
+In-tree distributions import nothing else (``tests/test_structure.py`` scans them). Modules that
+moved in 1.8 still import from their old paths until 2.0 (``lmstack._moved``).
 
 Everything else in lmstack is internal and may change in any release.
 """
