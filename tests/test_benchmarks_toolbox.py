@@ -37,6 +37,15 @@ def test_the_scripts_are_found():
     assert not [p for p in BENCHMARKS.glob("*.py")], "scripts belong in one of the folders"
 
 
+def test_the_readme_lists_every_script():
+    readme = (BENCHMARKS / "README.md").read_text()
+    scripts = [*SCRIPTS, *BENCHMARKS.glob("*/*.sh")]
+    missing = [
+        str(p.relative_to(BENCHMARKS)) for p in scripts if f"`{p.relative_to(BENCHMARKS)}`" not in readme
+    ]
+    assert not missing, missing
+
+
 def test_every_script_answers_help():
     # The scripts are independent processes, mostly waiting on imports: run them side by side.
     with ThreadPoolExecutor(max_workers=max(2, (os.cpu_count() or 2) * 2)) as pool:
