@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmstack_bench.toolbox import ab_record, result_dir
+from lmstack_bench.toolbox import ab_order, ab_record, result_dir
 
 if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is fast
     from lmstack.engine.llm_engine import LLMEngine
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batches:
         a, b = [], []
         for r in range(args.rounds):
-            pair = (engine_a, engine_b) if r % 2 else (engine_b, engine_a)
+            pair = [{"a": engine_a, "b": engine_b}[n] for n in ab_order(["b", "a"], r)]
             times = {id(e): decode_ms_per_step(e, batch, args.new_tokens) for e in pair}
             a.append(times[id(engine_a)])
             b.append(times[id(engine_b)])
