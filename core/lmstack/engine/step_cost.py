@@ -34,7 +34,7 @@ class _Bucket:
 class StepCostModel:
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
     # False: the local lines through the raw bucket means, a falling one clamped flat at its low
-    # end (as before 2026-12-05; `benchmarks/eagle.py --compare-old-pricing`).
+    # end (as before 2026-12-05; `benchmarks/e2e/eagle.py --compare-old-pricing`).
     monotone: bool = True
 
     def record(self, num_tokens: int, seconds: float) -> None:

@@ -27,7 +27,7 @@ HEADROOM = 4.0
 # Calibration input: this many token ids, drawn from the vocabulary by a fixed seed, in one
 # sequence: no tokenizer or text needed at load, and the same scales on every start. Random
 # ids are not text, so HEADROOM covers the gap (measured end to end: SmolLM2 perplexity +0.70 %
-# with these scales, benchmarks/results/quant_cpu-2026-12-01/kv_fp8_quality.json).
+# with these scales, benchmarks/HISTORY.md, quant_cpu-2026-12-01).
 CALIBRATION_TOKENS = 256
 CALIBRATION_SEED = 0
 

@@ -44,7 +44,7 @@ drafting costs until drafting is tried again. In a batch of more than PROBE_SEQS
 retry is a probe: PROBE_SEQS sequences draft (each first enters the rows it queued meanwhile,
 the dear part of a retry), and the probe's measured cost replaces the faded ones, so the next
 step prices everyone from it. Retried by the whole batch at once and priced by the faded median,
-the retries cost EAGLE ~5 % of a 32-stream run on a CPU (benchmarks/eagle.py --compare-probe).
+the retries cost EAGLE ~5 % of a 32-stream run on a CPU (benchmarks/e2e/eagle.py --compare-probe).
 A smaller batch retries whole, priced as before (its retry is cheap). A probe that finds
 drafting still does not pay slows the fading for the next one (each such probe halves the fade
 per step, up to MAX_PROBE_BACKOFF times; a probe or retry after which drafting pays resets it):
@@ -119,7 +119,7 @@ class DraftLengthPolicy:
     _faded: bool = False  # the remembered drafting costs were faded since the last measurement
     _probing: bool = False  # this step's drafts are a probe: their cost replaces the faded ones
     # 0: no probe (the whole batch retries at once, priced by the faded costs: as before the
-    # probe; benchmarks/eagle.py --compare-probe measures the two)
+    # probe; benchmarks/e2e/eagle.py --compare-probe measures the two)
     probe_seqs: int = PROBE_SEQS
     # Probes in a row after which drafting still did not pay (up to max_probe_backoff): the fade
     # per idle step is DRAFT_IDLE_DECAY ** (1 / 2 ** backoff). 0 as max: every probe fades alike.

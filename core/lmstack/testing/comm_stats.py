@@ -1,5 +1,5 @@
 """Bytes each rank moves through torch.distributed, per operation — measured, for
-`benchmarks/parallel.py`.
+`benchmarks/e2e/parallel.py`.
 
 Off unless ``LMSTACK_COMM_STATS=1`` is in the environment when a rank starts (spawned workers and
 torchrun ranks inherit it): then the torch.distributed functions below are wrapped in that

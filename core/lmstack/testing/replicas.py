@@ -4,7 +4,7 @@ spawning or joining ranks, broadcasting commands, noticing a rank that died.
 
 This module is a plugin: add it with ``make_plugin_manager(extra_plugins=["lmstack.testing.replicas"])``,
 or run ``python -m lmstack.testing.replicas serve STACK`` (the `lmstack` command with it added;
-what the multi-process server tests and `benchmarks/parallel.py` start, also under torchrun).
+what the multi-process server tests and `benchmarks/e2e/parallel.py` start, also under torchrun).
 """
 
 from __future__ import annotations

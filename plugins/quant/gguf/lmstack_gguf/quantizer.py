@@ -38,7 +38,7 @@ def head_panels_min_rows() -> int:
 
 # Decoder layers take the panels for every batch wherever the panel kernel runs (AVX2 or AVX-512
 # VNNI), which also makes a row's result the same bits in any batch. Measured with
-# benchmarks/panels_from_ab.py (a decode step, panels from one row against from PANELS_MIN_ROWS):
+# benchmarks/ab/panels_from_ab.py (a decode step, panels from one row against from PANELS_MIN_ROWS):
 # AVX2-only Zen 3 0.88-0.99x at batch 1, 0.73x at 4; Zen 5 (AVX-512, with the panels' prefetch)
 # 0.87-1.005x at batch 1, 0.88x at 3-5, the awq stack 0.94-0.95x at 1 and 0.82x at 3-5 (README).
 LAYER_PANELS_MIN_ROWS = 1
