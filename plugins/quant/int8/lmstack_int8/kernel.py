@@ -6,7 +6,7 @@ max|W[n]| / 127 rounded *up* to a bfloat16 value. A bf16-representable scale cos
 the same weight: q * scale is exact in fp32 (7 x 8 significant bits).
 
 `int8_matmul(x [M, K], q, scale)` -> [M, N] in x's dtype picks, per call (measurements in the
-README, `benchmarks/int8_cpu_matmul.py`; an AVX2 CPU, one thread):
+README, `benchmarks/kernels/int8_cpu_matmul.py`; an AVX2 CPU, one thread):
 
 - CPU, fp32 activations, at most `NATIVE_MAX_ROWS` rows (decode batches): this plugin's C++ kernel
   (csrc/int8_matmul.cpp), which widens int8 weights to fp32 in registers, 2-3x faster than
