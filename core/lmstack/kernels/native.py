@@ -96,6 +96,10 @@ class NativeExtension:
     def source_hash(self) -> str:
         h = hashlib.sha256()
         for path in (*self.sources, *self.headers):
+            # The path too: torch's build records where the sources are, so two checkouts (or a
+            # checkout and an installed wheel) sharing one folder would rebuild it for each other,
+            # each holding the build lock while the other waits.
+            h.update(str(path.resolve()).encode())
             h.update(path.read_bytes())
         h.update(" ".join(self.flags).encode())
         return h.hexdigest()[:12]
