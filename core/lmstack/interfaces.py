@@ -279,6 +279,16 @@ class AttentionBackend(ABC):
     `v_scale` (fp32 [num_kv_heads], this layer's, fixed for the engine's life) in `write_kv`,
     `prefill` and `decode`: the cache holds value / scale, so attention reads
     stored x scale. Backends that declare no float8 dtype are never passed them.
+
+    Per-layer attention (the model runner builds each layer's keywords once, from its
+    `ModelConfig`): `scale` is the layer's softmax scale (head_dim ** -0.5 unless the model says
+    otherwise, e.g. Gemma's query_pre_attn_scalar); `sliding_window` is that layer's window or
+    None, and may differ from layer to layer within one step (Gemma alternates local and global
+    layers), so nothing derived from it may be cached across layers. A backend that declares the
+    `logit_softcap` capability receives the keyword `logit_softcap` (float or None) in `prefill`
+    and `decode`: scores (after the scale) become cap * tanh(score / cap) before the mask and
+    softmax (Gemma 2). Backends that do not declare it are never passed it, and a model that
+    soft-caps is refused with them at resolution.
     """
 
     def write_kv(

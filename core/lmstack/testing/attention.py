@@ -28,6 +28,10 @@ def _allowed(
     return allowed
 
 
+def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return scores if cap is None else cap * torch.tanh(scores / cap)
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -35,14 +39,16 @@ def reference_attention(
     context_len: int,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One sequence, dense, fp32. q [Lq, Hq, D] at positions context_len.. ; k, v [L, Hkv, D]
-    for positions 0..L-1. Returns [Lq, Hq, D]."""
+    for positions 0..L-1. `softcap`: scores (after the scale) become softcap * tanh(score /
+    softcap) before the mask (Gemma 2's attention soft-capping). Returns [Lq, Hq, D]."""
     lq, hq, _ = q.shape
     hkv = k.shape[1]
     kk = k.float().repeat_interleave(hq // hkv, dim=1)
     vv = v.float().repeat_interleave(hq // hkv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    scores = _softcap(torch.einsum("qhd,khd->hqk", q.float(), kk) * scale, softcap)
     scores = scores.masked_fill(
         ~_allowed(lq, k.shape[0], context_len, sliding_window, q.device), float("-inf")
     )
@@ -56,6 +62,7 @@ def plain_attention(
     context_len: int,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The same dense attention as `reference_attention`, computed the plain way in q's dtype on
     q's device: score and output matmuls in that dtype, softmax in fp32, probabilities rounded
@@ -67,7 +74,7 @@ def plain_attention(
     hkv = k.shape[1]
     kk = k.repeat_interleave(hq // hkv, dim=1)
     vv = v.repeat_interleave(hq // hkv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, kk).float() * scale
+    scores = _softcap(torch.einsum("qhd,khd->hqk", q, kk).float() * scale, softcap)
     scores = scores.masked_fill(
         ~_allowed(lq, k.shape[0], context_len, sliding_window, q.device), float("-inf")
     )
@@ -117,6 +124,7 @@ class _Matrix:
     phases: tuple[str, ...]
     sliding_window: bool
     chunked_context: bool
+    logit_softcap: bool
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -143,7 +151,9 @@ class AttentionConformance(ComponentKit):
 
     The test matrix comes from the declared capabilities: `dtypes`, `head_dims`, `block_sizes`
     and `phases` (the kit's defaults where one is not declared), the cached-context prefill
-    check when `chunked_context` is declared, the sliding-window check when `sliding_window` is.
+    check when `chunked_context` is declared, the sliding-window checks (one window, and windows
+    changing from layer to layer within a step) when `sliding_window` is, the soft-capping check
+    when `logit_softcap` is.
     The class attributes of the same names may narrow the matrix (to keep interpreter-mode
     runs small); they must stay within what is declared, or the kit fails."""
 
@@ -155,6 +165,7 @@ class AttentionConformance(ComponentKit):
     phases: tuple[str, ...] | None = None  # the checks of a phase not listed are skipped
     sliding_window: bool | None = None  # False: skip the sliding-window check
     chunked_context: bool | None = None  # False: skip the cached-context prefill check
+    logit_softcap: bool | None = None  # False: skip the soft-capping check
     kv_cache_dtypes: tuple[torch.dtype, ...] | None = None
     gqa_ratios: tuple[int, ...] = (1, 3, 8)
     num_kv_heads: int = 2
@@ -204,6 +215,7 @@ class AttentionConformance(ComponentKit):
             phases=self.narrowed("phases", caps.get("phases"), ("prefill", "decode")),
             sliding_window=self._flag("sliding_window", caps),
             chunked_context=self._flag("chunked_context", caps),
+            logit_softcap=self._flag("logit_softcap", caps),
         )
 
     def _flag(self, name: str, caps: dict) -> bool:
@@ -270,18 +282,20 @@ class AttentionConformance(ComponentKit):
         )
         return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, dense, qs
 
-    def _check(self, out, qs, dense, spans, scale, dtype, window=None, case=None, extra_slack=0.0):
+    def _check(
+        self, out, qs, dense, spans, scale, dtype, window=None, case=None, extra_slack=0.0, softcap=None
+    ):
         assert out.shape == torch.cat(qs).shape
         assert torch.isfinite(out.float()).all()
         starts = [0]
         for _, ql in spans:
             starts.append(starts[-1] + ql)
         for i, ((c, _), (k, v)) in enumerate(zip(spans, dense, strict=True)):
-            ref = reference_attention(qs[i], k, v, c, scale, window)
+            ref = reference_attention(qs[i], k, v, c, scale, window, softcap)
             err = rel_error(out[starts[i] : starts[i + 1]].cpu(), ref.cpu())
             plain = 0.0
             if dtype != torch.float32:
-                plain = rel_error(plain_attention(qs[i], k, v, c, scale, window).cpu(), ref.cpu())
+                plain = rel_error(plain_attention(qs[i], k, v, c, scale, window, softcap).cpu(), ref.cpu())
             bound = self.reference_factor * plain + self.slack[dtype] + extra_slack
             where = "" if case is None else "{} head_dim {} block_size {} gqa {}: ".format(*case)
             assert err <= bound, (
@@ -398,6 +412,74 @@ class AttentionConformance(ComponentKit):
             q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
             out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=window)
             self._check(out, qs, dense, spans, hd**-0.5, dtype, window)
+
+    def test_windows_change_from_layer_to_layer(self):
+        """One step's metadata through "layers" of different windows, as the model runner calls
+        a model whose layers alternate local and global attention (Gemma 2 / 3): global, a
+        window, another window, global again, prefill and decode. A backend that derives
+        something from the window once per step and reuses it for the next layer fails."""
+        m = self.matrix()
+        if not m.sliding_window:
+            pytest.skip("backend declares no sliding-window support")
+        backend, rng = self.backend(), random.Random()
+        dtype = torch.float32 if torch.float32 in m.dtypes else m.dtypes[0]
+        hd, bs, ratio = m.head_dims[0], m.block_sizes[-1], self.gqa_ratios[-1]
+        small, large = rng.randint(2, 12), rng.randint(20, 60)
+        windows = [None, small, large, None, small]
+        if "prefill" in m.phases:
+            context = (lambda: rng.randint(1, self.max_len)) if m.chunked_context else (lambda: 0)
+            spans = [(context(), rng.randint(2, 40)), (0, rng.randint(2, 70)), (context(), 3), (context(), 3)]
+            q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+            for window in windows:
+                out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=window)
+                self._check(
+                    out, qs, dense, spans, hd**-0.5, dtype, window, case=(f"window {window}", hd, bs, ratio)
+                )
+        if "decode" in m.phases:
+            spans = [(rng.randint(0, self.max_len), 1) for _ in range(5)]
+            q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+            for window in windows:
+                out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=window)
+                self._check(
+                    out, qs, dense, spans, hd**-0.5, dtype, window, case=(f"window {window}", hd, bs, ratio)
+                )
+
+    def test_logit_softcap(self):
+        """Soft-capped scores (Gemma 2: cap * tanh(score / cap), here with caps of a few units and
+        a scale of 1 so that the cap bends most scores), with and without a sliding window,
+        prefill (over cached context when declared, and short chunks of equal length as
+        verification makes) and decode, every case of the matrix. The capped reference differs
+        from the uncapped one by far more than the bound, so a kernel that ignores the cap fails."""
+        m = self.matrix()
+        if not m.logit_softcap:
+            pytest.skip("backend declares no logit_softcap")
+        backend, rng = self.backend(), random.Random()
+        for dtype, hd, bs, ratio in self._cases(m):
+            cap, scale = rng.uniform(1.0, 4.0), rng.uniform(0.5, 1.0)
+            window = rng.choice([None, rng.randint(3, 30)]) if m.sliding_window else None
+            case = (f"{dtype}, softcap {cap:.2f}, window {window}", hd, bs, ratio)
+            kw = {"scale": scale, "sliding_window": window, "logit_softcap": cap}
+            if "prefill" in m.phases:
+                context = (lambda: rng.randint(1, self.max_len // 2)) if m.chunked_context else (lambda: 0)
+                spans = [
+                    (context(), rng.randint(1, 40)),
+                    (0, rng.randint(2, 60)),
+                    (context(), 2),
+                    (context(), 2),
+                ]
+                q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+                out = backend.prefill(q, k, v, kc, vc, meta, **kw)
+                self._check(out, qs, dense, spans, scale, dtype, window, case=case, softcap=cap)
+                c, _ = spans[1]  # the cap matters: the uncapped result is far off
+                uncapped = reference_attention(qs[1], *dense[1], c, scale, window)
+                assert (
+                    rel_error(uncapped, reference_attention(qs[1], *dense[1], c, scale, window, cap)) > 0.05
+                )
+            if "decode" in m.phases:
+                spans = [(rng.randint(0, self.max_len), 1) for _ in range(4)]
+                q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+                out = backend.decode(q, kc, vc, meta, **kw)
+                self._check(out, qs, dense, spans, scale, dtype, window, case=case, softcap=cap)
 
     def test_kv_cache_in_declared_dtypes(self):
         """Caches stored in each declared `kv_cache_dtypes` entry other than the query's dtype

@@ -30,7 +30,10 @@ CAPABILITIES: dict[str, Any] = {
     "head_dims": (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256),
     "block_sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256),
     "phases": ("prefill", "decode"),
-    "sliding_window": True,
+    "sliding_window": True,  # a window per call: per-layer windows (Gemma) work
+    # No tanh soft-capping of scores in the kernel: a model that soft-caps (Gemma 2) is refused
+    # at resolution with this kernel, naming the ones that can (torch, cpu-paged).
+    "logit_softcap": False,
     "chunked_context": True,
 }
 
