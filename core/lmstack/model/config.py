@@ -52,6 +52,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     # Multiplier on the embedding output (Gemma: sqrt(hidden_size), rounded to the model dtype).
     embedding_multiplier: float | None = None
+    # Whether o_proj has a bias when attention_bias is set (Qwen2 / Qwen2-MoE bias q, k, v only).
+    output_bias: bool = True
     # What the checkpoint stores, for a quantizer to claim: a Hugging Face config.json
     # `quantization_config` as is, or for GGUF {"format": "gguf", "tensor_types": {"Q4_1": 210, ...}}.
     # None: plain floating-point weights.
@@ -64,6 +66,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head RoPE rotates (all but with a partial factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (None: it attends to the whole context)."""
