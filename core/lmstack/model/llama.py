@@ -539,11 +539,17 @@ ARCHITECTURE = decoder_architecture(
 DECODER_ARCHITECTURES: tuple[ModelArchitecture, ...] = (
     ARCHITECTURE,
     decoder_architecture(
-        "qwen2", ("Qwen2ForCausalLM",), parse_qwen2_config, "Qwen2 / Qwen2.5 decoder (q/k/v biases)",
+        "qwen2",
+        ("Qwen2ForCausalLM",),
+        parse_qwen2_config,
+        "Qwen2 / Qwen2.5 decoder (q/k/v biases)",
         **gguf_support("qwen2"),
     ),
     decoder_architecture(
-        "qwen3", ("Qwen3ForCausalLM",), parse_qwen3_config, "Qwen3 decoder (per-head q/k RMSNorm)",
+        "qwen3",
+        ("Qwen3ForCausalLM",),
+        parse_qwen3_config,
+        "Qwen3 decoder (per-head q/k RMSNorm)",
         **gguf_support("qwen3"),
     ),
     decoder_architecture(
