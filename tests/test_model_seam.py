@@ -503,7 +503,10 @@ def test_unregistered_gguf_architecture_names_the_installed(tmp_path: Path) -> N
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ConfigError, match=r"GGUF architecture 'mamba' is not served .*\(installed: llama\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"GGUF architecture 'mamba' is not served .*\(installed: gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe\)$",
+    ):
         _ = open_model_source(str(path)).config
 
 
