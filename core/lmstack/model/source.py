@@ -38,10 +38,10 @@ KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
 # Local paths the example stacks (examples/stacks) name for models a command makes first: a
 # missing one's error names that command. Relative paths are the repository root's.
 MADE_BY: dict[str, str] = {
-    "models/smollm2-135m-awq": "lmstack quantize smollm2-135m-instruct --method awq --out models/smollm2-135m-awq",
-    "models/smollm2-135m-fp8": "lmstack quantize smollm2-135m-instruct --method fp8 --out models/smollm2-135m-fp8",
+    "models/smollm2-135m-awq": "lmstack quantize examples/stacks/cpu.yaml --method awq --out models/smollm2-135m-awq",
+    "models/smollm2-135m-fp8": "lmstack quantize examples/stacks/cpu.yaml --method fp8 --out models/smollm2-135m-fp8",
     "models/smollm2-135m-nvfp4": (
-        "lmstack quantize smollm2-135m-instruct --method nvfp4 --out models/smollm2-135m-nvfp4"
+        "lmstack quantize examples/stacks/cpu.yaml --method nvfp4 --out models/smollm2-135m-nvfp4"
     ),
     "/tmp/tiny-moe": "python -m lmstack.testing.tiny_moe /tmp/tiny-moe",
 }
