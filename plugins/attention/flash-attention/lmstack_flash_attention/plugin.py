@@ -31,9 +31,8 @@ CAPABILITIES: dict[str, Any] = {
     "block_sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256),
     "phases": ("prefill", "decode"),
     "sliding_window": True,  # a window per call: per-layer windows (Gemma) work
-    # No tanh soft-capping of scores in the kernel: a model that soft-caps (Gemma 2) is refused
-    # at resolution with this kernel, naming the ones that can (torch, cpu-paged).
-    "logit_softcap": False,
+    # tanh soft-capping of the scores (Gemma 2), in the kernel's score tile.
+    "logit_softcap": True,
     "chunked_context": True,
 }
 
