@@ -4,14 +4,23 @@ in a temporary HF_HOME with HF_HUB_OFFLINE=1 (there is no network here).
 
 The cache is written in huggingface_hub's documented layout (models--org--name/{blobs, refs,
 snapshots/<commit>}); huggingface_hub itself is the oracle that it is right: `scan_cache_dir`,
-`try_to_load_from_cache` and `snapshot_download(local_files_only=True)` read it back."""
+`try_to_load_from_cache` and `snapshot_download(local_files_only=True)` read it back. Downloads,
+and the Hub's answers for gated, missing and private repositories, come from a small local
+stand-in for the Hub's HTTP API (`FakeHub`, at HF_ENDPOINT), which huggingface_hub talks to as
+it talks to the Hub."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import huggingface_hub
 import pytest
@@ -250,3 +259,166 @@ def test_serve_an_id(tiny_repo):
         assert models["usage"]["completion_tokens"] == 4
         status, body = server.get("/v1/models")
         assert status == 200 and b'"test-org/tiny-llama"' in body
+
+
+# ---------------------------------------------------------------------------------------------
+# Downloads, through a stand-in for the Hub's HTTP API
+# ---------------------------------------------------------------------------------------------
+
+
+class FakeHub:
+    """The part of the Hub's HTTP API huggingface_hub's downloads use (repository info, file
+    tree, HEAD / GET of /resolve/), with the error codes the Hub sends: a gated repository (403
+    GatedRepo, unless the request carries `token`), a missing one (401 RepoNotFound), a missing
+    revision or file."""
+
+    def __init__(self, repos: dict[str, tuple[str, dict[str, bytes]]], gated: dict[str, str]) -> None:
+        self.repos, self.gated = repos, gated
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                hub.answer(self, head=True)
+
+            def do_GET(self) -> None:
+                hub.answer(self, head=False)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, h: BaseHTTPRequestHandler, head: bool) -> None:
+        parts = unquote(urlparse(h.path).path).strip("/").split("/")
+        api = parts[:2] == ["api", "models"]
+        if api:
+            parts = parts[2:]
+        repo, rest = "/".join(parts[:2]), parts[2:]
+        token = self.gated.get(repo)
+        if token is not None and h.headers.get("Authorization") != f"Bearer {token}":
+            return self.send(h, 403, {"error": "gated"}, head, "GatedRepo")
+        if repo not in self.repos:
+            return self.send(h, 401, {"error": "Repository not found"}, head, "RepoNotFound")
+        commit, files = self.repos[repo]
+        revision = rest[1] if len(rest) > 1 else "main"
+        if revision not in ("main", commit):
+            return self.send(h, 404, {"error": "Revision not found"}, head, "RevisionNotFound")
+        if api and rest[:1] in ([], ["revision"]):
+            return self.send(
+                h, 200, {"id": repo, "sha": commit, "siblings": [{"rfilename": f} for f in files]}, head
+            )
+        if api and rest[:1] == ["tree"]:
+            tree = [
+                {"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                for f, b in files.items()
+            ]
+            return self.send(h, 200, tree, head)
+        name = "/".join(rest[2:])
+        if rest[:1] == ["resolve"] and name in files:
+            etag = '"' + hashlib.sha256(files[name]).hexdigest() + '"'
+            return self.send(h, 200, files[name], head, headers={"X-Repo-Commit": commit, "ETag": etag})
+        return self.send(h, 404, {"error": "Entry not found"}, head, "EntryNotFound")
+
+    @staticmethod
+    def send(h, status: int, body, head: bool, code: str | None = None, headers: dict | None = None) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        h.send_response(status)
+        for key, value in {**(headers or {}), **({"X-Error-Code": code} if code else {})}.items():
+            h.send_header(key, value)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        if not head:
+            h.wfile.write(data)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_hub(tmp_path):
+    files = tiny_model_files(tmp_path / "tiny")
+    files |= {"original/params.json": b"{}", "tiny-Q8_0.gguf": b"GGUF q8_0 bytes", "README.md": b"# tiny"}
+    hub = FakeHub(
+        {"test-org/tiny-llama": (COMMIT_A, files), "test-org/gated": (COMMIT_B, files)},
+        gated={"test-org/gated": "hf_test_token"},
+    )
+    yield hub
+    hub.close()
+
+
+def resolve_online(hub: FakeHub, hf_home: Path, names: list[str], token: str | None = None) -> list[str]:
+    """Each name resolved in a fresh process (huggingface_hub reads HF_ENDPOINT when imported),
+    online: the resolved path's part under HF_HOME, or the error."""
+    script = (
+        "import sys\n"
+        "from lmstack.errors import ConfigError\n"
+        "from lmstack.model.source import resolve_model_path\n"
+        "for name in sys.argv[1:]:\n"
+        "    try: print(resolve_model_path(name).relative_to(" + repr(str(hf_home)) + "))\n"
+        "    except ConfigError as exc: print(exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {
+        "HF_ENDPOINT": hub.url,
+        "HF_HOME": str(hf_home),
+        **({"HF_TOKEN": token} if token else {}),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script, *names], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_an_uncached_id_is_downloaded_into_the_cache_then_read_offline(fake_hub, tmp_path, monkeypatch):
+    home = tmp_path / "hf"
+    folder, gguf = resolve_online(fake_hub, home, ["test-org/tiny-llama", "test-org/tiny-llama:Q8_0"])
+    snapshot = f"hub/models--test-org--tiny-llama/snapshots/{COMMIT_A}"
+    assert (folder, gguf) == (snapshot, f"{snapshot}/tiny-Q8_0.gguf")
+    # What a Hugging Face folder needs, no more: no subfolders, no other files.
+    downloaded = {
+        p.relative_to(home / snapshot).as_posix() for p in (home / snapshot).rglob("*") if p.is_file()
+    }
+    assert downloaded == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tiny-Q8_0.gguf",
+    }
+    # Offline now, the same id is the same cached folder.
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(model_source, "_hub_resolved", {})
+    assert resolve_model_path("test-org/tiny-llama") == home / snapshot
+
+
+def test_what_the_hub_refuses_is_one_line_saying_what_to_do(fake_hub, tmp_path):
+    gated, missing, revision, file = resolve_online(
+        fake_hub,
+        tmp_path / "hf",
+        ["test-org/gated", "test-org/missing", "test-org/tiny-llama@v9", "test-org/tiny-llama/other.gguf"],
+    )
+    assert gated == (
+        "model 'test-org/gated' is gated on the Hugging Face Hub: accept its terms on its page, then log in "
+        "with `hf auth login` or set HF_TOKEN"
+    )
+    assert missing.startswith(
+        "model 'test-org/missing': no repository test-org/missing on the Hugging Face Hub"
+    )
+    assert (
+        revision
+        == "model 'test-org/tiny-llama@v9': test-org/tiny-llama has no revision 'v9'; check the branch, tag or commit"
+    )
+    assert (
+        file
+        == "model 'test-org/tiny-llama/other.gguf': test-org/tiny-llama has no file 'other.gguf'; check the file name"
+    )
+
+
+def test_hf_token_opens_a_gated_repository(fake_hub, tmp_path):
+    (folder,) = resolve_online(fake_hub, tmp_path / "hf", ["test-org/gated"], token="hf_test_token")
+    assert folder == f"hub/models--test-org--gated/snapshots/{COMMIT_B}"
