@@ -247,6 +247,16 @@ def test_an_uncached_id_is_one_line(hub, capsys):
     assert "HF_HUB_OFFLINE" in line and "`hf download test-org/not-cached`" in line
 
 
+def test_bench_takes_an_id_for_its_tokenizer(tiny_repo):
+    from lmstack_bench.cli import UsageError, _tokenizer
+
+    snapshot = tiny_repo / "models--test-org--tiny-llama" / "snapshots" / COMMIT_A
+    expected = model_source.open_model_source(str(snapshot)).tokenizer.encode("the cat")
+    assert _tokenizer("test-org/tiny-llama").encode("the cat") == expected
+    with pytest.raises(UsageError, match="'test-org/not-cached' is not in the Hugging Face cache"):
+        _tokenizer("test-org/not-cached")
+
+
 def test_serve_an_id(tiny_repo):
     from lmstack_api.testing import ServerProcess
 
@@ -407,7 +417,8 @@ def test_what_the_hub_refuses_is_one_line_saying_what_to_do(fake_hub, tmp_path):
         "with `hf auth login` or set HF_TOKEN"
     )
     assert missing.startswith(
-        "model 'test-org/missing': no repository test-org/missing on the Hugging Face Hub"
+        "model 'test-org/missing': no such local file or folder, and no repository test-org/missing on "
+        "the Hugging Face Hub; check the id"
     )
     assert (
         revision

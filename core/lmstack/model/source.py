@@ -221,7 +221,10 @@ class HubModel:
         if isinstance(exc, errors.GatedRepoError):
             return f"{where} is gated on the Hugging Face Hub: accept its terms on its page, then {login}"
         if isinstance(exc, errors.RepositoryNotFoundError):
-            return f"{where}: no repository {self.repo} on the Hugging Face Hub; check the id (if it is private, {login})"
+            return (
+                f"{where}: no such local file or folder, and no repository {self.repo} on the Hugging Face "
+                f"Hub; check the id (if it is private, {login})"
+            )
         if isinstance(exc, errors.RevisionNotFoundError):
             return f"{where}: {self.repo} has no revision {self.revision!r}; check the branch, tag or commit"
         if isinstance(exc, errors.RemoteEntryNotFoundError):
