@@ -284,3 +284,25 @@ def test_a_kernel_that_cannot_soft_cap_is_refused(gemma):
         assert "\n" not in message
         for part in ("'no-softcap'", "soft-capping", "at 3 (attn_logit_softcap)", "attention.prefill", fits):
             assert part in message, (part, message)
+
+
+def test_kv_calibration_attends_as_the_model_does():
+    """A float8 KV cache's scales come from one calibration forward (`lmstack.quant.kv`): its
+    attention takes each layer's window, the model's scale and its soft-cap, so later layers'
+    K/V (whose magnitudes set the scales) are the ones the model will serve."""
+    from lmstack.model.config import ModelConfig
+    from lmstack.quant.kv import _AmaxRecorder
+    from lmstack.testing.attention import reference_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(37, h, 16, generator=gen) for h in (6, 2, 2))
+    cfg = ModelConfig(
+        10, 8, 8, 3, 6, 2, 16, layer_sliding_windows=(5, None, 5), attn_scale=0.3, attn_logit_softcap=2.0
+    )
+    for layer in range(3):
+        got = _AmaxRecorder(cfg).attend(layer, q, k, v)
+        want = reference_attention(q, k, v, 0, 0.3, cfg.layer_window(layer), 2.0)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    plain = reference_attention(q, k, v, 0, 16**-0.5)
+    torch.testing.assert_close(_AmaxRecorder().attend(1, q, k, v), plain, atol=1e-5, rtol=0)
+    assert (_AmaxRecorder(cfg).attend(1, q, k, v) - plain).abs().max() > 0.1
