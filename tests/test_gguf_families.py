@@ -226,6 +226,38 @@ def test_q8_0_gguf_generates_as_transformers_on_the_rounded_folder(family, folde
     _check_against(rounded, path)
 
 
+def test_q8_0_experts_stay_packed_through_the_gguf_quantizer(folders, tmp_path) -> None:
+    """The gguf plugin keeps each expert's Q8_0 rows (sliced out of the stacked tensor) as blocks
+    and generates as the same file dequantized at load."""
+    pytest.importorskip("lmstack_gguf")
+    from lmstack.engine.llm import LLM
+    from lmstack.stack.plugins import make_plugin_manager
+    from lmstack_gguf.linear import GGUFLinear
+
+    _served("qwen3_moe")
+    path = write_gguf(folders["qwen3_moe"], tmp_path / "moe.q8_0.gguf", tensor_type="q8_0")
+    ids = Tokenizer.from_hf_folder(folders["qwen3_moe"]).encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=0)
+    results = []
+    for quant in ({"weights": "gguf", "activations": "fp32", "kv_cache": "none"}, {"weights": "none"}):
+        llm = LLM(
+            {**tiny_stack(path), "attention": "torch", "quant": quant}, plugin_manager=make_plugin_manager()
+        )
+        try:
+            model = llm.engine.executor.runner.model
+            packed = [m for n, m in model.named_modules() if ".experts." in n and isinstance(m, GGUFLinear)]
+            assert bool(packed) == (quant["weights"] == "gguf")
+            with one_thread():
+                out = llm.generate(ids, params)[0]
+        finally:
+            llm.engine.shutdown()
+        logprobs = torch.tensor([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
+        results.append((out.outputs[0].token_ids, logprobs))
+    (tokens, ours), (expected, theirs) = results
+    assert tokens == expected
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Tokenizers and chat templates from the file
 # ---------------------------------------------------------------------------------------------
