@@ -215,6 +215,7 @@ def _our_tables(path_or_cfg: dict, max_positions: int) -> tuple[torch.Tensor, to
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "mscale": 0.8,
          "mscale_all_dim": 0.5, "beta_fast": 16},
         {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "dynamic", "factor": 2.0},  # transformers scales only past 1024 positions
     ],
 )  # fmt: skip
 def test_rope_scaling_tables_match_transformers(scaling):
@@ -396,3 +397,46 @@ def test_tp2_gives_single_process_greedy_tokens(family_path, family):
         assert _greedy(llm) == plain
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_fused_phi3_tensors_split_then_replicate_kv_heads_under_tp4(family_path, rank):
+    """tp=4 over 2 KV heads (each replicated on 2 ranks), without processes: rank r's qkv_proj
+    holds query head r and KV head r // 2 cut from Phi-3's fused qkv_proj tensor, and its
+    gate_up_proj a quarter of the fused gate_up_proj's gate rows and of its up rows."""
+    from lmstack.exec.distributed import ParallelRanks
+    from lmstack.model.hf_loader import iter_safetensors
+    from lmstack.model.llama import LlamaModel
+
+    source = open_model_source(family_path("phi3"))
+    cfg = source.config
+    model = LlamaModel(cfg, ranks=ParallelRanks(tp=4, rank=rank))
+    model.load_weights(source.weights())
+    stored = dict(iter_safetensors(source.path))
+    qkv = stored["model.layers.1.self_attn.qkv_proj.weight"]
+    d, kv_head = cfg.head_dim, rank // 2
+    q = qkv[rank * d : (rank + 1) * d]
+    k = qkv[cfg.q_size + kv_head * d : cfg.q_size + (kv_head + 1) * d]
+    v = qkv[cfg.q_size + cfg.kv_size + kv_head * d : cfg.q_size + cfg.kv_size + (kv_head + 1) * d]
+    assert torch.equal(model.layers[1].qkv_proj.weight, torch.cat([q, k, v]))
+    gate_up, inter = stored["model.layers.1.mlp.gate_up_proj.weight"], cfg.intermediate_size
+    quarter = slice(rank * inter // 4, (rank + 1) * inter // 4)
+    expected = torch.cat([gate_up[:inter][quarter], gate_up[inter:][quarter]])
+    assert torch.equal(model.layers[1].gate_up_proj.weight, expected)
+
+
+def test_the_llama_fast_path_is_chosen_when_every_switch_is_off(family_path):
+    """Llama 3 layers run the one native split-and-rotate call, SwiGLU and the Llama forward
+    (no switch tested per call); Qwen3 (q/k norm) and Phi-3 (partial rotary) the general split."""
+    from lmstack.model.layer_ops import qkv_rope_, silu_mul
+    from lmstack.model.llama import LlamaModel
+
+    def layer(family: str):
+        return LlamaModel(open_model_source(family_path(family)).config).layers[0]
+
+    llama = layer("llama3")
+    assert llama.split_qkv is qkv_rope_ and llama.act is silu_mul and "forward" not in vars(llama)
+    assert llama.q_norm is None and not hasattr(llama, "pre_feedforward_layernorm")
+    for family in ("qwen3", "phi3"):
+        general = layer(family)
+        assert general.split_qkv == general.split_qkv_general

@@ -111,15 +111,18 @@ def parse_llama_config(cfg: Mapping[str, Any], name: str = "") -> ModelConfig:
 
 
 def parse_qwen2_config(cfg: Mapping[str, Any], name: str = "") -> ModelConfig:
-    """Qwen2 / Qwen2.5: q, k and v have biases (o_proj none) whatever the config says; sliding
-    windows per layer (`layer_windows`)."""
-    return parse_decoder_config(cfg, name, attention_bias=True, output_bias=False, **layer_windows(cfg, name))
+    """Qwen2 / Qwen2.5: q, k and v have biases (o_proj and the MLP none) whatever the config
+    says, as in transformers; sliding windows per layer (`layer_windows`)."""
+    return parse_decoder_config(
+        cfg, name, attention_bias=True, output_bias=False, mlp_bias=False, **layer_windows(cfg, name)
+    )
 
 
 def parse_qwen3_config(cfg: Mapping[str, Any], name: str = "") -> ModelConfig:
     """Qwen3: a per-head RMSNorm of q and k before RoPE; `attention_bias` on all four
-    projections, as the config says; sliding windows per layer (`layer_windows`)."""
-    return parse_decoder_config(cfg, name, qk_norm=True, **layer_windows(cfg, name))
+    projections, as the config says (the MLP has none); sliding windows per layer
+    (`layer_windows`)."""
+    return parse_decoder_config(cfg, name, qk_norm=True, mlp_bias=False, **layer_windows(cfg, name))
 
 
 def parse_phi3_config(cfg: Mapping[str, Any], name: str = "") -> ModelConfig:

@@ -7,7 +7,8 @@ dependency, not the core's).
 
 Sizes: hidden 256 and MLP widths that are multiples of 256 (a GGUF K-quant block is 256 values
 of a row), head_dim 64 (a whole number of AVX-512 registers in cpu-paged's fast path; Phi-3
-rotates half of it), 4 query and 2 KV heads, 2 layers. Each family also exercises its variant:
+rotates half of it; Qwen3's is 128, so its attention is wider than the hidden size), 4 query and
+2 KV heads, 2 layers. Each family also exercises its variant:
 Llama 3 the `llama3` RoPE scaling with tied embeddings, Mistral and Phi-3 a 32-token sliding
 window, Phi-3 LongRoPE (original context 64) and a partial rotary factor, Qwen3-MoE 4 experts
 with top-2 routing.
@@ -60,11 +61,9 @@ def _family(family: str, common: dict[str, Any]) -> tuple[str, str, dict[str, An
     if family == "qwen2":
         return "Qwen2Config", "Qwen2ForCausalLM", {**common, "use_sliding_window": False}
     if family == "qwen3":
-        return (
-            "Qwen3Config",
-            "Qwen3ForCausalLM",
-            {**common, "head_dim": head_dim, "use_sliding_window": False},
-        )
+        # Wider heads than hidden / heads, as Qwen3's (0.6B: 16 x 128 over a hidden of 1024): the
+        # attention's width (512) is not the hidden size.
+        return "Qwen3Config", "Qwen3ForCausalLM", {**common, "head_dim": 128, "use_sliding_window": False}
     if family == "qwen3_moe":
         moe = {
             "num_experts": 4,
