@@ -15,6 +15,7 @@ The tokenizer and chat template come from the file: byte-level BPE ("gpt2") and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -155,8 +156,14 @@ def test_gguf_weights_equal_the_folders(family, folders, gguf_files) -> None:
         torch.testing.assert_close(ours[name], value, atol=atol, rtol=0, msg=name)
 
 
-def _transformers_reference(folder: Path, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+@functools.cache
+def _transformers_reference(folder: Path, ids: tuple[int, ...]) -> tuple[torch.Tensor, list[int]]:
+    """transformers' teacher-forced log-probabilities of ids[1:] and greedy continuation (once
+    per folder: the torch and cpu-paged runs share it)."""
+    ids = list(ids)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad(), one_thread():
         logprobs = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
         out = hf.generate(
@@ -170,23 +177,48 @@ def _transformers_reference(folder: Path, ids: list[int]) -> tuple[torch.Tensor,
     return torch.stack([logprobs[i - 1, ids[i]] for i in range(1, len(ids))]), out.tolist()
 
 
-def _generate(path: Path, ids: list[int]):
+def _attention(name: str) -> dict:
+    if name == "cpu-paged":
+        from lmstack.stack.plugins import default_registry
+
+        if name not in default_registry().names("attention"):
+            pytest.skip("the cpu-paged attention plugin is not installed")
+        from lmstack_cpu_paged.build import load_error
+
+        if (problem := load_error()) is not None:
+            pytest.skip(f"cpu-paged cannot be built here: {problem}")
+    return {"prefill": {"name": name}, "decode": {"name": name}}
+
+
+def _generate(path: Path, ids: list[int], attention: str = "torch"):
+    from lmstack.engine.llm import LLM
+    from lmstack.stack.plugins import make_plugin_manager
+
     stack = tiny_stack(
-        path, scheduler={"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 64}
+        path,
+        scheduler={"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 64},
+        attention=_attention(attention),
+        # The file's weights dequantized at load, whatever quantizer is installed: the
+        # reference's arithmetic.
+        quant={"weights": "none"},
     )
-    llm = reference_llm(stack)
+    llm = reference_llm(stack) if attention == "torch" else LLM(stack, plugin_manager=make_plugin_manager())
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=0)
-    with one_thread():
-        out = llm.generate(ids, params)[0]
+    try:
+        with one_thread():
+            out = llm.generate(ids, params)[0]
+    finally:
+        if attention != "torch":
+            llm.engine.shutdown()
     logprobs = torch.tensor([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
     return logprobs, out.outputs[0].token_ids
 
 
-def _check_against(reference_folder: Path, gguf_path: Path) -> None:
+def _check_against(reference_folder: Path, gguf_path: Path, attention: str = "torch") -> None:
     ids = Tokenizer.from_hf_folder(reference_folder).encode(PROMPT)
     assert len(ids) > 100
-    theirs, expected = _transformers_reference(reference_folder, ids)
-    ours, tokens = _generate(gguf_path, ids)
+    theirs, expected = _transformers_reference(reference_folder, tuple(ids))
+    ours, tokens = _generate(gguf_path, ids, attention)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     assert tokens == expected
     # The comparison means something: the model's log-probabilities are far from uniform (the
@@ -194,10 +226,11 @@ def _check_against(reference_folder: Path, gguf_path: Path) -> None:
     assert theirs.std() > 0.2
 
 
+@pytest.mark.parametrize("attention", ["torch", "cpu-paged"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_f32_gguf_generates_as_transformers_on_the_folder(family, folders, gguf_files) -> None:
+def test_f32_gguf_generates_as_transformers_on_the_folder(family, attention, folders, gguf_files) -> None:
     _served(family)
-    _check_against(folders[family], gguf_files[family])
+    _check_against(folders[family], gguf_files[family], attention)
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3_moe", "gemma2"])
