@@ -197,9 +197,12 @@ def test_an_unknown_key_set_is_the_same_error_as_in_a_stack_file(capsys, tmp_pat
         assert from_set == from_file, key
 
 
-def test_generate_with_set_reaches_the_engine(capsys, tiny_model_path):
+def test_generate_with_set_reaches_the_engine(capsys, tmp_path, tiny_model_path):
+    stack = tmp_path / "stack.yaml"
+    stack.write_text(yaml.safe_dump({"model": str(tiny_model_path), "dtype": "bfloat16"}))
+    # The old spelling, end to end (the new one is the same parser's positional).
     code, out, err = run(
-        capsys, "generate", str(tiny_model_path), "the cat", "--max-tokens", "3", "--set", "dtype=float32"
+        capsys, "generate", "--stack", str(stack), "the cat", "--max-tokens", "3", "--set", "dtype=float32"
     )
     assert code == 0, err
     llm = LLM(str(tiny_model_path), dtype="float32")

@@ -91,12 +91,12 @@ def _positive_int(text: str) -> int:
 def _cmd_eval_perplexity(args: argparse.Namespace) -> int:
     from lmstack_calibrate.perplexity import run_cli
 
-    args.stack = stack_text(args)
+    stack_text(args)  # the old --stack spelling too, as args.stack
     return run_cli(args)
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from lmstack_calibrate.quantize import run_cli
 
-    args.stack = stack_text(args)
+    stack_text(args)  # the old --stack spelling too, as args.stack
     return run_cli(args)

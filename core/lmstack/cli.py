@@ -290,7 +290,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from lmstack.commands import generate as cli_generate
     from lmstack.commands.stack_args import stack_text
 
-    args.stack = stack_text(args)  # the old --stack spelling too
+    stack_text(args)  # the old --stack spelling too, as args.stack
     return int(cli_generate.run(args) or 0)
 
 

@@ -41,7 +41,8 @@ def add_stack_arguments(parser: argparse.ArgumentParser, *, legacy_option: bool 
 
 
 def stack_text(args: argparse.Namespace) -> str:
-    """What the command line names as the stack (MODEL_OR_STACK, or the old --stack)."""
+    """What the command line names as the stack (MODEL_OR_STACK, or the old --stack), left in
+    `args.stack` alone (a handler that passes `args` on may ask again)."""
     option = getattr(args, "stack_option", None)
     if option is not None and args.stack is not None:
         raise LmstackError(
@@ -50,6 +51,7 @@ def stack_text(args: argparse.Namespace) -> str:
     text = args.stack if args.stack is not None else option
     if text is None:
         raise LmstackError("name a model or a stack file (MODEL_OR_STACK)")
+    args.stack, args.stack_option = text, None
     return text
 
 
