@@ -261,14 +261,19 @@ def test_serve_an_id(tiny_repo):
     from lmstack_api.testing import ServerProcess
 
     server = ServerProcess({})
+    # The model alone, every default but the one key set over it.
     server.serve_args = ["test-org/tiny-llama", "--host", "127.0.0.1", "--port", str(server.port)]
+    server.serve_args += ["--set", "scheduler.max_num_seqs=5"]
     with server:
-        status, models, _ = server.post("/v1/completions", {"prompt": "the cat", "max_tokens": 4})
-        assert status == 200, models
-        assert models["model"] == "test-org/tiny-llama"
-        assert models["usage"]["completion_tokens"] == 4
+        status, completion, _ = server.post("/v1/completions", {"prompt": "the cat", "max_tokens": 4})
+        assert status == 200, completion
+        assert completion["model"] == "test-org/tiny-llama"
+        assert completion["usage"]["completion_tokens"] == 4
         status, body = server.get("/v1/models")
         assert status == 200 and b'"test-org/tiny-llama"' in body
+        stack = json.loads(server.get("/v1/stack")[1])
+        assert stack["model"] == "test-org/tiny-llama"
+        assert stack["stack"]["components"]["scheduler"]["options"]["max_num_seqs"] == 5
 
 
 # ---------------------------------------------------------------------------------------------
