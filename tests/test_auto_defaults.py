@@ -21,7 +21,6 @@ from lmstack.kernels import hardware
 from lmstack.kernels.hardware import CPU_KV_CAP, kv_budget_from
 from lmstack.quant.formats import CT_PACK_QUANTIZED, DENSE, GGUF
 from lmstack.registry import Component, Registry
-from lmstack.stack import resolve as resolve_module
 from lmstack.stack.config import load_stack
 from lmstack.stack.resolve import auto_quantizer, auto_quantizer_ranking, resolve
 
@@ -116,11 +115,15 @@ def test_device_auto_takes_cuda_where_torch_sees_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)  # (dtype: auto asks)
-    monkeypatch.setattr(resolve_module, "kv_budget", lambda d: hardware.KVBudget(GiB, "auto on cuda: test"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (68 * GiB, 80 * GiB))
     r = resolve(load_stack({}), registry(), check_device=False)
     assert r.device == CUDA
     assert r.auto_reasons["device"] == "auto: cuda (torch sees 2 CUDA device(s))"
+    assert "80.0 GiB less the 12.0 GiB in use" in r.auto_reasons["kv_cache_memory"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # A GPU stack checked where there is none: the rule alone.
+    r = resolve(load_stack({"device": "cuda"}), registry(), check_device=False)
+    assert r.auto_reasons["kv_cache_memory"].endswith("(measured there: no CUDA device here)")
     r = resolve(load_stack({}), registry())
     assert r.device == CPU and r.auto_reasons["device"] == "auto: cpu (torch sees no CUDA device)"
     # Named: no reason to give.
@@ -180,6 +183,24 @@ def test_quant_auto_falls_back_when_the_best_does_not_fit(gguf_model):
     )
     assert r.quantizer.name == "none" and r.dtype == torch.bfloat16
     assert r.auto_reasons["quantizer"].endswith("skipped blocks does not take bfloat16")
+
+
+class BlocksOptions(msgspec.Struct, forbid_unknown_fields=True):
+    activations: str = "int8"
+
+
+def test_quant_auto_passes_the_options_given_to_the_candidates_that_take_them(gguf_model):
+    blocks = blocks_quantizer()
+    blocks = comp("blocks", "quantizer", capabilities=blocks.capabilities, options_type=BlocksOptions)
+    stack = {"model": gguf_model, "device": "cpu", "quant": {"activations": "fp32"}}
+    r = resolve(load_stack(stack), registry(blocks))
+    assert r.quantizer.name == "blocks" and r.quantizer.options == BlocksOptions("fp32")
+    assert r.auto_reasons["quantizer"] == (
+        "auto for a gguf checkpoint on cpu (ranked: blocks): blocks; skipped none does not take activations"
+    )
+    # No candidate takes them: the first one's error.
+    with pytest.raises(ConfigError, match="quant.colour: unknown key; quantizer 'blocks'"):
+        resolve(load_stack({**stack, "quant": {"colour": "red"}}), registry(blocks))
 
 
 def test_quant_auto_declarations_of_the_installed_quantizers():

@@ -199,6 +199,17 @@ def kv_budget_from(device_type: str, free: int | None, total: int | None) -> KVB
     )
 
 
+def kv_budget_reason(device: torch.device) -> str:
+    """What `kv_cache_memory: auto` gives on `device` now, for `lmstack check` (the allocator
+    measures again once the weights are loaded); the rule alone where the device is not here."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return (
+            f"auto on cuda: {GPU_MEMORY_FRACTION:.0%} of the GPU's memory less what is in use once the "
+            "weights are loaded (measured there: no CUDA device here)"
+        )
+    return f"{kv_budget(device).reason} now (measured again once the weights are loaded)"
+
+
 def kv_budget(device: torch.device) -> KVBudget:
     """`kv_cache_memory: auto` on `device`, measured now (the allocator is built after the
     weights are loaded, so their memory is no longer free then)."""

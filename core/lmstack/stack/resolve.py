@@ -28,7 +28,7 @@ import torch
 
 from lmstack.components.paged import KV_MEMORY_AUTO
 from lmstack.errors import ConfigError, ResolutionError
-from lmstack.kernels.hardware import auto_dtype, kv_budget
+from lmstack.kernels.hardware import auto_dtype, kv_budget_reason
 from lmstack.quant.formats import DENSE, GGUF, checkpoint_format_id
 from lmstack.registry import Component, Registry
 from lmstack.roles import ROLE, check_capabilities
@@ -116,12 +116,12 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
     # Every `auto` role: its candidates best first, tried in turn below (the first that fits
     # this stack on this machine is kept). The quantizer goes first: the dtype follows it.
     auto: dict[str, list[Selected]] = {}
+    skipped: dict[str, list[str]] = {}  # candidates left out before the fit checks, and why
     selected: dict[str, Selected] = {}
     if quant_name == QUANT_AUTO:
-        auto["quantizer"] = [
-            _select(registry, "quantizer", name, quant, "quant", name_key="quant.weights")
-            for name in auto_quantizer_ranking(registry, checkpoint_format, device)
-        ]
+        auto["quantizer"], skipped["quantizer"] = _auto_quantizer_candidates(
+            registry, checkpoint_format, device, quant
+        )
         selected["quantizer"] = auto["quantizer"][0]
     else:
         selected["quantizer"] = _select(
@@ -165,23 +165,21 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
         )
 
     for role, candidates in auto.items():
-        skipped = []
+        left_out = skipped.get(role, [])
         for i, sel in enumerate(candidates):
             selected[role] = sel
             problem = _auto_fit_problem(assemble(reasons), role, sel)
             if problem is None or i == len(candidates) - 1:
                 break  # the last (the reference component) is kept: the checks below explain
-            skipped.append(f"{sel.name} {problem}")
+            left_out.append(f"{sel.name} {problem}")
         ranked = ", ".join(c.name for c in candidates)
         where = f"for a {checkpoint_format} checkpoint on" if role == "quantizer" else "on"
         reasons[role] = f"auto {where} {device.type} (ranked: {ranked}): {selected[role].name}" + (
-            f"; skipped {'; '.join(skipped)}" if skipped else ""
+            f"; skipped {'; '.join(left_out)}" if left_out else ""
         )
     if getattr(selected["allocator"].options, "kv_cache_memory", None) == KV_MEMORY_AUTO:
         # Measured again when the allocator is built, after the weights are loaded.
-        reasons["kv_cache_memory"] = (
-            f"{kv_budget(device).reason} now (measured again once the weights are loaded)"
-        )
+        reasons["kv_cache_memory"] = kv_budget_reason(device)
     resolved = assemble(reasons)
     for check in (
         check_components,
@@ -286,6 +284,26 @@ def auto_quantizer(registry: Registry, checkpoint_format: str, device: torch.dev
     """The quantizer `quant.weights: auto` ranks first for `checkpoint_format` on `device` (the
     CPU when not given); `resolve` falls back down the ranking when it does not fit the stack."""
     return auto_quantizer_ranking(registry, checkpoint_format, device or torch.device("cpu"))[0]
+
+
+def _auto_quantizer_candidates(
+    registry: Registry, checkpoint_format: str, device: torch.device, options: Mapping[str, Any]
+) -> tuple[list[Selected], list[str]]:
+    """The ranking's quantizers with the options the quant section gives (`quant: {activations:
+    fp32}` beside `weights: auto`), leaving out, with the reason, those that do not take them;
+    all refusing: the first one's error."""
+    candidates, left_out, errors = [], [], []
+    for name in auto_quantizer_ranking(registry, checkpoint_format, device):
+        try:
+            candidates.append(
+                _select(registry, "quantizer", name, options, "quant", name_key="quant.weights")
+            )
+        except ConfigError as exc:
+            errors.append(exc)
+            left_out.append(f"{name} does not take {', '.join(sorted(options))}")
+    if not candidates:
+        raise errors[0]
+    return candidates, left_out
 
 
 def _auto_cache_candidates(
