@@ -394,6 +394,11 @@ def parse_gguf_config(
         raise ConfigError(f"GGUF {arch}.attention.value_length differs from key_length (unsupported)")
     rope_theta = _f32(k.get("rope.freq_base", 10000.0))
     rope_dim = int(k.get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim and family.permuted_qk:
+        raise ConfigError(
+            f"GGUF {arch}.rope.dimension_count {rope_dim} is not the head size {head_dim}: partial "
+            f"rotary embeddings are not implemented for {arch} files"
+        )
     bos = meta.get("tokenizer.ggml.bos_token_id")
     bias = "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors
     fields: dict[str, Any] = dict(
@@ -417,6 +422,8 @@ def parse_gguf_config(
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=gguf_eos_token_ids(meta),
         name=name,
+        # llama.cpp rotates the first rope.dimension_count dimensions of each head.
+        partial_rotary_factor=rope_dim / head_dim,
     )
     fields.update(family.fields(k, tensors, fields))
     rotary = int(fields["head_dim"] * fields.get("partial_rotary_factor", 1.0))
