@@ -329,10 +329,12 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
         fields=_gemma3_fields,
         norm_plus_one=True,
         sandwich_norms=True,
-    ),  # fmt: skip
+    ),
     "phi3": GGUFFamily(
         "phi3",
-        layer_tensors=("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"),
+        # Converters write Hugging Face's fused qkv_proj as attn_qkv; llama.cpp also reads phi3
+        # files with separate attn_q / attn_k / attn_v.
+        layer_tensors=("attn_qkv", *_ATTENTION, "ffn_norm", "ffn_up", "ffn_down"),
         fields=_phi3_fields,
         fused_gate_up=True,
     ),
