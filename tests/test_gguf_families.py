@@ -438,6 +438,35 @@ def test_a_missing_metadata_key_is_one_line_naming_it(tmp_path) -> None:
         parse_gguf_config(file.metadata, file.tensors)
 
 
+@pytest.mark.parametrize(
+    ("stated", "expected"),
+    [
+        (None, (8, 8, 8, 8, 8, None, 8)),
+        (3, (8, 8, None, 8, 8, None, 8)),
+        ([True, False] * 3 + [True], (8, None) * 3 + (8,)),
+    ],
+)
+def test_gemma3_sliding_layers_follow_llama_cpp_or_the_stated_pattern(tmp_path, stated, expected) -> None:
+    """llama.cpp's gemma3: 5 local layers to 1 global unless the file states the pattern."""
+    w = gguf.GGUFWriter(str(tmp_path / "g3.gguf"), "gemma3")
+    w.add_embedding_length(64)
+    w.add_block_count(7)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_sliding_window(8)
+    if stated is not None:
+        w.add_sliding_window_pattern(stated)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    file = read_gguf(tmp_path / "g3.gguf")
+    config = parse_gguf_config(file.metadata, file.tensors)
+    assert tuple(config.layer_window(i) for i in range(7)) == expected
+    assert (config.rope_theta, config.rope_local_theta, config.attn_scale) == (10000.0, 10000.0, 16**-0.5)
+
+
 def test_an_unknown_architecture_is_one_line_listing_the_served_ones(tmp_path) -> None:
     file = read_gguf(_bare_gguf(tmp_path / "x.gguf", "mamba"))
     with pytest.raises(

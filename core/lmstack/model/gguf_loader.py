@@ -190,10 +190,22 @@ def _gemma_common(k: _Keys, base: dict[str, Any], pattern: int) -> dict[str, Any
     layer global, the others local, the last of each group global) and the attention scale:
     1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for the 27B model (Hugging Face's
     query_pre_attn_scalar), which llama.cpp recognises by its layer count. A file may state the
-    scale in `<arch>.attention.scale` (our converter does when a model is neither)."""
+    scale in `<arch>.attention.scale` (our converter does when a model is neither), and the
+    layers' kinds in `<arch>.attention.sliding_window_pattern` (a period, or a flag per layer,
+    true for a sliding one), as newer llama.cpp converters write for other models."""
     window = int(k.need("attention.sliding_window"))
     layers = base["num_layers"]
-    windows = tuple(None if (i + 1) % pattern == 0 else window for i in range(layers))
+    stated = k.get("attention.sliding_window_pattern")
+    if isinstance(stated, list):
+        if len(stated) != layers:
+            raise ConfigError(
+                f"GGUF {k.arch}.attention.sliding_window_pattern has {len(stated)} of {layers} layers"
+            )
+        sliding = [bool(x) for x in stated]
+    else:
+        period = int(stated) if stated else pattern
+        sliding = [(i + 1) % period != 0 for i in range(layers)]
+    windows = tuple(window if slides else None for slides in sliding)
     big = {"gemma2": 46, "gemma3": 62}[k.arch]
     implied = base["hidden_size"] / base["num_heads"] if layers == big else base["head_dim"]
     scale = k.get("attention.scale")
