@@ -533,8 +533,14 @@ def test_plugin_architecture_generates_through_the_engine(tiny_folder) -> None:
     pm = make_plugin_manager(autoload=False, extra_plugins=[TinyModelPlugin()])
     assert [a.name for a in build_model_registry(pm).architectures] == [
         "llama",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "gemma2",
+        "gemma3",
         "mixtral",
         "qwen2_moe",
+        "qwen3_moe",
         "tiny-test",
     ]
     engine = LLMEngine(
