@@ -119,6 +119,21 @@ def test_tied_head_matches_transformers(tmp_path):
     _matches_transformers(path, "torch", diverse=False)
 
 
+def test_gemma3_with_scaled_global_rope_matches_transformers(tmp_path):
+    """Gemma 3 4B and larger scale the global layers' RoPE (linear, factor 8) and leave the local
+    layers' alone: each layer must take its own table."""
+    from lmstack.testing.tiny_gemma import write_tiny_gemma
+
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    path = write_tiny_gemma(3, tmp_path, rope_parameters=rope)
+    cfg = open_model_source(path).config
+    assert (cfg.rope_scaling, cfg.rope_local_theta) == ({"rope_type": "linear", "factor": 8.0}, 1e4)
+    _matches_transformers(path, "torch")
+
+
 def test_the_fixture_exercises_every_switch(gemma):
     """The tiny models are sensitive to what the test checks: transformers' own logits move by
     far more than the tolerance when the window, the attention scale or a soft-cap is changed,

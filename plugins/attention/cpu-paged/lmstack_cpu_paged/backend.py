@@ -25,6 +25,15 @@ class CpuPagedAttention(AttentionBackend):
         self.isa = ISAS[isa]
         self.min_part = min_part
 
+    # Picklable (a multi-process layout sends the backends to its workers): the extension
+    # module is left out and loaded again on the other side (built once per machine, cached).
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_ext"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._ext = load()
+
     def _run(self, q, k_cache, v_cache, meta, rows, scale, window, softcap, k_scale, v_scale) -> torch.Tensor:
         """rows: (query_start [B + 1], context_lens [B]) int32, the batch's query rows."""
         return self._ext.paged_attention(

@@ -225,6 +225,19 @@ def test_isas_agree():
         assert rel_error(out, outs[0]) < 1e-5
 
 
+def test_the_backend_pickles():
+    """A multi-process layout sends the backends to its workers: the extension module is left
+    out and loaded again, and the copy computes the same bits."""
+    import pickle
+
+    backend = COMPONENT.factory(COMPONENT.options_type(min_part=64), None)
+    copy = pickle.loads(pickle.dumps(backend))
+    assert copy.min_part == 64 and copy.isa == backend.isa
+    q, kc, vc, meta, _ = _batch([(70, 1), (3, 1)], hkv=2, group=2, head_dim=64, block_size=16)
+    kw = {"scale": 0.125, "sliding_window": 9, "logit_softcap": 3.0}
+    assert torch.equal(copy.decode(q, kc, vc, meta, **kw), backend.decode(q, kc, vc, meta, **kw))
+
+
 def test_build_failure_is_one_clear_line(monkeypatch):
     """A machine that cannot build the extension: resolution names the reason in one line and
     the torch backend still resolves."""
