@@ -349,20 +349,29 @@ def test_ngram_speculation_on_qwen3_gives_plain_greedy_tokens(family_path):
         llm.engine.shutdown()
 
 
-def test_int8_on_qwen2_matches_transformers_on_the_int8_weights(family_path):
-    """int8 weights on Qwen2 (biased q/k/v, unbiased o) with exact fp32 activations compute what
-    the dequantized model computes: transformers' Qwen2 given our int8 layers' dequantized
-    weights is the oracle (log-probabilities within 1e-4, greedy tokens equal)."""
-    pytest.importorskip("lmstack_int8")
-    from lmstack_int8.linear import Int8Linear
-
-    path = family_path("qwen2")
-    quant = {"weights": "int8", "fp32_activations": "exact", "lm_head": "dense"}
-    stack = _stack(path, quant=quant)
+@pytest.mark.parametrize(
+    ("quantizer", "family", "options"),
+    [
+        ("int8", "qwen2", {"fp32_activations": "exact", "lm_head": "dense"}),
+        ("rtn-int4", "qwen3", {"fp32_activations": "exact", "lm_head": "dense"}),
+    ],
+)
+def test_quantized_weights_match_transformers_on_the_same_weights(family_path, quantizer, family, options):
+    """A quantizer that quantizes a dense checkpoint at load, on a non-Llama family (Qwen2: biased
+    q/k/v, unbiased o; Qwen3: q/k norms, heads wider than hidden / heads): transformers given
+    our layers' dequantized weights is the oracle (log-probabilities within 1e-4, greedy tokens
+    equal): the quantized model computes what its weights say, norms and biases untouched."""
+    plugin = {"int8": "lmstack_int8", "rtn-int4": "lmstack_awq"}[quantizer]
+    pytest.importorskip(plugin)
+    path = family_path(family)
+    stack = _stack(path, quant={"weights": quantizer, **options})
     llm = _engine(stack)
     layers = llm.engine.executor.runner.model.layers
-    assert isinstance(layers[0].qkv_proj, Int8Linear) and isinstance(layers[1].down_proj, Int8Linear)
-    assert layers[0].qkv_proj.bias is not None and layers[0].o_proj.bias is None
+    assert all(hasattr(layer.qkv_proj, "dequantized_weight") for layer in layers)
+    assert (layers[0].qkv_proj.bias is not None, layers[0].o_proj.bias is not None) == (
+        family == "qwen2",
+        False,
+    )
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
@@ -378,7 +387,7 @@ def test_int8_on_qwen2_matches_transformers_on_the_int8_weights(family_path):
                 (attn.o_proj.weight, ours.o_proj.dequantized_weight()), (mlp.gate_proj.weight, gate),
                 (mlp.up_proj.weight, up), (mlp.down_proj.weight, ours.down_proj.dequantized_weight()),
             ]:  # fmt: skip
-                assert not torch.equal(param, value)  # int8 rounding changed every weight
+                assert not torch.equal(param, value)  # quantization changed every weight
                 param.copy_(value)
     _matches_transformers(path, stack, hf=hf.eval())
 
