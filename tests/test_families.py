@@ -286,6 +286,7 @@ def _rope(**keys: Any) -> Callable[[dict], None]:
         ("qwen3_moe", _set(shared_expert_intermediate_size=64), "shared expert is not implemented"),
         ("qwen3_moe", _set(hidden_act="gelu_pytorch_tanh"), "experts with activation"),
         ("mistral", lambda c: c.pop("num_attention_heads"), "lacks 'num_attention_heads'"),
+        ("qwen3_moe", lambda c: c.pop("moe_intermediate_size"), "lacks 'moe_intermediate_size'"),
     ],
 )
 def test_unimplemented_variants_are_one_line_at_check(family_path, tmp_path, capsys, family, edit, fragment):

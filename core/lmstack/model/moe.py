@@ -276,12 +276,19 @@ def _qwen_moe_fields(cfg: Mapping[str, Any], base: ModelConfig, norm_topk_prob: 
     dense = tuple(i for i in range(num_layers) if i in only_mlp or (i + 1) % step)
     # transformers 5 writes `num_local_experts` (its attribute map), the published configs `num_experts`.
     num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if num_experts is None:
-        raise ConfigError(f"config.json of model {base.name!r} lacks 'num_experts'")
+    # No defaults for the expert block's sizes: transformers' differ between the two families,
+    # and a guess would only fail later, at load, against the tensors' shapes.
+    for key, value in (
+        ("num_experts", num_experts),
+        ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+        ("moe_intermediate_size", cfg.get("moe_intermediate_size")),
+    ):
+        if value is None:
+            raise ConfigError(f"config.json of model {base.name!r} lacks {key!r}")
     return dict(
         num_experts=int(num_experts),
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 4)),
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size", base.intermediate_size)),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_topk_prob)),
         dense_layers=dense,
     )
