@@ -398,8 +398,8 @@ def _sentencepiece_backend(
         if kind != _NORMAL or len(tok) < 2:
             continue
         for cut in range(1, len(tok)):
-            left, right = tok[:cut], tok[cut:]
-            if left in mergeable and right in mergeable:
+            left = tok[:cut]
+            if left in mergeable and (right := tok[cut:]) in mergeable:
                 ranked.append((-scores[i], i, cut, left, right))
     ranked.sort()
     merges = [(left, right) for _, _, _, left, right in ranked]
