@@ -394,12 +394,12 @@ def test_quantized_weights_match_transformers_on_the_same_weights(family_path, q
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "phi3"])
-def test_tp2_gives_single_process_greedy_tokens(family_path, family):
-    """tp=2 over two worker processes: Qwen3's q/k norms on each rank's heads, Phi-3's fused
-    checkpoint tensors split before each rank takes its rows."""
+def test_tp2_on_qwen3_gives_single_process_greedy_tokens(family_path):
+    """tp=2 over two worker processes: Qwen3's q/k norms on each rank's heads, its attention
+    wider than the hidden size split by heads. (Phi-3's fused tensors under tp: the tp=4 test
+    below, without processes.)"""
     pytest.importorskip("lmstack_tp")
-    path = family_path(family)
+    path = family_path("qwen3")
     plain = _greedy(reference_llm(_stack(path)))
     llm = _llm({**_stack(path), "parallel": {"name": "tp", "tp": 2}})
     try:
