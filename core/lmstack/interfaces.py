@@ -274,21 +274,14 @@ class AttentionBackend(ABC):
     (s // block_size, s % block_size). New tokens' K/V are written with `write_kv` before
     `prefill` / `decode` run, so kernels may read the whole context from the cache.
 
-    Scaled float8 caches (`lmstack.quant.kv`): a backend that declares `float8_e4m3fn` or
-    `float8_e5m2` in its `kv_cache_dtypes` capability receives keyword arguments `k_scale` and
-    `v_scale` (fp32 [num_kv_heads], this layer's, fixed for the engine's life) in `write_kv`,
-    `prefill` and `decode`: the cache holds value / scale, so attention reads
-    stored x scale. Backends that declare no float8 dtype are never passed them.
+    Scaled float8 caches (`lmstack.quant.kv`): a backend that declares `float8_e4m3fn` or `float8_e5m2` in
+    its `kv_cache_dtypes` capability receives keyword arguments `k_scale` and `v_scale` (fp32 [num_kv_heads],
+    this layer's, fixed for the engine's life) in `write_kv`, `prefill` and `decode`: the cache holds
+    value / scale, so attention reads stored x scale. Backends that declare no float8 dtype never get them.
 
-    Per-layer attention (the model runner builds each layer's keywords once, from its
-    `ModelConfig`): `scale` is the layer's softmax scale (head_dim ** -0.5 unless the model says
-    otherwise, e.g. Gemma's query_pre_attn_scalar); `sliding_window` is that layer's window or
-    None, and may differ from layer to layer within one step (Gemma alternates local and global
-    layers), so nothing derived from it may be cached across layers. A backend that declares the
-    `logit_softcap` capability receives the keyword `logit_softcap` (float or None) in `prefill`
-    and `decode`: scores (after the scale) become cap * tanh(score / cap) before the mask and
-    softmax (Gemma 2). Backends that do not declare it are never passed it, and a model that
-    soft-caps is refused with them at resolution.
+    Per layer (the model runner's, from `ModelConfig`): `scale` (Gemma: query_pre_attn_scalar ** -0.5) and
+    `sliding_window` (local / global layers) differ between the layers of one step. Declaring `logit_softcap`
+    adds a `logit_softcap` keyword (cap or None: scores become cap * tanh(score / cap)); else never passed.
     """
 
     def write_kv(
