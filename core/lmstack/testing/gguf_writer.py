@@ -41,7 +41,7 @@ ARCHITECTURES = {
 TYPES = ("f32", "f16", "q8_0")
 
 # llama.cpp token types.
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
@@ -283,7 +283,7 @@ def _write_tokenizer(w: Any, folder: Path, cfg: dict[str, Any]) -> None:
         vocab.setdefault(content, t["id"])
     size = max(int(cfg["vocab_size"]), max(vocab.values()) + 1)
     tokens = [f"[PAD{i}]" for i in range(size)]  # llama.cpp pads to the embedding's rows
-    types = [_USER_DEFINED] * size
+    types = [_UNUSED] * size
     for text, i in vocab.items():
         tokens[i] = text
         types[i] = _NORMAL
