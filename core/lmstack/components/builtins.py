@@ -13,7 +13,7 @@ from lmstack.components import (
     torch_attention,
 )
 from lmstack.hookspecs import hookimpl
-from lmstack.model import gemma, llama, moe
+from lmstack.model import families, gemma, moe
 
 
 @hookimpl
@@ -53,5 +53,5 @@ def lmstack_register_caches(register):
 
 @hookimpl
 def lmstack_register_models(register):
-    for architecture in (*llama.DECODER_ARCHITECTURES, *gemma.ARCHITECTURES, *moe.MOE_ARCHITECTURES):
+    for architecture in (*families.DECODER_ARCHITECTURES, *gemma.ARCHITECTURES, *moe.MOE_ARCHITECTURES):
         register(architecture)

@@ -40,9 +40,6 @@ from lmstack.model.config import ModelConfig
 from lmstack.model.gguf_loader import gguf_support
 from lmstack.model.hf_loader import (
     parse_llama_config,
-    parse_phi3_config,
-    parse_qwen2_config,
-    parse_qwen3_config,
 )
 from lmstack.model.layer_ops import GATED_ACTIVATIONS, qkv_rope_, rms_norm, rotate_
 from lmstack.model.linear import default_linear, dense_parameter
@@ -533,30 +530,4 @@ ARCHITECTURE = decoder_architecture(
     "Llama 2 / 3.x and Mistral decoder (GQA, SwiGLU, RoPE scaling incl. llama3, optional sliding window)",
     hf_model_types=("llama", "mistral"),
     **gguf_support("llama"),
-)
-
-# The dense families, one entry each (`lmstack.components.builtins` registers them all).
-DECODER_ARCHITECTURES: tuple[ModelArchitecture, ...] = (
-    ARCHITECTURE,
-    decoder_architecture(
-        "qwen2",
-        ("Qwen2ForCausalLM",),
-        parse_qwen2_config,
-        "Qwen2 / Qwen2.5 decoder (q/k/v biases)",
-        **gguf_support("qwen2"),
-    ),
-    decoder_architecture(
-        "qwen3",
-        ("Qwen3ForCausalLM",),
-        parse_qwen3_config,
-        "Qwen3 decoder (per-head q/k RMSNorm)",
-        **gguf_support("qwen3"),
-    ),
-    decoder_architecture(
-        "phi3",
-        ("Phi3ForCausalLM",),
-        parse_phi3_config,
-        "Phi-3 / Phi-3.5 / Phi-4-mini decoder (fused qkv and gate_up tensors, LongRoPE, partial rotary)",
-        **gguf_support("phi3"),
-    ),
 )
