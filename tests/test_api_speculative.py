@@ -18,6 +18,11 @@ STACK = {
     "dtype": "float32",
     "scheduler": {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 512},
     "allocator": {"name": "paged", "block_size": 16, "num_blocks": 256},
+    # The dequantized checkpoint through the reference kernels, without prefix caching: what
+    # this test was written against, not the defaults' autos (GGUF blocks, cpu-paged, prefix).
+    "quant": {"weights": "none"},
+    "attention": "torch",
+    "cache": "none",
 }
 CODE = "def area(width, height):\n    result = width * height\n    return result\n"
 SCHEMA = {

@@ -64,14 +64,14 @@ def test_empty_stack_gives_the_defaults():
         assert stack == StackConfig()
         assert stack.model == "smollm2-135m-instruct"
         assert stack.dtype == "auto"
-        assert stack.device == "cpu"
+        assert stack.device == "auto"
         assert stack.scheduler == {"name": "continuous"}
         assert stack.allocator == {"name": "paged"}
-        assert stack.attention == {"prefill": {"name": "torch"}, "decode": {"name": "torch"}}
+        assert stack.attention == {"prefill": {"name": "auto"}, "decode": {"name": "auto"}}
         assert stack.quant == {"weights": "auto", "kv_cache": KV_CACHE_AUTO}
         assert stack.speculator == {"name": "none"}
         assert stack.parallel == {"name": "single"}
-        assert stack.cache == {"name": "none"}
+        assert stack.cache == {"name": "auto"}
         assert stack.extra_sections == {}
         assert checked(stack).sections["server"] == ServerConfig(host="127.0.0.1", port=8000)
 
@@ -114,12 +114,12 @@ def test_the_stack_is_immutable():
             {"prefill": "flash", "decode": "torch"},
             {"prefill": {"name": "flash"}, "decode": {"name": "torch"}},
         ),
-        ({"prefill": "flash"}, {"prefill": {"name": "flash"}, "decode": {"name": "torch"}}),
+        ({"prefill": "flash"}, {"prefill": {"name": "flash"}, "decode": {"name": "auto"}}),
         (
             {"prefill": {"name": "flash", "num_warps": 8}, "decode": "paged-decode"},
             {"prefill": {"name": "flash", "num_warps": 8}, "decode": {"name": "paged-decode"}},
         ),
-        (None, {"prefill": {"name": "torch"}, "decode": {"name": "torch"}}),
+        (None, {"prefill": {"name": "auto"}, "decode": {"name": "auto"}}),
     ],
 )
 def test_attention_forms(value, expected):
@@ -149,7 +149,7 @@ def test_quant_forms():
 
 
 def test_cache_section_names_a_cache_component():
-    assert parse_stack("cache:\n").cache == {"name": "none"}
+    assert parse_stack("cache:\n").cache == {"name": "auto"}
     assert parse_stack("cache: prefix").cache == {"name": "prefix"}
     assert parse_stack("cache: {name: tiered, disk_path: /tmp/kv}").cache == {
         "name": "tiered",

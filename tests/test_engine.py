@@ -20,6 +20,11 @@ STACK = {
     "dtype": "float32",
     "scheduler": {"name": "continuous", "max_num_seqs": 16, "max_num_batched_tokens": 128},
     "allocator": {"name": "paged", "block_size": 16, "num_blocks": 400},
+    # The dequantized checkpoint through the reference kernels, without prefix caching: what
+    # this test was written against, not the defaults' autos (GGUF blocks, cpu-paged, prefix).
+    "quant": {"weights": "none"},
+    "attention": "torch",
+    "cache": "none",
 }
 
 

@@ -44,6 +44,10 @@ def _fp32_stack(model: str) -> dict:
         "dtype": "float32",
         "scheduler": {"name": "continuous", "max_num_batched_tokens": 256},
         "allocator": {"name": "paged", "block_size": 16, "kv_cache_memory": "64MiB"},
+        # The dequantized checkpoint through the reference kernels, as transformers computes it
+        # (not the defaults' GGUF blocks with int8 activations and cpu-paged attention).
+        "quant": {"weights": "none"},
+        "attention": "torch",
     }
 
 

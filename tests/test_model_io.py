@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from lmstack.errors import ConfigError, InvalidRequestError
 from lmstack.model import source as source_mod
 from lmstack.model.checkpoint import to_dense
-from lmstack.model.gguf_loader import fit_llama3_rope_scaling, llama3_rope_divisors, unpermute_rope_rows
+from lmstack.model.gguf_loader import unpermute_rope_rows
+from lmstack.model.gguf_rope import fit_llama3_rope_scaling, llama3_rope_divisors
 from lmstack.model.source import ModelSource, open_model_source, resolve_model_path
 from lmstack.model.tokenizer import Tokenizer
 
@@ -82,7 +83,9 @@ def test_gguf_config_matches_transformers(src: ModelSource, hf_smollm2) -> None:
     assert (c.num_layers, c.num_heads, c.num_kv_heads) == (hf.num_hidden_layers, hf.num_attention_heads, 3)
     assert hf.num_key_value_heads == 3
     assert c.head_dim == hf.head_dim == 64
-    assert c.rms_norm_eps == hf.rms_norm_eps
+    # Stored as float32: we read it back as config.json spells it (1e-05), transformers as the
+    # float32's double (9.9999997e-06); the same float32, which is what the norm adds.
+    assert np.float32(c.rms_norm_eps) == np.float32(hf.rms_norm_eps)
     assert c.rope_theta == hf.rope_parameters["rope_theta"] == 1e5
     assert c.rope_scaling is None and hf.rope_parameters["rope_type"] == "default"
     assert c.max_position_embeddings == hf.max_position_embeddings == 8192

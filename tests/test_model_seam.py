@@ -503,7 +503,10 @@ def test_unregistered_gguf_architecture_names_the_installed(tmp_path: Path) -> N
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ConfigError, match=r"GGUF architecture 'mamba' is not served .*\(installed: llama\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"GGUF architecture 'mamba' is not served .*\(installed: gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe\)$",
+    ):
         _ = open_model_source(str(path)).config
 
 
@@ -530,8 +533,14 @@ def test_plugin_architecture_generates_through_the_engine(tiny_folder) -> None:
     pm = make_plugin_manager(autoload=False, extra_plugins=[TinyModelPlugin()])
     assert [a.name for a in build_model_registry(pm).architectures] == [
         "llama",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "gemma2",
+        "gemma3",
         "mixtral",
         "qwen2_moe",
+        "qwen3_moe",
         "tiny-test",
     ]
     engine = LLMEngine(

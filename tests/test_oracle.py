@@ -39,6 +39,11 @@ def _stack(dtype="float32", **over):
         "dtype": dtype,
         "scheduler": {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 64},
         "allocator": {"name": "paged", "block_size": 16, "num_blocks": 256},
+        # The dequantized checkpoint through the reference kernels, as transformers computes it,
+        # not the defaults' autos (GGUF blocks with int8 activations, cpu-paged, prefix caching).
+        "quant": {"weights": "none"},
+        "attention": {"prefill": {"name": "torch"}, "decode": {"name": "torch"}},
+        "cache": {"name": "none"},
     }
     for k, v in over.items():
         stack[k] = {**stack.get(k, {}), **v}

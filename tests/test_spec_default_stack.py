@@ -42,10 +42,10 @@ def test_ngram_verification_reproduces_plain_decoding_on_the_default_cpu_stack(s
     from lmstack import LLM, SamplingParams
 
     stack = yaml.safe_load(STACK.read_text())
-    assert stack["quant"]["activations"] == "int8", "the case this test is about"
     stack.pop("server", None)
-    stack["scheduler"]["max_num_seqs"] = 1
+    stack["scheduler"] = {**stack.get("scheduler", {}), "max_num_seqs": 1}
     plain = LLM({**stack, "speculator": {"name": "none"}})
+    assert plain.engine.stack.quantizer.options.activations == "int8", "the case this test is about"
     # Always 4 drafts (5 rows per verification: below the LM head's panels on an AVX2-only CPU).
     drafted = LLM({**stack, "speculator": {"name": "ngram", "adaptive": False, "num_draft_tokens": 4}})
     try:
@@ -85,7 +85,9 @@ def test_any_draft_length_and_any_batch_reproduce_plain_decoding_where_every_row
     stack.pop("server", None)
     # Steps of at most 128 rows: prefill chunks stay below the bf16 copy an AMX CPU takes from 256
     # rows (`prefill: panels+bf16`), which rounds otherwise than the panels.
-    stack["scheduler"].update(max_num_seqs=8, max_num_batched_tokens=128)
+    stack["scheduler"] = {**stack.get("scheduler", {}), "max_num_seqs": 8, "max_num_batched_tokens": 128}
+    # Every prompt computed in the shared batch, not attached from the prefix cache (on by default).
+    stack["cache"] = {"name": "none"}
     plain = LLM({**stack, "speculator": {"name": "none"}})
     drafted = LLM({**stack, "speculator": {"name": "ngram", "adaptive": False, "num_draft_tokens": 8}})
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from lmstack.commands.stack_args import add_stack_arguments, stack_text
 from lmstack.hookspecs import hookimpl
 from lmstack.registry import StackSection
 from lmstack_api.config import SECTION, ServerConfig, public_view
@@ -26,11 +27,11 @@ def lmstack_register_stack_sections(register):
 def lmstack_register_commands(subparsers):
     serve = subparsers.add_parser(
         "serve",
-        help="serve a stack over an OpenAI-compatible HTTP API",
-        description="Resolve the stack, load the model and serve /v1/chat/completions, "
-        "/v1/completions, /v1/models, /v1/stack, /health and /metrics.",
+        help="serve a model or a stack over an OpenAI-compatible HTTP API",
+        description="Resolve the stack (or take a model alone with every default), load the model "
+        "and serve /v1/chat/completions, /v1/completions, /v1/models, /v1/stack, /health and /metrics.",
     )
-    serve.add_argument("stack", metavar="STACK", help="path to a stack YAML file")
+    add_stack_arguments(serve)
     serve.add_argument("--host", default=None, help="address to bind (default: the stack's server.host)")
     serve.add_argument(
         "--port", type=int, default=None, help="port to bind, 0 for any free one (default: server.port)"
@@ -42,4 +43,6 @@ def lmstack_register_commands(subparsers):
 def _cmd_serve(args: argparse.Namespace) -> int:
     from lmstack_api.server import serve  # uvicorn and litestar load only for this command
 
-    return serve(args.stack, host=args.host, port=args.port, log_level=args.log_level)
+    return serve(
+        stack_text(args), host=args.host, port=args.port, log_level=args.log_level, overrides=args.overrides
+    )

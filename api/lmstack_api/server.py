@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+from collections.abc import Sequence
 from types import FrameType
 
 import h11
@@ -18,6 +19,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from lmstack.errors import LmstackError
 from lmstack.exec.multiproc import launched, run_launched_worker
+from lmstack.stack.config import load_stack
+from lmstack.stack.overrides import parse_overrides
 from lmstack.stack.plugins import make_plugin_manager
 from lmstack.stack.prepare import prepare_stack, resolve_stack
 from lmstack_api.app import create_app
@@ -117,7 +120,14 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(stack_path: str, host: str | None = None, port: int | None = None, log_level: str = "info") -> int:
+def serve(
+    stack_path: str,
+    host: str | None = None,
+    port: int | None = None,
+    log_level: str = "info",
+    overrides: Sequence[str] = (),
+) -> int:
+    """Serve `stack_path` (a stack file, or a model alone), with `overrides` (`--set KEY=VALUE`)."""
     configure_logging(log_level)
     launch = launched()
     if launch is not None and launch.rank != 0:
@@ -126,7 +136,7 @@ def serve(stack_path: str, host: str | None = None, port: int | None = None, log
         return run_launched_worker()
     # This distribution's own plugin (the `server:` section) even when autoload is off.
     pm = make_plugin_manager(extra_plugins=["lmstack_api.plugin"])
-    stack = resolve_stack(stack_path, pm)
+    stack = resolve_stack(load_stack(stack_path, parse_overrides(overrides)), pm)
     if launch is not None and launch.world_size > 1 and stack.parallel.component.name == "single":
         # Its other ranks would wait for a rank 0 that never joins them.
         raise LmstackError(

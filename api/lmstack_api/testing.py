@@ -54,6 +54,8 @@ class ServerProcess:
         self._dir = tempfile.TemporaryDirectory(prefix="lmstack-serve-")
         self.stack_path = Path(self._dir.name) / "stack.yaml"
         self.stack_path.write_text(yaml.safe_dump(self.stack))
+        # What follows `lmstack serve`; a test may name a model and options instead.
+        self.serve_args: list[str] = [str(self.stack_path)]
         self.log_path = Path(log_path) if log_path else Path(self._dir.name) / "server.log"
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
@@ -64,7 +66,7 @@ class ServerProcess:
         # server behind, loading the machine for the runs after it).
         boot = END_WITH_PARENT.format(parent=os.getpid())
         cmd = [sys.executable, "-c", boot + f"from {self.main_module} import main\nsys.exit(main())"]
-        cmd += ["serve", str(self.stack_path)]
+        cmd += ["serve", *self.serve_args]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout

@@ -60,8 +60,9 @@ def build_parser(prog: str = "lmstack bench") -> argparse.ArgumentParser:
     target.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
     target.add_argument(
         "--tokenizer",
-        help="model (known name, .gguf file or Hugging Face folder) whose tokenizer sizes the prompts "
-        "(default: --model)",
+        help="model whose tokenizer sizes the prompts: a known name, a .gguf file, a Hugging Face "
+        "folder or Hub id (org/name, org/name:Q4_K_M, from the Hugging Face cache or downloaded; "
+        "default: --model)",
     )
     target.add_argument("--endpoint", choices=ENDPOINTS, default="completions")
     target.add_argument(

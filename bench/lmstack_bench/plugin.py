@@ -15,6 +15,12 @@ def lmstack_register_commands(subparsers):
         help="benchmark a live OpenAI-compatible server (lmstack bench serve --help)",
         description="Benchmark servers: `lmstack bench serve --help`, `lmstack bench plot --help`.",
         add_help=False,
+        # Everything after `bench` goes to the benchmark's own parser. An argument list that
+        # starts with an option (`lmstack bench --help`) would not reach the REMAINDER
+        # positional below (argparse matches positionals only up to the first option-like
+        # string) and failed as unrecognized: with no prefix characters of its own, this parser
+        # sees none of them as options.
+        prefix_chars="+",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=_cmd_bench)

@@ -116,7 +116,7 @@ def run_cli(args: Any) -> int:
     from lmstack_calibrate.quantize import load_stack_with_model
 
     text = read_text(args.text)
-    engine = LLMEngine(load_stack_with_model(args.stack, args.model))
+    engine = LLMEngine(load_stack_with_model(args.stack, args.model, args.overrides))
     try:
         result = perplexity(engine, text, window=args.window, max_tokens=args.max_tokens)
     finally:

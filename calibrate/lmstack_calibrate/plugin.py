@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from lmstack.commands.stack_args import add_stack_arguments, stack_text
 from lmstack.hookspecs import hookimpl
 
 
@@ -28,7 +29,7 @@ def _add_eval_parser(sub: Any) -> None:
         "apply) over a text file, in non-overlapping windows of W predicted tokens, each run "
         "through the engine as one request.",
     )
-    ppl.add_argument("--stack", required=True, metavar="FILE", help="path to a stack YAML file")
+    add_stack_arguments(ppl, legacy_option=True)
     ppl.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file")
     ppl.add_argument("--model", default=None, metavar="M", help="serve this model instead of the stack's")
     ppl.add_argument(
@@ -42,13 +43,13 @@ def _add_eval_parser(sub: Any) -> None:
 def _add_quantize_parser(sub: Any) -> None:
     q = sub.add_parser(
         "quantize",
-        help="write a quantized Hugging Face folder of the stack's model",
-        description="Quantize the stack's model (dequantized to fp32) with a quantizer plugin's "
+        help="write a quantized Hugging Face folder of a model (or a stack's model)",
+        description="Quantize the model (a model alone, or the stack's model) (dequantized to fp32) with a quantizer plugin's "
         "checkpoint format and write a Hugging Face folder (compressed-tensors config.json, "
         "safetensors, tokenizer, chat template) that `model: DIR` serves. Methods that "
         "calibrate (awq) run their search on calibration text first.",
     )
-    q.add_argument("--stack", required=True, metavar="FILE", help="path to a stack YAML file")
+    add_stack_arguments(q, legacy_option=True)
     q.add_argument(
         "--method", required=True, metavar="NAME", help="a quantizer: awq, rtn-int4, fp8, nvfp4, ..."
     )
@@ -90,10 +91,12 @@ def _positive_int(text: str) -> int:
 def _cmd_eval_perplexity(args: argparse.Namespace) -> int:
     from lmstack_calibrate.perplexity import run_cli
 
+    stack_text(args)  # the old --stack spelling too, as args.stack
     return run_cli(args)
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from lmstack_calibrate.quantize import run_cli
 
+    stack_text(args)  # the old --stack spelling too, as args.stack
     return run_cli(args)

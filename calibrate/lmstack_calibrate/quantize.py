@@ -21,6 +21,7 @@ import hashlib
 import math
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +155,7 @@ def _calibration_text(stack: Any, calibration: str | None, num_tokens: int) -> t
 
 
 def run_cli(args: Any) -> int:
-    stack = load_stack_with_model(args.stack, args.model)
+    stack = load_stack_with_model(args.stack, args.model, args.overrides)
     out = quantize(
         stack,
         args.method,
@@ -169,11 +170,10 @@ def run_cli(args: Any) -> int:
     return 0
 
 
-def load_stack_with_model(path: str, model: str | None) -> Any:
-    """The stack file at `path`, with its model replaced by `model` when given."""
-    import msgspec
-
+def load_stack_with_model(path: str, model: str | None, overrides: Sequence[str] = ()) -> Any:
+    """The stack at `path` (a file, or a model alone) with its `--set` overrides, its model
+    replaced by `model` when given."""
     from lmstack.stack.config import load_stack
+    from lmstack.stack.overrides import parse_overrides
 
-    stack = load_stack(path)
-    return msgspec.structs.replace(stack, model=model) if model else stack
+    return load_stack(path, parse_overrides(overrides) | ({"model": model} if model else {}))

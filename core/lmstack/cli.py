@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from lmstack.commands.stack_args import add_stack_arguments, stack_from_args
 from lmstack.errors import BuildError, LmstackError, one_line
 
 if TYPE_CHECKING:
@@ -125,11 +126,12 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
 
     check = sub.add_parser(
         "check",
-        help="resolve and validate a stack file without loading weights",
-        description="Load a stack file, resolve its components against the installed plugins, "
-        "read the model's metadata (no weights) and check that everything fits together.",
+        help="resolve and validate a stack (or a model alone) without loading weights",
+        description="Load a stack file (or take a model alone with every default), resolve its "
+        "components against the installed plugins, read the model's metadata (no weights) and "
+        "check that everything fits together.",
     )
-    check.add_argument("stack", metavar="STACK", help="path to a stack YAML file")
+    add_stack_arguments(check)
     check.add_argument("--json", action="store_true", help="print the resolved stack as JSON")
     check.add_argument(
         "--skip-model", action="store_true", help="do not open the model (check the components only)"
@@ -176,9 +178,9 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
     generate = sub.add_parser(
         "generate",
         help="generate a completion for one prompt",
-        description="Build the engine from a stack file and answer one prompt.",
+        description="Build the engine from a stack file (or a model alone) and answer one prompt.",
     )
-    generate.add_argument("--stack", required=True, metavar="FILE", help="path to a stack YAML file")
+    add_stack_arguments(generate, legacy_option=True)
     generate.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N")
     generate.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="0 (the default) samples greedily"
@@ -209,11 +211,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     # One pass, as `serve` makes it: the same plugins resolve the stack and pick the model's
     # architecture (a plugin's architecture is checked as it will be served).
     pm = _plugin_manager()
+    stack = stack_from_args(args)
     model_config = None
     if args.skip_model:
-        resolved = resolve_stack(args.stack, pm)
+        resolved = resolve_stack(stack, pm)
     else:
-        prepared = prepare_stack(args.stack, plugin_manager=pm)
+        prepared = prepare_stack(stack, plugin_manager=pm)
         resolved, model_config = prepared.resolved, prepared.model_config
         if args.build:
             from lmstack.stack.build import check_build
@@ -285,8 +288,14 @@ def _unknown_command(command: str, load_error: LmstackError | None) -> str:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from lmstack.commands import generate as cli_generate
+    from lmstack.commands.stack_args import stack_text
 
+    stack_text(args)  # the old --stack spelling too, as args.stack
     return int(cli_generate.run(args) or 0)
+
+
+# `auto_reasons` keys that are not roles: how `lmstack check` names them.
+_AUTO_LABEL = {"kv_cache_memory": "KV cache memory"}
 
 
 def _print_check(
@@ -304,6 +313,8 @@ def _print_check(
             f"({mc.num_kv_heads} KV), head_dim {mc.head_dim}, context {mc.max_position_embeddings}{window}"
         )
     print(f"device    {resolved.device}")
+    if "device" in resolved.auto_reasons:
+        print(f"          {resolved.auto_reasons['device']}")
     print(f"dtype     {DTYPE_NAMES[resolved.dtype]} (KV cache {DTYPE_NAMES.get(resolved.kv_cache_dtype)})")
     print(f"          {resolved.dtype_reason}")
     fmt = resolved.checkpoint_format or "-"
@@ -323,9 +334,11 @@ def _print_check(
         )
     print(_table(["ROLE", "COMPONENT", "DISTRIBUTION", "VERSION", "OPTIONS"], rows))
     print()
-    for role, reason in resolved.auto_reasons.items():
-        print(f"{ROLE_LABEL[role]}: {reason}")
-    if resolved.auto_reasons:
+    # What each `auto` chose and why (the device's is printed beside it, above).
+    choices = {key: reason for key, reason in resolved.auto_reasons.items() if key != "device"}
+    for key, reason in choices.items():
+        print(f"{ROLE_LABEL.get(key, _AUTO_LABEL.get(key, key))}: {reason}")
+    if choices:
         print()
     from lmstack.kernels.hardware import dtype_warning
     from lmstack.stack.resolve import speculation_warning

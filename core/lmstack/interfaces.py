@@ -274,11 +274,14 @@ class AttentionBackend(ABC):
     (s // block_size, s % block_size). New tokens' K/V are written with `write_kv` before
     `prefill` / `decode` run, so kernels may read the whole context from the cache.
 
-    Scaled float8 caches (`lmstack.quant.kv`): a backend that declares `float8_e4m3fn` or
-    `float8_e5m2` in its `kv_cache_dtypes` capability receives keyword arguments `k_scale` and
-    `v_scale` (fp32 [num_kv_heads], this layer's, fixed for the engine's life) in `write_kv`,
-    `prefill` and `decode`: the cache holds value / scale, so attention reads
-    stored x scale. Backends that declare no float8 dtype are never passed them.
+    Scaled float8 caches (`lmstack.quant.kv`): a backend that declares `float8_e4m3fn` or `float8_e5m2` in
+    its `kv_cache_dtypes` capability receives keyword arguments `k_scale` and `v_scale` (fp32 [num_kv_heads],
+    this layer's, fixed for the engine's life) in `write_kv`, `prefill` and `decode`: the cache holds
+    value / scale, so attention reads stored x scale. Backends that declare no float8 dtype never get them.
+
+    Per layer (the model runner's, from `ModelConfig`): `scale` (Gemma: query_pre_attn_scalar ** -0.5) and
+    `sliding_window` (local / global layers) differ between the layers of one step. Declaring `logit_softcap`
+    adds a `logit_softcap` keyword (cap or None: scores become cap * tanh(score / cap)); else never passed.
     """
 
     def write_kv(

@@ -50,7 +50,12 @@ class AttentionCapabilities(Capabilities, forbid_unknown_fields=True, frozen=Tru
     head_dims: tuple[int, ...] | None = None
     block_sizes: tuple[int, ...] | None = None
     phases: tuple[str, ...] | None = None  # subset of ("prefill", "decode")
+    # Takes a `sliding_window` per call, so each layer may have its own (or none): Mistral's
+    # one window, Gemma's alternating local / global layers.
     sliding_window: bool | None = None
+    # Takes the keyword `logit_softcap` (tanh soft-capping of the scores, Gemma 2). Absent
+    # means no: backends written before the keyword existed are never passed it.
+    logit_softcap: bool | None = None
     # Prefill queries attend to earlier cached tokens: needed by chunked prefill and by
     # speculative verification (multi-token queries over a cached context).
     chunked_context: bool | None = None
@@ -69,6 +74,11 @@ class QuantizerCapabilities(Capabilities, forbid_unknown_fields=True, frozen=Tru
     # {"cpu": "float32"}), with the reason `lmstack check` gives.
     auto_dtypes: dict[str, str] | None = None
     auto_dtypes_reason: str | None = None
+    # Checkpoint format -> device type -> rank: `quant.weights: auto` considers it for those
+    # checkpoints on those devices, highest rank first (e.g. {"gguf": {"cpu": 20}}). Only
+    # formats it serves as stored: quantizing at load changes the model's outputs, which auto
+    # never does. Absent: only chosen by name, or as a checkpoint's sole reader.
+    auto_rank: dict[str, dict[str, int]] | None = None
 
 
 class SpeculatorCapabilities(Capabilities, forbid_unknown_fields=True, frozen=True):
@@ -83,6 +93,9 @@ class CacheCapabilities(Capabilities, forbid_unknown_fields=True, frozen=True):
     # Where blocks live, fastest first, e.g. ("device", "disk").
     tiers: tuple[str, ...] | None = None
     persistent: bool | None = None  # blocks outlive the process (a restart finds them)
+    # `cache: auto` (the default) takes the installed cache ranked highest for the device type
+    # that fits the stack, else `none`; absent: only chosen by name.
+    auto_rank: dict[str, int] | None = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,9 +9,10 @@ from lmstack.sampling_params import SamplingParams
 
 
 def run(args: argparse.Namespace) -> int:
+    from lmstack.commands.stack_args import stack_from_args
     from lmstack.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(args.stack)
+    engine = LLMEngine(stack_from_args(args))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     messages = [{"role": "user", "content": args.prompt}]
     req = engine.make_request(engine.input_processor.render_chat(messages), params)

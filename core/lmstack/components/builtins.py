@@ -13,7 +13,7 @@ from lmstack.components import (
     torch_attention,
 )
 from lmstack.hookspecs import hookimpl
-from lmstack.model import llama, moe
+from lmstack.model import families, gemma, moe
 
 
 @hookimpl
@@ -53,6 +53,5 @@ def lmstack_register_caches(register):
 
 @hookimpl
 def lmstack_register_models(register):
-    register(llama.ARCHITECTURE)
-    register(moe.MIXTRAL)
-    register(moe.QWEN2_MOE)
+    for architecture in (*families.DECODER_ARCHITECTURES, *gemma.ARCHITECTURES, *moe.MOE_ARCHITECTURES):
+        register(architecture)

@@ -19,10 +19,14 @@ import msgspec
 from lmstack.content_hash import block_hash
 from lmstack.errors import ConfigError
 from lmstack.interfaces import BlockCache, BuildContext, KVAllocator
+from lmstack.kernels.hardware import kv_budget
 from lmstack.registry import Component
 from lmstack.sequence import Sequence
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+KV_MEMORY_AUTO = "auto"
 
 
 def parse_bytes(value: int | str, path: str = "allocator.kv_cache_memory") -> int:
@@ -36,10 +40,16 @@ def parse_bytes(value: int | str, path: str = "allocator.kv_cache_memory") -> in
 
 class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
     block_size: Annotated[int, msgspec.Meta(description="tokens per KV-cache block (1 to 1024)")] = 16
-    # Memory budget for K and V of all layers; the block count is derived from it.
+    # Memory budget for K and V of all layers; the block count is derived from it. "auto" is
+    # measured when the allocator is built, after the weights are loaded (`kv_budget`).
     kv_cache_memory: Annotated[
-        int | str, msgspec.Meta(description='memory for K and V of all layers ("1GiB"); sets the block count')
-    ] = "1GiB"
+        int | str,
+        msgspec.Meta(
+            description='memory for K and V of all layers ("2GiB"); sets the block count. auto: on a GPU '
+            "90% of its memory less what is in use once the weights are loaded (vLLM's "
+            "gpu_memory_utilization); on a CPU 25% of the available memory, at most 1 GiB"
+        ),
+    ] = KV_MEMORY_AUTO
     # Overrides the budget (tests use it to force preemption).
     num_blocks: Annotated[
         int | None, msgspec.Meta(description="KV-cache blocks, overriding kv_cache_memory (null: from it)")
@@ -50,7 +60,7 @@ class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
             raise ConfigError(f"must be in [1, 1024], got {self.block_size}", "allocator.block_size")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"must be >= 1, got {self.num_blocks}", "allocator.num_blocks")
-        if parse_bytes(self.kv_cache_memory) <= 0:
+        if self.kv_cache_memory != KV_MEMORY_AUTO and parse_bytes(self.kv_cache_memory) <= 0:
             raise ConfigError("must be positive", "allocator.kv_cache_memory")
 
 
@@ -254,10 +264,15 @@ def build(options: PagedOptions, ctx: BuildContext) -> PagedAllocator:
             if ctx.model_config is None:
                 raise ValueError("the paged allocator needs the model config to size its blocks")
             per_block = options.block_size * ctx.model_config.kv_bytes_per_token(ctx.kv_cache_dtype.itemsize)
-        num_blocks = parse_bytes(options.kv_cache_memory) // per_block
+        if options.kv_cache_memory == KV_MEMORY_AUTO:
+            budget = kv_budget(ctx.device)
+            num_blocks, what = budget.bytes // per_block, f"auto ({budget.reason})"
+        else:
+            num_blocks = parse_bytes(options.kv_cache_memory) // per_block
+            what = str(options.kv_cache_memory)
         if num_blocks < 1:
             raise ConfigError(
-                f"{options.kv_cache_memory} holds no block of {per_block} bytes; raise it",
+                f"{what} holds no block of {per_block} bytes; set a size that does",
                 "allocator.kv_cache_memory",
             )
     return PagedAllocator(num_blocks, options.block_size, ctx.block_cache)

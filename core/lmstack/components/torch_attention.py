@@ -45,12 +45,24 @@ def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | 
     return mask
 
 
+def softcap_(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """fp32 scores soft-capped in place, cap * tanh(scores / cap) (Gemma 2); as they are for None."""
+    if cap:
+        scores.div_(cap).tanh_().mul_(cap)
+    return scores
+
+
 def grouped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [..., Hkv, G*Lq, D] (query group folded into rows), k / v [..., Hkv, Lk, D],
     mask broadcastable to [..., Hkv, G*Lq, Lk] or None. Returns [..., Hkv, G*Lq, D]."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = softcap_(torch.matmul(q, k.transpose(-1, -2)).float() * scale, softcap)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
     probs = scores.softmax(-1).to(v.dtype)
@@ -78,6 +90,7 @@ class TorchAttention(AttentionBackend):
         *,
         scale,
         sliding_window,
+        logit_softcap=None,
         k_scale=None,
         v_scale=None,
     ):
@@ -89,7 +102,17 @@ class TorchAttention(AttentionBackend):
         short = self._short_chunks(meta)
         for ql, idx in short.items():
             self._short_group(
-                q, out, k_cache, v_cache, meta, idx, ql, starts, scale, sliding_window, (k_scale, v_scale)
+                q,
+                out,
+                k_cache,
+                v_cache,
+                meta,
+                idx,
+                ql,
+                starts,
+                (scale, logit_softcap),
+                sliding_window,
+                (k_scale, v_scale),
             )
         done = {i for idx in short.values() for i in idx}
         for i, (ql, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu, strict=True)):
@@ -116,7 +139,8 @@ class TorchAttention(AttentionBackend):
                 q_pos = torch.arange(ctx + t0, kend, device=q.device)
                 mask = causal_mask(q_pos, k_pos[:kend], sliding_window)  # [rows, kend]
                 mask = mask.unsqueeze(0).expand(g, rows, kend).reshape(1, g * rows, kend)
-                o = grouped_attention(qt, ki[:, :kend], vi[:, :kend], mask, scale)  # [Hkv, G*rows, D]
+                # [Hkv, G*rows, D]
+                o = grouped_attention(qt, ki[:, :kend], vi[:, :kend], mask, scale, logit_softcap)
                 out[s + t0 : s + t1] = o.view(hkv, g, rows, d).permute(2, 0, 1, 3).reshape(rows, hq, d)
         return out
 
@@ -131,10 +155,11 @@ class TorchAttention(AttentionBackend):
         return {ql: idx for ql, idx in by_len.items() if len(idx) > 1}
 
     @staticmethod
-    def _short_group(q, out, k_cache, v_cache, meta, idx, ql, starts, scale, window, kv_scales) -> None:
+    def _short_group(q, out, k_cache, v_cache, meta, idx, ql, starts, scaling, window, kv_scales) -> None:
         """Prefill for sequences `idx`, each with `ql` query tokens after its context, at once:
         decode's block-diagonal formulation with ql query rows per sequence (the chunk's K / V
-        are in the cache already)."""
+        are in the cache already). `scaling`: (scale, logit soft-cap or None)."""
+        scale, softcap = scaling
         hq, d = q.shape[1], q.shape[2]
         hkv, bs = k_cache.shape[2], k_cache.shape[1]
         g, b = hq // hkv, len(idx)
@@ -157,7 +182,7 @@ class TorchAttention(AttentionBackend):
         qs = q.index_select(0, pos.reshape(-1)).view(b, ql, hkv, g, 1, d)
         eye = torch.eye(hkv, dtype=q.dtype, device=q.device).view(1, 1, hkv, 1, hkv, 1)
         qb = (qs * eye).reshape(b, ql * hkv * g, hkv * d)
-        scores = torch.matmul(qb, keys.transpose(1, 2)).float() * scale  # [b, ql*Hkv*G, L]
+        scores = softcap_(torch.matmul(qb, keys.transpose(1, 2)).float() * scale, softcap)  # [b, ql*Hkv*G, L]
         q_pos = torch.tensor(totals, device=q.device).view(b, 1) - ql + torch.arange(ql, device=q.device)
         k_pos = torch.arange(length, device=q.device)
         mask = causal_mask(q_pos, k_pos.expand(b, length), window)  # [b, ql, L]
@@ -176,6 +201,7 @@ class TorchAttention(AttentionBackend):
         *,
         scale,
         sliding_window,
+        logit_softcap=None,
         k_scale=None,
         v_scale=None,
     ):
@@ -183,10 +209,11 @@ class TorchAttention(AttentionBackend):
         hkv = k_cache.shape[2]
         g = hq // hkv
         kv_scales = (k_scale, v_scale)
-        groups = meta.scratch.get("torch.decode")
-        if groups is None:  # the same for every layer of the step
+        # The same for every layer of the step with this window (layers may differ in it: Gemma).
+        groups = meta.scratch.get(("torch.decode", sliding_window))
+        if groups is None:
             token_bytes = 2 * hkv * d * k_cache.element_size()  # K + V of one token
-            groups = meta.scratch["torch.decode"] = _decode_groups(
+            groups = meta.scratch[("torch.decode", sliding_window)] = _decode_groups(
                 meta, k_cache.shape[1], token_bytes, sliding_window, q.device
             )
         # Block-diagonal queries: row (h, g) carries q[h, g] in columns of head h and zeros
@@ -197,16 +224,19 @@ class TorchAttention(AttentionBackend):
             eye = torch.eye(hkv, dtype=q.dtype, device=q.device).view(1, hkv, 1, hkv, 1)
             meta.scratch["torch.decode.eye"] = eye
         qb = (q.view(b, hkv, g, 1, d) * eye).reshape(b, hkv * g, hkv * d)
+        scaling = (scale, logit_softcap)
         if len(groups) == 1:
-            return self._decode_group(qb, k_cache, v_cache, groups[0], scale, kv_scales).reshape(b, hq, d)
+            return self._decode_group(qb, k_cache, v_cache, groups[0], scaling, kv_scales).reshape(b, hq, d)
         out = torch.empty(b, hkv, g, d, dtype=q.dtype, device=q.device)
         for group in groups:
-            out[group.rows] = self._decode_group(qb[group.rows], k_cache, v_cache, group, scale, kv_scales)
+            out[group.rows] = self._decode_group(qb[group.rows], k_cache, v_cache, group, scaling, kv_scales)
         return out.reshape(b, hq, d)
 
     @staticmethod
-    def _decode_group(qb, k_cache, v_cache, group, scale, kv_scales=(None, None)) -> torch.Tensor:
-        """qb [b, Hkv*G, Hkv*D] -> [b, Hkv, G, D] for one group of similar-length sequences."""
+    def _decode_group(qb, k_cache, v_cache, group, scaling, kv_scales=(None, None)) -> torch.Tensor:
+        """qb [b, Hkv*G, Hkv*D] -> [b, Hkv, G, D] for one group of similar-length sequences;
+        scaling: (scale, logit soft-cap or None)."""
+        scale, softcap = scaling
         b, hkv, d = qb.shape[0], k_cache.shape[2], k_cache.shape[3]
         g = qb.shape[1] // hkv
         # index_select over the flattened tables: 4x faster than k_cache[tables] here (bf16,
@@ -218,7 +248,7 @@ class TorchAttention(AttentionBackend):
             keys, values = _dequantize(keys, k_scale, qb.dtype), _dequantize(values, v_scale, qb.dtype)
         elif keys.dtype != qb.dtype:
             keys, values = keys.to(qb.dtype), values.to(qb.dtype)
-        scores = torch.matmul(qb, keys.transpose(1, 2)).float() * scale  # [b, Hkv*G, L]
+        scores = softcap_(torch.matmul(qb, keys.transpose(1, 2)).float() * scale, softcap)  # [b, Hkv*G, L]
         if group.mask is not None:
             scores.masked_fill_(~group.mask, float("-inf"))
         o = torch.matmul(scores.softmax(-1).to(values.dtype), values).view(b, hkv, g, hkv, d)
@@ -301,6 +331,7 @@ COMPONENT = Component(
         "kv_cache_dtypes": ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
         "phases": ("prefill", "decode"),
         "sliding_window": True,
+        "logit_softcap": True,
         "chunked_context": True,
     },
 )

@@ -9,16 +9,32 @@ from lmstack.engine.llm_engine import LLMEngine, StackSource
 from lmstack.outputs import EngineStats, RequestOutput
 from lmstack.sample.grammar import Grammar
 from lmstack.sampling_params import SamplingParams
+from lmstack.stack.config import load_stack
 
 Prompt = str | list[int]
 Message = dict[str, str]
 
 
 class LLM:
-    """`LLM(stack)` with a stack file path, a mapping, or a `StackConfig`."""
+    """`LLM(stack)` with a stack file path, a mapping, a `StackConfig`, or a model alone (a known
+    name, a .gguf file, a Hugging Face folder or Hub id); or, as vLLM's, `LLM(model="org/name")`.
+    Other keywords set the stack's top-level keys over it, as `--set` does (`dtype="float32"`,
+    `scheduler={"name": "continuous", "max_num_seqs": 8}`: a section given replaces the stack's).
+    `plugin_manager` is the engine's (the installed plugins when None)."""
 
-    def __init__(self, stack: StackSource = None, **kw: Any) -> None:  # type: ignore[assignment]
-        self.engine = LLMEngine(stack if stack is not None else {}, **kw)
+    def __init__(
+        self,
+        stack: StackSource = None,  # type: ignore[assignment]
+        *,
+        model: str | None = None,
+        plugin_manager: Any = None,
+        **overrides: Any,
+    ) -> None:
+        if model is not None:
+            overrides["model"] = model
+        if overrides:
+            stack = load_stack(stack if stack is not None else {}, overrides)
+        self.engine = LLMEngine(stack if stack is not None else {}, plugin_manager=plugin_manager)
 
     @property
     def tokenizer(self):

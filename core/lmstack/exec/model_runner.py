@@ -30,8 +30,8 @@ class ForwardContext:
         layer_kwargs: list[tuple[dict[str, Any], dict[str, Any]]],
     ) -> None:
         """`layer_kwargs[layer]`: the keywords of that layer's `write_kv` and of its kernels
-        (`scale`, `sliding_window`, and a scaled float8 cache's `k_scale` / `v_scale`), made once
-        by the model runner."""
+        (`scale`, `sliding_window`, `logit_softcap` where the kernel declares it, and a scaled
+        float8 cache's `k_scale` / `v_scale`), made once by the model runner."""
         self.meta = meta
         self.kv_caches = kv_caches
         self.layer_kwargs = layer_kwargs
@@ -93,20 +93,30 @@ class ModelRunner:
         self.layers = range(stage.start, stage.end) if stage is not None else range(config.num_layers)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attn_scale if config.attn_scale is not None else config.head_dim**-0.5
         # A float8 KV cache stores K/V divided by per-layer, per-KV-head scales fixed here.
         self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if is_scaled(kv_cache_dtype):
             self.kv_scales = calibrate_kv_scales(
                 self.model, config.vocab_size, config.num_layers, kv_cache_dtype, device
             )
-        # Each layer's kernel keywords, made once rather than per layer per step. Scales reach
-        # only backends that declare a float8 KV dtype (resolution checked it).
+        # Each layer's kernel keywords, made once rather than per layer per step: its window
+        # (Gemma alternates local and global layers) and scale. Scales reach only backends that
+        # declare a float8 KV dtype, `logit_softcap` only backends that declare it (resolution
+        # refused a soft-capping model with any other: `lmstack.stack.checks.check_model`).
+        # (A kernel without the keyword would fail on the call, never compute uncapped scores.)
+        cap = config.attn_logit_softcap
+        softcap = {"logit_softcap": float(cap)} if cap else {}
         self.layer_kwargs: list[tuple[dict[str, Any], dict[str, Any]]] = []
         for layer in range(config.num_layers):
             scales = self.kv_scales[layer] if self.kv_scales is not None else None
             write_kw = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
-            kernel_kw = {"scale": self.scale, "sliding_window": config.sliding_window, **write_kw}
+            kernel_kw = {
+                "scale": self.scale,
+                "sliding_window": config.layer_window(layer),
+                **softcap,
+                **write_kw,
+            }
             self.layer_kwargs.append((write_kw, kernel_kw))
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:

@@ -1,4 +1,5 @@
-"""What this machine computes well: the `dtype: auto` choice and the CPU thread count.
+"""What this machine computes well and holds: the `dtype: auto` choice, the CPU thread count,
+and the memory `allocator.kv_cache_memory: auto` sizes the KV cache from (`kv_budget`).
 
 `dtype: auto` (the default) picks, per device:
 
@@ -112,3 +113,107 @@ def usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: what `allocator.kv_cache_memory: auto` sizes the KV cache from
+# ---------------------------------------------------------------------------------------------
+
+# On a GPU the KV cache takes what is left of this fraction of the device's memory once the
+# weights are loaded (vLLM's `gpu_memory_utilization`); the rest is headroom for activations,
+# the CUDA context and allocator fragmentation.
+GPU_MEMORY_FRACTION = 0.9
+# On a CPU (or a device sharing the host's memory) a quarter of the memory available now, and
+# never more than 1 GiB: the cache is zero-filled at start (RAM committed up front), and a CPU
+# decodes few sequences at a time, so a larger cache would only take memory the rest of the
+# machine needs (a laptop would swap).
+CPU_MEMORY_FRACTION = 0.25
+CPU_KV_CAP = 2**30
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def host_available_memory() -> int | None:
+    """Bytes of host memory a new allocation can take without swapping: /proc/meminfo's
+    MemAvailable, lowered to what the process's cgroup (a container's limit) still allows;
+    None where neither can be read."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text(encoding="ascii", errors="replace").splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    cgroup = _cgroup_headroom()
+    if cgroup is not None:
+        available = cgroup if available is None else min(available, cgroup)
+    return available
+
+
+def _cgroup_headroom() -> int | None:
+    """cgroup v2 memory.max - memory.current of this process's group, where limited."""
+    try:
+        rel = Path("/proc/self/cgroup").read_text(encoding="ascii").strip().splitlines()[0].split(":", 2)[2]
+        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        limit = (base / "memory.max").read_text(encoding="ascii").strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((base / "memory.current").read_text(encoding="ascii")))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """`kv_cache_memory: auto`: the bytes and the rule that gave them (for `lmstack check`)."""
+
+    bytes: int
+    reason: str
+
+
+def kv_budget_from(device_type: str, free: int | None, total: int | None) -> KVBudget:
+    """The rule itself, from measured numbers: on cuda `free` / `total` are the device's (as
+    `torch.cuda.mem_get_info` gives them); elsewhere `free` is the host's available memory
+    (`total` unused). Unknown memory (None) gives the CPU cap."""
+    if device_type == "cuda":
+        assert free is not None and total is not None
+        in_use = total - free
+        budget = int(GPU_MEMORY_FRACTION * total) - in_use
+        return KVBudget(
+            max(0, budget),
+            f"auto on cuda: {GPU_MEMORY_FRACTION:.0%} of the GPU's {_gib(total)} less the {_gib(in_use)} "
+            f"in use (by the weights once loaded, and any other process) = {_gib(max(0, budget))}",
+        )
+    if free is None:
+        return KVBudget(
+            CPU_KV_CAP, f"auto on {device_type}: available memory unknown, so the cap, {_gib(CPU_KV_CAP)}"
+        )
+    budget = min(int(CPU_MEMORY_FRACTION * free), CPU_KV_CAP)
+    return KVBudget(
+        budget,
+        f"auto on {device_type}: {CPU_MEMORY_FRACTION:.0%} of the {_gib(free)} available, at most "
+        f"{_gib(CPU_KV_CAP)} = {_gib(budget)}",
+    )
+
+
+def kv_budget_reason(device: torch.device) -> str:
+    """What `kv_cache_memory: auto` gives on `device` now, for `lmstack check` (the allocator
+    measures again once the weights are loaded); the rule alone where the device is not here."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return (
+            f"auto on cuda: {GPU_MEMORY_FRACTION:.0%} of the GPU's memory less what is in use once the "
+            "weights are loaded (measured there: no CUDA device here)"
+        )
+    return f"{kv_budget(device).reason} now (measured again once the weights are loaded)"
+
+
+def kv_budget(device: torch.device) -> KVBudget:
+    """`kv_cache_memory: auto` on `device`, measured now (the allocator is built after the
+    weights are loaded, so their memory is no longer free then)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return kv_budget_from("cuda", free, total)
+    return kv_budget_from(device.type, host_available_memory(), None)

@@ -69,9 +69,12 @@ HFConfigParser = Callable[[Mapping[str, Any], str], "ModelConfig"]
 GGUFConfigParser = Callable[[Mapping[str, Any], Mapping[str, "GGUFTensor"], str], "ModelConfig"]
 """(GGUF metadata, tensors by GGUF name, model name) -> ModelConfig."""
 
-GGUFTensorAdapter = Callable[[str, "GGUFTensor", "ModelConfig"], "tuple[str, GGUFTensor] | None"]
+GGUFTensorAdapter = Callable[
+    [str, "GGUFTensor", "ModelConfig"], "tuple[str, GGUFTensor] | list[tuple[str, GGUFTensor]] | None"
+]
 """(GGUF tensor name, tensor, config) -> (Hugging Face checkpoint name, tensor with llama.cpp's
-conversion edits undone), or None for a tensor that is not a weight."""
+conversion edits undone), a list of them for a tensor that stacks several (a MoE layer's
+experts), or None for a tensor that is not a weight."""
 
 CheckpointNameMapping = Callable[[str, "ModelConfig"], "tuple[str, ShardId | None] | None"]
 """(Hugging Face checkpoint name, config) -> (parameter name, shard id), or None to skip it."""

@@ -1,6 +1,6 @@
 """The decoder layer's small ops, each one native call on a CPU: RMSNorm (with its residual add),
 the rotary embedding in place (with the q / k / v split of the fused projection) and SwiGLU's
-silu(gate) * up in place (csrc/layer_ops.cpp).
+silu(gate) * up in place (csrc/layer_ops.cpp); GeGLU's gelu_tanh(gate) * up as torch ops.
 
 Why: a decode step at batch 1 is ~10 torch ops of glue per layer around the matmuls; each costs
 its dispatch (5-30 us on a CPU) whatever its size, and a 576-wide RMSNorm as five ops took ~70 us
@@ -145,6 +145,19 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.requires_grad:  # autograd cannot follow an in-place op on a chunk (scale tuning)
         return F.silu(gate) * up
     return F.silu(gate, inplace=True).mul_(up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU's gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh`) from the fused [T, 2I]
+    gate/up output: torch's kernels (a fresh [T, I] tensor; no native op yet)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if gate_up.requires_grad:  # autograd cannot follow an in-place op on a chunk (scale tuning)
+        return F.gelu(gate, approximate="tanh") * up
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+# config.json `hidden_act` -> the gated feed-forward activation on the fused gate/up output.
+GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,15 @@
-"""A Llama-family decoder over a flattened varlen batch and the paged KV cache.
+"""The decoder of every dense family (Llama 3, Mistral, Qwen2 / 2.5, Qwen3, Phi-3, and the
+switches Gemma 2 / 3 need) over a flattened varlen batch and the paged KV cache.
 
 RMSNorm, RoPE (with scaling variants), GQA, SwiGLU, tied or untied head, optional sliding
-window. Q/K/V and gate/up are fused projections (fewer ops per layer: batch-1 decode on a CPU
-is bound by per-op overhead). Every decoder linear is built through a `LinearFactory` from a
+window; a family differs by the switches of its `ModelConfig` (q/k/v biases, per-head q/k norm,
+partial rotary, norm weight offset, sandwich norms, GeGLU, embedding multiplier, final logit
+soft-capping, a local RoPE base). Each layer picks its code paths once, when it is built: with
+every switch off it runs exactly the Llama ops, with no per-call test of a switch. Per-layer
+windows, the attention scale and score soft-capping are the attention kernels' (the model
+runner passes them per layer). Q/K/V and gate/up are fused projections (fewer ops per layer:
+batch-1 decode on a CPU is bound by per-op overhead); a checkpoint that stores them fused
+(Phi-3) is split into the usual parts as it is read. Every decoder linear is built through a `LinearFactory` from a
 `LinearSpec`, so a quantizer decides what a linear is and how its weights load; every parameter
 carries a weight loader, and `load_weights` feeds them checkpoint tensors as stored.
 """
@@ -10,7 +17,7 @@ carries a weight loader, and `load_weights` feeds them checkpoint tensors as sto
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
@@ -21,12 +28,20 @@ from torch.nn.modules import module as torch_module
 from lmstack.errors import ConfigError
 from lmstack.exec.distributed import ParallelRanks, get_parallel, layer_range, tp_all_reduce
 from lmstack.interfaces import LinearFactory, LinearSpec, ParallelHint
-from lmstack.model.architecture import AttentionFn, ModelArchitecture
-from lmstack.model.checkpoint import CheckpointTensor
+from lmstack.model.architecture import (
+    AttentionFn,
+    GGUFConfigParser,
+    GGUFTensorAdapter,
+    HFConfigParser,
+    ModelArchitecture,
+)
+from lmstack.model.checkpoint import CheckpointTensor, to_dense
 from lmstack.model.config import ModelConfig
-from lmstack.model.gguf_loader import llama_gguf_tensor, load_gguf_config
-from lmstack.model.hf_loader import parse_llama_config
-from lmstack.model.layer_ops import qkv_rope_, rms_norm, silu_mul
+from lmstack.model.gguf_loader import gguf_support
+from lmstack.model.hf_loader import (
+    parse_llama_config,
+)
+from lmstack.model.layer_ops import GATED_ACTIVATIONS, qkv_rope_, rms_norm, rotate_
 from lmstack.model.linear import default_linear, dense_parameter
 from lmstack.model.rope import RotaryEmbedding
 from lmstack.model.stages import StageLayers
@@ -36,7 +51,14 @@ from lmstack.model.tensor_parallel import (
     attention_shard,
     expand_kv_heads,
 )
-from lmstack.model.weight_loader import ShardId, default_weight_loader, load_named_weights, set_weight_loader
+from lmstack.model.weight_loader import (
+    ShardId,
+    WeightLoader,
+    default_weight_loader,
+    load_named_weights,
+    set_weight_loader,
+    take_rows,
+)
 
 
 def _callables(*modules: nn.Module) -> Sequence[Callable[..., Any]]:
@@ -50,9 +72,15 @@ def _callables(*modules: nn.Module) -> Sequence[Callable[..., Any]]:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+    """`offset`: the norm multiplies by (offset + stored weight), Gemma's (1 + w). The offset is
+    added as the weight loads, so the parameter is the multiplier itself and the forward is the
+    Llama one (a tool folding scales into a norm sees the true multiplier too)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = dense_parameter(dim, dtype=dtype)
+        if offset:
+            set_weight_loader(self.weight, _offset_loader(offset))
         self.eps = eps
 
     def forward(
@@ -67,10 +95,26 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def _offset_loader(offset: float) -> WeightLoader:
+    @torch.no_grad()
+    def load(param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId | None = None) -> None:
+        # In fp32, then rounded once to the parameter's dtype.
+        default_weight_loader(param, to_dense(loaded, torch.float32) + offset, shard_id)
+
+    return load
+
+
 class DecoderLayer(nn.Module):
     """One decoder layer, or this tensor-parallel rank's shard of it (`ranks.tp` > 1): its query
     and KV heads (`lmstack.model.tensor_parallel.attention_shard`), gate/up columns and down
-    rows; o_proj's and down_proj's partial sums are all-reduced over the tp group."""
+    rows; o_proj's and down_proj's partial sums are all-reduced over the tp group.
+
+    Family switches (`ModelConfig`) decided here, once: `qk_norm` and a partial rotary factor
+    take the general q/k path (`split_qkv`) instead of the one native split-and-rotate call;
+    `hidden_act` picks the gated activation; `sandwich_norms` (Gemma) the forward that normalises
+    the attention output and the feed-forward block's input and output. Gemma's
+    `post_attention_layernorm` is that attention-output norm; Llama's, of the same name, is the
+    feed-forward block's input norm (`pre_feedforward_layernorm` in Gemma's naming)."""
 
     def __init__(
         self,
@@ -93,13 +137,34 @@ class DecoderLayer(nn.Module):
         def spec(name: str, i: int, sizes: tuple[int, ...], bias: bool, parallel: ParallelHint) -> LinearSpec:
             return LinearSpec(i, sum(sizes), bias, p + name, sizes, parallel, dtype, tp_rank, tp)
 
-        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        def norm(dim: int) -> RMSNorm:
+            return RMSNorm(dim, cfg.rms_norm_eps, dtype, cfg.norm_weight_offset)
+
+        self.input_layernorm = norm(h)
         # Replicated KV heads: the layer tp splits has every KV head repeated per sharing rank.
         kv = cfg.kv_size * shard.kv_replicas
         qkv = (cfg.q_size, kv, kv)
         self.qkv_proj = linear(spec("qkv_proj", h, qkv, cfg.attention_bias, "column"))
-        self.o_proj = linear(spec("o_proj", cfg.q_size, (h,), cfg.attention_bias, "row"))
-        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        o_bias = cfg.attention_bias and cfg.output_bias
+        self.o_proj = linear(spec("o_proj", cfg.q_size, (h,), o_bias, "row"))
+        self.post_attention_layernorm = norm(h)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = norm(h)
+            self.post_feedforward_layernorm = norm(h)
+            self.forward = self.forward_sandwich  # type: ignore[method-assign]
+        self.rotary_dim = cfg.rotary_dim
+        # The one native split-and-rotate call where nothing comes between the projection and
+        # the rotation of whole heads; else the general path.
+        self.split_qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = qkv_rope_
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:  # per-head RMSNorm of q and k (one weight of head_dim, shared by the heads)
+            self.q_norm = norm(self.head_dim)
+            self.k_norm = norm(self.head_dim)
+            self.split_qkv = self.split_qkv_general
+        elif self.rotary_dim != self.head_dim:
+            self.split_qkv = self.split_qkv_general
+        self.act = GATED_ACTIVATIONS[cfg.hidden_act]
         self.init_mlp(cfg, linear, dtype)
 
     def init_mlp(self, cfg: ModelConfig, linear: LinearFactory, dtype: torch.dtype) -> None:
@@ -115,7 +180,7 @@ class DecoderLayer(nn.Module):
         """The feed-forward block on the normalised residual stream x [T, hidden], summed over
         the tp group."""
         gate_up, down = _callables(self.gate_up_proj, self.down_proj)
-        return tp_all_reduce(down(silu_mul(gate_up(x))))
+        return tp_all_reduce(down(self.act(gate_up(x))))
 
     def attention(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionFn
@@ -125,9 +190,31 @@ class DecoderLayer(nn.Module):
         (lmstack-calibrate) can run the block alone, as they run `mlp`."""
         qkv_proj, o_proj = _callables(self.qkv_proj, self.o_proj)
         # Q and K heads sit side by side in the fused projection: rotated in one go, in place.
-        q, k, v = qkv_rope_(qkv_proj(h), *rope, self.num_heads, self.num_kv_heads)
+        q, k, v = self.split_qkv(qkv_proj(h), *rope, self.num_heads, self.num_kv_heads)
         o = attn.attend(self.index, q, k, v)
         return tp_all_reduce(o_proj(o.reshape(h.shape[0], self.q_size)))
+
+    def split_qkv_general(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`qkv_rope_` with the switches between the split and the rotation: q and k normalised
+        per head (`qk_norm`: fresh tensors), then only the first `rotary_dim` dimensions of each
+        head rotated, in place (the tables are that wide)."""
+        t, d = qkv.shape[0], self.head_dim
+        heads = qkv.view(t, num_heads + 2 * num_kv_heads, d)
+        q, k, v = (
+            heads[:, :num_heads],
+            heads[:, num_heads : num_heads + num_kv_heads],
+            heads[:, num_heads + num_kv_heads :],
+        )
+        if self.q_norm is not None:
+            q_norm, k_norm = _callables(self.q_norm, self.k_norm)
+            q = q_norm(q.reshape(-1, d)).view(t, num_heads, d)
+            k = k_norm(k.reshape(-1, d)).view(t, num_kv_heads, d)
+        rotary = self.rotary_dim
+        rotate_(q[..., :rotary], cos, sin)
+        rotate_(k[..., :rotary], cos, sin)
+        return q, k, v
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionFn
@@ -138,6 +225,21 @@ class DecoderLayer(nn.Module):
         # The residual adds happen in place on o_proj's and down_proj's (fresh) outputs.
         h, x = norm_post(self.attention(norm_in(x), rope, attn), x)
         return self.mlp(h).add_(x)
+
+    def forward_sandwich(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionFn
+    ) -> torch.Tensor:
+        """`forward` with Gemma's sandwich norms: the attention output normalised before the
+        residual add, the feed-forward block between a pre- and a post-norm."""
+        norm_in, norm_attn_out, norm_pre_ff, norm_post_ff = _callables(
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            self.pre_feedforward_layernorm,
+            self.post_feedforward_layernorm,
+        )
+        # norm_attn_out's output is fresh: the residual add happens in place on it.
+        h, x = norm_pre_ff(norm_attn_out(self.attention(norm_in(x), rope, attn)), x)
+        return norm_post_ff(self.mlp(h)).add_(x)
 
 
 class LlamaModel(nn.Module):
@@ -183,10 +285,17 @@ class LlamaModel(nn.Module):
             self.layer_class(cfg, i, linear, dtype, ranks) if stage.holds(i) else nn.Identity()
             for i in range(cfg.num_layers)
         )
+        # Gemma scales the embedding output by sqrt(hidden) rounded to the model dtype (a buffer:
+        # it follows the model's device).
+        # (register_buffer refuses a name already set as a plain attribute: None goes through it too.)
+        scale = cfg.embedding_multiplier
+        self.register_buffer(
+            "embed_scale", None if scale is None else torch.tensor(scale, dtype=dtype), persistent=False
+        )
         self.norm: RMSNorm | None = None
         self.lm_head: nn.Module | None = None
         if stage.last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_weight_offset)
             # The head stays a dense linear: quantizing it costs the most accuracy for the least memory.
             if ranks.tp > 1:
                 self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ranks.tp, ranks.tp_rank, dtype)
@@ -205,9 +314,16 @@ class LlamaModel(nn.Module):
             # tensor into its head (`StageLayers.param_name`).
             if cfg.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(
-            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
+        positions = max_positions or cfg.max_position_embeddings
+        self.rope = RotaryEmbedding(cfg.rotary_dim, positions, cfg.rope_theta, cfg.rope_scaling)
+        # Gemma 3: the sliding-window layers rotate with their own base (and no scaling). Which
+        # table each layer takes is fixed here (`forward` indexes the step's tables by it).
+        self.local_rope: RotaryEmbedding | None = None
+        self.rope_slots = (0,) * cfg.num_layers
+        if cfg.rope_local_theta is not None:
+            self.local_rope = RotaryEmbedding(cfg.rotary_dim, positions, cfg.rope_local_theta, None)
+            self.rope_slots = tuple(int(cfg.layer_window(i) is not None) for i in range(cfg.num_layers))
+        self.final_logit_softcap = cfg.final_logit_softcap
 
     def forward(
         self,
@@ -229,15 +345,18 @@ class LlamaModel(nn.Module):
         layers' output [T, hidden] (every row: the next stage needs them all) in place of logits.
         `hidden_rows`: return the layers' outputs at these rows instead of `logits_indices`."""
         stage = self.stage
-        x = hidden_in if hidden_in is not None else self.embed_tokens(input_ids)
-        rope = self.rope.tables_full(positions, x.dtype)
+        x = hidden_in if hidden_in is not None else self.embed(input_ids)
+        ropes = (self.rope.tables_full(positions, x.dtype),)
+        if self.local_rope is not None:
+            ropes += (self.local_rope.tables_full(positions, x.dtype),)
         hidden: dict[int, torch.Tensor] = {}
         want = set(hidden_state_layers)
         rows = hidden_rows if hidden_rows is not None else logits_indices
         # islice, not `self.layers[start:end]`: slicing a ModuleList builds a new one (~130 us).
         layers = tuple(islice(self.layers, stage.start, stage.end))
-        for layer, call in zip(layers, _callables(*layers)):
-            x = call(x, rope, attn)
+        slots = self.rope_slots[stage.start : stage.end]
+        for layer, call, slot in zip(layers, _callables(*layers), slots):
+            x = call(x, ropes[slot], attn)
             if layer.index in want:
                 hidden[layer.index] = x if rows is None else x[rows]
         if self.lm_head is None:
@@ -249,19 +368,70 @@ class LlamaModel(nn.Module):
         x = self.norm(x)
         if self.config.num_layers in want and hidden_rows is None:
             hidden[self.config.num_layers] = x
-        return self.lm_head(x).float(), hidden
+        return self.logits(x), hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [T, hidden] that enter the first layer (times the embedding
+        multiplier where the family has one)."""
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x.mul_(self.embed_scale)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [L, V] of final-normed hidden states [L, hidden] (tanh soft-capped where
+        the family caps them: Gemma 2)."""
+        logits = self.lm_head(x).float()
+        if (cap := self.final_logit_softcap) is not None:
+            logits = torch.tanh(logits.div_(cap)).mul_(cap)
+        return logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Hugging Face Llama-named checkpoint tensors into the parameters' weight loaders."""
-        if self.kv_replicas > 1:
-            weights = self._replicate_kv_heads(weights)
+        weights = self.checkpoint_tensors(weights)
         cfg, stage = self.config, self.stage
         load_named_weights(
             self,
             weights,
             lambda name: stage.param_name(llama_checkpoint_name(name, cfg), tied=cfg.tie_word_embeddings),
         )
+
+    def checkpoint_tensors(
+        self, weights: Iterable[tuple[str, CheckpointTensor]]
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """The checkpoint's tensors in the Llama layout this model loads: fused q/k/v and gate/up
+        tensors (Phi-3) split into their parts, and KV heads replicated for tp."""
+        weights = self._split_fused(weights)
+        return self._replicate_kv_heads(weights) if self.kv_replicas > 1 else weights
+
+    def _split_fused(
+        self, weights: Iterable[tuple[str, CheckpointTensor]]
+    ) -> Iterator[tuple[str, CheckpointTensor]]:
+        """`self_attn.qkv_proj.weight` -> q_proj / k_proj / v_proj tensors (rows of it, still as
+        stored: views or packed GGUF rows), `mlp.gate_up_proj.weight` -> gate_proj / up_proj; the
+        same for biases. Any other tensor of a fused module (a quantizer's, packed along other
+        axes) goes to the fused parameter whole."""
+        cfg = self.config
+        parts = {
+            "qkv_proj": (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)),
+            "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)),
+        }
+        for name, tensor in weights:
+            m = _LAYER_TENSOR.search(name)
+            if m is None or m.group(2) not in parts or m.group(3) not in ("weight", "bias"):
+                yield name, tensor
+                continue
+            sizes = parts[m.group(2)]
+            rows = tuple(tensor.shape)[0]
+            if rows != sum(n for _, n in sizes):
+                raise ConfigError(
+                    f"checkpoint tensor {name!r} has {rows} rows; the config's "
+                    + " + ".join(f"{part} {n}" for part, n in sizes)
+                    + f" make {sum(n for _, n in sizes)}"
+                )
+            prefix, start = name[: m.start(2)], 0
+            for part, n in sizes:
+                yield f"{prefix}{part}.{m.group(3)}", take_rows(tensor, start, n)
+                start += n
 
     def _replicate_kv_heads(
         self, weights: Iterable[tuple[str, CheckpointTensor]]
@@ -326,15 +496,38 @@ def build_llama(
     )
 
 
-ARCHITECTURE = ModelArchitecture(
-    name="llama",
-    build=build_llama,
-    checkpoint_name=llama_checkpoint_name,
-    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
+def decoder_architecture(
+    name: str,
+    hf_architectures: tuple[str, ...],
+    parse_hf_config: HFConfigParser,
+    description: str,
+    *,
+    hf_model_types: tuple[str, ...] = (),
+    gguf_architectures: tuple[str, ...] = (),
+    parse_gguf_config: GGUFConfigParser | None = None,
+    gguf_tensor: GGUFTensorAdapter | None = None,
+) -> ModelArchitecture:
+    """A family of the one decoder: its checkpoint names and config parser (which sets its
+    switches); the model and the weight mapping are this module's for every family."""
+    return ModelArchitecture(
+        name=name,
+        build=build_llama,
+        checkpoint_name=llama_checkpoint_name,
+        hf_architectures=hf_architectures,
+        hf_model_types=hf_model_types or (name,),
+        parse_hf_config=parse_hf_config,
+        gguf_architectures=gguf_architectures,
+        parse_gguf_config=parse_gguf_config,
+        gguf_tensor=gguf_tensor,
+        description=description,
+    )
+
+
+ARCHITECTURE = decoder_architecture(
+    "llama",
+    ("LlamaForCausalLM", "MistralForCausalLM"),
+    parse_llama_config,
+    "Llama 2 / 3.x and Mistral decoder (GQA, SwiGLU, RoPE scaling incl. llama3, optional sliding window)",
     hf_model_types=("llama", "mistral"),
-    parse_hf_config=parse_llama_config,
-    gguf_architectures=("llama",),
-    parse_gguf_config=load_gguf_config,
-    gguf_tensor=llama_gguf_tensor,
-    description="Llama-family decoder (GQA, SwiGLU, RoPE scaling, optional sliding window)",
+    **gguf_support("llama"),
 )

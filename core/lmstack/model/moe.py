@@ -1,12 +1,14 @@
-"""A mixture-of-experts decoder: Llama attention with a routed-experts feed-forward block.
+"""A mixture-of-experts decoder: the dense decoder's attention with a routed-experts feed-forward
+block.
 
 Mixtral style: a router (a dense linear to one logit per expert) -> softmax -> top-k ->
 renormalised weights, each expert a SwiGLU MLP. Qwen2-MoE style options: `norm_topk_prob`
 off (the top-k probabilities are used as they are), a shared expert every token passes through,
-scaled by a sigmoid gate, and layers that keep a dense MLP.
+scaled by a sigmoid gate, and layers that keep a dense MLP. Qwen3-MoE: Qwen3's attention (per-head
+q/k norm) with Qwen2-MoE's routing options and no shared expert.
 
-Attention, norms, embedding and head are the Llama classes (`MoEDecoderLayer` overrides only
-the feed-forward block). The MoE layer is the torch reference: a loop over this rank's experts,
+Attention, norms, embedding and head are the dense decoder's classes with their family switches
+(`MoEDecoderLayer` overrides only the feed-forward block). The MoE layer is the torch reference: a loop over this rank's experts,
 each taking its tokens with `index_select` and adding its weighted output back with
 `index_add_`. Experts are `LinearFactory` linears (one per expert, so a quantizer treats them as
 any other linear); the router and the shared expert's gate stay dense, as the head does
@@ -36,7 +38,8 @@ from lmstack.interfaces import LinearFactory, LinearSpec
 from lmstack.model.architecture import ModelArchitecture
 from lmstack.model.checkpoint import CheckpointTensor
 from lmstack.model.config import ModelConfig
-from lmstack.model.hf_loader import parse_llama_config
+from lmstack.model.gguf_loader import gguf_support
+from lmstack.model.hf_loader import parse_llama_config, parse_qwen2_config, parse_qwen3_config
 from lmstack.model.linear import default_linear
 from lmstack.model.llama import DecoderLayer, LlamaModel, llama_checkpoint_name
 from lmstack.model.weight_loader import ShardId, load_named_weights
@@ -54,7 +57,6 @@ class MoEConfig(ModelConfig):
     norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1 (Mixtral)
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead of experts
-    output_bias: bool = True  # o_proj biased when attention_bias is (Qwen2-MoE biases q/k/v only)
 
     def local_experts(self, ranks: ParallelRanks) -> range:
         """The experts an ep rank holds: a contiguous block, num_experts / ep of them."""
@@ -79,6 +81,7 @@ class Expert(nn.Module):
         ranks: ParallelRanks,
     ) -> None:
         super().__init__()
+        # SwiGLU: `_moe_config` refuses a MoE config with any other activation.
         tp = {"tp_rank": ranks.tp_rank, "tp_size": ranks.tp}
         self.gate_up_proj = linear(
             LinearSpec(
@@ -161,13 +164,6 @@ class MoEDecoderLayer(DecoderLayer):
     ) -> None:
         super().__init__(cfg, index, linear, dtype, ranks)
         assert isinstance(cfg, MoEConfig)
-        if cfg.attention_bias and not cfg.output_bias:  # Qwen2-MoE: q/k/v biased, o not
-            self.o_proj = linear(
-                LinearSpec(
-                    cfg.q_size, cfg.hidden_size, False, f"layers.{index}.o_proj", (), "row", dtype,
-                    self.ranks.tp_rank, self.ranks.tp,
-                )
-            )  # fmt: skip
 
     def init_mlp(self, cfg: ModelConfig, linear: LinearFactory, dtype: torch.dtype) -> None:
         assert isinstance(cfg, MoEConfig)
@@ -205,9 +201,8 @@ class MoEModel(LlamaModel):
                 return None
             return target
 
-        if self.kv_replicas > 1:  # tp above the KV heads: each rank's copies (LlamaModel)
-            weights = self._replicate_kv_heads(weights)
-        load_named_weights(self, weights, name_map)
+        # Fused dense tensors split, KV heads replicated for tp above the KV heads (LlamaModel).
+        load_named_weights(self, self.checkpoint_tensors(weights), name_map)
 
 
 _EXPERT_PARAM = re.compile(r"layers\.\d+\.moe\.experts\.(\d+)\.")
@@ -249,6 +244,11 @@ def moe_checkpoint_name(name: str, config: ModelConfig) -> tuple[str, ShardId | 
 def _moe_config(base: ModelConfig, **moe: Any) -> MoEConfig:
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
     cfg = MoEConfig(**fields, **moe)
+    if cfg.hidden_act != "silu":
+        raise ConfigError(
+            f"config.json of model {base.name!r}: experts with activation {cfg.hidden_act!r} are not "
+            "implemented (implemented: silu)"
+        )
     if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
         raise ConfigError(
             f"config.json of model {base.name!r}: num_experts_per_tok {cfg.num_experts_per_tok} outside "
@@ -267,22 +267,53 @@ def parse_mixtral_config(cfg: Mapping[str, Any], name: str = "") -> MoEConfig:
     )
 
 
-def parse_qwen2_moe_config(cfg: Mapping[str, Any], name: str = "") -> MoEConfig:
-    base = parse_llama_config({**cfg, "attention_bias": cfg.get("qkv_bias", True)}, name)
+def _qwen_moe_fields(cfg: Mapping[str, Any], base: ModelConfig, norm_topk_prob: bool) -> dict[str, Any]:
+    """The expert block of Qwen2-MoE / Qwen3-MoE configs (their defaults differ only in
+    `norm_topk_prob`)."""
     num_layers, step = base.num_layers, int(cfg.get("decoder_sparse_step", 1))
     # A layer has experts when it is not listed as MLP-only and (index + 1) is a multiple of the step.
     only_mlp = {int(i) for i in cfg.get("mlp_only_layers") or ()}
     dense = tuple(i for i in range(num_layers) if i in only_mlp or (i + 1) % step)
+    # transformers 5 writes `num_local_experts` (its attribute map), the published configs `num_experts`.
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    # No defaults for the expert block's sizes: transformers' differ between the two families,
+    # and a guess would only fail later, at load, against the tensors' shapes.
+    for key, value in (
+        ("num_experts", num_experts),
+        ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+        ("moe_intermediate_size", cfg.get("moe_intermediate_size")),
+    ):
+        if value is None:
+            raise ConfigError(f"config.json of model {base.name!r} lacks {key!r}")
+    return dict(
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_topk_prob)),
+        dense_layers=dense,
+    )
+
+
+def parse_qwen2_moe_config(cfg: Mapping[str, Any], name: str = "") -> MoEConfig:
+    # Qwen2's attention: q/k/v biased (unless `qkv_bias` says not), o_proj never.
+    base = parse_qwen2_config(cfg, name)
+    base = dataclasses.replace(base, attention_bias=bool(cfg.get("qkv_bias", True)))
     return _moe_config(
         base,
-        num_experts=int(cfg.get("num_experts", 60)),
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 4)),
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size", base.intermediate_size)),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        **_qwen_moe_fields(cfg, base, norm_topk_prob=False),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-        dense_layers=dense,
-        output_bias=False,
     )
+
+
+def parse_qwen3_moe_config(cfg: Mapping[str, Any], name: str = "") -> MoEConfig:
+    """Qwen3-MoE: Qwen3's attention (per-head q/k norm), routed experts with no shared expert."""
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ConfigError(
+            f"config.json of model {name!r}: a Qwen3-MoE shared expert is not implemented "
+            "(transformers' Qwen3-MoE has none)"
+        )
+    base = parse_qwen3_config(cfg, name)
+    return _moe_config(base, **_qwen_moe_fields(cfg, base, norm_topk_prob=False))
 
 
 def build_moe(
@@ -312,3 +343,16 @@ QWEN2_MOE = ModelArchitecture(
     parse_hf_config=parse_qwen2_moe_config,
     description="Qwen2-MoE decoder (q/k/v bias, top-k routed experts plus a sigmoid-gated shared expert)",
 )
+
+QWEN3_MOE = ModelArchitecture(
+    name="qwen3_moe",
+    build=build_moe,
+    checkpoint_name=moe_checkpoint_name,
+    hf_architectures=("Qwen3MoeForCausalLM",),
+    hf_model_types=("qwen3_moe",),
+    parse_hf_config=parse_qwen3_moe_config,
+    **gguf_support("qwen3moe"),
+    description="Qwen3-MoE decoder (per-head q/k RMSNorm, top-k routed experts)",
+)
+
+MOE_ARCHITECTURES: tuple[ModelArchitecture, ...] = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)

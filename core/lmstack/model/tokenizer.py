@@ -1,8 +1,10 @@
 """Text <-> token ids, and chat templates, for a model from a GGUF file or a Hugging Face folder.
 
 The heavy lifting is the `tokenizers` library. From a GGUF file we rebuild the tokenizer the way
-llama.cpp runs it: a byte-level BPE from the stored tokens and merges, with the pre-tokenizer named
-by `tokenizer.ggml.pre`. From a Hugging Face folder we load `tokenizer.json` as is.
+llama.cpp runs it: for `tokenizer.ggml.model` "gpt2", a byte-level BPE from the stored tokens and
+merges, with the pre-tokenizer named by `tokenizer.ggml.pre` (Llama 3, Qwen, Phi-4-mini,
+SmolLM2); for "llama", SentencePiece's BPE from the stored tokens and scores (Llama 2, Mistral,
+Gemma, Phi-3). From a Hugging Face folder we load `tokenizer.json` as is.
 """
 
 from __future__ import annotations
@@ -18,14 +20,19 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from lmstack.errors import ConfigError, InvalidRequestError
 
 # llama.cpp token types (tokenizer.ggml.token_type).
+_NORMAL = 1
+_UNKNOWN = 2
 _CONTROL = 3
 _USER_DEFINED = 4
+_BYTE = 6
+# SentencePiece's word-boundary mark: spaces are spelled with it in the vocabulary.
+_SPM_SPACE = "\u2581"
 
 # Pre-tokenizer split regexes, by `tokenizer.ggml.pre`, as llama.cpp applies them.
 _LLAMA3_SPLIT = (
@@ -36,7 +43,14 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k's split, Phi-4-mini's: case-aware words with their contraction, digits by threes.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _SPLIT_PRE = {
+    "gpt-4o": _GPT4O_SPLIT,
     "llama3": _LLAMA3_SPLIT,
     "llama-v3": _LLAMA3_SPLIT,
     "llama-bpe": _LLAMA3_SPLIT,
@@ -48,6 +62,9 @@ _SPLIT_PRE = {
 # llama.cpp runs these as "\p{N}" (every digit alone) and then the GPT-2 regex. That is the
 # original tokenizer.json of these models too (SmolLM2: Digits(individual_digits) + ByteLevel).
 _DIGITS_PRE = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
+# GPT-2's own regex (llama.cpp's default when a file names none).
+_GPT2_PRE = frozenset({None, "default", "gpt-2", "gpt2"})
+KNOWN_PRE_TOKENIZERS = sorted(p for p in _GPT2_PRE | _DIGITS_PRE | set(_SPLIT_PRE) if p is not None)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -87,7 +104,12 @@ def _token_bytes(token: str) -> bytes:
 
 
 def byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer that llama.cpp uses for `tokenizer.ggml.pre` == `pre` (GPT-2's by default)."""
+    """The pre-tokenizer that llama.cpp uses for `tokenizer.ggml.pre` == `pre` (GPT-2's by default);
+    one we do not know is an error, not GPT-2's regex guessed (that would split text differently)."""
+    if pre not in _GPT2_PRE and pre not in _DIGITS_PRE and pre not in _SPLIT_PRE:
+        raise ConfigError(
+            f"GGUF tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(KNOWN_PRE_TOKENIZERS)})"
+        )
     if pre in _DIGITS_PRE:
         return pre_tokenizers.Sequence(
             [
@@ -189,19 +211,41 @@ class Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
         if kind is None or "tokenizer.ggml.tokens" not in meta:
             raise ConfigError("GGUF file has no tokenizer (tokenizer.ggml.model / tokens missing)")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise ConfigError(
-                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-                "use a Hugging Face folder with tokenizer.json instead"
+                f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2', byte-level BPE; "
+                "'llama', SentencePiece BPE); use a Hugging Face folder with tokenizer.json instead"
             )
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        backend = _byte_level_backend(tokens, types, meta.get("tokenizer.ggml.merges") or [])
-        backend.pre_tokenizer = byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+        if len(types) != len(tokens):
+            raise ConfigError("GGUF tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length")
+        if kind == "gpt2":
+            backend = _byte_level_backend(tokens, types, meta.get("tokenizer.ggml.merges") or [])
+            backend.pre_tokenizer = byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+        else:
+            scores = meta.get("tokenizer.ggml.scores")
+            if scores is None or len(scores) != len(tokens):
+                raise ConfigError("GGUF SentencePiece tokenizer lacks tokenizer.ggml.scores (one per token)")
+            unk = meta.get("tokenizer.ggml.unknown_token_id")
+            backend = _sentencepiece_backend(
+                tokens,
+                list(scores),
+                types,
+                unk_id=int(unk) if unk is not None else None,
+                # llama.cpp's default for SentencePiece vocabularies: a space before the text.
+                add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+            )
+        # llama.cpp adds a bos by default to SentencePiece vocabularies, not to BPE ones.
+        flag_default = {
+            "tokenizer.ggml.add_bos_token": kind == "llama",
+            "tokenizer.ggml.add_eos_token": False,
+        }
 
         def special(key: str, flag: str) -> tuple[str, int] | None:
             i = meta.get(f"tokenizer.ggml.{key}")
-            return (tokens[int(i)], int(i)) if meta.get(flag) and i is not None else None
+            wanted = meta.get(flag, flag_default[flag])
+            return (tokens[int(i)], int(i)) if wanted and i is not None else None
 
         post = _bos_eos_post_processor(
             special("bos_token_id", "tokenizer.ggml.add_bos_token"),
@@ -332,6 +376,59 @@ def _byte_level_backend(tokens: list[str], types: list[int], merges: Iterable[st
     ]
     backend.add_special_tokens(special)
     backend.add_tokens(user)
+    return backend
+
+
+def _sentencepiece_backend(
+    tokens: list[str], scores: list[float], types: list[int], unk_id: int | None, add_space_prefix: bool
+) -> Backend:
+    """SentencePiece BPE as llama.cpp runs it (its `spm` tokenizer): spaces spelled "▁" (one put
+    before the text when `add_space_prefix`), characters merged pairwise, always the adjacent pair
+    whose concatenation is the highest-scoring vocabulary entry, and what stays outside the
+    vocabulary spelled as its UTF-8 bytes (`<0xNN>` tokens). As `tokenizers` BPE: a merge for every
+    split of a vocabulary entry into two entries, ranked by the entry's score; byte fallback.
+    Control tokens (and the unknown token) become special added tokens, user-defined ones added
+    tokens, as llama.cpp splits both out of the text before merging."""
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    mergeable = {tok for tok, kind in zip(tokens, types, strict=True) if kind in (_NORMAL, _USER_DEFINED)}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind != _NORMAL or len(tok) < 2:
+            continue
+        for cut in range(1, len(tok)):
+            left = tok[:cut]
+            if left in mergeable and (right := tok[cut:]) in mergeable:
+                ranked.append((-scores[i], i, cut, left, right))
+    ranked.sort()
+    merges = [(left, right) for _, _, _, left, right in ranked]
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    backend = Backend(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    spaces = normalizers.Replace(" ", _SPM_SPACE)
+    backend.normalizer = (
+        normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), spaces]) if add_space_prefix else spaces
+    )
+    steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:  # the space put before the text is not part of it
+        steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    backend.add_special_tokens(
+        [
+            AddedToken(tok, special=True, normalized=False)
+            for tok, kind in zip(tokens, types, strict=True)
+            if kind in (_CONTROL, _UNKNOWN)
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(tok, special=False, normalized=False)
+            for tok, kind in zip(tokens, types, strict=True)
+            if kind == _USER_DEFINED
+        ]
+    )
     return backend
 
 

@@ -18,7 +18,12 @@ past even that saturates instead of becoming NaN.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from lmstack.model.config import ModelConfig
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -57,19 +62,28 @@ def scales_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class _AmaxRecorder:
     """An attention callable (`lmstack.model.architecture.AttentionFn`) for one unpaged causal
-    sequence: records each layer's per-head absolute max of K and V, attends densely."""
+    sequence: records each layer's per-head absolute max of K and V, attends densely as the
+    model's kernels do (`config`: each layer's window, the attention scale and score
+    soft-capping, so that later layers see the K/V they will serve; Gemma)."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: ModelConfig | None = None) -> None:
         self.amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.config = config
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from lmstack.components.torch_attention import causal_mask, grouped_attention
+
         self.amax[layer] = (k.abs().amax(dim=(0, 2)).float(), v.abs().amax(dim=(0, 2)).float())
-        group = q.shape[1] // k.shape[1]
-        qh, kh, vh = (
-            t.transpose(0, 1) for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
-        )
-        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-        return out.transpose(0, 1)
+        (t, hq, d), hkv, c = q.shape, k.shape[1], self.config
+        g = hq // hkv
+        window = c.layer_window(layer) if c is not None else None
+        scale = c.attn_scale if c is not None and c.attn_scale is not None else d**-0.5
+        softcap = c.attn_logit_softcap if c is not None else None
+        qt = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)  # rows (g, t)
+        pos = torch.arange(t, device=q.device)
+        mask = causal_mask(pos, pos, window).repeat(g, 1).unsqueeze(0)  # [1, g*t, t]
+        o = grouped_attention(qt, k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap)
+        return o.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
 
 
 @torch.inference_mode()
@@ -81,7 +95,7 @@ def calibrate_kv_scales(
     gen = torch.Generator().manual_seed(CALIBRATION_SEED)
     ids = torch.randint(0, vocab_size, (CALIBRATION_TOKENS,), generator=gen).to(device)
     positions = torch.arange(CALIBRATION_TOKENS, device=device)
-    recorder = _AmaxRecorder()
+    recorder = _AmaxRecorder(getattr(model, "config", None))
     model(ids, positions, recorder, ids.new_zeros(1))
     if len(recorder.amax) != num_layers:
         raise RuntimeError(f"KV calibration saw {len(recorder.amax)} attention layers, expected {num_layers}")

@@ -234,8 +234,9 @@ def satisfies(actual: Any, needed: Any) -> bool:
     return actual == needed
 
 
-def check_model(resolved: ResolvedStack, model_config: ModelConfig) -> None:
-    """Check the stack against the model's metadata (call it before loading weights)."""
+def check_model(resolved: ResolvedStack, model_config: ModelConfig, registry: Registry | None = None) -> None:
+    """Check the stack against the model's metadata (call it before loading weights).
+    `registry`: where to look for alternatives to name in a refusal (optional)."""
     r = resolved
     for role in ("attention_prefill", "attention_decode"):
         sel = getattr(r, role)
@@ -245,11 +246,25 @@ def check_model(resolved: ResolvedStack, model_config: ModelConfig) -> None:
                 f"{who(role, sel)} supports head sizes {listed(head_dims)}, but model {r.model!r} has "
                 f"head_dim {model_config.head_dim}; pick another {ROLE_LABEL[role]} with {ROLE_KEY[role]}"
             )
-        if model_config.sliding_window and sel.capabilities.get("sliding_window", True) is False:
+        windows = sorted({w for i in range(model_config.num_layers) if (w := model_config.layer_window(i))})
+        if windows and sel.capabilities.get("sliding_window", True) is False:
             raise ResolutionError(
                 f"{who(role, sel)} does not support sliding-window attention, but model {r.model!r} "
-                f"uses a {model_config.sliding_window}-token window; pick another {ROLE_LABEL[role]} "
+                f"uses a {'/'.join(map(str, windows))}-token window; pick another {ROLE_LABEL[role]} "
                 f"with {ROLE_KEY[role]}"
+            )
+        # Only a backend that declares it is passed the keyword (model_runner): absent = no.
+        cap = model_config.attn_logit_softcap
+        if cap and not sel.capabilities.get("logit_softcap", False):
+            fits = (  # without the registry: the core's own torch kernel always soft-caps
+                alternatives(registry, role, lambda c: bool(c.capabilities.get("logit_softcap")))
+                if registry
+                else " (the built-in torch kernel does)"
+            )
+            raise ResolutionError(
+                f"{who(role, sel)} does not support attention logit soft-capping, but model "
+                f"{r.model!r} caps its attention scores at {cap:g} (attn_logit_softcap); pick another "
+                f"{ROLE_LABEL[role]} with {ROLE_KEY[role]}{fits}"
             )
     check_block_size(r)
     tp = getattr(r.parallel.options, "tp", 1)

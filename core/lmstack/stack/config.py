@@ -34,10 +34,20 @@ KV_CACHE_NONE = "none"
 # `quant.weights`: "auto" picks the installed quantizer that reads the checkpoint's format.
 QUANT_AUTO = "auto"
 
+# The reference backend: `attention: auto`'s last resort.
 DEFAULT_ATTENTION = ROLE["attention_prefill"].default
-# `attention.<phase>: auto`: the installed backend ranked best for the device (`auto_rank`
-# capability) that fits this stack and machine, else the reference backend (`lmstack.stack.resolve`).
+# `attention.<phase>: auto` (the default): the installed backend ranked best for the device
+# (`auto_rank` capability) that fits this stack and machine, else the reference backend
+# (`lmstack.stack.resolve`).
 ATTENTION_AUTO = "auto"
+# `device: auto` (the default): cuda where torch sees a GPU, else cpu.
+DEVICE_AUTO = "auto"
+# `cache: auto` (the default): the installed cache ranked best for the device (`auto_rank`,
+# lmstack-prefix-cache's prefix caching) that fits the stack, else `none`.
+CACHE_AUTO = "auto"
+# What an absent (or name-less) section of each single-role kind means: its role's built-in
+# component, except where an `auto` is the default.
+SECTION_DEFAULTS: dict[str, str] = {**NAMED_SECTIONS, "cache": CACHE_AUTO}
 ATTENTION_PHASES = ("prefill", "decode")
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -49,7 +59,7 @@ def _named(name: str) -> Any:
 
 
 def _default_attention() -> dict[str, dict[str, Any]]:
-    return {phase: {"name": DEFAULT_ATTENTION} for phase in ATTENTION_PHASES}
+    return {phase: {"name": ATTENTION_AUTO} for phase in ATTENTION_PHASES}
 
 
 def _default_quant() -> dict[str, Any]:
@@ -63,12 +73,12 @@ _SCALAR_FIELDS: list[tuple[str, Any, Any]] = [
     ("model", str, "smollm2-135m-instruct"),
     # "auto": what this device computes best (`lmstack.kernels.hardware.auto_dtype`).
     ("dtype", Literal["auto", "float32", "float16", "bfloat16"], DTYPE_AUTO),
-    ("device", str, "cpu"),
+    ("device", str, DEVICE_AUTO),
     ("max_model_len", PositiveInt | None, None),
     ("seed", NonNegativeInt, 0),
 ]
 _SECTION_FIELDS: list[tuple[str, Any, Any]] = [
-    (section, dict[str, Any], _named(default)) for section, default in NAMED_SECTIONS.items()
+    (section, dict[str, Any], _named(default)) for section, default in SECTION_DEFAULTS.items()
 ] + [
     ("attention", dict[str, dict[str, Any]], msgspec.field(default_factory=_default_attention)),
     ("quant", dict[str, Any], msgspec.field(default_factory=_default_quant)),
@@ -102,24 +112,74 @@ CORE_KEYS: tuple[str, ...] = tuple(name for name, *_ in (*_SCALAR_FIELDS, *_SECT
 # ---------------------------------------------------------------------------------------------
 
 
-def load_stack(source: str | os.PathLike[str] | Mapping[str, Any]) -> StackConfig:
-    """Parse a stack from a YAML file path or from an already-loaded mapping."""
+def load_stack(
+    source: str | os.PathLike[str] | Mapping[str, Any] | StackConfig,
+    overrides: Mapping[str, Any] | None = None,
+) -> StackConfig:
+    """Parse a stack from a YAML file path, an already-loaded mapping, or a model alone (a known
+    name, a .gguf file, a Hugging Face folder or Hub id: that model with every default).
+    `overrides` maps dotted key paths to values (`scheduler.max_num_seqs: 8`), each set over
+    the stack as if the file said so (`--set`, `LLM(model=..., dtype=...)`)."""
+    if isinstance(source, StackConfig):
+        if not overrides:
+            return source
+        source = msgspec.to_builtins(source)
+        source.update(source.pop(EXTRA))  # `server:` back at the top, where an override names it
     if isinstance(source, Mapping):
-        return stack_from_mapping(source)
+        data: Any = source
+    elif (model := _model_only(source)) is not None:
+        data = {"model": model}
+    else:
+        data = _read_stack_file(Path(source))
+    if overrides:
+        from lmstack.stack.overrides import apply_overrides
+
+        data = apply_overrides(data, overrides)
+    return stack_from_mapping(data)
+
+
+def _model_only(source: str | os.PathLike[str]) -> str | None:
+    """`source` as a model when it names one rather than a stack file: a .gguf file, a folder
+    with config.json, or (not being a file here) a known name or Hub id. A .yaml path is a
+    stack file, there or not."""
     path = Path(source)
+    if path.suffix.lower() in (".yaml", ".yml"):
+        return None
+    if path.is_file():
+        return str(source) if path.suffix.lower() == ".gguf" else None
+    if path.is_dir():
+        return str(source) if (path / "config.json").is_file() else None
+    from lmstack.model.source import KNOWN_MODELS, MADE_BY, HubModel  # deferred: loads torch
+
+    text = str(source)
+    if text.lower() in KNOWN_MODELS or path.as_posix() in MADE_BY or HubModel.parse(text) is not None:
+        return text
+    return None
+
+
+def _read_stack_file(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"stack file not found: {path}") from None
+        not_a_model = (
+            ""
+            if path.suffix.lower() in (".yaml", ".yml")
+            else " (nor is it a model: a known name, a .gguf file, a Hugging Face folder or Hub id)"
+        )
+        raise ConfigError(f"stack file not found: {path}{not_a_model}") from None
     except IsADirectoryError:
-        raise ConfigError(f"stack file {path} is a directory") from None
+        raise ConfigError(f"stack file {path} is a directory (a model folder needs config.json)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read stack file {path}: {exc}") from None
-    return parse_stack(text, str(path))
+    return _parse_yaml(text, str(path))
 
 
 def parse_stack(text: str, filename: str = "<stack>") -> StackConfig:
     """Parse a stack from YAML text; `filename` only appears in error messages."""
+    return stack_from_mapping(_parse_yaml(text, filename))
+
+
+def _parse_yaml(text: str, filename: str) -> Mapping[str, Any]:
     try:
         data = yaml.load(text, Loader=_StackLoader)
     except yaml.YAMLError as exc:
@@ -128,7 +188,7 @@ def parse_stack(text: str, filename: str = "<stack>") -> StackConfig:
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{filename}: a stack file must be a mapping of keys to values, got {_kind(data)}")
-    return stack_from_mapping(data)
+    return data
 
 
 def stack_from_mapping(data: Mapping[str, Any]) -> StackConfig:
@@ -136,7 +196,7 @@ def stack_from_mapping(data: Mapping[str, Any]) -> StackConfig:
     for key in raw:
         if not isinstance(key, str):
             raise ConfigError(f"keys must be strings, got {key!r}")
-    for section, default in NAMED_SECTIONS.items():
+    for section, default in SECTION_DEFAULTS.items():
         if section in raw:
             raw[section] = _named_section(raw[section], section, default)
     if "attention" in raw:
@@ -196,7 +256,7 @@ def _attention_section(value: Any) -> dict[str, dict[str, Any]]:
                 f"attention.{key}",
             )
     return {
-        phase: _named_section(section.get(phase), f"attention.{phase}", DEFAULT_ATTENTION)
+        phase: _named_section(section.get(phase), f"attention.{phase}", ATTENTION_AUTO)
         for phase in ATTENTION_PHASES
     }
 
@@ -239,13 +299,15 @@ def _check_choice(value: Any, choices: tuple[str, ...], path: str) -> None:
 
 
 def _check_device(device: str) -> None:
+    if device == DEVICE_AUTO:
+        return
     import torch  # deferred: parsing a stack file should not pay for importing torch
 
     try:
         torch.device(device)
     except (RuntimeError, ValueError, TypeError):
         raise ConfigError(
-            f"not a torch device: {device!r} (expected e.g. cpu, cuda, cuda:1)", "device"
+            f"not a torch device: {device!r} (expected auto, or e.g. cpu, cuda, cuda:1)", "device"
         ) from None
 
 

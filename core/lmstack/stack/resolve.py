@@ -26,13 +26,16 @@ from typing import Any
 import msgspec
 import torch
 
+from lmstack.components.paged import KV_MEMORY_AUTO
 from lmstack.errors import ConfigError, ResolutionError
-from lmstack.kernels.hardware import auto_dtype
+from lmstack.kernels.hardware import auto_dtype, kv_budget_reason
 from lmstack.quant.formats import DENSE, GGUF, checkpoint_format_id
 from lmstack.registry import Component, Registry
+from lmstack.roles import ROLE, check_capabilities
 from lmstack.roles import ROLES as ROLE_TABLE
-from lmstack.roles import check_capabilities
 from lmstack.stack.checks import (
+    _parse_requirement,
+    _target_roles,
     active_speculator,
     check_block_size,
     check_chunked_context,
@@ -45,12 +48,15 @@ from lmstack.stack.checks import (
     check_phases,
     check_requirements,
     reads_formats,
+    satisfies,
     speculation_warning,
 )
 from lmstack.stack.config import (
     ATTENTION_AUTO,
+    CACHE_AUTO,
     CORE_KEYS,
     DEFAULT_ATTENTION,
+    DEVICE_AUTO,
     DTYPE_AUTO,
     EXTRA,
     KV_CACHE_AUTO,
@@ -68,13 +74,20 @@ from lmstack.stack.resolved import (
     SINGLE_DEVICE_LAYOUT,
     ResolvedStack,
     Selected,
+    effective,
 )
+
+# `cache: auto`'s last resort: no reuse.
+NO_CACHE = ROLE["cache"].default
+# `quant.weights: auto`'s last resort where it reads the checkpoint: as published.
+NO_QUANTIZER = ROLE["quantizer"].default
 
 __all__ = [
     "DTYPES",
     "DTYPE_NAMES",
     "ResolvedStack",
     "Selected",
+    "auto_device",
     "auto_quantizer",
     "check_model",
     "reads_formats",
@@ -91,19 +104,30 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
     validate a GPU stack on a CPU-only machine)."""
     # Re-normalise: a StackConfig built in code (not by load_stack) may use the short forms.
     stack = stack_from_mapping(msgspec.to_builtins(stack))
-    device = torch.device(stack.device)
+    reasons: dict[str, str] = {}
+    if stack.device == DEVICE_AUTO:
+        device, reasons["device"] = auto_device()
+    else:
+        device = torch.device(stack.device)
     quant = dict(stack.quant)
     quant_name = quant.pop("weights")
     quant.pop("kv_cache")
     checkpoint_format = _checkpoint_format(stack.model)
-    if quant_name == QUANT_AUTO:
-        quant_name = auto_quantizer(registry, checkpoint_format)
-
-    quantizer = _select(registry, "quantizer", quant_name, quant, "quant", name_key="quant.weights")
-    selected = {"quantizer": quantizer, "parallel": _select_parallel(registry, stack.parallel)}
-    # `attention: auto`: candidates best first, tried in turn below (the first one whose check
-    # passes on this machine is kept).
+    # Every `auto` role: its candidates best first, tried in turn below (the first that fits
+    # this stack on this machine is kept). The quantizer goes first: the dtype follows it.
     auto: dict[str, list[Selected]] = {}
+    skipped: dict[str, list[str]] = {}  # candidates left out before the fit checks, and why
+    selected: dict[str, Selected] = {}
+    if quant_name == QUANT_AUTO:
+        auto["quantizer"], skipped["quantizer"] = _auto_quantizer_candidates(
+            registry, checkpoint_format, device, quant
+        )
+        selected["quantizer"] = auto["quantizer"][0]
+    else:
+        selected["quantizer"] = _select(
+            registry, "quantizer", quant_name, quant, "quant", name_key="quant.weights"
+        )
+    selected["parallel"] = _select_parallel(registry, stack.parallel)
     for role, phase in (("attention_prefill", "prefill"), ("attention_decode", "decode")):
         section, path = stack.attention[phase], f"attention.{phase}"
         if section["name"] == ATTENTION_AUTO:
@@ -111,6 +135,9 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
             selected[role] = auto[role][0]
         else:
             selected[role] = _select_section(registry, "attention", section, path)
+    if stack.cache["name"] == CACHE_AUTO:
+        auto["cache"] = _auto_cache_candidates(registry, device, stack.cache)
+        selected["cache"] = auto["cache"][0]
     # Every other role is a plain {name: ..., **options} section.
     for role in ROLE_TABLE:
         if role.name not in selected:
@@ -129,7 +156,7 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
             device=device,
             dtype=dtype,
             dtype_reason=dtype_reason,
-            kv_cache_dtype=_kv_cache_dtype(stack, quantizer, dtype),
+            kv_cache_dtype=_kv_cache_dtype(stack, selected["quantizer"], dtype),
             selected=dict(selected),
             sections=sections,
             section_views=views,
@@ -137,19 +164,22 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
             auto_reasons=dict(reasons),
         )
 
-    reasons: dict[str, str] = {}
     for role, candidates in auto.items():
-        skipped = []
+        left_out = skipped.get(role, [])
         for i, sel in enumerate(candidates):
             selected[role] = sel
             problem = _auto_fit_problem(assemble(reasons), role, sel)
             if problem is None or i == len(candidates) - 1:
-                break  # the last (the reference backend) is kept: the checks below explain
-            skipped.append(f"{sel.name} {problem}")
+                break  # the last (the reference component) is kept: the checks below explain
+            left_out.append(f"{sel.name} {problem}")
         ranked = ", ".join(c.name for c in candidates)
-        reasons[role] = f"auto on {device.type} (ranked: {ranked}): {selected[role].name}" + (
-            f"; skipped {'; '.join(skipped)}" if skipped else ""
+        where = f"for a {checkpoint_format} checkpoint on" if role == "quantizer" else "on"
+        reasons[role] = f"auto {where} {device.type} (ranked: {ranked}): {selected[role].name}" + (
+            f"; skipped {'; '.join(left_out)}" if left_out else ""
         )
+    if getattr(selected["allocator"].options, "kv_cache_memory", None) == KV_MEMORY_AUTO:
+        # Measured again when the allocator is built, after the weights are loaded.
+        reasons["kv_cache_memory"] = kv_budget_reason(device)
     resolved = assemble(reasons)
     for check in (
         check_components,
@@ -211,18 +241,87 @@ def _checkpoint_format(model: str) -> str:
         return DENSE
 
 
-def auto_quantizer(registry: Registry, checkpoint_format: str) -> str:
-    """`quant.weights: auto`: the first installed quantizer (`none`, then by name) that reads
-    `checkpoint_format`."""
-    names = registry.names("quantizer")
-    order = [n for n in ("none",) if n in names] + sorted(n for n in names if n != "none")
-    for name in order:
-        if checkpoint_format in reads_formats(registry.get("quantizer", name)):
-            return name
-    raise ResolutionError(
-        f"quant.weights: auto: no installed quantizer reads {checkpoint_format} checkpoints "
-        f"(installed: {', '.join(order) or 'none'}); install a quantizer plugin that declares it"
-    )
+def auto_device() -> tuple[torch.device, str]:
+    """`device: auto`: the first CUDA device where torch sees one, else the CPU; and why."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), f"auto: cuda (torch sees {torch.cuda.device_count()} CUDA device(s))"
+    return torch.device("cpu"), "auto: cpu (torch sees no CUDA device)"
+
+
+def auto_quantizer_ranking(registry: Registry, checkpoint_format: str, device: torch.device) -> list[str]:
+    """`quant.weights: auto`'s candidates, best first: the installed quantizers that declare an
+    `auto_rank` for `checkpoint_format` on this device type (they serve it as stored, faster
+    than dequantizing it: lmstack-gguf's blocks on a CPU), highest first; then `none` (the
+    checkpoint as published, dequantized) where it reads the format, else every other reader
+    that runs here, by name. A quantizer that would quantize the checkpoint at load (int8 on a
+    dense one) declares no rank for it, so it never comes before `none`: auto does not change
+    the model's outputs."""
+    readers = {}
+    for name in registry.names("quantizer"):
+        component = registry.get("quantizer", name)
+        if checkpoint_format in reads_formats(component) and device.type in component.capabilities.get(
+            "devices", (device.type,)
+        ):
+            readers[name] = component.capabilities
+    ranked = []
+    for name, caps in readers.items():
+        rank = ((caps.get("auto_rank") or {}).get(checkpoint_format) or {}).get(device.type)
+        if rank is not None and name != NO_QUANTIZER:
+            ranked.append((-rank, name))
+    order = [name for _, name in sorted(ranked)]
+    rest = [NO_QUANTIZER] if NO_QUANTIZER in readers else sorted(readers)
+    order += [name for name in rest if name not in order]
+    if not order:
+        raise ResolutionError(
+            f"quant.weights: auto: no installed quantizer reads {checkpoint_format} checkpoints on "
+            f"{device.type} (installed: {', '.join(registry.names('quantizer')) or 'none'}); install a "
+            "quantizer plugin that declares it"
+        )
+    return order
+
+
+def auto_quantizer(registry: Registry, checkpoint_format: str, device: torch.device | None = None) -> str:
+    """The quantizer `quant.weights: auto` ranks first for `checkpoint_format` on `device` (the
+    CPU when not given); `resolve` falls back down the ranking when it does not fit the stack."""
+    return auto_quantizer_ranking(registry, checkpoint_format, device or torch.device("cpu"))[0]
+
+
+def _auto_quantizer_candidates(
+    registry: Registry, checkpoint_format: str, device: torch.device, options: Mapping[str, Any]
+) -> tuple[list[Selected], list[str]]:
+    """The ranking's quantizers with the options the quant section gives (`quant: {activations:
+    fp32}` beside `weights: auto`), leaving out, with the reason, those that do not take them;
+    all refusing: the first one's error."""
+    candidates, left_out, errors = [], [], []
+    for name in auto_quantizer_ranking(registry, checkpoint_format, device):
+        try:
+            candidates.append(
+                _select(registry, "quantizer", name, options, "quant", name_key="quant.weights")
+            )
+        except ConfigError as exc:
+            errors.append(exc)
+            left_out.append(f"{name} does not take {', '.join(sorted(options))}")
+    if not candidates:
+        raise errors[0]
+    return candidates, left_out
+
+
+def _auto_cache_candidates(
+    registry: Registry, device: torch.device, section: Mapping[str, Any]
+) -> list[Selected]:
+    """`cache: auto`: the installed caches that declare an `auto_rank` for this device type,
+    highest first, then `none` (no reuse)."""
+    if len(section) > 1:
+        extra = ", ".join(sorted(k for k in section if k != "name"))
+        raise ConfigError(f"auto takes no options (got {extra}); name a cache to set its options", "cache")
+    ranked = []
+    for name in registry.names("cache"):
+        caps = registry.get("cache", name).capabilities
+        rank = (caps.get("auto_rank") or {}).get(device.type)
+        if rank is not None and name != NO_CACHE and device.type in caps.get("devices", (device.type,)):
+            ranked.append((-rank, name))
+    names = [name for _, name in sorted(ranked)] + [NO_CACHE]
+    return [_select(registry, "cache", name, {}, "cache", name_key="cache.name") for name in names]
 
 
 def _auto_attention_candidates(
@@ -250,12 +349,21 @@ def _auto_attention_candidates(
 
 
 def _auto_fit_problem(r: ResolvedStack, role: str, sel: Selected) -> str | None:
-    """Why an `auto` attention candidate does not fit this stack (its own check, the dtype and
-    KV-cache dtype), or None."""
+    """Why an `auto` candidate does not fit this stack (its own check, its device types, the
+    dtype, the KV-cache dtype, what it requires of the other roles), or None."""
     if sel.component.check is not None:
         problem = sel.component.check(sel.options, r, ROLE_KEY[role])
         if problem:
             return problem
+    devices = sel.capabilities.get("devices")
+    if devices is not None and r.device.type not in devices:
+        return f"does not run on {r.device.type}"
+    for key, needed in sel.component.requires.items():
+        target_role, capability = _parse_requirement(role, sel, key)
+        for target in _target_roles(target_role, capability):
+            actual = effective(r, target, capability)
+            if target != role and not satisfies(actual, needed):
+                return f"needs {ROLE_KEY[target]} with {capability}={needed!r} ({getattr(r, target).name} has {actual!r})"
     dtypes = sel.capabilities.get("dtypes")
     if dtypes is not None and DTYPE_NAMES[r.dtype] not in dtypes:
         return f"does not take {DTYPE_NAMES[r.dtype]}"

@@ -39,6 +39,7 @@ LAYOUT_AXES = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
 CAPABILITY_ROLE = {
     "chunked_context": "attention",
     "sliding_window": "attention",
+    "logit_softcap": "attention",
     "head_dims": "attention",
     "block_sizes": "attention",
     "kv_cache_dtypes": "attention",

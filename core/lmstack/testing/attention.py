@@ -13,100 +13,15 @@ import torch
 from lmstack.batch import AttentionMetadata
 from lmstack.interfaces import AttentionBackend
 from lmstack.quant.kv import FP8_KV_DTYPES, HEADROOM, dequantize_kv, quantize_kv
+
+# The dense references, kept beside the kit and importable from here as they always were.
+from lmstack.testing.attention_reference import (  # noqa: F401 (paged_batch: re-exported)
+    paged_batch,
+    plain_attention,
+    reference_attention,
+    rel_error,
+)
 from lmstack.testing.kit import ComponentKit
-
-
-def _allowed(
-    lq: int, lk: int, context_len: int, sliding_window: int | None, device: torch.device
-) -> torch.Tensor:
-    """[Lq, Lk] bool: causal (queries sit at positions context_len..), within the window."""
-    qpos = torch.arange(context_len, context_len + lq, device=device)[:, None]
-    kpos = torch.arange(lk, device=device)[None, :]
-    allowed = kpos <= qpos
-    if sliding_window is not None:
-        allowed &= qpos - kpos < sliding_window
-    return allowed
-
-
-def reference_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    context_len: int,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """One sequence, dense, fp32. q [Lq, Hq, D] at positions context_len.. ; k, v [L, Hkv, D]
-    for positions 0..L-1. Returns [Lq, Hq, D]."""
-    lq, hq, _ = q.shape
-    hkv = k.shape[1]
-    kk = k.float().repeat_interleave(hq // hkv, dim=1)
-    vv = v.float().repeat_interleave(hq // hkv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
-    scores = scores.masked_fill(
-        ~_allowed(lq, k.shape[0], context_len, sliding_window, q.device), float("-inf")
-    )
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
-
-
-def plain_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    context_len: int,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """The same dense attention as `reference_attention`, computed the plain way in q's dtype on
-    q's device: score and output matmuls in that dtype, softmax in fp32, probabilities rounded
-    to that dtype (as the torch backend and the flash kernels do). Its error against
-    `reference_attention` is what arithmetic in that dtype costs on this machine: low-precision
-    matmuls round differently on different CPUs (native bf16 dot products or emulation) and
-    GPUs, so a backend's fp16/bf16 error is judged against this, measured on the same inputs."""
-    lq, hq, _ = q.shape
-    hkv = k.shape[1]
-    kk = k.repeat_interleave(hq // hkv, dim=1)
-    vv = v.repeat_interleave(hq // hkv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, kk).float() * scale
-    scores = scores.masked_fill(
-        ~_allowed(lq, k.shape[0], context_len, sliding_window, q.device), float("-inf")
-    )
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1).to(q.dtype), vv)
-
-
-def paged_batch(
-    spans: list[tuple[int, int]],
-    num_kv_heads: int,
-    group: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype = torch.float32,
-    kv_dtype: torch.dtype | None = None,
-    seed: int | None = None,
-):
-    """A random paged batch outside the kit (kernel tests, benchmarks): spans [(context_len,
-    query_len)] per sequence, every token's K/V written into a cache (in `kv_dtype`, default
-    `dtype`) whose blocks are shuffled, as a long-running allocator leaves them. Returns
-    (q [T, Hq, D], k, v [T, Hkv, D] (this step's tokens), k_cache, v_cache, metadata, dense), where
-    dense[i] is sequence i's (k, v) over all its positions as stored, in `dtype`."""
-    gen = torch.Generator().manual_seed(random.randrange(2**31) if seed is None else seed)
-    kv_dtype = kv_dtype or dtype
-    blocks = [-(-(c + q) // block_size) for c, q in spans]
-    order = torch.randperm(sum(blocks) + 2, generator=gen).tolist()  # 2 blocks nobody owns
-    shape = (len(order), block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
-    tables = [[order.pop() for _ in range(n)] for n in blocks]
-    meta = AttentionMetadata.build([q for _, q in spans], [c for c, _ in spans], tables, block_size)
-    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-    dense = []
-    for table, (c, q) in zip(tables, spans, strict=True):
-        pos = torch.arange(c + q)
-        slots = torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
-        dense.append((flat_k[slots].to(dtype), flat_v[slots].to(dtype)))
-    q = torch.randn(sum(q for _, q in spans), num_kv_heads * group, head_dim, generator=gen).to(dtype)
-    k, v = flat_k[meta.slot_mapping].to(dtype), flat_v[meta.slot_mapping].to(dtype)
-    return q, k, v, k_cache, v_cache, meta, dense
 
 
 @dataclass(frozen=True)
@@ -117,10 +32,7 @@ class _Matrix:
     phases: tuple[str, ...]
     sliding_window: bool
     chunked_context: bool
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+    logit_softcap: bool
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -143,7 +55,9 @@ class AttentionConformance(ComponentKit):
 
     The test matrix comes from the declared capabilities: `dtypes`, `head_dims`, `block_sizes`
     and `phases` (the kit's defaults where one is not declared), the cached-context prefill
-    check when `chunked_context` is declared, the sliding-window check when `sliding_window` is.
+    check when `chunked_context` is declared, the sliding-window checks (one window, and windows
+    changing from layer to layer within a step) when `sliding_window` is, the soft-capping check
+    when `logit_softcap` is.
     The class attributes of the same names may narrow the matrix (to keep interpreter-mode
     runs small); they must stay within what is declared, or the kit fails."""
 
@@ -155,6 +69,7 @@ class AttentionConformance(ComponentKit):
     phases: tuple[str, ...] | None = None  # the checks of a phase not listed are skipped
     sliding_window: bool | None = None  # False: skip the sliding-window check
     chunked_context: bool | None = None  # False: skip the cached-context prefill check
+    logit_softcap: bool | None = None  # False: skip the soft-capping check
     kv_cache_dtypes: tuple[torch.dtype, ...] | None = None
     gqa_ratios: tuple[int, ...] = (1, 3, 8)
     num_kv_heads: int = 2
@@ -204,6 +119,7 @@ class AttentionConformance(ComponentKit):
             phases=self.narrowed("phases", caps.get("phases"), ("prefill", "decode")),
             sliding_window=self._flag("sliding_window", caps),
             chunked_context=self._flag("chunked_context", caps),
+            logit_softcap=self._flag("logit_softcap", caps),
         )
 
     def _flag(self, name: str, caps: dict) -> bool:
@@ -270,18 +186,20 @@ class AttentionConformance(ComponentKit):
         )
         return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, dense, qs
 
-    def _check(self, out, qs, dense, spans, scale, dtype, window=None, case=None, extra_slack=0.0):
+    def _check(
+        self, out, qs, dense, spans, scale, dtype, window=None, case=None, extra_slack=0.0, softcap=None
+    ):
         assert out.shape == torch.cat(qs).shape
         assert torch.isfinite(out.float()).all()
         starts = [0]
         for _, ql in spans:
             starts.append(starts[-1] + ql)
         for i, ((c, _), (k, v)) in enumerate(zip(spans, dense, strict=True)):
-            ref = reference_attention(qs[i], k, v, c, scale, window)
+            ref = reference_attention(qs[i], k, v, c, scale, window, softcap)
             err = rel_error(out[starts[i] : starts[i + 1]].cpu(), ref.cpu())
             plain = 0.0
             if dtype != torch.float32:
-                plain = rel_error(plain_attention(qs[i], k, v, c, scale, window).cpu(), ref.cpu())
+                plain = rel_error(plain_attention(qs[i], k, v, c, scale, window, softcap).cpu(), ref.cpu())
             bound = self.reference_factor * plain + self.slack[dtype] + extra_slack
             where = "" if case is None else "{} head_dim {} block_size {} gqa {}: ".format(*case)
             assert err <= bound, (
@@ -398,6 +316,76 @@ class AttentionConformance(ComponentKit):
             q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
             out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=window)
             self._check(out, qs, dense, spans, hd**-0.5, dtype, window)
+
+    def test_windows_change_from_layer_to_layer(self):
+        """One step's metadata through "layers" of different windows, as the model runner calls
+        a model whose layers alternate local and global attention (Gemma 2 / 3): global, a
+        window, another window, global again, prefill and decode. A backend that derives
+        something from the window once per step and reuses it for the next layer fails."""
+        m = self.matrix()
+        if not m.sliding_window:
+            pytest.skip("backend declares no sliding-window support")
+        backend, rng = self.backend(), random.Random()
+        dtype = torch.float32 if torch.float32 in m.dtypes else m.dtypes[0]
+        hd, bs, ratio = m.head_dims[0], m.block_sizes[-1], self.gqa_ratios[-1]
+        small, large = rng.randint(2, 12), rng.randint(20, 60)
+        windows = [None, small, large, None, small]
+        if "prefill" in m.phases:
+            context = (lambda: rng.randint(1, self.max_len)) if m.chunked_context else (lambda: 0)
+            spans = [(context(), rng.randint(2, 40)), (0, rng.randint(2, 70)), (context(), 3), (context(), 3)]
+            q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+            for window in windows:
+                out = backend.prefill(q, k, v, kc, vc, meta, scale=hd**-0.5, sliding_window=window)
+                self._check(
+                    out, qs, dense, spans, hd**-0.5, dtype, window, case=(f"window {window}", hd, bs, ratio)
+                )
+        if "decode" in m.phases:
+            spans = [(rng.randint(0, self.max_len), 1) for _ in range(5)]
+            q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+            for window in windows:
+                out = backend.decode(q, kc, vc, meta, scale=hd**-0.5, sliding_window=window)
+                self._check(
+                    out, qs, dense, spans, hd**-0.5, dtype, window, case=(f"window {window}", hd, bs, ratio)
+                )
+
+    def test_logit_softcap(self):
+        """Soft-capped scores (Gemma 2: cap * tanh(score / cap), here with caps of a few units and
+        a scale of 1 so that the cap bends most scores), with and without a sliding window,
+        prefill (over cached context when declared, and short chunks of equal length as
+        verification makes) and decode, every case of the matrix. The capped reference differs
+        from the uncapped one by far more than the bound, so a kernel that ignores the cap fails."""
+        m = self.matrix()
+        if not m.logit_softcap:
+            pytest.skip("backend declares no logit_softcap")
+        backend, rng = self.backend(), random.Random()
+        for dtype, hd, bs, ratio in self._cases(m):
+            cap, scale = rng.uniform(1.0, 4.0), rng.uniform(0.5, 1.0)
+            window = rng.choice([None, rng.randint(3, 30)]) if m.sliding_window else None
+            case = (f"{dtype}, softcap {cap:.2f}, window {window}", hd, bs, ratio)
+            kw = {"scale": scale, "sliding_window": window, "logit_softcap": cap}
+            if "prefill" in m.phases:
+                context = (lambda: rng.randint(1, self.max_len // 2)) if m.chunked_context else (lambda: 0)
+                spans = [
+                    (context(), rng.randint(1, 40)),
+                    (0, rng.randint(20, 60)),  # enough rows with several keys: see below
+                    (context(), 2),
+                    (context(), 2),
+                ]
+                q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+                out = backend.prefill(q, k, v, kc, vc, meta, **kw)
+                self._check(out, qs, dense, spans, scale, dtype, window, case=case, softcap=cap)
+                # The cap matters: over 20+ rows (a first row sees itself alone, whatever the
+                # cap), the uncapped result is far off.
+                c, _ = spans[1]
+                uncapped = reference_attention(qs[1], *dense[1], c, scale, window)
+                assert (
+                    rel_error(uncapped, reference_attention(qs[1], *dense[1], c, scale, window, cap)) > 0.05
+                )
+            if "decode" in m.phases:
+                spans = [(rng.randint(0, self.max_len), 1) for _ in range(4)]
+                q, k, v, kc, vc, meta, dense, qs = self._batch(rng, dtype, hd, bs, ratio, spans)
+                out = backend.decode(q, kc, vc, meta, **kw)
+                self._check(out, qs, dense, spans, scale, dtype, window, case=case, softcap=cap)
 
     def test_kv_cache_in_declared_dtypes(self):
         """Caches stored in each declared `kv_cache_dtypes` entry other than the query's dtype

@@ -25,7 +25,16 @@ class CpuPagedAttention(AttentionBackend):
         self.isa = ISAS[isa]
         self.min_part = min_part
 
-    def _run(self, q, k_cache, v_cache, meta, rows, scale, window, k_scale, v_scale) -> torch.Tensor:
+    # Picklable (a multi-process layout sends the backends to its workers): the extension
+    # module is left out and loaded again on the other side (built once per machine, cached).
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_ext"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._ext = load()
+
+    def _run(self, q, k_cache, v_cache, meta, rows, scale, window, softcap, k_scale, v_scale) -> torch.Tensor:
         """rows: (query_start [B + 1], context_lens [B]) int32, the batch's query rows."""
         return self._ext.paged_attention(
             q.contiguous(),
@@ -39,6 +48,7 @@ class CpuPagedAttention(AttentionBackend):
             v_scale,
             self.isa,
             self.min_part,
+            float(softcap) if softcap else 0.0,
         )
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
@@ -61,13 +71,16 @@ class CpuPagedAttention(AttentionBackend):
         *,
         scale,
         sliding_window,
+        logit_softcap=None,
         k_scale=None,
         v_scale=None,
     ) -> torch.Tensor:
         # This step's K/V are in the cache already (write_kv ran first): the kernel reads every
         # key from there, so `k` and `v` are not needed.
         rows = (meta.query_start_loc, meta.context_lens)
-        return self._run(q, k_cache, v_cache, meta, rows, scale, sliding_window, k_scale, v_scale)
+        return self._run(
+            q, k_cache, v_cache, meta, rows, scale, sliding_window, logit_softcap, k_scale, v_scale
+        )
 
     def decode(
         self,
@@ -78,6 +91,7 @@ class CpuPagedAttention(AttentionBackend):
         *,
         scale,
         sliding_window,
+        logit_softcap=None,
         k_scale=None,
         v_scale=None,
     ) -> torch.Tensor:
@@ -90,4 +104,6 @@ class CpuPagedAttention(AttentionBackend):
                 torch.arange(b + 1, dtype=torch.int32),
                 (meta.seq_lens[:b] - 1).to(torch.int32),
             )
-        return self._run(q, k_cache, v_cache, meta, rows, scale, sliding_window, k_scale, v_scale)
+        return self._run(
+            q, k_cache, v_cache, meta, rows, scale, sliding_window, logit_softcap, k_scale, v_scale
+        )

@@ -23,7 +23,10 @@ CAPABILITIES: dict[str, Any] = {
     # float8: a scaled cache (k_scale / v_scale per KV head), widened through a 256-entry table.
     "kv_cache_dtypes": ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
     "phases": ("prefill", "decode"),
+    # A window per call (per layer: Gemma alternates local and global layers).
     "sliding_window": True,
+    # tanh soft-capping of the scores (Gemma 2), in the kernel's softmax tile.
+    "logit_softcap": True,
     "chunked_context": True,
     # `attention: auto` on a CPU picks it over the torch reference where it builds (README:
     # 2.8-17x faster decode attention, 1.25-1.9x end to end).

@@ -2,7 +2,8 @@
 CPU can run; the clear refusal where the extension cannot be built.
 
 The kit draws fresh random inputs each run: odd context and query lengths, block sizes 1/4/16,
-GQA ratios 1/3/8, fp32 and bf16 queries, bf16 and scaled fp8 caches, sliding windows.
+GQA ratios 1/3/8, fp32 and bf16 queries, bf16 and scaled fp8 caches, sliding windows (also
+changing from layer to layer), tanh soft-capping of the scores.
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ def _batch(spans, hkv, group, head_dim, block_size, dtype=torch.float32):
     return q, kc, vc, meta, dense
 
 
-def _expect(q, meta, dense, scale, window=None):
+def _expect(q, meta, dense, scale, window=None, softcap=None):
     out, start = [], 0
     for (k, v), c, ql in zip(dense, meta.context_lens_cpu, meta.query_lens_cpu):
-        out.append(reference_attention(q[start : start + ql], k, v, c, scale, window))
+        out.append(reference_attention(q[start : start + ql], k, v, c, scale, window, softcap))
         start += ql
     return torch.cat(out)
 
@@ -73,6 +74,40 @@ def test_prefill_mixed_batch_with_windows(isa):
         q, kc, vc, meta, dense = _batch(spans, hkv=3, group=3, head_dim=64, block_size=16)
         out = backend.prefill(q, None, None, kc, vc, meta, scale=0.125, sliding_window=window)
         assert rel_error(out, _expect(q, meta, dense, 0.125, window)) < 2e-5
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_softcap_and_per_layer_windows(isa, kv_dtype):
+    """Gemma's attention: scores soft-capped (cap x tanh(score / cap), caps of a few units that
+    bend most scores) and windows that change from call to call over the same batch (as the
+    layers of one step alternate local and global attention), on the fast path (64, 128) and
+    the general one (80: not whole registers), GQA 1 / 3 / 8, decode rows beside prefill chunks
+    over cached context, long decode contexts split over threads (min_part 32). Against the
+    plain torch reference over the same stored values."""
+    spans = [(0, 1), (300, 1), (0, 45), (97, 13), (5, 1)]
+    spans.sort(key=lambda s: s[1] != 1)
+    for head_dim, group in ((64, 1), (80, 3), (128, 8)):
+        q, _, _, kc, vc, meta, dense = paged_batch(spans, 2, group, head_dim, 16, kv_dtype=kv_dtype)
+        decode_spans = [(700, 1), (33, 1)]
+        qd, _, _, kcd, vcd, meta_d, dense_d = paged_batch(
+            decode_spans, 2, group, head_dim, 16, kv_dtype=kv_dtype
+        )
+        for min_part in (32, 256):
+            backend = COMPONENT.factory(COMPONENT.options_type(isa=isa, min_part=min_part), None)
+            for window, cap in ((None, 2.5), (9, 2.5), (None, None), (40, 1.0), (9, None)):
+                kw = {"scale": 0.4, "sliding_window": window, "logit_softcap": cap}
+                out = backend.prefill(q, None, None, kc, vc, meta, **kw)
+                ref = _expect(q, meta, dense, 0.4, window, cap)
+                assert rel_error(out, ref) < 2e-5, (head_dim, group, window, cap)
+                if cap is not None:  # the cap changes the answer by far more than the tolerance
+                    assert rel_error(_expect(q, meta, dense, 0.4, window), ref) > 0.05
+                out = backend.decode(qd, kcd, vcd, meta_d, **kw)
+                assert rel_error(out, _expect(qd, meta_d, dense_d, 0.4, window, cap)) < 2e-5, (
+                    head_dim,
+                    window,
+                    cap,
+                )
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
@@ -188,6 +223,19 @@ def test_isas_agree():
     ]
     for out in outs[1:]:
         assert rel_error(out, outs[0]) < 1e-5
+
+
+def test_the_backend_pickles():
+    """A multi-process layout sends the backends to its workers: the extension module is left
+    out and loaded again, and the copy computes the same bits."""
+    import pickle
+
+    backend = COMPONENT.factory(COMPONENT.options_type(min_part=64), None)
+    copy = pickle.loads(pickle.dumps(backend))
+    assert copy.min_part == 64 and copy.isa == backend.isa
+    q, kc, vc, meta, _ = _batch([(70, 1), (3, 1)], hkv=2, group=2, head_dim=64, block_size=16)
+    kw = {"scale": 0.125, "sliding_window": 9, "logit_softcap": 3.0}
+    assert torch.equal(copy.decode(q, kc, vc, meta, **kw), backend.decode(q, kc, vc, meta, **kw))
 
 
 def test_build_failure_is_one_clear_line(monkeypatch):

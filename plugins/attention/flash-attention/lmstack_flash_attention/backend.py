@@ -34,10 +34,11 @@ class FlashAttention(AttentionBackend):
         *,
         scale,
         sliding_window,
+        logit_softcap=None,
         k_scale=None,
         v_scale=None,
     ):
-        return self._attend(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+        return self._attend(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap, k_scale, v_scale)
 
     def decode(
         self,
@@ -48,12 +49,15 @@ class FlashAttention(AttentionBackend):
         *,
         scale,
         sliding_window,
+        logit_softcap=None,
         k_scale=None,
         v_scale=None,
     ):
-        return self._attend(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+        return self._attend(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap, k_scale, v_scale)
 
-    def _attend(self, q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale) -> torch.Tensor:
+    def _attend(
+        self, q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale
+    ) -> torch.Tensor:
         return self._flash_prefill(
             q,
             k_cache,
@@ -67,4 +71,5 @@ class FlashAttention(AttentionBackend):
             interpret=self.interpret,
             k_scale=k_scale,
             v_scale=v_scale,
+            logit_softcap=softcap,
         )

@@ -31,6 +31,15 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _softcap_log2(qk, softcap):
+    """Base-2 scores s x log2(e) soft-capped: cap x tanh(s / cap), in base 2 again. That is
+    c x tanh(qk / c) with c = cap x log2(e), and tanh(y) = 1 - 2 / (e^(2y) + 1), e^(2y) being
+    2^(2 qk / cap): saturates to +-1 (no NaN) however large |qk| is."""
+    c = softcap * 1.4426950408889634
+    return c * (1.0 - 2.0 / (tl.exp2(qk * (2.0 / softcap)) + 1.0))
+
+
+@triton.jit
 def _prefill_kernel(
     Q,
     K_cache,
@@ -43,6 +52,7 @@ def _prefill_kernel(
     V_scale,
     scale_log2,  # softmax scale * log2(e): scores are kept in base 2
     window,  # sliding window in tokens (read only with HAS_WINDOW)
+    softcap,  # scores become softcap * tanh(score / softcap) (read only with HAS_SOFTCAP)
     stride_qt,
     stride_qh,
     stride_qd,
@@ -62,6 +72,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     HAS_WINDOW: tl.constexpr,
     HAS_KV_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,  # compute in fp32 (the interpreter's bf16 arithmetic is wrong)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
 ):
@@ -133,6 +144,8 @@ def _prefill_kernel(
             k = tl.load(K_cache + kv, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
             v = tl.load(V_cache + kv, mask=kv_mask, other=0.0).to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+            if HAS_SOFTCAP:
+                qk = _softcap_log2(qk, softcap)
             if stage == 1:
                 visible = kpos[None, :] <= q_pos[:, None]
                 if HAS_WINDOW:
@@ -211,6 +224,7 @@ def flash_prefill(
     config: dict | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens to all its cached tokens.
 
@@ -219,7 +233,8 @@ def flash_prefill(
     already holding every position < seq_lens[i]; block_tables [B, max_blocks] int32.
     `max_query_len` comes from the host (no device sync). `config` overrides the tile sizes
     (BLOCK_M, BLOCK_N, num_warps, num_stages; for benchmarks). `k_scale`, `v_scale` ([Hkv]
-    fp32): the caches hold K / k_scale and V / v_scale (a scaled float8 cache).
+    fp32): the caches hold K / k_scale and V / v_scale (a scaled float8 cache). `logit_softcap`:
+    scores (after the scale) become cap x tanh(score / cap) before the mask (Gemma 2).
     Returns [T, Hq, D] in q's dtype."""
     check_inputs(q, k_cache, v_cache, interpret)
     t, hq, head_dim = q.shape
@@ -245,6 +260,7 @@ def flash_prefill(
         q if v_scale is None else v_scale,
         scale * math.log2(math.e),
         sliding_window or 0,
+        float(logit_softcap or 1.0),  # never read without HAS_SOFTCAP
         *q.stride(),
         *k_cache.stride(),
         *out.stride(),
@@ -255,6 +271,7 @@ def flash_prefill(
         BLOCK_D=max(16, next_pow2(head_dim)),
         HAS_WINDOW=sliding_window is not None,
         HAS_KV_SCALE=k_scale is not None,
+        HAS_SOFTCAP=bool(logit_softcap),
         UPCAST=interpret and q.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **cfg,

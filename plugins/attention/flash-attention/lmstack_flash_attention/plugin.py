@@ -30,7 +30,9 @@ CAPABILITIES: dict[str, Any] = {
     "head_dims": (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256),
     "block_sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256),
     "phases": ("prefill", "decode"),
-    "sliding_window": True,
+    "sliding_window": True,  # a window per call: per-layer windows (Gemma) work
+    # tanh soft-capping of the scores (Gemma 2), in the kernel's score tile.
+    "logit_softcap": True,
     "chunked_context": True,
 }
 

@@ -25,9 +25,7 @@ class FlashDecoding(AttentionBackend):
 
         self._flash_decode = flash_decode
 
-    def prefill(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window, **kv_scales
-    ):
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window, **kwargs):
         raise NotImplementedError(
             "flash-decoding handles decode only; pick a prefill kernel with attention.prefill"
         )
@@ -41,6 +39,7 @@ class FlashDecoding(AttentionBackend):
         *,
         scale,
         sliding_window,
+        logit_softcap=None,
         k_scale=None,
         v_scale=None,
     ) -> torch.Tensor:
@@ -57,4 +56,5 @@ class FlashDecoding(AttentionBackend):
             num_splits=self.num_splits,
             k_scale=k_scale,
             v_scale=v_scale,
+            logit_softcap=logit_softcap,
         )

@@ -30,6 +30,15 @@ MAX_SPLITS = 128
 
 
 @triton.jit
+def _softcap_log2(qk, softcap):
+    """Base-2 scores s x log2(e) soft-capped: cap x tanh(s / cap), in base 2 again. That is
+    c x tanh(qk / c) with c = cap x log2(e), and tanh(y) = 1 - 2 / (e^(2y) + 1), e^(2y) being
+    2^(2 qk / cap): saturates to +-1 (no NaN) however large |qk| is."""
+    c = softcap * 1.4426950408889634
+    return c * (1.0 - 2.0 / (tl.exp2(qk * (2.0 / softcap)) + 1.0))
+
+
+@triton.jit
 def _split_kernel(
     Q,
     K_cache,
@@ -42,6 +51,7 @@ def _split_kernel(
     V_scale,
     scale_log2,
     window,
+    softcap,  # scores become softcap * tanh(score / softcap) (read only with HAS_SOFTCAP)
     chunk,  # keys per split, a multiple of BLOCK_N
     stride_qb,
     stride_qh,
@@ -67,6 +77,7 @@ def _split_kernel(
     HAS_WINDOW: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     HAS_KV_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -116,6 +127,8 @@ def _split_kernel(
         k = tl.load(K_cache + kv, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         v = tl.load(V_cache + kv, mask=kv_mask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
+        if HAS_SOFTCAP:
+            qk = _softcap_log2(qk, softcap)
         qk = tl.where(k_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -308,6 +321,7 @@ def flash_decode(
     config: dict | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its seq_lens[i] cached tokens.
 
@@ -315,7 +329,8 @@ def flash_decode(
     int32; `max_seq_len` = max(seq_lens) from the host (no device sync). `num_splits` fixes the
     split count; `config` overrides the tile size (BLOCK_N, num_warps, num_stages; for
     benchmarks). `k_scale`, `v_scale` ([Hkv] fp32): the caches hold K / k_scale and V / v_scale
-    (a scaled float8 cache). Returns [B, Hq, D]."""
+    (a scaled float8 cache). `logit_softcap`: scores (after the scale) become
+    cap x tanh(score / cap) (Gemma 2). Returns [B, Hq, D]."""
     check_inputs(q, k_cache, v_cache, interpret)
     batch, hq, head_dim = q.shape
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -348,6 +363,7 @@ def flash_decode(
         q if v_scale is None else v_scale,
         scale * math.log2(math.e),
         sliding_window or 0,
+        float(logit_softcap or 1.0),  # never read without HAS_SOFTCAP
         plan.chunk,
         *q.stride(),
         *k_cache.stride(),
@@ -362,6 +378,7 @@ def flash_decode(
         HAS_WINDOW=sliding_window is not None,
         WRITE_LSE=plan.num_splits > 1,
         HAS_KV_SCALE=k_scale is not None,
+        HAS_SOFTCAP=bool(logit_softcap),
         UPCAST=interpret and q.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **cfg,

@@ -83,6 +83,20 @@ def test_split_decode_with_window_and_padded_head_dim():
         assert rel_error(out[i : i + 1], ref) < 2e-5
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_softcap_across_splits(num_splits):
+    """Soft-capped scores (Gemma 2) with the keys split several ways and merged: each split caps
+    its own scores before its softmax, so the merge sees capped log-sum-exps."""
+    backend = FlashDecoding(interpret=True, num_splits=num_splits)
+    lens = [300, 40, 3]
+    q, k_cache, v_cache, meta, dense = _decode_batch(lens, hkv=2, group=4, head_dim=64, block_size=16)
+    for window in (None, 50):
+        out = backend.decode(q, k_cache, v_cache, meta, scale=0.5, sliding_window=window, logit_softcap=2.0)
+        for i, n in enumerate(lens):
+            ref = reference_attention(q[i : i + 1], *dense[i], n - 1, 0.5, window, 2.0)
+            assert rel_error(out[i : i + 1], ref) < 2e-5, (n, window)
+
+
 def test_split_plan():
     from lmstack_flash_decoding.kernel import MAX_SPLITS, plan_splits
 

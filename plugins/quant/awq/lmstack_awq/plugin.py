@@ -100,7 +100,9 @@ class AwqOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ] = 4
 
 
-def _common_caps(formats: tuple[str, ...]) -> dict[str, Any]:
+def _common_caps(formats: tuple[str, ...], auto: bool) -> dict[str, Any]:
+    """`auto`: `quant.weights: auto` may pick it for `formats` (checkpoints it serves as
+    published; rtn-int4 would quantize its dense / GGUF ones, so it is only chosen by name)."""
     return {
         "devices": ("cpu", "cuda"),
         "dtypes": ("float32", "float16", "bfloat16"),
@@ -110,6 +112,7 @@ def _common_caps(formats: tuple[str, ...]) -> dict[str, Any]:
         "auto_dtypes_reason": "its CPU int4 kernels take float32 activations",
         "kv_cache_dtype": None,
         "checkpoint_formats": formats,
+        **({"auto_rank": {fmt: {"cpu": 10, "cuda": 10} for fmt in formats}} if auto else {}),
     }
 
 
@@ -130,7 +133,7 @@ RTN_INT4 = Component(
     kind="quantizer",
     factory=build_rtn,
     options_type=RtnInt4Options,
-    capabilities=_common_caps((DENSE, GGUF)),
+    capabilities=_common_caps((DENSE, GGUF), auto=False),
     api=">=1.0,<2",
     description="Round-to-nearest int4 weights (group scales, zero points) made at load from a dense or GGUF checkpoint, kept packed.",
 )
@@ -140,7 +143,7 @@ AWQ = Component(
     kind="quantizer",
     factory=build_awq,
     options_type=AwqOptions,
-    capabilities=_common_caps((CT_PACK_QUANTIZED, AUTOAWQ_GEMM)),
+    capabilities=_common_caps((CT_PACK_QUANTIZED, AUTOAWQ_GEMM), auto=True),
     api=">=1.7,<2",  # `lmstack quantize --method awq` tunes scales (`lmstack_calibrate.scale_tuning`)
     description="int4 AWQ checkpoints (compressed-tensors pack-quantized, AutoAWQ GEMM) served packed: W4A16.",
 )

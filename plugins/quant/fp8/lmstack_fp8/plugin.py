@@ -45,6 +45,9 @@ COMPONENT = Component(
         "dtypes": ("float32", "float16", "bfloat16"),
         "kv_cache_dtype": None,
         "checkpoint_formats": (CT_FLOAT_QUANTIZED, DENSE, GGUF),
+        # `quant.weights: auto` for FP8 checkpoints, served as published (dense ones it would
+        # quantize: only by name).
+        "auto_rank": {CT_FLOAT_QUANTIZED: {"cpu": 10, "cuda": 10}},
     },
     api=">=1.0,<2",
     description="FP8 e4m3 weights (per-channel or per-tensor scales), dynamic per-token or static "

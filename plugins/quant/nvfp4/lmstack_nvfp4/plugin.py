@@ -59,6 +59,9 @@ COMPONENT = Component(
         "dtypes": ("float32", "float16", "bfloat16"),
         "kv_cache_dtype": None,
         "checkpoint_formats": (CT_NVFP4, DENSE, GGUF),
+        # `quant.weights: auto` for NVFP4 checkpoints, served as published (dense ones it would
+        # quantize: only by name).
+        "auto_rank": {CT_NVFP4: {"cpu": 10, "cuda": 10}},
     },
     check=check,
     api=">=1.0,<2",

@@ -327,12 +327,17 @@ struct PosRange {
   bool masks(int t0, int n, int window) const { return t0 + n - 1 > lo || (window > 0 && t0 <= hi - window); }
 };
 
-// One row's scores sr[0:n] of keys [t0, t0 + n), masked for a query at position p when `masked`,
+// One row's scores sr[0:n] of keys [t0, t0 + n), soft-capped when softcap > 0 (Gemma 2: the
+// scaled score s becomes softcap * tanh(s / softcap)), masked for a query at position p when `masked`,
 // folded into the row's running max m, sum l and accumulator acc[0:d] (rescaled when the max
 // moves); sr becomes the tile's unnormalised probabilities. False, when no key of the tile is
 // visible to the row (m, l and acc unchanged).
-static inline bool softmax_tile_row(float* sr, int n, bool masked, int t0, int p, int window, float& m, float& l,
-                                    float* acc, int d) {
+static inline bool softmax_tile_row(float* sr, int n, bool masked, int t0, int p, int window, float softcap,
+                                    float& m, float& l, float* acc, int d) {
+  if (softcap > 0) {  // std::tanh per score: only soft-capping models pay for it
+    const float inv = 1.0f / softcap;
+    for (int j = 0; j < n; ++j) sr[j] = softcap * std::tanh(sr[j] * inv);
+  }
   if (masked)
     for (int j = 0; j < n; ++j) {
       const int t = t0 + j;
@@ -363,7 +368,7 @@ static inline bool softmax_tile_row(float* sr, int n, bool masked, int t0, int p
 // (Hkv x D elements) and `stride_blk` between two blocks.
 template <int Kind>
 static void attend(const float* q, const int* pos, int rows, int group, int d, int k_begin, int k_end,
-                   int window, const int* table, int bs, const char* kc, const char* vc,
+                   int window, float softcap, const int* table, int bs, const char* kc, const char* vc,
                    int64_t stride_tok, int64_t stride_blk, int64_t head_off, int esize,
                    const float* lut, float* m, float* l, float* acc, Scratch& sc) {
   (void)group;  // the general path's items are one KV head's
@@ -431,7 +436,7 @@ static void attend(const float* q, const int* pos, int rows, int group, int d, i
     const bool masked = span.masks(t0, n, window);
     for (r = 0; r < rows; ++r) {
       float* sr = s + size_t(r) * KEY_TILE;
-      if (!softmax_tile_row(sr, n, masked, t0, pos[r], window, m[r], l[r], acc + size_t(r) * d, d)) continue;
+      if (!softmax_tile_row(sr, n, masked, t0, pos[r], window, softcap, m[r], l[r], acc + size_t(r) * d, d)) continue;
       pv_row(acc + size_t(r) * d, sr, vp, n, d);
     }
   }
@@ -578,7 +583,7 @@ static inline void score_rows(const float* q, int g0, int g1, int n, RowFn row, 
 
 template <int Kind, int NV>
 static void attend_fast(const float* q, const int* pos, int rows, int group, int d, int k_begin, int k_end,
-                        int window, const int* table, int bs, const char* kc, const char* vc,
+                        int window, float softcap, const int* table, int bs, const char* kc, const char* vc,
                         int64_t stride_tok, int64_t stride_blk, int64_t head_off, int esize,
                         const float* lut, float* m, float* l, float* acc, Scratch& sc) {
   (void)d;
@@ -646,7 +651,7 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
     const bool masked = span.masks(t0, n, window);
     for (int g = 0; g < rows; ++g) {
       float* sr = s + size_t(g) * KEY_TILE;
-      if (!softmax_tile_row(sr, n, masked, t0, pos[g], window, m[g], l[g], acc + size_t(g) * NV * W, NV * W))
+      if (!softmax_tile_row(sr, n, masked, t0, pos[g], window, softcap, m[g], l[g], acc + size_t(g) * NV * W, NV * W))
         std::fill(sr, sr + n, 0.0f);  // nothing visible: the V pass below adds nothing for this row
     }
     for (int h0 = 0; h0 < rows; h0 += group) {  // each KV head's rows

@@ -100,7 +100,7 @@ const Fp8Tables& fp8_tables() {
   return tables;
 }
 
-using AttendFn = void (*)(const float*, const int*, int, int, int, int, int, int, const int*, int, const char*,
+using AttendFn = void (*)(const float*, const int*, int, int, int, int, int, int, float, const int*, int, const char*,
                           const char*, int64_t, int64_t, int64_t, int, const float*, float*, float*, float*,
                           Scratch&);
 
@@ -143,13 +143,14 @@ float merge_parts(const float* m, const float* l, const float* acc, int parts, i
 
 // q [T, Hq, D] (fp32 or bf16, contiguous); caches [NB, BS, Hkv, D] (fp32, bf16, fp8 e4m3 / e5m2);
 // block_tables [B, max_blocks] int32; query_start [B + 1] int32; context_lens [B] int32 (cached
-// tokens before each sequence's first query token). window <= 0: none. Scales: fp32 [Hkv] for a
+// tokens before each sequence's first query token). window <= 0: none. softcap <= 0: none, else
+// scores (after `scale`) become softcap * tanh(score / softcap). Scales: fp32 [Hkv] for a
 // scaled fp8 cache, else undefined. Returns [T, Hq, D] in q's dtype.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start,
                               torch::Tensor context_lens, double scale, int64_t window,
                               std::optional<torch::Tensor> k_scale, std::optional<torch::Tensor> v_scale,
-                              int64_t isa, int64_t min_part) {
+                              int64_t isa, int64_t min_part, double softcap) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "cpu-paged: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "cpu-paged: bad shapes");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -193,6 +194,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int* qs = query_start.contiguous().data_ptr<int>();
   const int* ctx = context_lens.contiguous().data_ptr<int>();
   const int win = window > 0 ? int(window) : 0;
+  const float cap = softcap > 0 ? float(softcap) : 0.0f;
+  // The cap applies to score = q.k x scale; queries carry scale x k_scale, so with a scaled
+  // cache the kernels' scores are already the true ones.
 
   // --- work items ------------------------------------------------------------------------
   // Keys are attended in parts cut at fixed positions (multiples of `part`, whatever the batch):
@@ -347,7 +351,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
         std::fill(jl, jl + rows, 0.0f);
         std::fill(jacc, jacc + size_t(rows) * D, 0.0f);
         attend(qbuf.data(), pos.data(), rows, it.heads > 1 ? G : rows, D, k0, std::min(it.k_end, part_end(k0)), win,
-               tab + int64_t(it.seq) * max_blocks, BS, kc, vc, stride_tok, stride_blk, int64_t(it.head) * D, esize,
+               cap, tab + int64_t(it.seq) * max_blocks, BS, kc, vc, stride_tok, stride_blk, int64_t(it.head) * D, esize,
                lut, jm, jl, jacc, sc);
       }
       if (it.slot >= 0) continue;  // merged after the run
@@ -507,7 +511,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &cpu_paged::paged_attention, "paged varlen attention (prefill and decode)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
         py::arg("context_lens"), py::arg("scale"), py::arg("window"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none(), py::arg("isa") = -1, py::arg("min_part") = 256);
+        py::arg("v_scale") = py::none(), py::arg("isa") = -1, py::arg("min_part") = 256,
+        py::arg("softcap") = 0.0);
   m.def("write_kv", &cpu_paged::write_kv, "k, v [T, Hkv, D] into the caches' slots (fp32 / bf16 / scaled fp8)",
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
