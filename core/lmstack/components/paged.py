@@ -41,13 +41,13 @@ def parse_bytes(value: int | str, path: str = "allocator.kv_cache_memory") -> in
 class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
     block_size: Annotated[int, msgspec.Meta(description="tokens per KV-cache block (1 to 1024)")] = 16
     # Memory budget for K and V of all layers; the block count is derived from it. "auto" is
-    # measured when the allocator is built, after the weights are loaded (`kv_budget`).
+    # measured when the allocator is built, after the weights are loaded (`kv_budget`): on a GPU
+    # 90% of its memory less what is in use (vLLM's gpu_memory_utilization); on a CPU 25% of the
+    # available memory, at most 1 GiB (the cache is zero-filled up front: a laptop must not swap).
     kv_cache_memory: Annotated[
         int | str,
         msgspec.Meta(
-            description='memory for K and V of all layers ("2GiB"); sets the block count. auto: on a GPU '
-            "90% of its memory less what is in use once the weights are loaded (vLLM's "
-            "gpu_memory_utilization); on a CPU 25% of the available memory, at most 1 GiB"
+            description='K/V memory of all layers ("2GiB"); auto: GPU 90% less use, CPU 25% of free, <=1GiB'
         ),
     ] = KV_MEMORY_AUTO
     # Overrides the budget (tests use it to force preemption).
