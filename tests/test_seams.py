@@ -219,6 +219,11 @@ FP32_STACK = {
     "dtype": "float32",
     "scheduler": {"name": "continuous", "max_num_seqs": 16, "max_num_batched_tokens": 128},
     "allocator": {"name": "paged", "block_size": 16, "num_blocks": 400},
+    # Named, not auto: the multi-process engine below loads the built-ins only, where the autos
+    # would choose other components than the shared engine's (GGUF blocks, cpu-paged, prefix).
+    "quant": {"weights": "none"},
+    "attention": "torch",
+    "cache": "none",
 }
 
 

@@ -122,12 +122,15 @@ def prefill(
     sliding_window: int | None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     # q [T, Hq, D]; k, v [T, Hkv, D] (already in the cache); each sequence also attends to its
     # `meta.context_lens` earlier cached tokens. Returns [T, Hq, D]. k_scale / v_scale [Hkv]:
     # per-KV-head scales of a float8 cache (None otherwise; drop float8 from the declared
-    # kv_cache_dtypes if your kernel does not read them).
+    # kv_cache_dtypes if your kernel does not read them). logit_softcap: Gemma 2's tanh cap on
+    # the scores (passed only with the `logit_softcap` capability: drop it if you do not cap).
     kw = {"scale": scale, "sliding_window": sliding_window, "k_scale": k_scale, "v_scale": v_scale}
+    kw["logit_softcap"] = logit_softcap
     return super().prefill(q, k, v, k_cache, v_cache, meta, **kw)
 
 def decode(
@@ -141,9 +144,11 @@ def decode(
     sliding_window: int | None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     # q [B, Hq, D]: one query per sequence over its `meta.seq_lens` cached tokens. Returns [B, Hq, D].
     kw = {"scale": scale, "sliding_window": sliding_window, "k_scale": k_scale, "v_scale": v_scale}
+    kw["logit_softcap"] = logit_softcap
     return super().decode(q, k_cache, v_cache, meta, **kw)
 ''',
         build="""
