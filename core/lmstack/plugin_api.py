@@ -197,7 +197,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.engine.async_engine": ("AsyncEngine",),
     "lmstack.engine.llm_engine": ("LLMEngine",),
     "lmstack.stack.config": ("load_stack",),
-    # 1.8 (issue 53): every command takes its stack the same way (MODEL_OR_STACK, --set) (issue 53).
+    # 1.8: every command takes its stack the same way (MODEL_OR_STACK, --set) (issue 53).
     "lmstack.commands.stack_args": ("add_stack_arguments", "stack_from_args", "stack_text"),
     "lmstack.stack.overrides": ("parse_overrides",),  # 1.8: `--set KEY.PATH=VALUE`
     "lmstack.stack.resolve": ("ResolvedStack", "resolve", "check_model", "DTYPE_NAMES"),
