@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from lmstack.testing.tiny_model import write_tokenizer_files
+from lmstack.testing.tiny_moe import randomize_weights
 
 FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3")
 
@@ -137,18 +138,7 @@ def write_tiny_family(family: str, path: str | Path, *, seed: int = 0, **overrid
     config_class, model_class, kwargs = _family(family, common)
     config = getattr(transformers, config_class)(**{**kwargs, **overrides})
     model = getattr(transformers, model_class)(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * noise)
-            elif "embed_tokens" in name or name.startswith("lm_head"):
-                param.copy_(0.5 * noise)
-            elif name.endswith("bias"):
-                param.copy_(0.1 * noise)
-            else:  # a linear or a stack of expert linears: [..., out, in]
-                param.copy_(1.5 * param.shape[-1] ** -0.5 * noise)
+    randomize_weights(model, seed)
     model.save_pretrained(str(folder))
     return folder
 

@@ -81,6 +81,14 @@ def write_tiny_moe(
             use_sliding_window=False,
         )
         model = transformers.Qwen2MoeForCausalLM(config)
+    randomize_weights(model, seed)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def randomize_weights(model: torch.nn.Module, seed: int) -> None:
+    """Seeded weights at the scales a trained decoder has (norm gains around 1, linears that keep
+    the residual stream's size), so a tiny model's logits are neither flat nor saturated."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -93,8 +101,6 @@ def write_tiny_moe(
                 param.copy_(0.1 * noise)
             else:  # a linear or a stack of expert linears: [..., out, in]
                 param.copy_(1.5 * param.shape[-1] ** -0.5 * noise)
-    model.save_pretrained(str(folder))
-    return folder
 
 
 def main(argv: list[str] | None = None) -> None:
