@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lmstack.commands.stack_args import add_stack_arguments, stack_text
+from lmstack.commands.stack_args import add_stack_arguments, positive_int, stack_text
 from lmstack.hookspecs import hookimpl
 
 
@@ -33,9 +33,9 @@ def _add_eval_parser(sub: Any) -> None:
     ppl.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file")
     ppl.add_argument("--model", default=None, metavar="M", help="serve this model instead of the stack's")
     ppl.add_argument(
-        "--max-tokens", type=_positive_int, default=None, metavar="N", help="read at most N tokens"
+        "--max-tokens", type=positive_int, default=None, metavar="N", help="read at most N tokens"
     )
-    ppl.add_argument("--window", type=_positive_int, default=512, metavar="W", help="tokens per window")
+    ppl.add_argument("--window", type=positive_int, default=512, metavar="W", help="tokens per window")
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     ppl.set_defaults(handler=_cmd_eval_perplexity)
 
@@ -58,7 +58,7 @@ def _add_quantize_parser(sub: Any) -> None:
     )
     q.add_argument("--model", default=None, metavar="M", help="quantize this model instead of the stack's")
     q.add_argument(
-        "--group-size", type=_positive_int, default=None, metavar="N", help="the quantizer's group size"
+        "--group-size", type=positive_int, default=None, metavar="N", help="the quantizer's group size"
     )
     q.add_argument(
         "--calibration",
@@ -69,23 +69,13 @@ def _add_quantize_parser(sub: Any) -> None:
     )
     q.add_argument(
         "--num-samples",
-        type=_positive_int,
+        type=positive_int,
         default=32,
         metavar="N",
         help="calibration samples (a format that validates, e.g. awq's scale tuning, cuts a few more after them)",
     )
-    q.add_argument("--seq-len", type=_positive_int, default=512, metavar="L", help="tokens per sample")
+    q.add_argument("--seq-len", type=positive_int, default=512, metavar="L", help="tokens per sample")
     q.set_defaults(handler=_cmd_quantize)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _cmd_eval_perplexity(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmstack.commands.stack_args import add_stack_arguments, stack_from_args
+from lmstack.commands.stack_args import add_stack_arguments, positive_int, stack_from_args
 from lmstack.errors import BuildError, LmstackError, one_line
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
         description="Build the engine from a stack file (or a model alone) and answer one prompt.",
     )
     add_stack_arguments(generate, legacy_option=True)
-    generate.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N")
+    generate.add_argument("--max-tokens", type=positive_int, default=128, metavar="N")
     generate.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="0 (the default) samples greedily"
     )
@@ -387,16 +387,6 @@ def _jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     return msgspec.to_builtins(value, str_keys=True, enc_hook=repr)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _version() -> str:

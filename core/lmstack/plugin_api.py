@@ -198,7 +198,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.engine.llm_engine": ("LLMEngine",),
     "lmstack.stack.config": ("load_stack",),
     # 1.8: every command takes its stack the same way (MODEL_OR_STACK, --set) (issue 53).
-    "lmstack.commands.stack_args": ("add_stack_arguments", "stack_from_args", "stack_text"),
+    "lmstack.commands.stack_args": ("add_stack_arguments", "stack_from_args", "stack_text", "positive_int"),
     "lmstack.stack.overrides": ("parse_overrides",),  # 1.8: `--set KEY.PATH=VALUE`
     "lmstack.stack.resolve": ("ResolvedStack", "resolve", "check_model", "DTYPE_NAMES"),
     "lmstack.stack.plugins": ("make_plugin_manager", "build_registry"),

@@ -61,3 +61,14 @@ def stack_from_args(args: argparse.Namespace) -> StackConfig:
     from lmstack.stack.overrides import parse_overrides
 
     return load_stack(stack_text(args), parse_overrides(args.overrides))
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for counts (`--max-tokens`, `--samples`): a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
