@@ -217,6 +217,19 @@ class GrammarCompiler:
 
         return self._get("json_object", build)
 
+    def ebnf(self, text: str, *, root: str = "root", param: str = "grammar") -> Grammar:
+        """A grammar from xgrammar EBNF text whose start rule is `root` (compiled here, blocking,
+        and cached). Raises InvalidRequestError naming `param` when xgrammar rejects the text."""
+
+        def build():
+            xgr = _xgrammar()
+            try:
+                return self._compiler.compile_grammar(xgr.Grammar.from_ebnf(text, root_rule_name=root))
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise InvalidRequestError(f"invalid grammar: {error_reason(e)}", param=param) from e
+
+        return self._get(f"ebnf:{root}:{text}", build)
+
     def cache_info(self) -> CacheInfo:
         with self._lock:
             return CacheInfo(
