@@ -140,6 +140,18 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_temperature: Annotated[
         float, msgspec.Meta(ge=0, le=100, description="the highest temperature a request may ask for")
     ] = 2.0
+    # Tool calling: the parser that reads calls out of the model's text (`lmstack plugins` lists
+    # them); null picks one from the chat template, then the model's family.
+    tool_parser: Annotated[
+        str | None,
+        msgspec.Meta(description="tool-call parser by name (null: chosen from the chat template or family)"),
+    ] = None
+    chat_template: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="a Jinja chat template file to use instead of the model's (null: the model's)"
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         tenants: dict[str, str | None] = {}

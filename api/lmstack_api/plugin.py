@@ -1,5 +1,7 @@
 """lmstack-api as a plugin of the core: it declares the `server:` stack section and adds the
-`lmstack serve` command (entry point `api` in group `lmstack`)."""
+`lmstack serve` command (entry point `api` in group `lmstack`). It owns the hook
+`lmstack_register_tool_parsers` (`lmstack_api.hookspecs`) and registers the built-in tool-call
+parsers through it, as any plugin would."""
 
 from __future__ import annotations
 
@@ -9,6 +11,17 @@ from lmstack.commands.stack_args import add_stack_arguments, stack_text
 from lmstack.hookspecs import hookimpl
 from lmstack.registry import StackSection
 from lmstack_api.config import SECTION, ServerConfig, public_view
+
+# The core adds these hookspecs before it checks any plugin's hooks (lmstack.stack.plugins).
+lmstack_hookspecs = ["lmstack_api.hookspecs"]
+
+
+@hookimpl
+def lmstack_register_tool_parsers(register):
+    from lmstack_api.tool_parsers import BUILTIN_PARSERS
+
+    for parser in BUILTIN_PARSERS:
+        register(parser)
 
 
 @hookimpl

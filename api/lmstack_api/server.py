@@ -27,6 +27,7 @@ from lmstack_api.app import create_app
 from lmstack_api.config import server_config
 from lmstack_api.logs import configure_logging, get_logger
 from lmstack_api.state import ServerState
+from lmstack_api.tool_parsers import check_tool_parser
 
 log = get_logger()
 
@@ -137,6 +138,7 @@ def serve(
     # This distribution's own plugin (the `server:` section) even when autoload is off.
     pm = make_plugin_manager(extra_plugins=["lmstack_api.plugin"])
     stack = resolve_stack(load_stack(stack_path, parse_overrides(overrides)), pm)
+    check_tool_parser(server_config(stack), pm)  # an unknown name is one line, before the model loads
     if launch is not None and launch.world_size > 1 and stack.parallel.component.name == "single":
         # Its other ranks would wait for a rank 0 that never joins them.
         raise LmstackError(

@@ -61,7 +61,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "LinearFactory",  # 1.8
     ),
     "lmstack.registry": ("Component", "NoOptions", "StackSection"),
-    "lmstack.hookspecs": ("hookimpl",),
+    "lmstack.hookspecs": ("hookimpl", "hookspec"),  # 1.8: hookspec, for hooks a plugin owns
     "lmstack.roles": (
         "Capabilities",
         "SchedulerCapabilities",

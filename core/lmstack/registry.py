@@ -323,6 +323,22 @@ class StackSection:
         return describe_options(self.type)
 
 
+@dataclass(frozen=True)
+class Extension:
+    """Something a plugin registered through a registration hook another plugin owns (lmstack-api's
+    `lmstack_register_tool_parsers`): the core lists it (`lmstack plugins`) and knows where it
+    came from; the owning plugin uses `obj` (`Registry.extensions[hook]`). `kind` is the owner's
+    word for it ("tool parser"), `name` the object's ``name`` attribute."""
+
+    hook: str
+    kind: str
+    name: str
+    obj: Any
+    description: str = ""
+    distribution: str = ""
+    version: str = ""
+
+
 class Registry:
     """All components, by kind and name, and the stack sections plugins declare. Filled once by
     the plugin manager."""
@@ -330,6 +346,8 @@ class Registry:
     def __init__(self) -> None:
         self._by_kind: dict[str, dict[str, Component]] = {k: {} for k in KINDS}
         self.sections: dict[str, StackSection] = {}
+        # Hook name -> what plugins registered through it, in registration order (built-ins first).
+        self.extensions: dict[str, list[Extension]] = {}
         # Plugins skipped (or suspect) while the registry was filled: `lmstack plugins --check`
         # lists them, and an unknown component name mentions them (one may have provided it).
         self.problems: list[PluginProblem] = []
@@ -382,6 +400,17 @@ class Registry:
                 f"(run `lmstack plugins` to list them with their packages){broken}"
             )
         return table[name]
+
+    def add_extension(self, item: Extension) -> None:
+        items = self.extensions.setdefault(item.hook, [])
+        old = next((e for e in items if e.name == item.name), None)
+        if old is not None:
+            raise ResolutionError(
+                f"{item.kind} {item.name!r} is registered twice: by {old.distribution or 'unknown'} "
+                f"and by {item.distribution or 'unknown'}; uninstall one of them or disable it with "
+                "LMSTACK_PLUGINS"
+            )
+        items.append(item)
 
     def discard(self, kind: str, name: str) -> None:
         """Take a component out again (a plugin found broken after it registered some)."""

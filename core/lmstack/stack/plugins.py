@@ -14,6 +14,8 @@ its registration hook or registers something invalid is *skipped*: one warning l
 `Registry.problems` (`lmstack plugins --check` lists them; an unknown component name mentions
 them). Plugins the user asked for by name — built-ins, `extra_plugins`, entry points in the
 ``LMSTACK_PLUGINS`` allow-list — fail loudly instead, with the same message.
+
+A plugin may own hooks of its own (lmstack-api: its tool parsers): `lmstack.stack.owned_hooks`.
 """
 
 from __future__ import annotations
@@ -25,16 +27,24 @@ import importlib.metadata as metadata
 import inspect
 import logging
 import os
-import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from lmstack import hookspecs
 from lmstack.errors import LmstackError, ResolutionError, one_line
 from lmstack.registry import KINDS, Component, InvalidComponent, PluginProblem, Registry, StackSection
+from lmstack.stack.origins import UNKNOWN_DISTRIBUTION, UNKNOWN_VERSION, lmstack_version, origin_of
+from lmstack.stack.origins import dist_name as _dist_name
+from lmstack.stack.origins import guess_origin as _guess_origin
+from lmstack.stack.origins import label as _label
+from lmstack.stack.origins import origins as _origins
+from lmstack.stack.owned_hooks import add_plugin_hookspecs, extension_collector
+
+if TYPE_CHECKING:
+    from lmstack.registry import Extension
 
 __all__ = [
     "ALLOW_LIST_ENV",
@@ -43,9 +53,13 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "PluginManager",
     "PluginProblem",
+    "UNKNOWN_DISTRIBUTION",
+    "UNKNOWN_VERSION",
     "build_registry",
     "default_registry",
+    "lmstack_version",
     "make_plugin_manager",
+    "origin_of",
 ]
 
 ENTRY_POINT_GROUP = "lmstack"
@@ -55,8 +69,6 @@ DEFAULT_PLUGINS: tuple[str, ...] = ("lmstack.components.builtins", "lmstack.comm
 AUTOLOAD_ENV = "LMSTACK_DISABLE_PLUGIN_AUTOLOAD"
 ALLOW_LIST_ENV = "LMSTACK_PLUGINS"
 
-UNKNOWN_DISTRIBUTION = "<unknown>"
-UNKNOWN_VERSION = "0+unknown"
 
 SECTIONS_HOOK = "lmstack_register_stack_sections"
 # Hooks whose whole job is to call `register`: a plugin implementing only these that never
@@ -88,6 +100,8 @@ class PluginManager(pluggy.PluginManager):
         self.problems: list[PluginProblem] = []
         self.tolerant: set[int] = set()  # id(plugin): skip it with a warning when broken
         self.entry_points: set[int] = set()  # id(plugin): checked for "registers nothing"
+        self.spec_modules: set[str] = set()  # hookspec modules plugins added
+        self.owned_hooks: dict[str, str] = {}  # plugin-owned registration hook -> what it registers
 
 
 def make_plugin_manager(
@@ -126,7 +140,7 @@ def make_plugin_manager(
 def _register(pm: pluggy.PluginManager, plugin: object, name: str | None) -> None:
     """Register a plugin the user named (built-in, extra): any problem is an error."""
     label = name or _label(pm, plugin)
-    wrong = _hookimpl_problems(pm, plugin)
+    wrong = add_plugin_hookspecs(pm, plugin) or _hookimpl_problems(pm, plugin)
     if wrong:
         dist, version = _guess_origin(plugin)
         raise ResolutionError(str(PluginProblem(label, dist, version, wrong[0])))
@@ -155,6 +169,7 @@ def _load_entry_points(pm: PluginManager, allowed: frozenset[str] | None) -> Non
     # Only an autoloaded plugin is skipped when broken: one the allow-list names was asked for.
     tolerant = allowed is None
     names = sorted(found) if allowed is None else sorted(allowed)
+    loaded = []
     for name in names:
         ep, dist = found[name]
         if pm.get_plugin(name) is not None or pm.is_blocked(name):
@@ -174,9 +189,14 @@ def _load_entry_points(pm: PluginManager, allowed: frozenset[str] | None) -> Non
                 f"fix or uninstall {dist_name}, or leave it out with {ALLOW_LIST_ENV}"
             )
             continue
+        loaded.append((name, module, problem))
+    # Every plugin's own hookspecs first: a plugin implementing lmstack-api's hooks may load
+    # before lmstack-api does.
+    hookspec_problems = {id(m): add_plugin_hookspecs(pm, m) for _, m, _ in loaded}
+    for name, module, problem in loaded:
         if pm.is_registered(module):  # already passed in as an extra plugin by its own package
             continue
-        wrong = _hookimpl_problems(pm, module)
+        wrong = hookspec_problems[id(module)] or _hookimpl_problems(pm, module)
         if wrong:
             for message in wrong:  # all of them are listed (an allow-listed plugin: the first raises)
                 problem(message)
@@ -302,6 +322,7 @@ class _Offer:
     distribution: str
     version: str
     items: list[Component | StackSection] = field(default_factory=list)
+    extensions: list[Extension] = field(default_factory=list)  # through hooks plugins own
     offered: list[tuple[str, str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     registering_hooks: int = 0  # component / section registration hooks it implements
@@ -344,6 +365,9 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
     for kind in KINDS:
         _call_registration(pm, hookspecs.REGISTRATION_HOOKS[kind], kind, offer_of, tolerant)
     _call_registration(pm, SECTIONS_HOOK, None, offer_of, tolerant)
+    owned: dict[str, str] = getattr(pm, "owned_hooks", {})
+    for hook_name, what in owned.items():
+        _call_registration(pm, hook_name, what, offer_of, tolerant, extension=True)
 
     for plugin_id, offer in offers.items():
         if offer.problems:
@@ -358,8 +382,12 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
                 raise
             report(offer.problem(f"clashes with another plugin: {one_line(exc)}"))
             continue
-        other_hooks = [c for c in pm.get_hookcallers(offer.obj) or () if c.name not in _REGISTERING_HOOKS]
-        if plugin_id in entry_points and not offer.items and not other_hooks:
+        other_hooks = [
+            c
+            for c in pm.get_hookcallers(offer.obj) or ()
+            if c.name not in _REGISTERING_HOOKS and c.name not in owned
+        ]
+        if plugin_id in entry_points and not (offer.items or offer.extensions or other_hooks):
             report(_registers_nothing(offer))
     return registry
 
@@ -370,13 +398,15 @@ def _call_registration(
     kind: str | None,
     offer_of: Any,
     tolerant: set[int],
+    extension: bool = False,
 ) -> None:
     """Call one registration hook of every plugin, collecting what each registers (and what
-    is wrong with it) in its offer."""
+    is wrong with it) in its offer. With `extension`, the hook is a plugin's own and `kind`
+    is its word for what it registers."""
     for impl in getattr(pm.hook, hook_name).get_hookimpls():
         offer: _Offer = offer_of(impl.plugin)
         offer.registering_hooks += 1
-        register = _collector(offer, hook_name, kind)
+        register = (extension_collector if extension else _collector)(offer, hook_name, kind)
         kwargs = {"register": register} if "register" in impl.argnames else {}
         before = len(offer.problems)
         try:
@@ -429,7 +459,11 @@ def _add_offer(registry: Registry, offer: _Offer) -> None:
     """Put one plugin's components and sections into the registry: all of them, or (on a name
     clash, raised) none."""
     added: list[Component | StackSection] = []
+    extensions: list[Extension] = []
     try:
+        for extension in offer.extensions:
+            registry.add_extension(extension)
+            extensions.append(extension)
         for item in offer.items:
             if isinstance(item, StackSection):
                 registry.add_section(item, distribution=offer.distribution, version=offer.version)
@@ -442,6 +476,8 @@ def _add_offer(registry: Registry, offer: _Offer) -> None:
                 registry.sections.pop(item.name, None)
             else:
                 registry.discard(item.kind, item.name)
+        for extension in extensions:
+            registry.extensions[extension.hook].remove(extension)
         raise
 
 
@@ -468,73 +504,3 @@ def register_commands(pm: pluggy.PluginManager, subparsers: Any) -> None:
 def default_registry() -> Registry:
     """The registry of a plain run: built-ins plus entry points, as the environment says."""
     return build_registry(make_plugin_manager())
-
-
-# ---------------------------------------------------------------------------------------------
-# Where a plugin comes from
-# ---------------------------------------------------------------------------------------------
-
-
-def origin_of(pm: pluggy.PluginManager, plugin: object) -> tuple[str, str]:
-    """(distribution, version) of a registered plugin, as far as it can be told."""
-    return _origins(pm).get(id(plugin)) or _guess_origin(plugin)
-
-
-def _origins(pm: pluggy.PluginManager) -> dict[int, tuple[str, str]]:
-    """id(plugin) -> (distribution, version) for entry-point plugins."""
-    return {id(plugin): (dist.project_name, dist.version) for plugin, dist in pm.list_plugin_distinfo()}
-
-
-def _guess_origin(plugin: object) -> tuple[str, str]:
-    top = _module_of(plugin).partition(".")[0]
-    if top == "lmstack":
-        return "lmstack", lmstack_version()
-    dists = _packages_distributions().get(top)
-    if dists:
-        return dists[0], _version_of(dists[0])
-    return UNKNOWN_DISTRIBUTION, ""
-
-
-_PACKAGES_DISTRIBUTIONS: dict[str, list[str]] | None = None
-
-
-def _packages_distributions() -> dict[str, list[str]]:
-    # Scans every installed distribution's file list: do it at most once per process.
-    global _PACKAGES_DISTRIBUTIONS
-    if _PACKAGES_DISTRIBUTIONS is None:
-        _PACKAGES_DISTRIBUTIONS = dict(metadata.packages_distributions())
-    return _PACKAGES_DISTRIBUTIONS
-
-
-def lmstack_version() -> str:
-    return _version_of("lmstack")
-
-
-def _version_of(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return UNKNOWN_VERSION
-
-
-def _dist_name(dist: metadata.Distribution) -> str:
-    return dist.metadata["Name"] or UNKNOWN_DISTRIBUTION
-
-
-def _module_of(plugin: Any) -> str:
-    if isinstance(plugin, types.ModuleType):
-        return plugin.__name__
-    if isinstance(plugin, type):
-        return plugin.__module__
-    return type(plugin).__module__
-
-
-def _label(pm: pluggy.PluginManager, plugin: object) -> str:
-    """A readable name: the entry-point or module name, else the module and class."""
-    name = pm.get_name(plugin)
-    if name and not name.isdigit():  # pluggy names unnamed plugins by id()
-        return name
-    if isinstance(plugin, types.ModuleType):
-        return plugin.__name__
-    cls = plugin if isinstance(plugin, type) else type(plugin)
-    return f"{cls.__module__}.{cls.__qualname__}"

@@ -1,0 +1,211 @@
+"""What a tool-call parser is: it reads a model's generated text as it streams and splits it into
+plain content and complete tool calls.
+
+One parser instance follows one generated choice. `feed(text)` takes the next text delta and
+returns what is now certain: content that cannot be the start of a call, and calls whose text
+is complete. `finish()` ends the output: whatever was held back (a call that never closed, a
+marker's prefix) comes back as content. A parser never returns half a call, and parsing the text
+whole or in any pieces gives the same content and calls (`lmstack.testing.ToolParserConformance`
+checks both).
+
+Content is the text outside calls, verbatim, except the whitespace that only separates calls
+from each other or from the output's start or end (and a format's separators and markers). A
+call naming a function that is not in the request's
+`tools`, or whose arguments are not a JSON object, is not a call: its text stays content.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One complete call: the function's name and its arguments as compact JSON text
+    (`json.dumps(args, separators=(",", ":"), ensure_ascii=False)`), as OpenAI's
+    `function.arguments` carries them."""
+
+    name: str
+    arguments: str
+
+
+@dataclass
+class ParseDelta:
+    """What one `feed` / `finish` makes certain: plain text, and the calls completed."""
+
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def add(self, other: ParseDelta) -> None:
+        self.content += other.content
+        self.calls.extend(other.calls)
+
+
+class ToolParser(ABC):
+    """Base of every tool-call parser, built-in or a plugin's (registered through the
+    `lmstack_register_tool_parsers(register)` hook: ``register(MyParser)``).
+
+    `name` is what `server.tool_parser` selects; `matches` says whether the parser fits a model
+    that did not name one, from its chat template's text or its family (the Hugging Face
+    `model_type` or architecture, e.g. ``qwen2``, ``Qwen2ForCausalLM``)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, tools: list[dict]) -> None:
+        """`tools`: the request's `tools`, OpenAI's shape (``{"type": "function", "function":
+        {"name": ..., "parameters": {...}}}``)."""
+        self.tool_names = frozenset(_tool_name(t) for t in tools or ())
+
+    @classmethod
+    @abstractmethod
+    def matches(cls, chat_template: str | None, family: str | None) -> bool:
+        """Whether this parser reads the calls of a model with this chat template (its Jinja
+        text) or family; either may be None (unknown)."""
+
+    @abstractmethod
+    def feed(self, text: str) -> ParseDelta:
+        """The next text delta: the content and calls it makes certain."""
+
+    @abstractmethod
+    def finish(self) -> ParseDelta:
+        """The output ended: the rest (an unterminated or malformed call) as content."""
+
+    # --- helpers for parsers ------------------------------------------------------------------
+
+    def make_call(self, name: Any, arguments: Any) -> ToolCall | None:
+        """A `ToolCall` when `name` is one of the request's tools and `arguments` a JSON object
+        (a dict, or JSON text of one, which some models write); None otherwise (the text stays
+        content)."""
+        if not isinstance(name, str) or name not in self.tool_names:
+            return None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            return None
+        return ToolCall(name, json.dumps(arguments, separators=(",", ":"), ensure_ascii=False))
+
+    def call_from_json(
+        self, text: str, args_keys: tuple[str, ...] = ("arguments",), require_args: bool = False
+    ) -> ToolCall | None:
+        """A call from one JSON object ``{"name": ..., "<args key>": {...}}``; None when the text
+        is not one (malformed, unknown function, keys of its own: then it is some other JSON)."""
+        return self.call_from_obj(loads_or_none(text), args_keys, require_args)
+
+    def call_from_obj(
+        self, obj: Any, args_keys: tuple[str, ...] = ("arguments",), require_args: bool = False
+    ) -> ToolCall | None:
+        if not isinstance(obj, dict) or "name" not in obj:
+            return None
+        keys = [k for k in args_keys if k in obj]
+        if set(obj) - {"name", *args_keys} or len(keys) > 1 or (require_args and not keys):
+            return None
+        return self.make_call(obj["name"], obj[keys[0]] if keys else {})
+
+
+class BufferedParser(ToolParser):
+    """A parser over a buffer of the text not yet decided: `advance(final)` consumes what it can
+    decide from `self.buffer` (all of it when `final`) and says what came of it. Deciding only
+    from the buffered text, never from how it arrived, is what makes any split parse the same."""
+
+    def __init__(self, tools: list[dict]) -> None:
+        super().__init__(tools)
+        self.buffer = ""
+
+    def feed(self, text: str) -> ParseDelta:
+        self.buffer += text
+        return self.advance(final=False)
+
+    def finish(self) -> ParseDelta:
+        out = self.advance(final=True)
+        out.content += self.buffer  # a parser leaves nothing behind at the end; this is a net
+        self.buffer = ""
+        return out
+
+    @abstractmethod
+    def advance(self, final: bool) -> ParseDelta:
+        """Consume the decided part of `self.buffer` into content and calls."""
+
+
+def _tool_name(tool: Any) -> str | None:
+    if not isinstance(tool, dict):
+        return None
+    function = tool.get("function")
+    if isinstance(function, dict):
+        return function.get("name")
+    return tool.get("name")  # a bare function definition
+
+
+def loads_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Scanning helpers: where a marker starts, where a bracketed value ends.
+# ---------------------------------------------------------------------------------------------
+
+
+def find_marker(text: str, markers: tuple[str, ...], start: int = 0) -> tuple[int, str | None]:
+    """The first full marker at or after `start`: ``(index, marker)``. With none,
+    ``(safe, None)``: the text before `safe` cannot be part of a marker, the rest (a proper
+    prefix of one) must wait for more text."""
+    best, found = -1, None
+    for marker in markers:
+        i = text.find(marker, start)
+        if i >= 0 and (best < 0 or i < best):
+            best, found = i, marker
+    if found is not None:
+        return best, found
+    return len(text) - held_prefix(text, markers, start), None
+
+
+def held_prefix(text: str, markers: tuple[str, ...], start: int = 0) -> int:
+    """How many characters at the end of `text` (after `start`) are a proper prefix of a marker."""
+    longest = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text) - start), longest, -1):
+            if text.endswith(marker[:n]):
+                longest = n
+                break
+    return longest
+
+
+def scan_balanced(text: str, start: int, quotes: str = '"') -> int | None:
+    """The index just past the bracket that closes the one at `text[start]` (``[``, ``{`` or
+    ``(``, nested in any mix), skipping string literals quoted by any of `quotes` (with
+    backslash escapes); None when the text ends first. A closing bracket of the wrong kind ends
+    the value too (the caller's parse then fails and the text stays content)."""
+    depth, quote, i = 0, None, start
+    while i < len(text):
+        c = text[i]
+        if quote is not None:
+            if c == "\\":
+                i += 1
+            elif c == quote:
+                quote = None
+        elif c in quotes:
+            quote = c
+        elif c in "[{(":
+            depth += 1
+        elif c in "]})":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i

@@ -1,0 +1,73 @@
+"""Hermes / Qwen2.5 / Qwen3 tool calls: each call one JSON object between tags, several in a row::
+
+<tool_call>
+{"name": "get_weather", "arguments": {"city": "Paris"}}
+</tool_call>
+"""
+
+from __future__ import annotations
+
+from lmstack_api.tool_parsers.base import BufferedParser, ParseDelta, find_marker, skip_space
+
+START, END = "<tool_call>", "</tool_call>"
+GAP, TEXT, CALL = "gap", "text", "call"  # GAP: at the output's start or after a call
+
+
+class HermesParser(BufferedParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as many as the model writes
+    (Hermes 2/3, Qwen2.5, Qwen3). A block whose JSON is malformed, or that names a function not
+    in the request's tools, stays content, tags included; so does one the output leaves open."""
+
+    name = "hermes"
+
+    def __init__(self, tools: list[dict]) -> None:
+        super().__init__(tools)
+        self.state = GAP
+
+    @classmethod
+    def matches(cls, chat_template: str | None, family: str | None) -> bool:
+        if chat_template is not None:
+            return START in chat_template
+        return family is not None and family.lower().startswith(("qwen", "hermes"))
+
+    def advance(self, final: bool) -> ParseDelta:
+        out, buf, i = ParseDelta(), self.buffer, 0
+        while i < len(buf):
+            if self.state == CALL:
+                j = buf.find(END, i)
+                if j < 0:
+                    if final:
+                        out.content += START + buf[i:]
+                        i = len(buf)
+                    break
+                call = self.call_from_json(buf[i:j].strip())
+                if call is not None:
+                    out.calls.append(call)
+                    self.state = GAP
+                else:
+                    out.content += START + buf[i:j] + END
+                    self.state = TEXT
+                i = j + len(END)
+            elif self.state == GAP:
+                # Whitespace here is content only if text (not a call, not the end) follows.
+                k = skip_space(buf, i)
+                if buf.startswith(START, k):
+                    i, self.state = k + len(START), CALL
+                elif k == len(buf) or START.startswith(buf[k:]):
+                    if final:
+                        out.content += buf[i:] if k < len(buf) else ""
+                        i = len(buf)
+                    break
+                else:
+                    self.state = TEXT
+            else:
+                j, marker = find_marker(buf, (START,), i)
+                if marker is None:
+                    end = len(buf) if final else j
+                    out.content += buf[i:end]
+                    i = end
+                    break
+                out.content += buf[i:j]
+                i, self.state = j + len(START), CALL
+        self.buffer = buf[i:]
+        return out
