@@ -17,6 +17,7 @@ from litestar.response import Stream
 from lmstack.errors import EngineDeadError, LmstackError
 from lmstack.stack.resolve import ResolvedStack
 from lmstack_api import params as P
+from lmstack_api import tools as T
 from lmstack_api.errors import APIError, clip, from_status
 from lmstack_api.grammar_guard import bounded_schema_grammar
 from lmstack_api.job import EngineFailure, Job
@@ -36,6 +37,9 @@ from lmstack_api.schemas import (
     Delta,
     ModelCard,
     ModelList,
+    ToolCallDelta,
+    ToolCallFunction,
+    ToolCallOut,
 )
 from lmstack_api.state import ServerState, client_request_id
 
@@ -120,6 +124,26 @@ async def _grammar(request: Request, req) -> object | None:
             )
         except LmstackError as exc:
             raise P.as_request_error(exc) from None
+
+    work = asyncio.ensure_future(build())
+    await _until_done_or_gone(request, work)
+    return work.result()
+
+
+async def _tool_grammar(request: Request, setup: T.ToolSetup) -> object:
+    """The grammar forcing the calls of tool_choice required / a named function, compiled
+    like a response_format schema (bounded, cancelled if the client leaves)."""
+    state = _state(request)
+
+    async def build() -> object:
+        try:
+            compiler = await asyncio.to_thread(state.grammar_compiler)
+            if not state.grammar_cache_limited:
+                compiler.limit_cache(state.config.grammar_cache_mib << 20)
+                state.grammar_cache_limited = True
+            return await T.tool_grammar(setup, compiler, state.grammar_guard, state.config)
+        except LmstackError as exc:
+            raise P.invalid(str(exc), param="tool_choice") from None
 
     work = asyncio.ensure_future(build())
     await _until_done_or_gone(request, work)
@@ -227,17 +251,35 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(req.model)
     P.check_unsupported_chat(req)
     messages = P.chat_messages(req)
+    template = engine.tokenizer.chat_template
+    tools = T.tool_setup(
+        req,
+        template=template,
+        family=T.model_family(engine),
+        parser_name=getattr(state.config, "tool_parser", None),
+        model=state.model_name,
+    )
+    messages, template_tools = T.for_template(tools, messages, template)
     if req.top_logprobs is not None and not req.logprobs:
         raise P.invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
     try:
         # Rendering grows with the input: off the event loop, like the tokenizing after it.
         text = await asyncio.to_thread(
-            engine.tokenizer.apply_chat_template, messages, req.add_generation_prompt
+            engine.tokenizer.apply_chat_template, messages, req.add_generation_prompt, template_tools
         )
     except LmstackError as exc:
+        if tools is not None and tools.choice != "none":
+            raise T.template_error(state.model_name, exc) from None
         raise P.invalid(str(exc), param="messages") from None
     (prompt,) = await _tokenize(state, engine, [text], "messages")
     grammar = await _grammar(request, req)
+    if tools is not None and tools.constrained:
+        if grammar is not None:
+            raise P.invalid(
+                "response_format cannot be combined with tool_choice required or a named function",
+                param="response_format",
+            )
+        grammar = await _tool_grammar(request, tools)
     top_n = req.top_logprobs or 0
     sp = P.sampling_params(
         req,
@@ -259,12 +301,29 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     tt = TokenText(engine.tokenizer)
     model = state.model_name
+    # One parser per choice; none when nothing is parsed (no tools, tool_choice none).
+    calls = {i: T.ChoiceCalls(tools) for i in range(sp.n)} if tools is not None and tools.parser else {}
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choices, use=None) -> bytes:
             return sse(ChatCompletionChunk(rid, created, model, choices, usage=use))
+
+        def delta(c) -> tuple[Delta, str | None]:
+            cc = calls.get(c.index)
+            if cc is None:
+                return Delta(content=c.text_delta), c.finish_reason
+            content, new = cc.feed(c.text_delta)
+            if c.finish_reason:
+                rest, more = cc.finish()
+                content, new = content + rest, new + more
+            fragments = [
+                ToolCallDelta(k, cid, "function", ToolCallFunction(call.name, call.arguments))
+                for k, cid, call in new
+            ]
+            d = Delta(content=content or None, tool_calls=fragments or None)
+            return d, T.finish_reason(c.finish_reason, cc)
 
         async def frames() -> AsyncIterator[bytes]:
             yield chunk([ChatChunkChoice(i, Delta(role="assistant", content="")) for i in range(sp.n)])
@@ -279,7 +338,10 @@ async def chat_completions(request: Request) -> Response:
                         if req.logprobs
                         else None
                     )
-                    choices.append(ChatChunkChoice(c.index, Delta(content=c.text_delta), c.finish_reason, lp))
+                    d, reason = delta(c)
+                    if calls and not (d.content or d.tool_calls or reason or lp):
+                        continue  # held back by the parser: nothing to say yet
+                    choices.append(ChatChunkChoice(c.index, d, reason, lp))
                 if choices:
                     yield chunk(choices)
             if include_usage:
@@ -290,15 +352,19 @@ async def chat_completions(request: Request) -> Response:
     if not await _complete(job, request):
         return Response(content=b"", status_code=499)  # nobody is listening any more
     out = job.final[0]
-    choices = [
-        ChatChoice(
-            c.index,
-            AssistantMessage("assistant", c.text),
-            c.finish_reason,
-            chat_logprobs(c, 0, len(c.token_ids), top_n, tt) if req.logprobs else None,
-        )
-        for c in out.outputs
-    ]
+    choices = []
+    for c in out.outputs:
+        message, reason = AssistantMessage("assistant", c.text), c.finish_reason
+        cc = calls.get(c.index)
+        if cc is not None:
+            content, made = cc.whole(c.text)
+            made_calls = [
+                ToolCallOut(cid, ToolCallFunction(call.name, call.arguments)) for _, cid, call in made
+            ]
+            message = AssistantMessage("assistant", content, made_calls or None)
+            reason = T.finish_reason(c.finish_reason, cc)
+        lp = chat_logprobs(c, 0, len(c.token_ids), top_n, tt) if req.logprobs else None
+        choices.append(ChatChoice(c.index, message, reason, lp))
     return _json(
         ChatCompletion(rid, created, model, choices, usage([out])), headers={"X-Request-Id": job.echo_id}
     )

@@ -16,6 +16,7 @@ from lmstack.errors import InvalidRequestError, LmstackError
 from lmstack.sampling_params import SamplingParams
 from lmstack_api.errors import APIError, invalid, unsupported
 from lmstack_api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from lmstack_api.tools import message_tool_fields
 
 T = TypeVar("T")
 
@@ -45,14 +46,7 @@ def decode_body(body: bytes, type_: type[T]) -> T:
 
 
 def check_unsupported_chat(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise unsupported("tools", "tool calling is not implemented")
-    if req.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice", "tool calling is not implemented")
-    if req.functions:
-        raise unsupported("functions", "function calling is not implemented")
-    if req.function_call not in (None, "none"):
-        raise unsupported("function_call", "function calling is not implemented")
+    # tools, tool_choice, functions and function_call: lmstack_api.tools.tool_setup.
     if req.audio is not None:
         raise unsupported("audio")
     if req.modalities not in (None, ["text"]):
@@ -74,8 +68,6 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                 f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
                 param=f"messages[{i}].role",
             )
-        if m.tool_calls:
-            raise unsupported(f"messages[{i}].tool_calls", "tool calling is not implemented")
         content = m.content
         if isinstance(content, list):
             parts = []
@@ -89,7 +81,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             content = "".join(parts)
         if content is None:
             content = ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        entry = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        out.append(entry | message_tool_fields(m.role, m.tool_calls, m.tool_call_id, m.name, i))
     return out
 
 

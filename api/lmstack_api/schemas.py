@@ -73,9 +73,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Known but not supported: a non-empty value is a 400.
+    # Tool calling (lmstack_api.tools checks them).
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Known but not supported: a non-empty value is a 400.
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -132,9 +134,21 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
-class AssistantMessage(msgspec.Struct):
+class ToolCallFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: ToolCallFunction
+    type: str = "function"
+
+
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str | None
+    content: str | None  # null when the answer is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -154,9 +168,20 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: str | None = None
 
 
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """One call in a stream: lmstack sends each call whole, in one fragment (id, name and
+    arguments together), which OpenAI's clients assemble like any other."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: ToolCallFunction | None = None
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
