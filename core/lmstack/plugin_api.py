@@ -96,6 +96,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "QuantizerConformance",
         "SchedulerConformance",
         "SpeculatorConformance",
+        "ToolParserConformance",  # 1.8
         "ComponentKit",
         "build_component",
         "make_seq",

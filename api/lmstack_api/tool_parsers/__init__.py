@@ -27,12 +27,18 @@ from lmstack.stack.plugins import build_registry, make_plugin_manager
 from lmstack_api.config import ServerConfig
 from lmstack_api.tool_parsers.base import BufferedParser, ParseDelta, ToolCall, ToolParser
 from lmstack_api.tool_parsers.hermes import HermesParser
+from lmstack_api.tool_parsers.llama3_json import Llama3JsonParser
+from lmstack_api.tool_parsers.mistral import MistralParser
+from lmstack_api.tool_parsers.pythonic import PythonicParser
 
 __all__ = [
     "BUILTIN_PARSERS",
     "BufferedParser",
     "HermesParser",
+    "Llama3JsonParser",
+    "MistralParser",
     "ParseDelta",
+    "PythonicParser",
     "ToolCall",
     "ToolParser",
     "available_parsers",
@@ -44,7 +50,12 @@ HOOK = "lmstack_register_tool_parsers"
 CONFIG_KEY = "server.tool_parser"
 
 # The order `matches` is asked in: the most specific markers first.
-BUILTIN_PARSERS: tuple[type[ToolParser], ...] = (HermesParser,)
+BUILTIN_PARSERS: tuple[type[ToolParser], ...] = (
+    MistralParser,
+    HermesParser,
+    PythonicParser,
+    Llama3JsonParser,
+)
 
 log = logging.getLogger(__name__)
 

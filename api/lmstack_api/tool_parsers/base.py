@@ -90,22 +90,31 @@ class ToolParser(ABC):
             arguments = {}
         if not isinstance(arguments, dict):
             return None
-        return ToolCall(name, json.dumps(arguments, separators=(",", ":"), ensure_ascii=False))
+        try:  # a pythonic call's values may be no JSON (a set, bytes, NaN): not a call then
+            text = json.dumps(arguments, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):
+            return None
+        return ToolCall(name, text)
 
-    def call_from_json(
-        self, text: str, args_keys: tuple[str, ...] = ("arguments",), require_args: bool = False
-    ) -> ToolCall | None:
-        """A call from one JSON object ``{"name": ..., "<args key>": {...}}``; None when the text
-        is not one (malformed, unknown function, keys of its own: then it is some other JSON)."""
-        return self.call_from_obj(loads_or_none(text), args_keys, require_args)
+    def call_from_json(self, text: str, **how: Any) -> ToolCall | None:
+        """A call from one JSON object ``{"name": ..., "arguments": {...}}``; None when the text
+        is not one. `how`: as `call_from_obj`."""
+        return self.call_from_obj(loads_or_none(text), **how)
 
     def call_from_obj(
-        self, obj: Any, args_keys: tuple[str, ...] = ("arguments",), require_args: bool = False
+        self,
+        obj: Any,
+        args_keys: tuple[str, ...] = ("arguments",),
+        require_args: bool = False,
+        ignored: tuple[str, ...] = (),
     ) -> ToolCall | None:
+        """A call from a decoded JSON object: its ``name`` and its arguments under one of
+        `args_keys` (missing: none, unless `require_args`); None when it is not one (other
+        keys than these and `ignored` mean some other JSON, not a call)."""
         if not isinstance(obj, dict) or "name" not in obj:
             return None
         keys = [k for k in args_keys if k in obj]
-        if set(obj) - {"name", *args_keys} or len(keys) > 1 or (require_args and not keys):
+        if set(obj) - {"name", *args_keys, *ignored} or len(keys) > 1 or (require_args and not keys):
             return None
         return self.make_call(obj["name"], obj[keys[0]] if keys else {})
 
@@ -125,13 +134,19 @@ class BufferedParser(ToolParser):
 
     def finish(self) -> ParseDelta:
         out = self.advance(final=True)
-        out.content += self.buffer  # a parser leaves nothing behind at the end; this is a net
+        # What is still undecided never became a call: the marker that opened it and the rest.
+        out.content += self.held() + self.buffer
         self.buffer = ""
         return out
 
     @abstractmethod
     def advance(self, final: bool) -> ParseDelta:
-        """Consume the decided part of `self.buffer` into content and calls."""
+        """Consume the decided part of `self.buffer` into content and calls (`final`: the output
+        ended; a call still open may be left in the buffer, `finish` makes it content)."""
+
+    def held(self) -> str:
+        """Text consumed from the buffer but not yet decided (the marker of an open call)."""
+        return ""
 
 
 def _tool_name(tool: Any) -> str | None:

@@ -14,8 +14,9 @@ GAP, TEXT, CALL = "gap", "text", "call"  # GAP: at the output's start or after a
 
 
 class HermesParser(BufferedParser):
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as many as the model writes
-    (Hermes 2/3, Qwen2.5, Qwen3). A block whose JSON is malformed, or that names a function not
+    """Hermes, Qwen2.5, Qwen3: `<tool_call>{"name", "arguments"}</tool_call>`, several in a row.
+
+    A block whose JSON is malformed, or that names a function not
     in the request's tools, stays content, tags included; so does one the output leaves open."""
 
     name = "hermes"
@@ -30,15 +31,15 @@ class HermesParser(BufferedParser):
             return START in chat_template
         return family is not None and family.lower().startswith(("qwen", "hermes"))
 
+    def held(self) -> str:
+        return START if self.state == CALL else ""
+
     def advance(self, final: bool) -> ParseDelta:
         out, buf, i = ParseDelta(), self.buffer, 0
         while i < len(buf):
             if self.state == CALL:
                 j = buf.find(END, i)
                 if j < 0:
-                    if final:
-                        out.content += START + buf[i:]
-                        i = len(buf)
                     break
                 call = self.call_from_json(buf[i:j].strip())
                 if call is not None:

@@ -1,7 +1,8 @@
 """`lmstack plugins`: what is installed, and how to configure it.
 
 Without a name: one table of every component (kind, name, distribution, version, options with
-their defaults) and one of the stack sections plugins declare, within `WIDTH` columns. With a
+their defaults), one of the stack sections plugins declare and one of what plugins registered
+through hooks other plugins own (lmstack-api's tool parsers), within `WIDTH` columns. With a
 name: that component (or section) in full — capabilities, API range, where a stack file selects
 it, and each option's type, default, allowed values and description. ``--json`` carries the same
 details for tools (the README's test checks the option names it mentions against it).
@@ -17,7 +18,7 @@ from typing import Any
 import msgspec
 
 from lmstack.errors import LmstackError
-from lmstack.registry import Component, OptionDoc, Registry, StackSection
+from lmstack.registry import Component, Extension, OptionDoc, Registry, StackSection
 from lmstack.roles import ROLES
 
 WIDTH = 100  # columns the output fits (a terminal, a README code block)
@@ -29,8 +30,15 @@ FULL_HINT = (
 )
 
 
+Item = Component | StackSection | Extension
+
+
+def extensions(registry: Registry) -> list[Extension]:
+    return [e for items in registry.extensions.values() for e in items]
+
+
 def run(registry: Registry, name: str | None, as_json: bool) -> int:
-    items: list[Component | StackSection] = [*registry.all(), *registry.sections.values()]
+    items: list[Item] = [*registry.all(), *registry.sections.values(), *extensions(registry)]
     if name is not None:
         items = [i for i in items if i.name == name]
         if not items:
@@ -46,9 +54,21 @@ def run(registry: Registry, name: str | None, as_json: bool) -> int:
     return 0
 
 
-def describe(item: Component | StackSection) -> dict[str, Any]:
-    """One --json row. A stack section has the same keys as a component (kind ``section``), so a
-    tool can read the options of either the same way."""
+def describe(item: Item) -> dict[str, Any]:
+    """One --json row. A stack section (kind ``section``) and an extension (its owner's kind,
+    e.g. ``tool parser``) have the same keys as a component, so a tool reads them the same way."""
+    if isinstance(item, Extension):
+        return {
+            "kind": item.kind,
+            "name": item.name,
+            "distribution": item.distribution,
+            "version": item.version,
+            "api": "",
+            "options": [],
+            "capabilities": {},
+            "requires": {},
+            "description": item.description,
+        }
     if isinstance(item, StackSection):
         return {
             "kind": SECTION_KIND,
@@ -78,7 +98,7 @@ def unknown_name(registry: Registry, name: str) -> str:
     for problem in registry.problems:
         if any(offered == name for _, offered in problem.offered):
             return f"{name!r} is not available: {problem}"
-    known = {c.name for c in registry.all()} | set(registry.sections)
+    known = {c.name for c in registry.all()} | set(registry.sections) | {e.name for e in extensions(registry)}
     close = difflib.get_close_matches(name, sorted(known), n=3)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     return f"no installed component or stack section is named {name!r}{hint} (`lmstack plugins` lists them)"
@@ -101,6 +121,12 @@ def overview(registry: Registry) -> str:
             for s in registry.sections.values()
         ]
         out += ["", table(["STACK SECTION", "DISTRIBUTION", "VERSION", "DESCRIPTION"], sections)]
+    if extensions(registry):
+        rows = [
+            [e.kind, e.name, e.distribution or "-", e.version or "-", e.description or "-"]
+            for e in extensions(registry)
+        ]
+        out += ["", table(["KIND", "NAME", "DISTRIBUTION", "VERSION", "DESCRIPTION"], rows)]
     out += ["", *textwrap.wrap(FULL_HINT, WIDTH)]
     return "\n".join(out)
 
@@ -135,8 +161,12 @@ def table(header: list[str], rows: list[list[str]], width: int = WIDTH) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def full_view(item: Component | StackSection) -> str:
+def full_view(item: Item) -> str:
     origin = " ".join(p for p in (item.distribution, item.version) if p) or "unknown distribution"
+    if isinstance(item, Extension):
+        lines = _wrapped(f"{item.kind} {item.name!r} ({origin})", "", subsequent="  ")
+        lines += _wrapped(item.description, "  ")
+        return "\n".join([*lines, f"  registered through {item.hook}"])
     if isinstance(item, StackSection):
         lines = _wrapped(f"stack section {item.name!r} ({origin})", "", subsequent="  ")
         lines += _wrapped(item.description, "  ")

@@ -123,11 +123,11 @@ def make_plugin_manager(
     for module_name in DEFAULT_PLUGINS if default_plugins is None else tuple(default_plugins):
         # A built-in failing to import is a broken install, not a user error: let it raise.
         _register(pm, importlib.import_module(module_name), module_name)
-    for plugin in extra_plugins:
-        if isinstance(plugin, str):
-            _register(pm, importlib.import_module(plugin), plugin)
-        else:
-            _register(pm, plugin, None)
+    extras = [(importlib.import_module(p), p) if isinstance(p, str) else (p, None) for p in extra_plugins]
+    for plugin, _ in extras:  # hooks an extra plugin owns, before any extra is checked against them
+        add_plugin_hookspecs(pm, plugin)
+    for plugin, name in extras:
+        _register(pm, plugin, name)
 
     if autoload_enabled() if autoload is None else autoload:
         allowed = allow_list_from_env() if allow is None else frozenset(allow)

@@ -12,7 +12,8 @@ Subclass the kit in your plugin's test module and name the component::
         options = {"max_num_seqs": 8}      # optional
 
 Kits: `SchedulerConformance`, `AllocatorConformance`, `AttentionConformance`,
-`QuantizerConformance`, `SpeculatorConformance`, `ParallelConformance`. The end-to-end checks
+`QuantizerConformance`, `SpeculatorConformance`, `ParallelConformance`, and for lmstack-api's
+tool-call parsers `ToolParserConformance` (a parser class and a corpus, no engine). The end-to-end checks
 run the real engine on a tiny random-weight Llama written without downloads: the fixture
 `tiny_model_path` (`lmstack.testing.fixtures`, loaded automatically by pytest where lmstack is
 installed), or `lmstack.testing.tiny_model.write_tiny_model(path)` directly. To build a
@@ -30,6 +31,7 @@ from lmstack.testing.quantizer import QuantizerConformance
 from lmstack.testing.scheduler import SchedulerConformance, simulate
 from lmstack.testing.speculator import SpeculatorConformance
 from lmstack.testing.tiny_model import write_tiny_model
+from lmstack.testing.tool_parsers import ToolParserConformance
 
 __all__ = [
     "AllocatorConformance",
@@ -40,6 +42,7 @@ __all__ = [
     "QuantizerConformance",
     "SchedulerConformance",
     "SpeculatorConformance",
+    "ToolParserConformance",
     "build_component",
     "make_seq",
     "paged_batch",
