@@ -4,7 +4,9 @@ chosen, and a third-party parser registered through `lmstack_register_tool_parse
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import sys
 
 import pytest
 
@@ -437,3 +439,45 @@ def test_registering_something_without_a_name_is_a_plugin_problem():
 
     with pytest.raises(ResolutionError, match="which has no `name`"):
         build_registry(_angle_pm(Nameless()))
+
+
+EARLY_PLUGIN = """
+from lmstack.hookspecs import hookimpl
+from lmstack_api.tool_parsers import HermesParser
+
+class EarlyParser(HermesParser):
+    '''Hermes again, from a distribution whose entry point loads before lmstack-api's.'''
+
+    name = "early"
+
+@hookimpl
+def lmstack_register_tool_parsers(register):
+    register(EarlyParser)
+"""
+
+
+def test_an_entry_point_implementing_the_hook_may_load_before_lmstack_api(tmp_path, monkeypatch):
+    """Entry points load by name: `aaa` before the one that owns the hook. The owner's
+    hookspecs are added first, so `aaa` is checked against them, not refused as unknown."""
+    module = f"aaa_parsers_{tmp_path.name}".replace("-", "_")
+    (tmp_path / f"{module}.py").write_text(EARLY_PLUGIN)
+    for dist, ep, target in (
+        ("aaa-parsers", "aaa", module),
+        ("lmstack-api-here", "zzz", "lmstack_api.plugin"),
+    ):
+        info = tmp_path / f"{dist.replace('-', '_')}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(f"[lmstack]\n{ep} = {target}\n")
+    original = importlib.metadata.distributions
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda **kw: original(path=[str(tmp_path)]))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        pm = make_plugin_manager(autoload=True)
+        registry = build_registry(pm)
+        assert registry.problems == []
+        listed = {e.name: e.distribution for e in registry.extensions["lmstack_register_tool_parsers"]}
+        assert listed["early"] == "aaa-parsers" and listed["hermes"] == "lmstack-api-here"
+        assert available_parsers(pm)["early"].__module__ == module
+    finally:
+        sys.modules.pop(module, None)
