@@ -481,3 +481,20 @@ def test_an_entry_point_implementing_the_hook_may_load_before_lmstack_api(tmp_pa
         assert available_parsers(pm)["early"].__module__ == module
     finally:
         sys.modules.pop(module, None)
+
+
+def test_a_registered_class_that_is_no_tool_parser_is_skipped(caplog):
+    class NotAParser:
+        """Has a name, but no feed / finish."""
+
+        name = "bogus"
+
+    class BogusPlugin:
+        @hookimpl
+        def lmstack_register_tool_parsers(self, register):
+            register(NotAParser)
+
+    pm = _angle_pm(BogusPlugin())
+    assert "bogus" in {e.name for e in build_registry(pm).extensions["lmstack_register_tool_parsers"]}
+    assert "bogus" not in available_parsers(pm)
+    assert "is not a subclass of lmstack_api.tool_parsers.ToolParser" in caplog.text

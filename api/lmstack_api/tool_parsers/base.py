@@ -17,6 +17,7 @@ call naming a function that is not in the request's
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -127,13 +128,15 @@ class BufferedParser(ToolParser):
     def __init__(self, tools: list[dict]) -> None:
         super().__init__(tools)
         self.buffer = ""
+        self.offset = 0  # where `buffer` starts in the whole output
+        self._scan: BracketScan | None = None
 
     def feed(self, text: str) -> ParseDelta:
         self.buffer += text
-        return self.advance(final=False)
+        return self._advance(final=False)
 
     def finish(self) -> ParseDelta:
-        out = self.advance(final=True)
+        out = self._advance(final=True)
         # What is still undecided never became a call: the marker that opened it and the rest.
         out.content += self.held() + self.buffer
         self.buffer = ""
@@ -147,6 +150,25 @@ class BufferedParser(ToolParser):
     def held(self) -> str:
         """Text consumed from the buffer but not yet decided (the marker of an open call)."""
         return ""
+
+    def closing(self, buf: str, start: int, quotes: str = '"') -> int | None:
+        """`scan_balanced(buf, start, quotes)` resumed where the previous call for the same value
+        stopped: each character of a long call is scanned once, however finely it streams in."""
+        at = self.offset + start
+        scan = self._scan
+        if scan is None or scan.start != at or scan.quotes != quotes:
+            scan = self._scan = BracketScan(at, quotes)
+        end = scan.run(buf, self.offset)
+        if end is None:
+            return None
+        self._scan = None
+        return end - self.offset
+
+    def _advance(self, final: bool) -> ParseDelta:
+        size = len(self.buffer)
+        out = self.advance(final)
+        self.offset += size - len(self.buffer)  # advance only drops a prefix of the buffer
+        return out
 
 
 def _tool_name(tool: Any) -> str | None:
@@ -200,24 +222,58 @@ def scan_balanced(text: str, start: int, quotes: str = '"') -> int | None:
     ``(``, nested in any mix), skipping string literals quoted by any of `quotes` (with
     backslash escapes); None when the text ends first. A closing bracket of the wrong kind ends
     the value too (the caller's parse then fails and the text stays content)."""
-    depth, quote, i = 0, None, start
-    while i < len(text):
-        c = text[i]
-        if quote is not None:
-            if c == "\\":
-                i += 1
-            elif c == quote:
-                quote = None
-        elif c in quotes:
-            quote = c
-        elif c in "[{(":
-            depth += 1
-        elif c in "]})":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return None
+    return BracketScan(start, quotes).run(text, 0)
+
+
+class BracketScan:
+    """`scan_balanced` that can stop at the end of the text and go on when more arrives.
+    Positions are in the whole output; `run(text, base)` reads `text` as starting at `base`."""
+
+    def __init__(self, start: int, quotes: str) -> None:
+        self.start = self.pos = start
+        self.quotes = quotes
+        self.depth = 0
+        self.quote: str | None = None
+        self.escaped = False
+        # Jump from one character that matters to the next (a long string is one search).
+        self._outside = re.compile("[" + re.escape("[]{}()" + quotes) + "]")
+
+    def run(self, text: str, base: int) -> int | None:
+        """Where the value ends (a position in the whole output), or None: scanned up to the
+        end of `text`, to be resumed."""
+        i, n = self.pos - base, len(text)
+        while i < n:
+            if self.escaped:
+                self.escaped, i = False, i + 1
+            elif self.quote is not None:
+                m = _INSIDE[self.quote].search(text, i)
+                if m is None:
+                    i = n
+                    break
+                i = m.end()
+                if m.group() == "\\":
+                    self.escaped = True
+                else:
+                    self.quote = None
+            else:
+                m = self._outside.search(text, i)
+                if m is None:
+                    i = n
+                    break
+                c, i = m.group(), m.end()
+                if c in self.quotes:
+                    self.quote = c
+                elif c in "[{(":
+                    self.depth += 1
+                else:
+                    self.depth -= 1
+                    if self.depth == 0:
+                        return base + i
+        self.pos = base + i
+        return None
+
+
+_INSIDE = {q: re.compile("[" + re.escape("\\" + q) + "]") for q in "\"'"}
 
 
 def skip_space(text: str, i: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from lmstack_api.tool_parsers.base import BufferedParser, ParseDelta, find_marker, scan_balanced, skip_space
+from lmstack_api.tool_parsers.base import BufferedParser, ParseDelta, find_marker, skip_space
 
 TAG = "<|python_tag|>"
 START, AFTER, TEXT = "start", "after", "text"  # START: the output's start, or just after the tag
@@ -71,7 +71,7 @@ class Llama3JsonParser(BufferedParser):
                 out.content += self.tag
                 self.state, self.tag = TEXT, ""
                 continue
-            end = scan_balanced(buf, k)
+            end = self.closing(buf, k)
             if end is None:
                 break
             call = self.call_from_json(buf[k:end], args_keys=("parameters", "arguments"), require_args=True)

@@ -16,7 +16,6 @@ from lmstack_api.tool_parsers.base import (
     ToolCall,
     find_marker,
     loads_or_none,
-    scan_balanced,
     skip_space,
 )
 
@@ -96,7 +95,7 @@ class MistralParser(BufferedParser):
             return NEED
         if buf[k] != "[":
             return self._named_call(buf, k)
-        end = scan_balanced(buf, k)
+        end = self.closing(buf, k)
         if end is None:
             return NEED
         items = loads_or_none(buf[k:end])
@@ -128,7 +127,7 @@ class MistralParser(BufferedParser):
             return NEED
         if buf[j] != "{":
             return [], j
-        end = scan_balanced(buf, j)
+        end = self.closing(buf, j)
         if end is None:
             return NEED
         args = loads_or_none(buf[j:end])

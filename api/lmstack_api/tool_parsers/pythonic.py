@@ -18,7 +18,6 @@ from lmstack_api.tool_parsers.base import (
     ParseDelta,
     ToolCall,
     find_marker,
-    scan_balanced,
     skip_space,
 )
 
@@ -82,7 +81,7 @@ class PythonicParser(BufferedParser):
                 out.content += self.tag
                 self.state, self.tag = TEXT, ""
                 continue
-            end = scan_balanced(buf, k, quotes="'\"")
+            end = self.closing(buf, k, quotes="'\"")
             if end is None:
                 break
             calls = self._calls(buf[k:end])
