@@ -109,6 +109,7 @@ class TestHermes(ToolParserConformance):
         ),
         (f"Check this: {H_PARIS[:20]}", f"Check this: {H_PARIS[:20]}", []),
         ("<tool_call>", "<tool_call>", []),
+        ('<tool_call>{"name": "get_time", "parameters": {"zone": "UTC"}}</tool_call>', "", [UTC]),
         (" \n", "", []),
     ]
 
@@ -498,3 +499,16 @@ def test_a_registered_class_that_is_no_tool_parser_is_skipped(caplog):
     assert "bogus" in {e.name for e in build_registry(pm).extensions["lmstack_register_tool_parsers"]}
     assert "bogus" not in available_parsers(pm)
     assert "is not a subclass of lmstack_api.tool_parsers.ToolParser" in caplog.text
+
+
+@pytest.mark.parametrize("parser", [HermesParser, Llama3JsonParser, MistralParser, PythonicParser])
+def test_values_nested_past_the_recursion_limit_stay_content(parser):
+    deep = {
+        "hermes": '<tool_call>{"name": "get_time", "arguments": {"zone": DEEP}}</tool_call>',
+        "llama3_json": '{"name": "get_time", "parameters": {"zone": DEEP}}',
+        "mistral": '[TOOL_CALLS]get_time[ARGS]{"zone": DEEP}',
+        "pythonic": "[get_time(zone=DEEP)]",
+    }[parser.name].replace("DEEP", "[" * 100_000 + "]" * 100_000)
+    instance = parser(TOOLS)
+    content = instance.feed(deep).content
+    assert content + instance.finish().content == deep

@@ -10,8 +10,8 @@ checks both).
 
 Content is the text outside calls, verbatim, except the whitespace that only separates calls
 from each other or from the output's start or end (and a format's separators and markers). A
-call naming a function that is not in the request's
-`tools`, or whose arguments are not a JSON object, is not a call: its text stays content.
+call naming a function that is not in the request's `tools`, or whose arguments are not a JSON
+object, is not a call: its text stays content.
 """
 
 from __future__ import annotations
@@ -83,9 +83,8 @@ class ToolParser(ABC):
         if not isinstance(name, str) or name not in self.tool_names:
             return None
         if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
+            arguments = loads_or_none(arguments)
+            if arguments is None:
                 return None
         if arguments is None:
             arguments = {}
@@ -93,7 +92,7 @@ class ToolParser(ABC):
             return None
         try:  # a pythonic call's values may be no JSON (a set, bytes, NaN): not a call then
             text = json.dumps(arguments, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):
             return None
         return ToolCall(name, text)
 
@@ -181,9 +180,11 @@ def _tool_name(tool: Any) -> str | None:
 
 
 def loads_or_none(text: str) -> Any:
+    """The JSON value of `text`, or None when it is none (malformed, or nested past Python's
+    recursion limit: a model may write anything)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

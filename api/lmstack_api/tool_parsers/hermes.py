@@ -16,7 +16,7 @@ GAP, TEXT, CALL = "gap", "text", "call"  # GAP: at the output's start or after a
 class HermesParser(BufferedParser):
     """Hermes, Qwen2.5, Qwen3: `<tool_call>{"name", "arguments"}</tool_call>`, several in a row.
 
-    A block whose JSON is malformed, or that names a function not
+    ``"parameters"`` is read as well as ``"arguments"``. A block whose JSON is malformed, or that names a function not
     in the request's tools, stays content, tags included; so does one the output leaves open."""
 
     name = "hermes"
@@ -41,7 +41,7 @@ class HermesParser(BufferedParser):
                 j = buf.find(END, i)
                 if j < 0:
                     break
-                call = self.call_from_json(buf[i:j].strip())
+                call = self.call_from_json(buf[i:j].strip(), args_keys=("arguments", "parameters"))
                 if call is not None:
                     out.calls.append(call)
                     self.state = GAP
