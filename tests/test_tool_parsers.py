@@ -512,3 +512,13 @@ def test_values_nested_past_the_recursion_limit_stay_content(parser):
     instance = parser(TOOLS)
     content = instance.feed(deep).content
     assert content + instance.finish().content == deep
+
+
+def test_serve_stops_at_an_unknown_tool_parser_in_one_line_before_the_model_loads(tmp_path, capsys):
+    from lmstack.cli import main
+
+    stack = tmp_path / "stack.yaml"
+    stack.write_text("model: /nowhere/model\nserver: {tool_parser: hermez}\n")
+    assert main(["serve", str(stack)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: server.tool_parser: unknown tool parser 'hermez'; available: hermes, ")
