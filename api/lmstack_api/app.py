@@ -19,7 +19,7 @@ from lmstack.stack.resolve import ResolvedStack
 from lmstack_api import params as P
 from lmstack_api import tools as T
 from lmstack_api.errors import APIError, clip, from_status
-from lmstack_api.grammar_guard import bounded_schema_grammar
+from lmstack_api.grammar_guard import bounded_grammar, bounded_schema_grammar
 from lmstack_api.job import EngineFailure, Job
 from lmstack_api.logs import get_logger
 from lmstack_api.prompts import check_text_fits, context_error, encode_texts
@@ -42,6 +42,7 @@ from lmstack_api.schemas import (
     ToolCallOut,
 )
 from lmstack_api.state import ServerState, client_request_id
+from lmstack_api.tokenization import detokenize_body, tokenize_body
 
 log = get_logger()
 JSON = "application/json"
@@ -99,9 +100,9 @@ async def _until_done_or_gone(request: Request, work: asyncio.Future) -> None:
 
 
 async def _grammar(request: Request, req) -> object | None:
-    """The compiled grammar `response_format` asks for (None: free text). A new schema compiles
-    within the server's bounds and is cancelled if the client leaves."""
-    spec = P.schema_request(req)
+    """The compiled grammar `response_format` or `structured_outputs` asks for (None: free
+    text). A new one compiles within the server's bounds and is cancelled if the client leaves."""
+    spec = P.grammar_spec(req)
     if spec is None:
         return None
     state = _state(request)
@@ -113,17 +114,29 @@ async def _grammar(request: Request, req) -> object | None:
             if not state.grammar_cache_limited:
                 compiler.limit_cache(cfg.grammar_cache_mib << 20)
                 state.grammar_cache_limited = True
-            if spec[0] == "json_object":
+            if spec.kind == "json_object":
                 return await asyncio.to_thread(compiler.json_object)
-            return await bounded_schema_grammar(
-                compiler,
-                state.grammar_guard,
-                spec[1],
-                max_bytes=cfg.grammar_max_schema_bytes,
-                max_properties=cfg.grammar_max_schema_properties,
-            )
+            if spec.kind == "json":
+                if spec.param == P.SCHEMA_PARAM:
+                    return await bounded_schema_grammar(
+                        compiler,
+                        state.grammar_guard,
+                        spec.source,
+                        max_bytes=cfg.grammar_max_schema_bytes,
+                        max_properties=cfg.grammar_max_schema_properties,
+                    )
+                prepared = compiler.prepare(
+                    spec.source,
+                    max_bytes=cfg.grammar_max_schema_bytes,
+                    max_properties=cfg.grammar_max_schema_properties,
+                )._replace(param=spec.param)
+            else:
+                prepared = compiler.prepare_source(
+                    spec.kind, spec.source, param=spec.param, max_bytes=cfg.grammar_max_schema_bytes
+                )
+            return await bounded_grammar(compiler, state.grammar_guard, prepared)
         except LmstackError as exc:
-            raise P.as_request_error(exc) from None
+            raise P.as_request_error(exc, spec.param) from None
 
     work = asyncio.ensure_future(build())
     await _until_done_or_gone(request, work)
@@ -251,7 +264,8 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(req.model)
     P.check_unsupported_chat(req)
     messages = P.chat_messages(req)
-    template = engine.tokenizer.chat_template
+    chat_tokenizer = state.chat_tokenizer(engine)  # server.chat_template, or the model's
+    template = chat_tokenizer.chat_template
     tools = T.tool_setup(
         req,
         template=template,
@@ -265,7 +279,7 @@ async def chat_completions(request: Request) -> Response:
     try:
         # Rendering grows with the input: off the event loop, like the tokenizing after it.
         text = await asyncio.to_thread(
-            engine.tokenizer.apply_chat_template, messages, req.add_generation_prompt, template_tools
+            chat_tokenizer.apply_chat_template, messages, req.add_generation_prompt, template_tools
         )
     except LmstackError as exc:
         if tools is not None and tools.choice != "none":
@@ -297,7 +311,14 @@ async def chat_completions(request: Request) -> Response:
     # X-Request-Id: that one may repeat across requests; it comes back in the header instead.
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     job = Job(state, "chat", rid, key, tenant=tenant, client_request_id=client_request_id(request.headers))
-    job.admit([prompt], sp, _client(request), cache_salt=req.cache_salt, streamed=req.stream)
+    job.admit(
+        [prompt],
+        sp,
+        _client(request),
+        cache_salt=req.cache_salt,
+        streamed=req.stream,
+        priority=P.request_priority(req, request.headers),
+    )
     created = int(time.time())
     tt = TokenText(engine.tokenizer)
     model = state.model_name
@@ -406,7 +427,14 @@ async def completions(request: Request) -> Response:
     job = Job(
         state, "completions", rid, key, tenant=tenant, client_request_id=client_request_id(request.headers)
     )
-    job.admit(prompts, sp, _client(request), cache_salt=req.cache_salt, streamed=req.stream)
+    job.admit(
+        prompts,
+        sp,
+        _client(request),
+        cache_salt=req.cache_salt,
+        streamed=req.stream,
+        priority=P.request_priority(req, request.headers),
+    )
     created = int(time.time())
     tt = TokenText(engine.tokenizer)
     model, n = state.model_name, sp.n
@@ -468,6 +496,25 @@ async def completions(request: Request) -> Response:
             )
     outs = [job.final[i] for i in range(len(job.reqs))]
     return _json(Completion(rid, created, model, choices, usage(outs)), headers={"X-Request-Id": job.echo_id})
+
+
+# --- tokenize / detokenize ------------------------------------------------------------------
+
+
+@post("/tokenize", status_code=200)
+async def tokenize(request: Request) -> Response:
+    state = _state(request)
+    state.authenticate(request.headers)
+    engine = state.require_ready()
+    return _json(await tokenize_body(state, engine, await _read_body(request)))
+
+
+@post("/detokenize", status_code=200)
+async def detokenize(request: Request) -> Response:
+    state = _state(request)
+    state.authenticate(request.headers)
+    engine = state.require_ready()
+    return _json(await detokenize_body(state, engine, await _read_body(request)))
 
 
 # --- models, stack, health, metrics ----------------------------------------------------------
@@ -617,7 +664,17 @@ def create_app(stack: ResolvedStack, state: ServerState | None = None) -> Litest
         await asyncio.to_thread(state.shutdown)
 
     return Litestar(
-        route_handlers=[chat_completions, completions, models, model_card, stack_info, health, metrics],
+        route_handlers=[
+            chat_completions,
+            completions,
+            tokenize,
+            detokenize,
+            models,
+            model_card,
+            stack_info,
+            health,
+            metrics,
+        ],
         exception_handlers={
             APIError: _on_api_error,
             HTTPException: _on_http_exception,

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from lmstack.errors import InvalidRequestError
-from lmstack.sample.grammar import Grammar, GrammarCompiler, PreparedSchema
+from lmstack.sample.grammar import KIND_NOUNS, Grammar, GrammarCompiler, PreparedSchema
 from lmstack_api.errors import APIError, overloaded
 from lmstack_api.logs import get_logger
 
@@ -43,8 +43,8 @@ def _rss(pid: int) -> int | None:
         return None
 
 
-def _limit_error(message: str) -> APIError:
-    return APIError(400, message, param=SCHEMA_PARAM, code="schema_too_complex")
+def _limit_error(message: str, param: str = SCHEMA_PARAM) -> APIError:
+    return APIError(400, message, param=param, code="schema_too_complex")
 
 
 class CompileGuard:
@@ -71,8 +71,8 @@ class CompileGuard:
             proc = await self._ensure(compiler)
             started = time.monotonic()
             try:
-                self._send(proc, {"text": prepared.text, "strict": prepared.strict})
-                reply = await self._watch(proc, started)
+                self._send(proc, {"kind": prepared.kind, "text": prepared.text, "strict": prepared.strict})
+                reply = await self._watch(proc, started, prepared)
             except BaseException:
                 self._kill()  # mid-compile: the child is in an unknown state
                 raise
@@ -80,9 +80,10 @@ class CompileGuard:
             grown = reply.get("peak_rss", 0) - self._baseline
             if grown > self.memory_bytes:  # a spike between two RSS samples
                 self._kill()  # its peak stays; a fresh child measures the next one fairly
-                raise self._memory_error(grown)
+                raise self._memory_error(grown, prepared)
             return int(reply.get("nbytes", 0))
-        raise APIError(400, f"invalid JSON schema: {reply.get('error')}", param=SCHEMA_PARAM)
+        noun = KIND_NOUNS[prepared.kind]
+        raise APIError(400, f"invalid {noun}: {reply.get('error')}", param=prepared.param)
 
     def close(self) -> None:
         """Kill the child (drain / shutdown): a compile in progress ends with 503 at once."""
@@ -143,7 +144,10 @@ class CompileGuard:
             return None
         return json.loads(body)
 
-    async def _watch(self, proc: asyncio.subprocess.Process, started: float) -> dict:
+    async def _watch(
+        self, proc: asyncio.subprocess.Process, started: float, prepared: PreparedSchema
+    ) -> dict:
+        noun, param = KIND_NOUNS[prepared.kind], prepared.param
         assert proc.stdin is not None
         await proc.stdin.drain()
         reader = asyncio.create_task(self._read(proc))
@@ -155,29 +159,32 @@ class CompileGuard:
                     if reply is not None:
                         return reply
                     if self._closed:
-                        raise overloaded("the server is shutting down; the schema was not compiled", 5.0)
+                        raise overloaded(f"the server is shutting down; the {noun} was not compiled", 5.0)
                     raise _limit_error(
-                        "compiling the JSON schema crashed the compiler process; simplify the schema"
+                        f"compiling the {noun} crashed the compiler process; simplify the {noun}", param
                     )
                 elapsed = time.monotonic() - started
                 if elapsed > self.timeout_s:
                     log.warning("grammar compile over time: killed", timeout_s=self.timeout_s)
                     raise _limit_error(
-                        f"compiling the JSON schema took longer than this server's limit of "
-                        f"{self.timeout_s:g} s (server.grammar_compile_timeout_s); simplify the schema"
+                        f"compiling the {noun} took longer than this server's limit of "
+                        f"{self.timeout_s:g} s (server.grammar_compile_timeout_s); simplify the {noun}",
+                        param,
                     )
                 rss = _rss(proc.pid)
                 if rss is not None and rss - self._baseline > self.memory_bytes:
                     log.warning("grammar compile over memory: killed", rss_mib=rss >> 20)
-                    raise self._memory_error(rss - self._baseline)
+                    raise self._memory_error(rss - self._baseline, prepared)
         finally:
             reader.cancel()
 
-    def _memory_error(self, grown: int) -> APIError:
+    def _memory_error(self, grown: int, prepared: PreparedSchema) -> APIError:
+        noun = KIND_NOUNS[prepared.kind]
         return _limit_error(
-            f"compiling the JSON schema needed more than this server's limit of "
+            f"compiling the {noun} needed more than this server's limit of "
             f"{self.memory_bytes >> 20} MiB (server.grammar_compile_memory_mib; it reached "
-            f"{grown >> 20} MiB); simplify the schema"
+            f"{grown >> 20} MiB); simplify the {noun}",
+            prepared.param,
         )
 
     def _kill(self) -> None:
@@ -217,6 +224,20 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
     return await fut
 
 
+async def bounded_grammar(
+    compiler: GrammarCompiler, guard: CompileGuard, prepared: PreparedSchema
+) -> Grammar:
+    """The grammar for a prepared source: from the cache, or compiled within the guard's bounds."""
+    cached = compiler.lookup(prepared)
+    if cached is not None:
+        return cached
+    await guard.check(compiler, prepared)
+    try:
+        return await in_daemon_thread(compiler.compile, prepared)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param or prepared.param) from None
+
+
 async def bounded_schema_grammar(
     compiler: GrammarCompiler,
     guard: CompileGuard,
@@ -230,11 +251,4 @@ async def bounded_schema_grammar(
         prepared = compiler.prepare(schema, max_bytes=max_bytes, max_properties=max_properties)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=exc.param or SCHEMA_PARAM) from None
-    cached = compiler.lookup(prepared)
-    if cached is not None:
-        return cached
-    await guard.check(compiler, prepared)
-    try:
-        return await in_daemon_thread(compiler.compile, prepared)
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param or SCHEMA_PARAM) from None
+    return await bounded_grammar(compiler, guard, prepared)

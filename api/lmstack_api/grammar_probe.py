@@ -1,9 +1,9 @@
 """The child side of the grammar compile guard: `python -m lmstack_api.grammar_probe`.
 
 Reads length-prefixed JSON frames on stdin and answers each on stdout. The first frame is the
-xgrammar tokenizer description; every later one is ``{"text": schema JSON, "strict": bool}``,
-answered with ``{"ok": true, "nbytes": ..., "peak_rss": ...}`` once the schema compiled, or
-``{"ok": false, "error": ...}`` when xgrammar rejected it. The compiled grammar is dropped: this
+xgrammar tokenizer description; every later one is ``{"kind": "json" | "regex" | "ebnf", "text":
+the source, "strict": bool}``, answered with ``{"ok": true, "nbytes": ..., "peak_rss": ...}`` once
+it compiled, or ``{"ok": false, "error": ...}`` when xgrammar rejected it. The compiled grammar is dropped: this
 process only proves that a schema compiles within the bounds the parent enforces (by killing
 it); compiled grammars are too large to ship back (a 400-property schema serialises to 110 MB).
 """
@@ -54,7 +54,7 @@ def main() -> int:
     inp = sys.stdin.buffer
     import xgrammar as xgr
 
-    from lmstack.sample.grammar import error_reason
+    from lmstack.sample.grammar import compile_source, error_reason
 
     info_json = read_frame(inp)
     if info_json is None:
@@ -66,7 +66,7 @@ def main() -> int:
     while (frame := read_frame(inp)) is not None:
         req = json.loads(frame)
         try:
-            g = compiler.compile_json_schema(req["text"], any_whitespace=False, strict_mode=req["strict"])
+            g = compile_source(compiler, req.get("kind", "json"), req["text"], req["strict"])
             reply = {"ok": True, "nbytes": int(g.memory_size_bytes), "peak_rss": _peak_rss()}
             del g
         except Exception as exc:  # xgrammar's verdict on the schema, sent back as text

@@ -66,10 +66,12 @@ class Job:
         client: str,
         cache_salt: str | None = None,
         streamed: bool = True,
+        priority: int = 0,
     ) -> None:
         """Tokenize and validate every prompt, then take the queue slot and rate-limit budget;
         raises APIError (400 / 429 / 503) and holds nothing when it does. `streamed`: the
-        client reads tokens as they come (SSE), so the scheduler bounds the gaps between them."""
+        client reads tokens as they come (SSE), so the scheduler bounds the gaps between them;
+        `priority`: the engine requests' (lower runs first under a priority scheduler)."""
         state = self.state
         engine = state.require_ready()
         try:
@@ -84,6 +86,7 @@ class Job:
                         client_request_id=self.client_request_id,
                         cache_salt=cache_salt,
                         streamed=streamed,
+                        priority=priority,
                     )
                 )
         except InvalidRequestError as exc:

@@ -7,12 +7,13 @@ request reaches the engine.
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 import torch
 
 from lmstack.errors import InvalidRequestError, LmstackError
+from lmstack.sample.grammar import choice_ebnf
 from lmstack.sampling_params import SamplingParams
 from lmstack_api.errors import APIError, invalid, unsupported
 from lmstack_api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -183,7 +184,9 @@ def sampling_params(
     if grammar is not None and req.min_tokens:
         # Once the JSON is complete the grammar allows only the end token, which min_tokens forbids.
         raise unsupported(
-            "min_tokens", "it cannot be combined with response_format json_schema / json_object"
+            "min_tokens",
+            "it cannot be combined with structured output (response_format json_schema / "
+            "json_object, structured_outputs, forced tool calls)",
         )
     stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop is not None else [])
     processors = [_logit_bias(req.logit_bias, vocab_size, max_logit_bias_entries)] if req.logit_bias else []
@@ -234,11 +237,81 @@ def schema_request(req: SamplingFields) -> tuple[str, Any] | None:
     )
 
 
-def as_request_error(exc: LmstackError) -> APIError:
-    """A structured-output failure (xgrammar missing, a tokenizer it cannot use) as a 400."""
-    if isinstance(exc, InvalidRequestError):
-        return invalid(str(exc), param=exc.param or "response_format")
-    return invalid(str(exc), param="response_format")
+class GrammarSpec(NamedTuple):
+    """The structured output a request asks for."""
+
+    kind: str  # "json_object", "json" (a schema), "regex" or "ebnf"
+    source: Any  # the schema, the regex or the EBNF text (None for json_object)
+    param: str  # the request field its errors name
+
+
+_SO_FIELDS = ("regex", "grammar", "choice", "json")
+SCHEMA_PARAM = "response_format.json_schema.schema"
+
+
+def grammar_spec(req: SamplingFields) -> GrammarSpec | None:
+    """What `response_format` or vLLM's `structured_outputs` asks for (None: free text).
+    `structured_outputs` takes exactly one of regex, grammar (EBNF), choice and json."""
+    fmt = schema_request(req)
+    so = req.structured_outputs
+    if so is None:
+        if fmt is None:
+            return None
+        if fmt[0] == "json_object":
+            return GrammarSpec("json_object", None, "response_format")
+        return GrammarSpec("json", fmt[1], SCHEMA_PARAM)
+    given = [name for name in _SO_FIELDS if getattr(so, name) is not None]
+    if len(given) != 1:
+        got = ", ".join(given) if given else "none"
+        raise invalid(
+            f"structured_outputs must set exactly one of {', '.join(_SO_FIELDS)}; got {got}",
+            param="structured_outputs",
+        )
+    if fmt is not None:
+        raise invalid(
+            "structured_outputs cannot be combined with response_format json_schema / json_object",
+            param="structured_outputs",
+        )
+    (name,) = given
+    param = f"structured_outputs.{name}"
+    if name == "regex":
+        return GrammarSpec("regex", so.regex, param)
+    if name == "grammar":
+        return GrammarSpec("ebnf", so.grammar, param)
+    if name == "json":
+        return GrammarSpec("json", so.json, param)
+    choices = list(dict.fromkeys(so.choice or []))
+    if not choices:
+        raise invalid("structured_outputs.choice must be a non-empty list of strings", param=param)
+    if "" in choices:
+        raise invalid("structured_outputs.choice must not contain an empty string", param=param)
+    return GrammarSpec("ebnf", choice_ebnf(choices), param)
+
+
+_PRIORITY = re.compile(r"-?[0-9]{1,18}")
+
+
+def request_priority(req: SamplingFields, headers: Any) -> int:
+    """The request's scheduling priority (lower runs first under a priority scheduler): the
+    body's `priority`, else the `X-Priority` header, else 0."""
+    if req.priority is not None:
+        return req.priority
+    raw = headers.get("x-priority")
+    if raw is None:
+        return 0
+    if not _PRIORITY.fullmatch(raw.strip()):
+        raise invalid("the X-Priority header must be an integer", param="X-Priority")
+    return int(raw)
+
+
+def as_request_error(exc: LmstackError, param: str = "response_format") -> APIError:
+    """A structured-output failure (xgrammar missing, a tokenizer it cannot use, a source it
+    rejects) as a 400 naming `param`, the request field that asked for it, unless the error
+    names a field of its own."""
+    own = exc.param if isinstance(exc, InvalidRequestError) else None
+    if own in (None, SCHEMA_PARAM, "response_format"):
+        own = param
+    return invalid(str(exc), param=own)
 
 
 def request_error(exc: InvalidRequestError) -> APIError:

@@ -30,6 +30,15 @@ class ResponseFormat(msgspec.Struct):
     json_schema: JSONSchemaFormat | None = None
 
 
+class StructuredOutputs(msgspec.Struct):
+    """vLLM's `structured_outputs`: exactly one of these constrains the output."""
+
+    regex: str | None = None
+    grammar: str | None = None  # EBNF / GBNF (xgrammar's dialect), start rule `root`
+    choice: list[str] | None = None
+    json: dict[str, Any] | str | None = None  # a JSON schema, or its text
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     # A string, or a list of content parts ({"type": "text", "text": ...}).
@@ -66,6 +75,9 @@ class SamplingFields(msgspec.Struct):
     user: str | None = None
     # Requests with different salts never share cached KV blocks (vLLM's field).
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # Lower runs first under a priority scheduler (vLLM's field; header X-Priority too).
+    priority: int | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -14,6 +14,7 @@ from lmstack.engine.async_engine import AsyncEngine
 from lmstack.errors import EngineDeadError, LmstackError
 from lmstack.stack.prepare import PreparedStack
 from lmstack.stack.resolve import ResolvedStack
+from lmstack_api.chat_template import load_chat_template, with_chat_template
 from lmstack_api.config import TENANT_PATTERN, ServerConfig, key_tenants, server_config
 from lmstack_api.errors import APIError, clip, overloaded
 from lmstack_api.grammar_guard import CompileGuard
@@ -85,6 +86,9 @@ class ServerState:
         cfg = self.config
         self.grammar_guard = CompileGuard(cfg.grammar_compile_timeout_s, cfg.grammar_compile_memory_mib << 20)
         self.grammar_cache_limited = False
+        # server.chat_template, read now: a missing file is one line before the model loads.
+        self.chat_template = load_chat_template(cfg.chat_template)
+        self._chat_tokenizer = None
         self.max_piece_bytes: int | None = None  # the tokenizer's longest token (prompts.py)
         # Called once if the engine cannot be built: the server exits non-zero (server.py), so
         # a supervisor restarts it instead of probing a process that will never serve.
@@ -225,6 +229,16 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
+
+    def chat_tokenizer(self, engine: AsyncEngine):
+        """The tokenizer that renders chat requests: the engine's, with server.chat_template's
+        template when one is set."""
+        if self._chat_tokenizer is None or self._chat_tokenizer[0] is not engine.tokenizer:
+            self._chat_tokenizer = (
+                engine.tokenizer,
+                with_chat_template(engine.tokenizer, self.chat_template),
+            )
+        return self._chat_tokenizer[1]
 
     def grammar_compiler(self):
         return self.require_ready().grammar_compiler

@@ -1,4 +1,5 @@
-"""Structured output: JSON-schema (and any-JSON-object) grammars compiled with xgrammar.
+"""Structured output: grammars compiled with xgrammar from a JSON schema (or any JSON object),
+a regular expression, an EBNF grammar or a list of choices.
 
 `GrammarCompiler` turns a schema into a `Grammar` (compiled once, cached, shared by every request
 that uses the same schema); each sequence gets its own `GrammarState`, which the sampler asks to
@@ -64,12 +65,40 @@ class CacheInfo(NamedTuple):
 
 
 class PreparedSchema(NamedTuple):
-    """A schema checked and canonicalised for compiling: `key` names its cache entry, `text`
-    is what xgrammar compiles."""
+    """A grammar source checked and canonicalised for compiling: `key` names its cache entry,
+    `text` is what xgrammar compiles as `kind` ("json" schema, "regex" or "ebnf"), `param` is the
+    request field a compile error is reported against."""
 
     key: str
     text: str
     strict: bool
+    kind: str = "json"
+    param: str = _SCHEMA_PARAM
+
+
+# What each kind of source is called in error messages.
+KIND_NOUNS = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar"}
+
+
+def compile_source(compiler: Any, kind: str, text: str, strict: bool) -> Any:
+    """`text` compiled by an xgrammar GrammarCompiler as `kind` (xgrammar's exceptions pass through)."""
+    if kind == "json":
+        return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=strict)
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    if kind == "ebnf":
+        return compiler.compile_grammar(_xgrammar().Grammar.from_ebnf(text))
+    raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+def ebnf_literal(text: str) -> str:
+    """`text` as an xgrammar EBNF string literal (JSON's escapes are EBNF's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar whose sentences are exactly `choices`."""
+    return "root ::= " + " | ".join(ebnf_literal(c) for c in choices) + "\n"
 
 
 def count_properties(schema: Any) -> int:
@@ -182,6 +211,23 @@ class GrammarCompiler:
             )
         return PreparedSchema(f"schema:{int(bool(strict))}:{text}", text, bool(strict))
 
+    @staticmethod
+    def prepare_source(kind: str, text: str, *, param: str, max_bytes: int | None = None) -> PreparedSchema:
+        """A regex (`kind` "regex") or EBNF grammar ("ebnf", start rule `root`) ready to compile;
+        InvalidRequestError naming `param` when it is empty or longer than `max_bytes`."""
+        if kind not in ("regex", "ebnf"):
+            raise ValueError(f"unknown grammar kind {kind!r}")
+        if not text:
+            raise InvalidRequestError(f"the {KIND_NOUNS[kind]} must not be empty", param=param)
+        size = len(text.encode())
+        if max_bytes is not None and size > max_bytes:
+            raise InvalidRequestError(
+                f"the {KIND_NOUNS[kind]} is {size} bytes, more than this server's limit of {max_bytes} "
+                "bytes (server.grammar_max_schema_bytes)",
+                param=param,
+            )
+        return PreparedSchema(f"source:{kind}:{text}", text, False, kind, param)
+
     def lookup(self, prepared: PreparedSchema) -> Grammar | None:
         """The cached grammar for `prepared`, or None (counted as a hit when found)."""
         with self._lock:
@@ -196,12 +242,10 @@ class GrammarCompiler:
 
         def build():
             try:
-                return self._compiler.compile_json_schema(
-                    prepared.text, any_whitespace=False, strict_mode=prepared.strict
-                )
+                return compile_source(self._compiler, prepared.kind, prepared.text, prepared.strict)
             except (RuntimeError, ValueError, TypeError) as e:
                 raise InvalidRequestError(
-                    f"invalid JSON schema: {error_reason(e)}", param=_SCHEMA_PARAM
+                    f"invalid {KIND_NOUNS[prepared.kind]}: {error_reason(e)}", param=prepared.param
                 ) from e
 
         return self._get(prepared.key, build)
