@@ -290,8 +290,9 @@ async def chat_completions(request: Request) -> Response:
     if tools is not None and tools.constrained:
         if grammar is not None:
             raise P.invalid(
-                "response_format cannot be combined with tool_choice required or a named function",
-                param="response_format",
+                "response_format / structured_outputs cannot be combined with tool_choice required "
+                "or a named function",
+                param="tool_choice",
             )
         grammar = await _tool_grammar(request, tools)
     top_n = req.top_logprobs or 0

@@ -76,31 +76,30 @@ def model_family(engine: Any) -> str | None:
 
 
 def _functions(tools: list[Any]) -> list[Function]:
+    # Every error names `tools` as the parameter; the message says which entry and field.
     out: list[Function] = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
-            raise invalid(f"{where} must be an object", param=where)
+            raise invalid(f"{where} must be an object", param="tools")
         if tool.get("type") != "function":
-            raise invalid(f"{where}.type must be 'function', got {tool.get('type')!r}", param=f"{where}.type")
+            raise invalid(f"{where}.type must be 'function', got {tool.get('type')!r}", param="tools")
         fn = tool.get("function")
         if not isinstance(fn, dict):
-            raise invalid(f"{where}.function must be an object", param=f"{where}.function")
+            raise invalid(f"{where}.function must be an object", param="tools")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise invalid(
                 f"{where}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}"[:200],
-                param=f"{where}.function.name",
+                param="tools",
             )
         if any(f.name == name for f in out):
-            raise invalid(f"{where}.function.name {name!r} is given twice", param=f"{where}.function.name")
+            raise invalid(f"{where}.function.name {name!r} is given twice", param="tools")
         params = fn.get("parameters")
         if params is None:
             params = _EMPTY_PARAMETERS
         if not isinstance(params, dict):
-            raise invalid(
-                f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters"
-            )
+            raise invalid(f"{where}.function.parameters must be a JSON schema object", param="tools")
         desc = fn.get("description")
         out.append(Function(name, desc if isinstance(desc, str) else None, params))
     return out
@@ -116,7 +115,7 @@ def _choice(raw: Any, names: list[str]) -> tuple[str, str | None]:
         if name not in names:
             raise invalid(
                 f"tool_choice names function {name!r}, which is not in tools",
-                param="tool_choice.function.name",
+                param="tool_choice",
             )
         return "function", name
     raise invalid(

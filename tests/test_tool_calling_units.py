@@ -1,0 +1,166 @@
+"""lmstack_api.tools without a server: the call grammars (checked with xgrammar's matcher over a
+byte vocabulary), the generic format's parser, content held around calls, and the messages a
+template gets."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from lmstack_api import tools as T
+from lmstack_api.errors import APIError
+from lmstack_api.tool_parsers import HermesParser
+
+xgr = pytest.importorskip("xgrammar")
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "ping"}},
+]
+
+
+def request(**kw):
+    base = dict(tools=TOOLS, tool_choice=None, parallel_tool_calls=None, functions=None, function_call=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def setup_for(template: str, **kw) -> T.ToolSetup:
+    return T.tool_setup(request(**kw), template=template, family=None, parser_name=None, model="m")
+
+
+HERMES_TEMPLATE = "{% for t in tools %}{{ t }}{% endfor %}<tool_call>"
+
+
+def accepts(grammar, text: str) -> bool:
+    """Whether xgrammar's matcher takes `text` whole and may then end (a byte vocabulary)."""
+    info = xgr.TokenizerInfo(
+        [bytes([i]) for i in range(256)] + [b""], xgr.VocabType.RAW, vocab_size=257, stop_token_ids=[256]
+    )
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(grammar))
+    return all(matcher.accept_token(b) for b in text.encode()) and matcher.accept_token(256)
+
+
+def hermes_grammar(setup: T.ToolSetup):
+    fmt = T.CALL_FORMATS["hermes"]
+    rules = xgr.Grammar.from_json_schema(json.dumps(T.call_schema(setup)), any_whitespace=False)
+    text, root = T.call_grammar_ebnf(setup, fmt, str(rules))
+    return xgr.Grammar.from_ebnf(text, root_rule_name=root)
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+PING = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+
+
+def test_hermes_grammar_takes_valid_calls_only():
+    g = hermes_grammar(setup_for(HERMES_TEMPLATE, tool_choice="required"))
+    assert accepts(g, CALL) and accepts(g, PING) and accepts(g, CALL + "\n" + PING)
+    assert not accepts(g, "Sure! " + CALL)  # no text around forced calls
+    assert not accepts(g, CALL.replace('"Paris"', "3"))  # arguments follow the schema
+    assert not accepts(g, CALL.replace('"city": "Paris", ', ""))  # required property
+    assert not accepts(g, PING.replace("ping", "pong"))  # only the tools' names
+    one = hermes_grammar(setup_for(HERMES_TEMPLATE, tool_choice="required", parallel_tool_calls=False))
+    assert accepts(one, CALL) and not accepts(one, CALL + "\n" + PING)
+    named = hermes_grammar(
+        setup_for(HERMES_TEMPLATE, tool_choice={"type": "function", "function": {"name": "ping"}})
+    )
+    assert accepts(named, PING) and not accepts(named, CALL)
+    # and what the grammar allows, the template's parser reads back as the same calls
+    parser = HermesParser(TOOLS)
+    got = parser.feed(CALL + "\n" + PING)
+    got.add(parser.finish())
+    assert [c.name for c in got.calls] == ["get_weather", "ping"] and not got.content.strip()
+
+
+def test_generic_array_schema():
+    s = setup_for("{{ messages }}", tool_choice="required")  # no `tools` in it: generic
+    assert s.generic and s.parser is T.GenericJSONParser
+    g = xgr.Grammar.from_json_schema(json.dumps(T.array_schema(s)), any_whitespace=False)
+    both = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "ping", "arguments": {}}]'
+    assert accepts(g, both) and not accepts(g, "[]") and not accepts(g, both.replace('"Oslo"', "1"))
+    s1 = setup_for("{{ messages }}", tool_choice="required", parallel_tool_calls=False)
+    g1 = xgr.Grammar.from_json_schema(json.dumps(T.array_schema(s1)), any_whitespace=False)
+    assert not accepts(g1, both) and accepts(g1, '[{"name": "ping", "arguments": {}}]')
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 5, 1000])
+def test_generic_parser_and_choice_calls_split_anyhow(pieces):
+    s = setup_for("{{ messages }}", tool_choice="auto")
+    cases = [
+        (' [{"name": "ping", "arguments": {}}]', None, ["ping"]),
+        ("The weather is fine.", "The weather is fine.", []),
+        ("[1, 2] are numbers", "[1, 2] are numbers", []),
+        ('[{"name": "nope", "arguments": {}}]', '[{"name": "nope", "arguments": {}}]', []),
+        ('[{"name": "ping", "arguments": {}}', '[{"name": "ping", "arguments": {}}', []),  # cut short
+    ]
+    for text, content, names in cases:
+        whole = T.ChoiceCalls(s).whole(text)
+        cc = T.ChoiceCalls(s)
+        size = max(1, len(text) // pieces)
+        streamed, calls = "", []
+        for i in range(0, len(text), size):
+            c, new = cc.feed(text[i : i + size])
+            streamed, calls = streamed + c, calls + new
+        c, new = cc.finish()
+        streamed, calls = streamed + c, calls + new
+        assert whole[0] == content and [call.name for _, _, call in whole[1]] == names
+        assert (streamed or None) == (content or None)
+        assert [call for _, _, call in calls] == [call for _, _, call in whole[1]]
+
+
+def test_content_is_null_around_calls_but_kept_with_text():
+    s = setup_for(HERMES_TEMPLATE, tool_choice="auto")
+    assert T.ChoiceCalls(s).whole("\n" + CALL + "\n")[0] is None
+    content, calls = T.ChoiceCalls(s).whole("Checking.\n" + CALL)
+    assert content == "Checking.\n" and len(calls) == 1
+    content, calls = T.ChoiceCalls(setup_for(HERMES_TEMPLATE, parallel_tool_calls=False)).whole(CALL + PING)
+    assert [c.name for _, _, c in calls] == ["get_weather"]  # one call when parallel is off
+    assert T.finish_reason("stop", T.ChoiceCalls(s)) == "stop"
+
+
+def test_messages_for_a_template_without_tools():
+    s = setup_for("{{ messages }}", tool_choice="auto")
+    call = {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "ping it"},
+        {"role": "assistant", "content": ""} | T.message_tool_fields("assistant", [call], None, None, 2),
+        {"role": "tool", "content": "pong"} | T.message_tool_fields("tool", None, "call_1", None, 3),
+    ]
+    out, tools = T.for_template(s, msgs, "{{ messages }}")
+    assert tools is None
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.\n\nYou can call")
+    assert json.loads(out[2]["content"]) == [{"name": "ping", "arguments": {}}]
+    assert out[3] == {"role": "user", "content": "Result of ping: pong"}
+    # a template that takes tools gets them, and the messages as they are (name filled in)
+    out, tools = T.for_template(s, msgs, HERMES_TEMPLATE)
+    assert (
+        tools == TOOLS and out[3]["name"] == "ping" and out[2]["tool_calls"][0]["function"]["arguments"] == {}
+    )
+
+
+def test_bad_tool_fields_are_400():
+    bad = [
+        dict(tools=[{"type": "function", "function": {"name": "has space"}}]),
+        dict(tools=[TOOLS[1], TOOLS[1]]),
+        dict(tool_choice={"type": "function", "function": {"name": "nope"}}),
+        dict(tools=None, tool_choice="required"),
+        dict(functions=[{"name": "f"}]),
+    ]
+    for kw in bad:
+        with pytest.raises(APIError) as e:
+            setup_for(HERMES_TEMPLATE, **kw)
+        assert e.value.status == 400 and e.value.param in ("tools", "tool_choice", "functions")
+    with pytest.raises(APIError):
+        T.message_tool_fields("tool", None, None, None, 0)  # a tool result answers a call id
+    with pytest.raises(APIError):
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}
+        T.message_tool_fields("assistant", [call], None, None, 0)
+    assert setup_for(HERMES_TEMPLATE, tools=None) is None
+    assert setup_for(HERMES_TEMPLATE, tool_choice="none").parser is None
