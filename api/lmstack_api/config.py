@@ -149,7 +149,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     chat_template: Annotated[
         str | None,
         msgspec.Meta(
-            description="a Jinja chat template file to use instead of the model's (null: the model's)"
+            description="a Jinja chat template file, or the template text, used instead of the model's"
         ),
     ] = None
 
