@@ -78,6 +78,23 @@ def test_hermes_grammar_takes_valid_calls_only():
     assert [c.name for c in got.calls] == ["get_weather", "ping"] and not got.content.strip()
 
 
+def test_llama3_json_grammar_and_parser_agree():
+    template = "{{ tools }}<|python_tag|>"
+    s = setup_for(template, tool_choice="required", tools=TOOLS)
+    if s.parser.name != "llama3_json":
+        pytest.skip(f"this template picks {s.parser.name}")
+    fmt = T.CALL_FORMATS["llama3_json"]
+    rules = xgr.Grammar.from_json_schema(json.dumps(T.call_schema(s, fmt.args_key)), any_whitespace=False)
+    text, root = T.call_grammar_ebnf(s, fmt, str(rules))
+    g = xgr.Grammar.from_ebnf(text, root_rule_name=root)
+    calls = '{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "ping", "parameters": {}}'
+    assert accepts(g, calls) and not accepts(g, calls.replace("parameters", "arguments"))
+    parser = s.parser(TOOLS)
+    got = parser.feed(calls)
+    got.add(parser.finish())
+    assert [c.name for c in got.calls] == ["get_weather", "ping"] and not got.content.strip()
+
+
 def test_generic_array_schema():
     s = setup_for("{{ messages }}", tool_choice="required")  # no `tools` in it: generic
     assert s.generic and s.parser is T.GenericJSONParser

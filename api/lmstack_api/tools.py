@@ -143,7 +143,7 @@ def tool_setup(
     choice, forced = _choice(req.tool_choice, [f.name for f in functions])
     if not functions:
         if choice not in ("none", "auto"):
-            raise invalid(f"tool_choice {req.tool_choice!r} needs tools", param="tool_choice")
+            raise invalid(f"tool_choice {choice} needs tools", param="tool_choice")
         return None
     if choice != "none" and not template:
         raise invalid(
