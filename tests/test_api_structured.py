@@ -274,3 +274,22 @@ def test_regex_holds_with_ngram_drafts(client, llm, monkeypatch):
         text = r.json()["choices"][0]["message"]["content"]
         assert re.fullmatch(pattern, text), text
     assert llm.engine.stats.num_draft_tokens > before  # drafts were proposed and verified
+
+
+@pytest.mark.parametrize("choice", ['say "hi"', "back\\slash", "two\nlines", "tab\there", "café ☕"])
+def test_choice_grammar_spells_each_choice_exactly(llm, choice):
+    """The EBNF built from a choice list accepts each choice's text exactly: quotes,
+    backslashes, control characters and non-ASCII text survive the escaping."""
+    import xgrammar as xgr
+
+    from lmstack.sample.grammar import choice_ebnf
+
+    others = ["plain", choice + "x"]
+    grammar = llm.engine.grammar_compiler.ebnf(choice_ebnf([choice, "plain"]))
+
+    def accepts(text: str) -> bool:
+        m = xgr.GrammarMatcher(grammar._compiled)
+        return bool(m.accept_string(text)) and m.is_completed()
+
+    assert accepts(choice) and accepts(others[0]) and not accepts(others[1])
+    assert not accepts(choice[:-1])
