@@ -293,3 +293,39 @@ def test_choice_grammar_spells_each_choice_exactly(llm, choice):
 
     assert accepts(choice) and accepts(others[0]) and not accepts(others[1])
     assert not accepts(choice[:-1])
+
+
+def test_regex_and_grammar_sources_are_bounded_and_checked_in_the_guard(llm):
+    """Regexes and grammars go through the schema's bounds: the size limit, and the killable
+    child compile whose rejection is xgrammar's message naming the field."""
+    import asyncio
+
+    from lmstack.errors import InvalidRequestError
+    from lmstack_api.errors import APIError
+    from lmstack_api.grammar_guard import CompileGuard
+
+    compiler = llm.engine.grammar_compiler
+    with pytest.raises(InvalidRequestError, match="grammar_max_schema_bytes") as e:
+        compiler.prepare_source(
+            "ebnf", 'root ::= "' + "a" * 100 + '"', param="structured_outputs.grammar", max_bytes=64
+        )
+    assert e.value.param == "structured_outputs.grammar"
+    with pytest.raises(InvalidRequestError, match="must not be empty"):
+        compiler.prepare_source("regex", "", param="structured_outputs.regex")
+
+    async def run() -> tuple[int, APIError]:
+        guard = CompileGuard(timeout_s=300, memory_bytes=1 << 30)
+        try:
+            ok = compiler.prepare_source("regex", "[0-9]{3}", param="structured_outputs.regex")
+            nbytes = await guard.check(compiler, ok)
+            with pytest.raises(APIError) as e:
+                bad = compiler.prepare_source("ebnf", "root ::= foo", param="structured_outputs.grammar")
+                await guard.check(compiler, bad)
+            return nbytes, e.value
+        finally:
+            await guard.aclose()
+
+    nbytes, err = asyncio.run(run())
+    assert nbytes > 0
+    assert err.status == 400 and err.param == "structured_outputs.grammar"
+    assert err.message.startswith("invalid grammar:") and 'Rule "foo" is not defined' in err.message
