@@ -47,11 +47,17 @@ def accepts(grammar, text: str) -> bool:
     return all(matcher.accept_token(b) for b in text.encode()) and matcher.accept_token(256)
 
 
-def hermes_grammar(setup: T.ToolSetup):
-    fmt = T.CALL_FORMATS["hermes"]
-    rules = xgr.Grammar.from_json_schema(json.dumps(T.call_schema(setup)), any_whitespace=False)
+def call_grammar(setup: T.ToolSetup, fmt_name: str):
+    """The grammar `tool_grammar` compiles, built the same way."""
+    fmt = T.CALL_FORMATS[fmt_name]
+    schema = json.dumps(T.call_schema(setup, fmt.args_key))
+    rules = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
     text, root = T.call_grammar_ebnf(setup, fmt, str(rules))
     return xgr.Grammar.from_ebnf(text, root_rule_name=root)
+
+
+def hermes_grammar(setup: T.ToolSetup):
+    return call_grammar(setup, "hermes")
 
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
@@ -83,10 +89,7 @@ def test_llama3_json_grammar_and_parser_agree():
     s = setup_for(template, tool_choice="required", tools=TOOLS)
     if s.parser.name != "llama3_json":
         pytest.skip(f"this template picks {s.parser.name}")
-    fmt = T.CALL_FORMATS["llama3_json"]
-    rules = xgr.Grammar.from_json_schema(json.dumps(T.call_schema(s, fmt.args_key)), any_whitespace=False)
-    text, root = T.call_grammar_ebnf(s, fmt, str(rules))
-    g = xgr.Grammar.from_ebnf(text, root_rule_name=root)
+    g = call_grammar(s, "llama3_json")
     calls = '{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "ping", "parameters": {}}'
     assert accepts(g, calls) and not accepts(g, calls.replace("parameters", "arguments"))
     parser = s.parser(TOOLS)
@@ -98,12 +101,25 @@ def test_llama3_json_grammar_and_parser_agree():
 def test_generic_array_schema():
     s = setup_for("{{ messages }}", tool_choice="required")  # no `tools` in it: generic
     assert s.generic and s.parser is T.GenericJSONParser
-    g = xgr.Grammar.from_json_schema(json.dumps(T.array_schema(s)), any_whitespace=False)
+    g = call_grammar(s, "generic")
     both = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "ping", "arguments": {}}]'
     assert accepts(g, both) and not accepts(g, "[]") and not accepts(g, both.replace('"Oslo"', "1"))
     s1 = setup_for("{{ messages }}", tool_choice="required", parallel_tool_calls=False)
-    g1 = xgr.Grammar.from_json_schema(json.dumps(T.array_schema(s1)), any_whitespace=False)
+    g1 = call_grammar(s1, "generic")
     assert not accepts(g1, both) and accepts(g1, '[{"name": "ping", "arguments": {}}]')
+
+
+def test_length_bounded_strings_stay_json():
+    # xgrammar 0.2.9 lets a maxLength string hold raw control characters, which JSON forbids.
+    short = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "maxLength": 4}},
+        "required": ["code"],
+    }
+    tools = [{"type": "function", "function": {"name": "f", "parameters": short}}]
+    g = call_grammar(setup_for(HERMES_TEMPLATE, tools=tools, tool_choice="required"), "hermes")
+    call = '<tool_call>\n{"name": "f", "arguments": {"code": "%s"}}\n</tool_call>'
+    assert accepts(g, call % "ab") and not accepts(g, call % "a\x0bb") and not accepts(g, call % "abcde")
 
 
 @pytest.mark.parametrize("pieces", [1, 2, 5, 1000])

@@ -26,7 +26,7 @@ from typing import Any
 from lmstack.errors import InvalidRequestError
 from lmstack.sample.grammar import error_reason
 from lmstack_api.errors import APIError, invalid, unsupported
-from lmstack_api.grammar_guard import SCHEMA_PARAM, bounded_schema_grammar, in_daemon_thread
+from lmstack_api.grammar_guard import SCHEMA_PARAM, in_daemon_thread
 from lmstack_api.tool_parsers import available_parsers, choose_parser
 from lmstack_api.tool_parsers.base import ParseDelta, ToolCall, ToolParser, loads_or_none
 
@@ -293,11 +293,13 @@ class CallFormat:
     prefix: str  # before each call
     suffix: str  # after each call
     separator: str  # between two calls
+    open: str = ""  # before the first call
+    close: str = ""  # after the last
 
 
-# Formats lmstack can constrain; "generic" is a JSON array (a plain JSON schema).
+# Formats lmstack can constrain; "generic" is lmstack's own: a JSON array of calls.
 CALL_FORMATS = {
-    "generic": CallFormat("arguments", "", "", ", "),
+    "generic": CallFormat("arguments", "", "", ", ", "[", "]"),
     "hermes": CallFormat("arguments", "<tool_call>\n", "\n</tool_call>", "\n"),
     "llama3_json": CallFormat("parameters", "", "", "; "),
 }
@@ -318,12 +320,8 @@ def call_schema(setup: ToolSetup, args_key: str = "arguments") -> dict[str, Any]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def array_schema(setup: ToolSetup) -> dict[str, Any]:
-    """The generic format: a JSON array of one call, or (parallel) one or more."""
-    schema: dict[str, Any] = {"type": "array", "items": call_schema(setup), "minItems": 1}
-    if not setup.parallel:
-        schema["maxItems"] = 1
-    return schema
+_XGR_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_PLAIN_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
 def _ebnf_literal(text: str) -> str:
@@ -334,9 +332,14 @@ def call_grammar_ebnf(setup: ToolSetup, fmt: CallFormat, call_rules: str) -> tup
     """(EBNF text, root rule) for calls in `fmt`: `call_rules` is xgrammar's EBNF for one
     call's JSON (root rule `root`); one call, or (parallel) one or more."""
     one = f"{_ebnf_literal(fmt.prefix)} root {_ebnf_literal(fmt.suffix)}"
-    rule = f"lmstack_tool_calls ::= {one}"
+    rule = f"lmstack_tool_calls ::= {_ebnf_literal(fmt.open)} {one}"
     if setup.parallel:
         rule += f" ({_ebnf_literal(fmt.separator)} {one}){{0, -1}}"
+    rule += f" {_ebnf_literal(fmt.close)}"
+    # xgrammar (0.2.9) writes a string with maxLength as characters that exclude only quote,
+    # backslash, CR and LF: a raw control character there is not JSON. Such strings take no
+    # escapes either, so excluding every control character keeps them plain, valid JSON.
+    call_rules = call_rules.replace(_XGR_BOUNDED_STRING_CHAR, _JSON_PLAIN_STRING_CHAR)
     return f"{call_rules}\n{rule}\n", "lmstack_tool_calls"
 
 
@@ -347,13 +350,12 @@ _GUARDED_MAX = 1024
 
 
 async def tool_grammar(setup: ToolSetup, compiler: Any, guard: Any, cfg: Any) -> Any:
-    """The grammar that forces `setup`'s calls, compiled within the server's bounds (the
-    functions' schemas are what can be expensive; the format around them adds a few rules)."""
+    """The grammar that forces `setup`'s calls, compiled within the server's bounds: the
+    functions' schemas (what can be expensive) are compiled first by the guard's child process;
+    the format around them adds a few rules."""
     limits = {"max_bytes": cfg.grammar_max_schema_bytes, "max_properties": cfg.grammar_max_schema_properties}
     try:
-        if setup.generic:
-            return await bounded_schema_grammar(compiler, guard, array_schema(setup), **limits)
-        fmt = CALL_FORMATS[setup.parser.name]
+        fmt = CALL_FORMATS["generic" if setup.generic else setup.parser.name]
         try:
             prepared = compiler.prepare(call_schema(setup, fmt.args_key), **limits)
         except InvalidRequestError as exc:
