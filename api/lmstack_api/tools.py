@@ -20,7 +20,7 @@ import json
 import re
 import uuid
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lmstack.errors import InvalidRequestError
@@ -53,7 +53,6 @@ class ToolSetup:
     parallel: bool
     generic: bool  # lmstack renders the tools (the template does not take them)
     parser: type[ToolParser] | None  # None: nothing is parsed (tool_choice none)
-    messages: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def constrained(self) -> bool:
