@@ -294,6 +294,22 @@ void prepare_scalar(const uint8_t* row, int64_t nsb, int64_t nb32, const RowBuf&
   }
 }
 
+// Software prefetch for one activation row: the NR weight rows a pass reads side by side are
+// counted as one linear stream, every line up to PREFETCH_BYTES past where the pass has read
+// (as gguf_matmul.cpp's kernels: the hardware prefetcher follows interleaved rows poorly).
+constexpr int64_t PREFETCH_BYTES = 4096;
+struct Ahead {
+  const char* next;
+  const char* end;
+  Ahead(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t n)
+      : next(reinterpret_cast<const char*>(w + n * row_bytes) + PREFETCH_BYTES),
+        end(reinterpret_cast<const char*>(w + rows * row_bytes)) {}
+  inline void to(const uint8_t* read) {
+    const char* target = reinterpret_cast<const char*>(read) + PREFETCH_BYTES;
+    for (; next < target && next < end; next += 64) _mm_prefetch(next, _MM_HINT_T0);
+  }
+};
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
@@ -311,71 +327,49 @@ inline __m256i bits(__m256i v, int n, int mask) {
   return _mm256_and_si256(_mm256_srli_epi16(v, n), _mm256_set1_epi8(char(mask)));
 }
 
-// Super-block sb's 256 codes u in value order, 32 at a time.
+// Codes 32c..32c+31 of super-block sb (c = 0..7) in value order. Called with constant c in
+// unrolled loops: the compiler shares the loads between chunks.
 template <int TYPE>
-inline void codes(const uint8_t* row, int64_t sb, int64_t nb32, uint8_t* u) {
-  if constexpr (LEGACY<TYPE>) {
+inline __m256i chunk(const uint8_t* row, int64_t sb, int64_t nb32, int c) {
+  if constexpr (LEGACY<TYPE>) {  // block 8 sb + c
+    const int64_t blk = 8 * sb + c;
+    if (blk >= nb32) return _mm256_setzero_si256();
     // The 32 high bits: byte j takes qh's byte j / 8, keeps bit j % 8, and becomes 16 where set.
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                                             3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
-    for (int b = 0; b < 8; ++b) {
-      const int64_t blk = 8 * sb + b;
-      if (blk >= nb32) {
-        store32(u + 32 * b, _mm256_setzero_si256());
-        continue;
-      }
-      const uint8_t* p = row + blk * BYTES<TYPE> + (TYPE == Q5_1 ? 4 : 2);
-      int32_t qh;
-      std::memcpy(&qh, p, 4);
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
-      const __m128i m4 = _mm_set1_epi8(0x0F);
-      const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
-      const __m256i hb = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), bit);
-      const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(hb, bit), _mm256_set1_epi8(16));
-      store32(u + 32 * b, _mm256_or_si256(low, high));
-    }
+    const uint8_t* p = row + blk * BYTES<TYPE> + (TYPE == Q5_1 ? 4 : 2);
+    int32_t qh;
+    std::memcpy(&qh, p, 4);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+    const __m256i hb = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), bit);
+    return _mm256_or_si256(low, _mm256_and_si256(_mm256_cmpeq_epi8(hb, bit), _mm256_set1_epi8(16)));
   } else {
     const uint8_t* p = row + sb * BYTES<TYPE>;
+    const int h = c / 4, t = c % 4;
     if constexpr (TYPE == Q2_K) {
-      for (int h = 0; h < 2; ++h) {
-        const __m256i raw = load32(p + 16 + 32 * h);
-        for (int t = 0; t < 4; ++t) store32(u + 128 * h + 32 * t, bits(raw, 2 * t, 3));
-      }
+      return bits(load32(p + 16 + 32 * h), 2 * t, 3);
     } else if constexpr (TYPE == Q3_K) {
-      const __m256i hm = load32(p);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i raw = load32(p + 32 + 32 * h);
-        for (int t = 0; t < 4; ++t) {
-          const __m256i high = _mm256_slli_epi16(bits(hm, 4 * h + t, 1), 2);  // bytes 0/1: no carry
-          store32(u + 128 * h + 32 * t, _mm256_or_si256(bits(raw, 2 * t, 3), high));
-        }
-      }
+      const __m256i high = _mm256_slli_epi16(bits(load32(p), c, 1), 2);  // bytes 0 / 1: no carry
+      return _mm256_or_si256(bits(load32(p + 32 + 32 * h), 2 * t, 3), high);
     } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
-      const uint8_t* qs = p + (TYPE == Q4_K ? 16 : 48);
-      __m256i qh = _mm256_setzero_si256();
-      if constexpr (TYPE == Q5_K) qh = load32(p + 16);
-      for (int c = 0; c < 4; ++c) {
-        const __m256i raw = load32(qs + 32 * c);
-        __m256i lo = bits(raw, 0, 15), hi = bits(raw, 4, 15);
-        if constexpr (TYPE == Q5_K) {
-          lo = _mm256_or_si256(lo, _mm256_slli_epi16(bits(qh, 2 * c, 1), 4));
-          hi = _mm256_or_si256(hi, _mm256_slli_epi16(bits(qh, 2 * c + 1, 1), 4));
-        }
-        store32(u + 64 * c, lo);
-        store32(u + 64 * c + 32, hi);
-      }
+      const __m256i low = bits(load32(p + (TYPE == Q4_K ? 16 : 48) + 32 * (c / 2)), 4 * (c % 2), 15);
+      if constexpr (TYPE == Q4_K) return low;
+      return _mm256_or_si256(low, _mm256_slli_epi16(bits(load32(p + 16), c, 1), 4));
     } else {  // Q6_K
-      for (int h = 0; h < 2; ++h) {
-        const __m256i l0 = load32(p + 64 * h), l1 = load32(p + 64 * h + 32), qh = load32(p + 128 + 32 * h);
-        for (int t = 0; t < 4; ++t) {
-          const __m256i low = bits(t % 2 ? l1 : l0, 4 * (t / 2), 15);
-          const __m256i high = _mm256_slli_epi16(bits(qh, 2 * t, 3), 4);
-          store32(u + 128 * h + 32 * t, _mm256_or_si256(low, high));
-        }
-      }
+      const __m256i low = bits(load32(p + 64 * h + 32 * (t % 2)), 4 * (t / 2), 15);
+      return _mm256_or_si256(low, _mm256_slli_epi16(bits(load32(p + 128 + 32 * h), 2 * t, 3), 4));
     }
   }
+}
+
+// Super-block sb's 256 codes u in value order.
+template <int TYPE>
+inline void codes(const uint8_t* row, int64_t sb, int64_t nb32, uint8_t* u) {
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) store32(u + 32 * c, chunk<TYPE>(row, sb, nb32, c));
 }
 
 // Eight bytes as fp32 (unsigned or signed).
@@ -392,35 +386,49 @@ inline int64_t load_i64(const uint8_t* p) {
   return v;
 }
 
-// `scales` (the same fp32 operations, so the same values) eight at a time.
+// `scales` (the same fp32 operations, so the same values) eight at a time: groups 0-7 in [0].
 template <int TYPE>
-inline void scales_vec(const uint8_t* row, int64_t sb, int64_t nb32, float* s, float* o) {
+inline void scales_vec(const uint8_t* row, int64_t sb, int64_t nb32, __m256 s[2], __m256 o[2]) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   // Per-32 values v[0..7] as per-16 pairs: [v0 v0 v1 v1 ...] (lo), [v4 v4 ... v7 v7] (hi).
   const __m256i pairs_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), pairs_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-  auto store_pairs = [&](float* dst, __m256 v) {
-    _mm256_storeu_ps(dst, _mm256_permutevar8x32_ps(v, pairs_lo));
-    _mm256_storeu_ps(dst + 8, _mm256_permutevar8x32_ps(v, pairs_hi));
+  auto pairs = [&](__m256 dst[2], __m256 v) {
+    dst[0] = _mm256_permutevar8x32_ps(v, pairs_lo);
+    dst[1] = _mm256_permutevar8x32_ps(v, pairs_hi);
   };
   if constexpr (LEGACY<TYPE>) {
     const int64_t have = std::min<int64_t>(8, nb32 - 8 * sb);  // the row's last group may be short
-    alignas(16) uint16_t dh[8] = {}, mh[8] = {};
-    for (int64_t b = 0; b < have; ++b) {
-      const uint8_t* p = row + (8 * sb + b) * BYTES<TYPE>;
-      std::memcpy(dh + b, p, 2);
-      if constexpr (TYPE == Q5_1) std::memcpy(mh + b, p + 2, 2);
+    const uint8_t* p = row + 8 * sb * BYTES<TYPE>;
+    auto u16 = [&](int64_t b, int at) {
+      uint16_t v;
+      std::memcpy(&v, p + b * BYTES<TYPE> + at, 2);
+      return short(v);
+    };
+    __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
+    if (have == 8) {  // (in registers: storing 8 halves then loading them as one would stall)
+      dh = _mm_setr_epi16(u16(0, 0), u16(1, 0), u16(2, 0), u16(3, 0), u16(4, 0), u16(5, 0), u16(6, 0), u16(7, 0));
+      if constexpr (TYPE == Q5_1)
+        mh = _mm_setr_epi16(u16(0, 2), u16(1, 2), u16(2, 2), u16(3, 2), u16(4, 2), u16(5, 2), u16(6, 2), u16(7, 2));
+    } else {
+      alignas(16) int16_t d8[8] = {}, m8[8] = {};
+      for (int64_t b = 0; b < have; ++b) {
+        d8[b] = u16(b, 0);
+        if constexpr (TYPE == Q5_1) m8[b] = u16(b, 2);
+      }
+      dh = _mm_load_si128(reinterpret_cast<const __m128i*>(d8));
+      mh = _mm_load_si128(reinterpret_cast<const __m128i*>(m8));
     }
-    store_pairs(s, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh))));
-    store_pairs(o, TYPE == Q5_1 ? _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh))) : sign);
+    pairs(s, _mm256_cvtph_ps(dh));
+    pairs(o, TYPE == Q5_1 ? _mm256_cvtph_ps(mh) : sign);
   } else {
     const uint8_t* p = row + sb * BYTES<TYPE>;
     if constexpr (TYPE == Q2_K) {
       const __m256 d = _mm256_set1_ps(half_f16c(p + 80)), dmin = _mm256_set1_ps(half_f16c(p + 82));
       const int64_t lo = load_i64(p), hi = load_i64(p + 8), m4 = 0x0F0F0F0F0F0F0F0Fll;
-      _mm256_storeu_ps(s, _mm256_mul_ps(d, floats_u8(lo & m4)));
-      _mm256_storeu_ps(s + 8, _mm256_mul_ps(d, floats_u8(hi & m4)));
-      _mm256_storeu_ps(o, _mm256_xor_ps(sign, _mm256_mul_ps(dmin, floats_u8((lo >> 4) & m4))));
-      _mm256_storeu_ps(o + 8, _mm256_xor_ps(sign, _mm256_mul_ps(dmin, floats_u8((hi >> 4) & m4))));
+      s[0] = _mm256_mul_ps(d, floats_u8(lo & m4));
+      s[1] = _mm256_mul_ps(d, floats_u8(hi & m4));
+      o[0] = _mm256_xor_ps(sign, _mm256_mul_ps(dmin, floats_u8((lo >> 4) & m4)));
+      o[1] = _mm256_xor_ps(sign, _mm256_mul_ps(dmin, floats_u8((hi >> 4) & m4)));
     } else if constexpr (TYPE == Q3_K) {
       // Scale i: low 4 bits from byte i (i < 8) or the high nibble of byte i - 8, high 2 bits
       // from byte 8 + i % 4 at bit 2 * (i / 4); four at a time in 32-bit words.
@@ -430,47 +438,44 @@ inline void scales_vec(const uint8_t* row, int64_t sb, int64_t nb32, float* s, f
       const uint32_t w2 = ((a0 >> 4) & k4) | (a2 & k2), w3 = ((a1 >> 4) & k4) | ((a2 >> 2) & k2);
       const __m256 d = _mm256_set1_ps(half_f16c(p + 108)), c32 = _mm256_set1_ps(32.f);
       // (sc - 32 exactly in fp32: small integers.)
-      _mm256_storeu_ps(s, _mm256_mul_ps(d, _mm256_sub_ps(floats_u8(int64_t(w0) | (int64_t(w1) << 32)), c32)));
-      _mm256_storeu_ps(s + 8, _mm256_mul_ps(d, _mm256_sub_ps(floats_u8(int64_t(w2) | (int64_t(w3) << 32)), c32)));
-      _mm256_storeu_ps(o, sign);
-      _mm256_storeu_ps(o + 8, sign);
+      s[0] = _mm256_mul_ps(d, _mm256_sub_ps(floats_u8(int64_t(w0) | (int64_t(w1) << 32)), c32));
+      s[1] = _mm256_mul_ps(d, _mm256_sub_ps(floats_u8(int64_t(w2) | (int64_t(w3) << 32)), c32));
+      o[0] = sign;
+      o[1] = sign;
     } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
       const uint32_t a0 = load_u32(p + 4), a1 = load_u32(p + 8), a2 = load_u32(p + 12);
       const uint32_t k6 = 0x3F3F3F3F, k4 = 0x0F0F0F0F, k2 = 0x30303030;
       const uint32_t sc_hi = (a2 & k4) | ((a0 >> 2) & k2), mn_hi = ((a2 >> 4) & k4) | ((a1 >> 2) & k2);
       const __m256 d = _mm256_set1_ps(half_f16c(p)), dmin = _mm256_set1_ps(half_f16c(p + 2));
-      store_pairs(s, _mm256_mul_ps(d, floats_u8(int64_t(a0 & k6) | (int64_t(sc_hi) << 32))));
-      store_pairs(o, _mm256_xor_ps(sign, _mm256_mul_ps(dmin, floats_u8(int64_t(a1 & k6) | (int64_t(mn_hi) << 32)))));
+      pairs(s, _mm256_mul_ps(d, floats_u8(int64_t(a0 & k6) | (int64_t(sc_hi) << 32))));
+      pairs(o, _mm256_xor_ps(sign, _mm256_mul_ps(dmin, floats_u8(int64_t(a1 & k6) | (int64_t(mn_hi) << 32)))));
     } else {  // Q6_K
       const __m256 d = _mm256_set1_ps(half_f16c(p + 208));
-      _mm256_storeu_ps(s, _mm256_mul_ps(d, floats_i8(load_i64(p + 192))));
-      _mm256_storeu_ps(s + 8, _mm256_mul_ps(d, floats_i8(load_i64(p + 200))));
-      _mm256_storeu_ps(o, sign);
-      _mm256_storeu_ps(o + 8, sign);
+      s[0] = _mm256_mul_ps(d, floats_i8(load_i64(p + 192)));
+      s[1] = _mm256_mul_ps(d, floats_i8(load_i64(p + 200)));
+      o[0] = sign;
+      o[1] = sign;
     }
   }
 }
 
 // The lane scales: s[i] over lanes 4i..4i+3 of the 64 per super-block.
-inline void spread_scales(const float* s, float* sl) {
-  const __m256 lo = _mm256_loadu_ps(s), hi = _mm256_loadu_ps(s + 8);
+inline void spread_scales(const __m256 s[2], float* sl) {
   for (int c = 0; c < 8; ++c) {
     const __m256i idx = _mm256_set_m128i(_mm_set1_epi32(2 * (c % 4) + 1), _mm_set1_epi32(2 * (c % 4)));
-    _mm256_storeu_ps(sl + 8 * c, _mm256_permutevar8x32_ps(c < 4 ? lo : hi, idx));
+    _mm256_storeu_ps(sl + 8 * c, _mm256_permutevar8x32_ps(s[c / 4], idx));
   }
 }
 
 template <int TYPE>
 void prepare(const uint8_t* row, int64_t nsb, int64_t nb32, const RowBuf& r) {
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    float s[GROUPS], o[GROUPS];
+    __m256 s[2], o[2];
     codes<TYPE>(row, sb, nb32, r.u + sb * SB);
     scales_vec<TYPE>(row, sb, nb32, s, o);
-    for (int i = 0; i < GROUPS; i += 8) {
-      const __m256 sv = _mm256_loadu_ps(s + i);
-      _mm256_storeu_ps(r.om + GROUPS * sb + i, BIAS<TYPE> ? _mm256_mul_ps(_mm256_set1_ps(-float(BIAS<TYPE>)), sv)
-                                                          : _mm256_loadu_ps(o + i));
-    }
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(r.om + GROUPS * sb + 8 * h,
+                       BIAS<TYPE> ? _mm256_mul_ps(_mm256_set1_ps(-float(BIAS<TYPE>)), s[h]) : o[h]);
     spread_scales(s, r.sl + 64 * sb);
   }
 }
@@ -521,6 +526,44 @@ inline void tile(const RowBuf* w, const XSide& x, int64_t nsb, int64_t r0, float
     for (int r = 0; r < MR; ++r) out[(r0 + r) * N + n + a] = hsum(acc[a][r]);
 }
 
+// One activation row (decode): NR weight rows unpacked in registers as they are read, no row
+// buffer. The same codes, lane scales and offsets as `prepare` gives `tile`, and the same
+// operations in the same order: a row's bits do not depend on whether it came alone.
+template <int TYPE, int NR>
+inline void decode(const uint8_t* w, int64_t row_bytes, int64_t nsb, int64_t nb32, const XSide& x, float* out,
+                   int64_t n, Ahead& ahead) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NR];
+  for (int a = 0; a < NR; ++a) acc[a] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    ahead.to(w + n * row_bytes + NR * (sb + 1) * row_bytes / nsb);
+    __m256 s[NR][2], om[NR][2];
+    for (int a = 0; a < NR; ++a) {
+      scales_vec<TYPE>(w + (n + a) * row_bytes, sb, nb32, s[a], om[a]);
+      if constexpr (BIAS<TYPE> != 0)
+        for (int h = 0; h < 2; ++h) om[a][h] = _mm256_mul_ps(_mm256_set1_ps(-float(BIAS<TYPE>)), s[a][h]);
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const int64_t at = sb * SB + 32 * c;
+      const __m256i xq = load32(reinterpret_cast<const uint8_t*>(x.q) + at);
+      const __m256 dx = _mm256_loadu_ps(x.dxl + at / 4);
+      const __m256i idx = _mm256_set_m128i(_mm_set1_epi32(2 * (c % 4) + 1), _mm_set1_epi32(2 * (c % 4)));
+      for (int a = 0; a < NR; ++a) {
+        const __m256i wq = chunk<TYPE>(w + (n + a) * row_bytes, sb, nb32, c);
+        const __m256 ws = _mm256_permutevar8x32_ps(s[a][c / 4], idx);
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);
+        acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, dx), acc[a]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sx = _mm256_loadu_ps(x.sx16 + GROUPS * sb + 8 * h);
+      for (int a = 0; a < NR; ++a) acc[a] = _mm256_fmadd_ps(om[a][h], sx, acc[a]);
+    }
+  }
+  for (int a = 0; a < NR; ++a) out[n + a] = hsum(acc[a]);
+}
+
 // Eight fp32 values -> bf16 bits, rounded to nearest even.
 inline __m128i to_bf16(__m256 v) {
   const __m256i b = _mm256_castps_si256(v);
@@ -540,7 +583,9 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t k, OUT* out, i
     const uint8_t* row = w + n * row_bytes;
     for (int64_t sb = 0; sb < nsb; ++sb) {
       codes<TYPE>(row, sb, nb32, u);
-      scales_vec<TYPE>(row, sb, nb32, s, o);
+      __m256 sv[2], ov[2];
+      scales_vec<TYPE>(row, sb, nb32, sv, ov);
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(s + 8 * h, sv[h]), _mm256_storeu_ps(o + 8 * h, ov[h]);
       const int64_t count = std::min<int64_t>(SB, k - sb * SB);
       OUT* dst = out + n * k + sb * SB;
       for (int64_t j = 0; j < count; j += 8) {
@@ -600,6 +645,46 @@ inline void tile(const RowBuf* w, const XSide& x, int64_t nsb, int64_t r0, float
     for (int r = 0; r < MR; ++r) out[(r0 + r) * N + n + a] = _mm512_reduce_add_ps(acc[a][r]);
 }
 
+// As avx2::decode: the 64 codes of a vpdpbusd from two 32-code chunks, the lane scales spread
+// from the 16 per super-block by one permute.
+template <int TYPE, int NR>
+inline void decode(const uint8_t* w, int64_t row_bytes, int64_t nsb, int64_t nb32, const XSide& x, float* out,
+                   int64_t n, Ahead& ahead) {
+  __m512 acc[NR];
+  for (int a = 0; a < NR; ++a) acc[a] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    ahead.to(w + n * row_bytes + NR * (sb + 1) * row_bytes / nsb);
+    __m512 s[NR], om[NR];
+    for (int a = 0; a < NR; ++a) {
+      __m256 sv[2], ov[2];
+      avx2::scales_vec<TYPE>(w + (n + a) * row_bytes, sb, nb32, sv, ov);
+      s[a] = _mm512_insertf32x8(_mm512_castps256_ps512(sv[0]), sv[1], 1);
+      // (the 256-bit multiply of `prepare`, lane for lane the same rounding)
+      om[a] = BIAS<TYPE> ? _mm512_mul_ps(_mm512_set1_ps(-float(BIAS<TYPE>)), s[a])
+                         : _mm512_insertf32x8(_mm512_castps256_ps512(ov[0]), ov[1], 1);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const int64_t at = sb * SB + 64 * c;
+      const __m512i xq = _mm512_loadu_si512(x.q + at);
+      const __m512 dx = _mm512_loadu_ps(x.dxl + at / 4);
+      const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * c),
+                                           _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+      for (int a = 0; a < NR; ++a) {
+        const uint8_t* row = w + (n + a) * row_bytes;
+        const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(avx2::chunk<TYPE>(row, sb, nb32, 2 * c)),
+                                              avx2::chunk<TYPE>(row, sb, nb32, 2 * c + 1), 1);
+        const __m512 ws = _mm512_permutexvar_ps(idx, s[a]);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq);
+        acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, dx), acc[a]);
+      }
+    }
+    const __m512 sx = _mm512_loadu_ps(x.sx16 + GROUPS * sb);
+    for (int a = 0; a < NR; ++a) acc[a] = _mm512_fmadd_ps(om[a], sx, acc[a]);
+  }
+  for (int a = 0; a < NR; ++a) out[n + a] = _mm512_reduce_add_ps(acc[a]);
+}
+
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -643,8 +728,23 @@ void rows_nr(const Problem& p, int64_t isa, RowBuf* buf, int64_t n) {
   }
 }
 
+template <int TYPE, int NR>
+inline void decode(const Problem& p, int64_t isa, int64_t n, Ahead& ahead) {
+  if (isa >= ISA_AVX512)
+    avx512::decode<TYPE, NR>(p.w, p.row_bytes, p.nsb, p.nb32, p.x, p.out, n, ahead);
+  else
+    avx2::decode<TYPE, NR>(p.w, p.row_bytes, p.nsb, p.nb32, p.x, p.out, n, ahead);
+}
+
 template <int TYPE>
 void rows(const Problem& p, int64_t isa, int64_t n0, int64_t n1) {
+  if (p.M == 1 && isa >= ISA_AVX2) {  // decode: four weight rows at a time, unpacked in registers
+    Ahead ahead(p.w, p.row_bytes, p.N, n0);
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) decode<TYPE, 4>(p, isa, n, ahead);
+    for (; n < n1; ++n) decode<TYPE, 1>(p, isa, n, ahead);
+    return;
+  }
   constexpr int MAX_NR = 4;
   const int64_t Kp = p.nsb * SB;
   // Per weight row: Kp codes, Kp / 4 lane scales, Kp / 16 offsets (a few KB: stays in L1 / L2).
