@@ -368,7 +368,7 @@ def test_report_names_the_file_and_its_tensor_types(smollm2_path):
 
 
 def test_one_llama_cpp_build_has_every_tool(tmp_path, monkeypatch):
-    """The cached build is reused only when it has all three tools; otherwise configure + build run
+    """The cached build is reused only when it has every tool; otherwise configure + build run
     again (the sdist already there is not downloaded twice), with every tool as a target."""
     from lmstack_bench import toolbox
 
@@ -388,7 +388,7 @@ def test_one_llama_cpp_build_has_every_tool(tmp_path, monkeypatch):
     bins, cmds, built = toolbox.build_llama_cpp(tmp_path, "9.9", jobs=2)
     assert built and [c[:2] for c in ran] == [["cmake", "-S"], ["cmake", "--build"]]
     assert cmds[2][cmds[2].index("--target") + 1 :] == ["llama-server", "llama-quantize", "llama-perplexity",
-                                                         "-j", "2"]  # fmt: skip
+                                                         "llama-tokenize", "-j", "2"]  # fmt: skip
     assert bins == {t: tmp_path / "build" / "bin" / t for t in toolbox.LLAMA_TOOLS}
     ran.clear()
     assert toolbox.build_llama_cpp(tmp_path, "9.9", jobs=2)[2] is False and not ran

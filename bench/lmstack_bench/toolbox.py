@@ -325,7 +325,7 @@ def started(server: Server, log_path: Path, timeout_s: float) -> Iterator[str]:
 # --- llama.cpp, the outside oracle -----------------------------------------------------------
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp is built
-LLAMA_TOOLS = ("llama-server", "llama-quantize", "llama-perplexity")
+LLAMA_TOOLS = ("llama-server", "llama-quantize", "llama-perplexity", "llama-tokenize")
 # ggml's AMX code crashes on these CPUs: built without it.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 BENCH_CACHE = Path.home() / ".cache" / "lmstack-bench"
@@ -362,10 +362,11 @@ def llama_build_commands(build_dir: Path, version: str, jobs: int) -> list[list[
 def build_llama_cpp(
     build_dir: Path, version: str, jobs: int
 ) -> tuple[dict[str, Path], list[list[str]], bool]:
-    """llama.cpp's tools (`LLAMA_TOOLS`: the server, the quantizer, the perplexity tool), built
-    once from the sdist's vendored source into `build_dir` (a cache outside the repository).
-    Returns {tool: binary}, the commands that build them, and whether they ran now (False: an
-    earlier build had every tool). One cached build serves compare_servers.py and gguf_kquants.py."""
+    """llama.cpp's tools (`LLAMA_TOOLS`: the server, the quantizer, the perplexity tool and the
+    tokenizer), built once from the sdist's vendored source into `build_dir` (a cache outside the
+    repository). Returns {tool: binary}, the commands that build them, and whether they ran now
+    (False: an earlier build had every tool; a build missing one is completed, only what is
+    missing compiles). One cached build serves compare_servers.py and gguf_kquants.py."""
     import tarfile
 
     bins = {tool: build_dir / "build" / "bin" / tool for tool in LLAMA_TOOLS}

