@@ -241,25 +241,11 @@ def compare_tokens(binary: Path, model: Path, text: Path) -> dict[str, Any]:
 # --- resident bytes (a worker process per file) ----------------------------------------------
 
 
-def resident_weight_bytes(model: Any) -> int:
-    """Issue 54 moves this counter into the core; until it lands there, quant_cpu.py's."""
-    try:
-        from lmstack.model.memory import resident_weight_bytes as count
-    except ImportError:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("quant_cpu", Path(__file__).with_name("quant_cpu.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        count = module.resident_weight_bytes
-    return int(count(model))
-
-
 def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     """Load the file as the stack serves it, serve a few requests (batch 1, then 8: what a kernel
     builds on first use counts), count the weight bytes held."""
     from lmstack import LLM, SamplingParams
+    from lmstack.model.memory import resident_weight_bytes
 
     # The file alone is the stack `lmstack serve FILE` runs; a stack file gets the file as its model.
     llm = LLM(cfg["model"]) if cfg["stack"] is None else LLM(cfg["stack"], model=cfg["model"])
