@@ -186,3 +186,18 @@ def test_missing_text_is_one_line(tiny_model_path, tmp_path, capsys):
     stack.write_text(f"model: {tiny_model_path}\n", encoding="utf-8")
     assert main(["eval", "perplexity", "--stack", str(stack), "--text", str(tmp_path / "none.txt")]) == 2
     assert capsys.readouterr().err.strip() == f"error: text file not found: {tmp_path / 'none.txt'}"
+
+
+def test_command_chunks_method(tiny_model_path, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    args = ["eval", "perplexity", str(tiny_model_path), "--text", str(text), "--set", "dtype=float32"]
+    assert main([*args, "--method", "chunks", "--ctx", "32", "--chunks", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["method"] == "chunks" and report["chunks"] == 2 and report["ctx"] == 32
+    assert report["tokens"] == 2 * (32 - 16 - 1) and "windows" not in report
+    # The other method's options are refused with one line, before the model loads.
+    for extra, option in ((["--method", "chunks", "--window", "8"], "--window"), (["--ctx", "64"], "--ctx")):
+        assert main([*args, *extra]) == 2
+        method = "chunks" if "chunks" in extra else "windows"
+        assert capsys.readouterr().err.strip() == f"error: {option} does not apply to --method {method}"
