@@ -15,7 +15,7 @@ from lmstack.interfaces import LinearFactory, LinearSpec, Quantizer
 from lmstack.kernels.hardware import cpu_flags, native_bf16_cpu
 from lmstack.quant.formats import GGUF, checkpoint_format_id
 from lmstack_gguf.head import keep_embedding_and_head_as_blocks, watch_tables
-from lmstack_gguf.kernel import KQ_MAX_ROWS, QK, native_kernel
+from lmstack_gguf.kernel import KQ_MAX_ROWS, KQ_MAX_ROWS_FP32_SLABS, QK, native_kernel
 from lmstack_gguf.linear import GGUFLinear
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,10 @@ class GGUFQuantizer(Quantizer):
             if self.prefill == "panels+bf16":
                 extra.update(copy_dtype=torch.bfloat16, copy_min_rows=AMX_COPY_MIN_ROWS)
 
-        extra.update(kq_max_rows=KQ_MAX_ROWS, slab_dtype=self.slab_dtype)
+        bf16_slabs = self.slab_dtype == torch.bfloat16
+        extra.update(
+            kq_max_rows=KQ_MAX_ROWS if bf16_slabs else KQ_MAX_ROWS_FP32_SLABS, slab_dtype=self.slab_dtype
+        )
 
         def make(spec: LinearSpec) -> nn.Module:
             return GGUFLinear(
