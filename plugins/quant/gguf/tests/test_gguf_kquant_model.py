@@ -244,3 +244,24 @@ def test_check_memory_prints_resident_bytes_and_what_was_dequantized(root, capsy
     assert "the weights were loaded to measure memory" in out
     assert cli.main(["check", str(_file("llama3", "iq4_nl", root)), "--memory", *short]) == 0
     assert re.search(r"IQ4_NL tensors dequantized at load: \+[\d.]+ MB", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0], ids=lambda t: t.name)
+def test_the_python_fallback_computes_what_the_extension_does(qtype, monkeypatch) -> None:
+    """Where the built extension predates the kq ops, kernel.py's fallback serves the same
+    layers: dequantization bit for bit, the int8-activation product within fp32 summation."""
+    from lmstack_gguf import kernel
+
+    torch.manual_seed(int(qtype))
+    n, k = 24, 768
+    raw = torch.from_numpy(quantize(torch.randn(n, k).numpy(), qtype))
+    x = torch.randn(5, k)
+    with_ext = kernel.kq_kernels() is not None
+    ours = kernel.kq_dequantize(raw, qtype, k), kernel.kq_matmul_q8(x, raw, qtype)
+    monkeypatch.setattr(kernel, "kq_kernels", lambda: None)
+    dense, product = kernel.kq_dequantize(raw, qtype, k), kernel.kq_matmul_q8(x, raw, qtype)
+    assert torch.equal(dense, torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype).reshape(n, k)))
+    torch.testing.assert_close(product, kernel.round_q8(x) @ dense.T, atol=1e-4, rtol=1e-5)
+    if with_ext:
+        assert torch.equal(ours[0], dense)
+        torch.testing.assert_close(ours[1], product, atol=2e-3, rtol=1e-4)
