@@ -743,10 +743,10 @@ struct Problem {
 };
 
 // Weight rows [n0, n1): NR at a time unpacked, then multiplied by every activation row.
-// NR unpacked weight rows from n times activation rows [r0, r1) into out [M, ldo] at column col.
+// NR unpacked weight rows times activation rows [r0, r1) into out [M, ldo] at column col.
 template <int NR>
-void rows_nr(const Problem& p, int64_t isa, const RowBuf* buf, int64_t n, int64_t r0, int64_t r1, float* out,
-             int64_t ldo, int64_t col) {
+void rows_nr(const Problem& p, int64_t isa, const RowBuf* buf, int64_t r0, int64_t r1, float* out, int64_t ldo,
+             int64_t col) {
   if (isa >= ISA_AVX512) {
     row_tiles(r0, r1, [&](auto mr, int64_t r) { avx512::tile<NR, decltype(mr)::value>(buf, p.x, p.nsb, r, out, ldo, col); });
   } else if (isa >= ISA_AVX2) {
@@ -782,11 +782,11 @@ void rows(const Problem& p, int64_t isa, int64_t n0, int64_t n1) {
   // N floats apart, and at N of a few thousand those lines alias in the caches).
   constexpr int64_t COLS = 32, ROWS = 16;
   const int64_t Kp = p.nsb * SB, per_row = Kp / 4 + Kp / 16;
-  std::vector<uint8_t> codes(COLS * Kp);
+  std::vector<uint8_t> code_bytes(COLS * Kp);
   std::vector<float> floats(COLS * per_row), block(p.M * COLS);
   RowBuf buf[COLS];
   for (int64_t a = 0; a < COLS; ++a)
-    buf[a] = {codes.data() + a * Kp, floats.data() + a * per_row, floats.data() + a * per_row + Kp / 4};
+    buf[a] = {code_bytes.data() + a * Kp, floats.data() + a * per_row, floats.data() + a * per_row + Kp / 4};
   const int wide = isa >= ISA_AVX512 || p.M == 1 ? 4 : 2;  // (AVX-512 has registers for 4 x 4 tiles)
   for (int64_t c0 = n0; c0 < n1; c0 += COLS) {
     const int64_t c1 = std::min(n1, c0 + COLS);
@@ -801,10 +801,10 @@ void rows(const Problem& p, int64_t isa, int64_t n0, int64_t n1) {
       const int64_t r1 = std::min(p.M, r0 + ROWS);
       int64_t n = c0;
       if (wide == 4)
-        for (; n + 4 <= c1; n += 4) rows_nr<4>(p, isa, buf + (n - c0), n, r0, r1, block.data(), COLS, n - c0);
+        for (; n + 4 <= c1; n += 4) rows_nr<4>(p, isa, buf + (n - c0), r0, r1, block.data(), COLS, n - c0);
       else
-        for (; n + 2 <= c1; n += 2) rows_nr<2>(p, isa, buf + (n - c0), n, r0, r1, block.data(), COLS, n - c0);
-      for (; n < c1; ++n) rows_nr<1>(p, isa, buf + (n - c0), n, r0, r1, block.data(), COLS, n - c0);
+        for (; n + 2 <= c1; n += 2) rows_nr<2>(p, isa, buf + (n - c0), r0, r1, block.data(), COLS, n - c0);
+      for (; n < c1; ++n) rows_nr<1>(p, isa, buf + (n - c0), r0, r1, block.data(), COLS, n - c0);
     }
     for (int64_t r = 0; r < p.M; ++r) std::memcpy(p.out + r * p.N + c0, block.data() + r * COLS, (c1 - c0) * 4);
   }
