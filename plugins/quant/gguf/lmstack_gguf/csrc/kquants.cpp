@@ -20,13 +20,15 @@
 //
 // The product then needs one generic kernel: with per-16 offset om = o - c * s,
 //   out = sum over 16-value groups g of  s_g * dx * idot(u_g, qx_g)  +  om_g * dx * sum(qx_g)
-// A weight row is unpacked once per call into a small buffer (codes, s spread over the int32 lanes
-// of the dot products, om), then multiplied by every activation row: AVX-512 VNNI vpdpbusd over 64
-// codes (int32 lanes 0-3 = values 0-15, ...), AVX2 maddubs + madd over 32 (u <= 63, |qx| <= 127:
-// no int16 saturation), both into one fp32 vector accumulator per output (the lane scale is
-// s * dx), the offsets one 16-lane multiply-add per super-block into the same accumulator, one
-// horizontal sum per output. Every output is computed by the same operations in the same order
-// whatever the batch or tile it falls in (rows alike), on each ISA.
+// In batches a weight row is unpacked once per call into a small buffer (codes, s spread over the
+// int32 lanes of the dot products, om), then multiplied by every activation row (32 weight rows x
+// 16 activation rows at a time, for the caches); one activation row (decode) unpacks the weights
+// in registers instead. AVX-512 VNNI: vpdpbusd over 64 codes (int32 lanes 0-3 = values 0-15, ...);
+// AVX2: maddubs + madd over 32 (u <= 63, |qx| <= 127: no int16 saturation); both into one fp32
+// vector accumulator per output (lane scale s * dx), the offsets one 16-lane multiply-add per
+// super-block into the same accumulator, one horizontal sum per output. Every output is computed
+// by the same operations in the same order whatever the batch or tile it falls in (rows alike),
+// on each ISA; the ISAs differ from each other only in fp32 summation order.
 
 #include "kquants.h"
 
