@@ -45,6 +45,7 @@ def test_options():
         ("--max-chunks", "0"): "--max-chunks must be >= 1",
         ("--text", "/no/such.txt"): "--text: no such file /no/such.txt",
         ("--servers", "--concurrency", "1,x"): "--concurrency: expected positive integers",
+        ("--set", "quant.kv_cache"): "--set: 'quant.kv_cache' is not KEY.PATH=VALUE",
     }
     for argv, message in bad.items():
         with pytest.raises(ValueError, match=message):
@@ -62,6 +63,8 @@ def test_commands():
     assert ["--method", "chunks", "--ctx", "512"] == ours[6:10]
     staged = gk.lmstack_perplexity_command(Path("m.gguf"), Path("t.txt"), 512, None, "s.yaml")
     assert staged[3:6] == ["s.yaml", "--model", "m.gguf"] and "--chunks" not in staged
+    sets = gk.lmstack_perplexity_command(Path("m"), Path("t"), 512, None, None, ["a.b=1", "c=x"])
+    assert sets[-4:] == ["--set", "a.b=1", "--set", "c=x"]
     tok = gk.llama_tokenize_command(Path("/b/llama-tokenize"), Path("m.gguf"))
     assert {"--stdin", "--ids", "--no-parse-special", "--no-escape"} <= set(tok)
     q = gk.quantize_command(Path("/b/llama-quantize"), Path("a.F16.gguf"), Path("a.Q6_K.gguf"), "Q6_K", 2)

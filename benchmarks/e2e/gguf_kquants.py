@@ -182,11 +182,12 @@ def parse_llama_perplexity(output: str) -> dict[str, Any]:
 
 
 def lmstack_perplexity_command(
-    model: Path, text: Path, ctx: int, chunks: int | None, stack: str | None
+    model: Path, text: Path, ctx: int, chunks: int | None, stack: str | None, sets: tuple[str, ...] = ()
 ) -> list[str]:
     where = [stack, "--model", str(model)] if stack else [str(model)]
     cmd = [str(Path(sys.executable).with_name("lmstack")), "eval", "perplexity", *where,
            "--text", str(text), "--method", "chunks", "--ctx", str(ctx), "--json"]  # fmt: skip
+    cmd += [arg for item in sets for arg in ("--set", item)]
     return cmd + (["--chunks", str(chunks)] if chunks else [])
 
 
@@ -246,9 +247,13 @@ def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     builds on first use counts), count the weight bytes held."""
     from lmstack import LLM, SamplingParams
     from lmstack.model.memory import resident_weight_bytes
+    from lmstack.stack.config import load_stack
+    from lmstack.stack.overrides import parse_overrides
 
-    # The file alone is the stack `lmstack serve FILE` runs; a stack file gets the file as its model.
-    llm = LLM(cfg["model"]) if cfg["stack"] is None else LLM(cfg["stack"], model=cfg["model"])
+    # The file alone is the stack `lmstack serve FILE` runs; a stack file gets the file as its
+    # model; --set keys over either, as the perplexity command gets them.
+    sets = parse_overrides(cfg["set"]) | ({"model": cfg["model"]} if cfg["stack"] else {})
+    llm = LLM(load_stack(cfg["stack"] or cfg["model"], sets))
     runner = llm.engine.executor.runner
     at_load = resident_weight_bytes(runner.model)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -266,9 +271,9 @@ def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def resident(model: Path, stack: str | None, work: Path) -> dict[str, Any]:
+def resident(model: Path, stack: str | None, sets: list[str], work: Path) -> dict[str, Any]:
     result = work / f"resident-{model.stem}.json"
-    cfg = {"model": str(model), "stack": stack, "result": str(result)}
+    cfg = {"model": str(model), "stack": stack, "set": sets, "result": str(result)}
     cmd = [sys.executable, __file__, "--worker", json.dumps(cfg)]
     return run_worker_process(cmd, result, f"resident bytes of {model.name}", timeout=1800)
 
@@ -414,7 +419,9 @@ def measure_file(
                 got = parse_llama_perplexity(proc.stdout + proc.stderr)
                 row["llama_perplexity"] = got | {"command": shlex.join(cmd)}
             elif step == "lmstack":
-                cmd = lmstack_perplexity_command(path, args.text, args.ctx, args.max_chunks, args.stack)
+                cmd = lmstack_perplexity_command(
+                    path, args.text, args.ctx, args.max_chunks, args.stack, args.set
+                )
                 proc = run_text(cmd, f"lmstack eval perplexity on {path.name}", args.timeout)
                 got = json.loads(proc.stdout.strip().splitlines()[-1])  # --json: one object on stdout
                 keep = (
@@ -429,7 +436,7 @@ def measure_file(
                 )
                 row["lmstack_perplexity"] = {k: got.get(k) for k in keep} | {"command": shlex.join(cmd)}
             elif step == "resident":
-                row["resident"] = resident(path, args.stack, work)
+                row["resident"] = resident(path, args.stack, args.set, work)
             else:
                 folder = out / f"servers-{ftype}"
                 cmd = servers_command(path, folder, tools["llama-server"], args)
@@ -467,6 +474,14 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="lmstack's stack for every file (default: the model alone, as `lmstack serve FILE` serves it)",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="a stack key over lmstack's stack for perplexity and resident bytes (repeatable), e.g. "
+        "quant.kv_cache=float16, the KV dtype llama.cpp uses",
+    )
     ap.add_argument("--servers", action="store_true", help="also compare_servers.py --model FILE per file")
     ap.add_argument("--concurrency", default="1,32", help="--servers: the sweep (default 1,32)")
     ap.add_argument(
@@ -499,6 +514,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--max-chunks must be >= 1, got {args.max_chunks}")
     if not args.text.is_file():
         raise ValueError(f"--text: no such file {args.text}")
+    for item in args.set:
+        if not item.partition("=")[0].strip() or "=" not in item:
+            raise ValueError(f"--set: {item!r} is not KEY.PATH=VALUE")
     if args.servers:
         concurrency = [c.strip() for c in args.concurrency.split(",") if c.strip()]
         if not concurrency or not all(c.isdigit() and int(c) >= 1 for c in concurrency):
@@ -561,6 +579,8 @@ def main() -> int:
         "text": str(args.text.relative_to(REPO) if args.text.is_relative_to(REPO) else args.text),
         "ctx": args.ctx,
         "max_chunks": args.max_chunks,
+        "lmstack_stack": args.stack or "the file alone (as `lmstack serve FILE`)",
+        "lmstack_set": args.set,
         "tokens": tokens,
         "llama_cpp": {
             "tools": {k: str(v) for k, v in tools.items()},
