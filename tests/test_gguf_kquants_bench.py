@@ -133,7 +133,7 @@ def test_server_ratios_and_targets():
     assert ratios[1]["lmstack_tok_s"] == pytest.approx(10.0)
     files = [
         {"type": "Q4_K_M", "tensor_bytes": 100_000_000,
-         "llama_perplexity": {"perplexity": 20.0}, "lmstack_perplexity": {"perplexity": 20.08},
+         "llama_perplexity": {"perplexity": 20.0, "chunks": 14}, "lmstack_perplexity": {"perplexity": 20.08, "chunks": 14},
          "resident": {"weight_bytes": 104_000_000},
          "servers": {"ratios": {str(c): r for c, r in ratios.items()}}},
         {"type": "Q6_K", "tensor_bytes": 100_000_000,
@@ -150,6 +150,10 @@ def test_server_ratios_and_targets():
         and ppl["shown"] == "20.0800 vs 20.0000 (+0.40 %)"
     )
     assert not got["Q6_K: perplexity, lmstack / llama.cpp"]["pass"]  # +1 %
+    files[0]["lmstack_perplexity"]["chunks"] = 13  # not the same chunks: no pass
+    row = gk.targets(files, ["avx2"])[0]
+    assert not row["pass"] and row["shown"] == "20.0800 vs 20.0000 (+0.40 %, 13 vs 14 chunks)"
+    files[0]["lmstack_perplexity"]["chunks"] = 14
     assert got["Q4_K_M: resident weight bytes / tensor bytes"]["pass"]
     miss = got["Q6_K: resident weight bytes / tensor bytes"]
     assert miss["value"] == pytest.approx(4.0) and not miss["pass"] and miss["target"] == "<= 1.05×"

@@ -323,9 +323,12 @@ def targets(files: list[dict[str, Any]], flags: set[str] | list[str]) -> list[di
         ours, theirs = f.get("lmstack_perplexity"), f.get("llama_perplexity")
         if ours and theirs:
             r = ours["perplexity"] / theirs["perplexity"]
+            # Different chunk counts would be different measurements: not a pass whatever the ratio.
+            same = ours.get("chunks") == theirs.get("chunks")
+            chunks = "" if same else f", {ours.get('chunks')} vs {theirs.get('chunks')} chunks"
             out.append(_row(f"{kind}: perplexity, lmstack / llama.cpp", r,
-                            f"{ours['perplexity']:.4f} vs {theirs['perplexity']:.4f} ({(r - 1) * 100:+.2f} %)",
-                            f"within {PPL_TOLERANCE * 100:.1f} %", abs(r - 1) <= PPL_TOLERANCE))  # fmt: skip
+                            f"{ours['perplexity']:.4f} vs {theirs['perplexity']:.4f} ({(r - 1) * 100:+.2f} %{chunks})",
+                            f"within {PPL_TOLERANCE * 100:.1f} %", same and abs(r - 1) <= PPL_TOLERANCE))  # fmt: skip
         if f.get("resident") and f.get("tensor_bytes"):
             r = f["resident"]["weight_bytes"] / f["tensor_bytes"]
             out.append(_row(f"{kind}: resident weight bytes / tensor bytes", r,
@@ -424,16 +427,7 @@ def measure_file(
                 )
                 proc = run_text(cmd, f"lmstack eval perplexity on {path.name}", args.timeout)
                 got = json.loads(proc.stdout.strip().splitlines()[-1])  # --json: one object on stdout
-                keep = (
-                    "perplexity",
-                    "nll",
-                    "tokens",
-                    "chunks",
-                    "ctx",
-                    "quantizer",
-                    "dtype",
-                    "kv_cache_dtype",
-                )
+                keep = ("perplexity", "nll", "tokens", "chunks", "ctx", "quantizer", "dtype", "kv_cache_dtype")  # fmt: skip
                 row["lmstack_perplexity"] = {k: got.get(k) for k in keep} | {"command": shlex.join(cmd)}
             elif step == "resident":
                 row["resident"] = resident(path, args.stack, args.set, work)
