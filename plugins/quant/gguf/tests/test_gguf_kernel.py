@@ -138,9 +138,12 @@ def test_int8_activation_matmul_is_the_rounded_x_times_the_blocks(typ, isa):
         assert out.shape == (m, n) and within_rounding(out, xq, w, k), (
             f"{typ.name} isa {isa} m={m} n={n} k={k}"
         )
-        # The price of the rounding, on Gaussian data: well under a percent of the output's size.
+        # The price of the rounding, on Gaussian data: well under a percent of the size of the
+        # products summed (not of the output itself: with few rows and columns an output can
+        # cancel to near zero, and a relative error against it means nothing).
         exact = x.double() @ w.double().T
-        assert float((out.double() - exact).norm() / exact.norm()) < 0.02
+        scale = x.double().abs() @ w.double().abs().T
+        assert float((out.double() - exact).norm() / scale.norm()) < 0.02
 
 
 @needs_ext
