@@ -15,6 +15,16 @@ Two ways the ranks start:
 Either way every rank announces itself in the rendezvous store and waits for the others for
 `join_timeout` seconds; ranks still missing then are named in one `JoinTimeout` line.
 
+A step watchdog bounds every command: a rank that is alive but makes no progress (stopped,
+deadlocked, swapping) would otherwise hang every request with no error. A step that has not
+answered within `step_timeout` seconds (`LMSTACK_STEP_TIMEOUT_S`, default 60; 0: no bound) kills
+the workers and raises `WorkerDied`, the path a dead rank takes: the requests in flight fail, the
+server's /health turns 503 and it exits non-zero. Loading the model, sizing and allocating the
+KV cache and the first step (lazy kernel set-up) get their own, longer bound, `load_timeout`
+(`LMSTACK_LOAD_TIMEOUT_S`, default 1800: torch's own default for a collective). Launched ranks
+get the same bounds as their process group's timeout once the first step is done, so a
+collective waiting for a stopped rank fails there too.
+
 A command that fails on one rank leaves the others out of step (waiting in a collective the
 failed rank never reaches), so the executor is then dead: that call and every later one raise
 an `EngineDeadError`, and the remaining workers are killed rather than left hanging.
@@ -48,10 +58,47 @@ from lmstack.interfaces import Executor
 from lmstack.testing import comm_stats
 
 JOIN_TIMEOUT_S = 60.0
+STEP_TIMEOUT_S = 60.0
+LOAD_TIMEOUT_S = 1800.0
+# Commands that load or allocate, bounded by the load timeout (and the first "execute").
+_LOAD_COMMANDS = frozenset({"load_model", "kv_cache_bytes_per_block", "init_kv_cache"})
 # Idle ranks wait for the next command inside a broadcast, which times out with the process
 # group (30 min by default): rank 0 sends a no-op this often when no command came.
 HEARTBEAT_S = 60.0
 _JOINED = "joined/{}"
+
+
+def _seconds_from_env(name: str, default: float) -> float | None:
+    """A timeout in seconds from the environment (`default` when unset); None for 0 (no bound)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds (0: no bound), got {raw!r}") from None
+    if value < 0 or value != value:
+        raise ConfigError(f"{name} must be >= 0 seconds (0: no bound), got {raw!r}")
+    return value or None
+
+
+def default_step_timeout() -> float | None:
+    """Seconds one step may take before the ranks count as stalled (`LMSTACK_STEP_TIMEOUT_S`)."""
+    return _seconds_from_env("LMSTACK_STEP_TIMEOUT_S", STEP_TIMEOUT_S)
+
+
+def default_load_timeout() -> float | None:
+    """Seconds loading and the first step may take (`LMSTACK_LOAD_TIMEOUT_S`)."""
+    return _seconds_from_env("LMSTACK_LOAD_TIMEOUT_S", LOAD_TIMEOUT_S)
+
+
+def _stopped(pid: int | None) -> bool:
+    """Whether a process is stopped (SIGSTOP, a debugger): state T or t in /proc (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 # --- launch environment and joining ----------------------------------------------------------
@@ -134,10 +181,36 @@ def _wait_for_ranks(store: dist.Store, world_size: int, timeout: float, where: s
         time.sleep(0.02)
 
 
-def _join(store: dist.Store, rank: int, world_size: int, backend: str, timeout: float, where: str) -> None:
+def _join(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    where: str,
+    collective_timeout: float | None = None,
+) -> None:
+    """Join the group; `collective_timeout`: how long a collective may wait (None: torch's default)."""
     store.set(_JOINED.format(rank), "1")
     _wait_for_ranks(store, world_size, timeout, where)
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size)
+    extra = {} if collective_timeout is None else {"timeout": timedelta(seconds=collective_timeout)}
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, **extra
+    )
+
+
+def _bound_collectives(seconds: float | None) -> None:
+    """From now on, a collective of this rank's groups (the world and the layout's) waiting
+    longer than `seconds` for another rank raises: a stalled launched rank then fails the step
+    on every rank instead of hanging it. Called once the first step is done."""
+    if seconds is None or not dist.is_initialized():
+        return
+    from lmstack.exec.distributed import get_parallel
+
+    state = get_parallel()
+    layout = [state.tp_group, state.ep_group, state.moe_group, state.pp_group]
+    for group in [dist.group.WORLD, *(g for g in layout if g is not None)]:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
 def _backend(device: torch.device) -> str:
@@ -187,12 +260,19 @@ def _run(local: InProcessExecutor, name: str, args: tuple) -> Any:
     return out
 
 
-def _command_loop(local: InProcessExecutor, relay: Any = None) -> None:
+def _command_loop(
+    local: InProcessExecutor,
+    relay: Any = None,
+    step_timeout: float | None = None,
+    heartbeat: float = HEARTBEAT_S,
+) -> None:
     """Run commands until "stop". The relay (spawned rank 0) reads them from the engine's pipe,
-    broadcasts them and answers on the pipe; the other ranks receive the broadcast."""
+    broadcasts them and answers on the pipe; the other ranks receive the broadcast.
+    `step_timeout` (launched ranks): the collectives' bound after the first step."""
+    stepped = False
     while True:
         if relay is not None:
-            box: list[Any] = [relay.recv() if relay.poll(HEARTBEAT_S) else ("ping", ())]
+            box: list[Any] = [relay.recv() if relay.poll(heartbeat) else ("ping", ())]
         else:
             box = [None]
         dist.broadcast_object_list(box, src=0)
@@ -202,6 +282,9 @@ def _command_loop(local: InProcessExecutor, relay: Any = None) -> None:
         if name == "ping":
             continue
         result = _run(local, name, args)
+        if name == "execute" and not stepped:
+            stepped = True
+            _bound_collectives(step_timeout)
         if relay is not None:
             relay.send(result)
 
@@ -229,6 +312,16 @@ def _worker(
         else:
             print(f"lmstack worker rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         os._exit(1)  # the group is out of step: no teardown collectives
+    _leave_group()
+
+
+def _leave_group() -> None:
+    """Tear the group down together after "stop": a rank that closed its connections while
+    another still read the last broadcast made gloo print "connection closed by peer"."""
+    try:
+        dist.barrier()
+    except (RuntimeError, dist.DistError):
+        pass  # a rank already gone: nothing left to wait for
     dist.destroy_process_group()
 
 
@@ -260,13 +353,16 @@ def run_launched_worker(join_timeout: float = JOIN_TIMEOUT_S) -> int:
         try:
             backend = store.get("backend").decode()
             timeout = float(store.get("join_timeout").decode())
+            load_timeout = float(store.get("load_timeout").decode()) or None
         except (RuntimeError, dist.DistError):
             raise JoinTimeout(f"rank 0 did not join within {join_timeout:g} s{where}") from None
-        _join(store, launch.rank, launch.world_size, backend, timeout, where)
+        _join(store, launch.rank, launch.world_size, backend, timeout, where, load_timeout)
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
         spec = _rank_spec(box[0], launch.local_rank)
-        _command_loop(_rank_executor(launch.rank, spec))
+        step_timeout = store.get("step_timeout").decode()
+        heartbeat = float(store.get("heartbeat").decode())
+        _command_loop(_rank_executor(launch.rank, spec), None, float(step_timeout) or None, heartbeat)
     except LmstackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -275,7 +371,7 @@ def run_launched_worker(join_timeout: float = JOIN_TIMEOUT_S) -> int:
             f"error: rank {launch.rank}: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr
         )
         return 1
-    dist.destroy_process_group()
+    _leave_group()
     return 0
 
 
@@ -296,8 +392,9 @@ def _exit_reason(code: int | None) -> str:
 class MultiprocExecutor(Executor):
     """`world_size` ranks; spawned here unless a launcher (torchrun) started this process as
     global rank 0. `join_timeout`: seconds the ranks get to join. `step_timeout`: seconds a
-    command may take before the workers count as hung (None: no limit; death is still seen at
-    once)."""
+    step may take before the ranks count as stalled, `load_timeout` the same for loading and
+    the first step (None: `LMSTACK_STEP_TIMEOUT_S` / `LMSTACK_LOAD_TIMEOUT_S` or 60 / 1800 s;
+    0: no bound — a dead worker is still seen at once)."""
 
     def __init__(
         self,
@@ -306,12 +403,18 @@ class MultiprocExecutor(Executor):
         *,
         join_timeout: float = JOIN_TIMEOUT_S,
         step_timeout: float | None = None,
+        load_timeout: float | None = None,
         local_executor: Callable[[ExecutorSpec], Executor] | None = None,
     ) -> None:
         self.spec = spec
         self.world_size = world_size
         self.join_timeout = join_timeout
-        self.step_timeout = step_timeout
+        self.step_timeout = default_step_timeout() if step_timeout is None else (step_timeout or None)
+        self.load_timeout = default_load_timeout() if load_timeout is None else (load_timeout or None)
+        self._stepped = False  # the first "execute" has answered: steps get step_timeout
+        # Idle ranks wait for the next command in a broadcast, bounded by the step timeout once
+        # launched ranks bound their collectives: ping well within it.
+        self._heartbeat_s = min(HEARTBEAT_S, self.step_timeout / 3) if self.step_timeout else HEARTBEAT_S
         self._dead: BaseException | None = None
         self._procs: list[Any] = []
         self._conn: Any = None
@@ -366,11 +469,21 @@ class MultiprocExecutor(Executor):
             if not p.is_alive():
                 raise self._fail(WorkerDied(f"worker rank {r} (pid {p.pid}) {_exit_reason(p.exitcode)}"))
 
-    def _reply(self) -> Any:
+    def _timeout(self, name: str) -> float | None:
+        if name in _LOAD_COMMANDS or (name == "execute" and not self._stepped):
+            return self.load_timeout
+        return self.step_timeout
+
+    def _reply(self, name: str) -> Any:
         waitables = [self._conn, *(p.sentinel for p in self._procs)]
-        ready = connection.wait(waitables, timeout=self.step_timeout)
+        timeout = self._timeout(name)
+        ready = connection.wait(waitables, timeout=timeout)
         if not ready:
-            raise self._fail(WorkerDied(f"the workers did not answer within {self.step_timeout:g} s"))
+            stopped = [f"rank {r} (pid {p.pid})" for r, p in enumerate(self._procs) if _stopped(p.pid)]
+            why = f": worker {', '.join(stopped)} is stopped" if stopped else ""
+            raise self._fail(
+                WorkerDied(f"the workers made no progress in {name} for {timeout:g} s (step watchdog){why}")
+            )
         dead = [r for r, p in enumerate(self._procs) if p.sentinel in ready]
         if dead:
             # A rank gone mid-command: even a result rank 0 already sent is from a group that
@@ -405,8 +518,11 @@ class MultiprocExecutor(Executor):
         store = _launch_store(launch, self.join_timeout)
         store.set("backend", _backend(wire.device))
         store.set("join_timeout", str(self.join_timeout))
+        store.set("load_timeout", str(self.load_timeout or 0))
+        store.set("step_timeout", str(self.step_timeout or 0))
+        store.set("heartbeat", str(self._heartbeat_s))
         where = f" (rendezvous at {launch.master_addr}:{launch.master_port})"
-        _join(store, 0, self.world_size, _backend(wire.device), self.join_timeout, where)
+        _join(store, 0, self.world_size, _backend(wire.device), self.join_timeout, where, self.load_timeout)
         dist.broadcast_object_list([wire], src=0)
         self._local = _rank_executor(0, dataclasses.replace(wire, source=self.spec.source))
         self._lock = threading.Lock()
@@ -415,8 +531,10 @@ class MultiprocExecutor(Executor):
         threading.Thread(target=self._heartbeat, name="lmstack-heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
-        while not self._stopping.wait(HEARTBEAT_S / 4):
-            if time.monotonic() - self._last_call < HEARTBEAT_S or not self._lock.acquire(blocking=False):
+        while not self._stopping.wait(self._heartbeat_s / 4):
+            if time.monotonic() - self._last_call < self._heartbeat_s or not self._lock.acquire(
+                blocking=False
+            ):
                 continue
             try:
                 if self._dead is None and not self._stopping.is_set():
@@ -431,7 +549,13 @@ class MultiprocExecutor(Executor):
         self._last_call = time.monotonic()
         try:
             dist.broadcast_object_list([(name, args)], src=0)
-            return None if name in ("ping", "stop") else _run(self._local, name, args)
+            if name in ("ping", "stop"):
+                return None
+            result = _run(self._local, name, args)
+            if name == "execute" and not self._stepped:
+                self._stepped = True
+                _bound_collectives(self.step_timeout)
+            return result
         except LmstackError as exc:
             self._dead = EngineDeadError(f"rank 0 failed in {name}: {exc}")
             raise
@@ -469,7 +593,7 @@ class MultiprocExecutor(Executor):
         except OSError:
             self._check_alive()
             raise self._fail(WorkerDied("worker rank 0 closed its pipe")) from None
-        result = self._reply()
+        result = self._reply(name)
         if isinstance(result, BaseException):
             # Rank 0 stopped after reporting it: the group is gone either way.
             self._fail(result)
@@ -478,6 +602,8 @@ class MultiprocExecutor(Executor):
             raise EngineDeadError(
                 f"worker rank 0 failed in {name}: {type(result).__name__}: {result}"
             ) from result
+        if name == "execute":
+            self._stepped = True
         return result
 
     def load_model(self) -> None:
@@ -515,7 +641,10 @@ class MultiprocExecutor(Executor):
                         pass
                 self._local = None
             if dist.is_initialized():
-                dist.destroy_process_group()
+                if self._dead is None:
+                    _leave_group()
+                else:
+                    dist.destroy_process_group()
             return
         if not self._procs:
             return
