@@ -421,12 +421,20 @@ class DiskStore:
                 self._bytes -= len(raw)
             return False
         tmp = f"{name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+        created = False
         try:
-            self._write_file(root / tmp, raw)
+            fd = os.open(root / tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            created = True
+            try:
+                view = memoryview(raw)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
             os.replace(root / tmp, root / name)  # atomic: readers see the old file or the new one
         except OSError as exc:
             self._fault("write", exc, name)
-            left = not self._remove(root / tmp)
+            left = created and not self._remove(root / tmp)
             with self._lock:
                 self._bytes -= len(raw)
                 if left:  # still on disk: counted, oldest, so the next eviction tries again
@@ -441,16 +449,6 @@ class DiskStore:
             self._bytes -= self._files.pop(name, 0)  # a file it replaced
             self._files[name] = len(raw)
         return True
-
-    @staticmethod
-    def _write_file(path: Path, raw: bytes) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(raw)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
 
     def _pop_oldest(self, nbytes: int) -> list[tuple[str, int]]:
         """Take the least recently used files holding at least `nbytes` out of the index
