@@ -478,6 +478,11 @@ async def stack_info(request: Request) -> Response:
             "max_num_seqs": eng.limits.max_num_seqs,
             "max_num_batched_tokens": eng.limits.max_num_batched_tokens,
         }
+        # A cache with a lower tier may say how it is doing (`tiered`: its disk tier being off
+        # or failing is no engine failure, so /health stays ok and this is where it shows).
+        cache_status = getattr(getattr(eng.engine, "block_cache", None), "status", None)
+        if callable(cache_status):
+            body["engine"]["cache"] = redact(cache_status())
     return _json(body)
 
 

@@ -87,6 +87,20 @@ class TieredCache(PrefixCache):
         self.disk_misses = 0  # corrupt or foreign entries
         self.dropped_writes = 0
 
+    def status(self) -> dict[str, object]:
+        """How the disk tier is doing, for operators (`/v1/stack`): the tier being off or
+        failing is not an engine failure, so `/health` does not say it."""
+        store = self.store
+        return {
+            "disk_tier": "on" if store is not None and store.available else "off",
+            "disk_files": len(store) if store is not None else 0,
+            "disk_used_bytes": store.used_bytes if store is not None else 0,
+            "disk_hits": self.disk_hits,
+            "disk_misses": self.disk_misses,
+            "disk_io_errors": store.io_errors if store is not None else 0,
+            "dropped_writes": self.dropped_writes,
+        }
+
     def bind(self, geometry: CacheGeometry) -> None:
         super().bind(geometry)
         self._dtype = getattr(torch, geometry.kv_cache_dtype)  # a torch dtype name, e.g. bfloat16

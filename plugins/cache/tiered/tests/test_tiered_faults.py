@@ -200,6 +200,7 @@ def test_a_directory_that_cannot_be_opened_turns_the_tier_off(tiny_model_path, d
         serve_cleanly(llm, want, caplog)
         cache = llm.engine.block_cache
         assert not cache.store.available and cache.disk_hits == 0
+        assert cache.status()["disk_tier"] == "off"
         assert faulty.raised["makedirs"] == 1, "a failed open is retried once a minute, not per block"
         assert [k for k in warning_kinds(caplog) if "cannot open" in k]
     finally:
@@ -489,6 +490,8 @@ def test_http_stream_completes_and_health_stays_ok_while_the_disk_fails(
             assert described.status_code == 200
             assert str(disk) not in described.text and str(disk.parent) not in described.text
             assert described.json()["stack"]["components"]["cache"]["options"]["disk_path"] == "[redacted]"
+            tier = described.json()["engine"]["cache"]
+            assert tier["disk_tier"] == "on" and tier["disk_io_errors"] > 0 and tier["disk_hits"] == 0
             metrics = client.get("/metrics").text
             assert re.search(r"^lmstack:kv_cache_blocks_used 0(\.0)?$", metrics, re.M), metrics
         assert engine.block_cache.store.io_errors > 0
