@@ -444,6 +444,8 @@ class DiskStore:
                 full = exc.errno in _DISK_FULL
                 victims = self._pop_oldest(FULL_DISK_EVICT_BLOCKS * len(raw)) if full else []
             self._delete(root, victims)
+            if exc.errno == errno.ENOENT and not os.path.isdir(root):
+                self.close()  # the directory was deleted under us: the next write makes it again
             return False
         with self._lock:
             self._bytes -= self._files.pop(name, 0)  # a file it replaced
@@ -474,7 +476,8 @@ class DiskStore:
         return not stayed
 
     def _fault(self, op: str, exc: OSError, what: str) -> None:
-        self.io_errors += 1
+        with self._lock:
+            self.io_errors += 1
         kind = f"{op}:{errno.errorcode.get(exc.errno or 0, type(exc).__name__)}"
         self.warnings.warn(
             kind, "disk tier: cannot %s %s: %s; %s", op, what, exc.strerror or exc, _CONSEQUENCE[op]

@@ -395,6 +395,16 @@ def test_a_full_disk_evicts_the_oldest_then_writes_again(tmp_path, inject, monke
     assert store.write(99, raw_block(99)) and 99 in store and store.read(99) == raw_block(99)
 
 
+def test_a_directory_deleted_under_the_store_is_made_again(tmp_path):
+    store = DiskStore(tmp_path / "kv", capacity=10 * SIZE)
+    store.write(1, raw_block(1))
+    shutil.rmtree(tmp_path / "kv")  # an operator clearing the cache
+    assert store.read(1) is None and 1 not in store
+    assert not store.write(2, raw_block(2))  # one failed write (and one warning)
+    assert store.write(3, raw_block(3)) and store.read(3) == raw_block(3)
+    assert store.used_bytes == on_disk(tmp_path / "kv") == SIZE
+
+
 def test_two_stores_on_one_directory_keep_to_their_own_namespaces(tmp_path, caplog):
     first = DiskStore(tmp_path, capacity=2 * SIZE)
     second = DiskStore(tmp_path, capacity=2 * SIZE)  # another server on the same directory
