@@ -395,6 +395,20 @@ def test_a_full_disk_evicts_the_oldest_then_writes_again(tmp_path, inject, monke
     assert store.write(99, raw_block(99)) and 99 in store and store.read(99) == raw_block(99)
 
 
+def test_files_that_cannot_be_stat_at_start_are_left_out(tmp_path, inject, monkeypatch, caplog):
+    store = DiskStore(tmp_path, capacity=10 * SIZE)
+    for h in range(3):
+        store.write(h, raw_block(h))
+    store.close()
+    inject(stat=errno.EIO)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        store = DiskStore(tmp_path, capacity=10 * SIZE)
+    assert store.available and len(store) == 0 and store.read(1) is None
+    assert len(warning_kinds(caplog)) == 1 and store.io_errors == 3
+    heal(monkeypatch)
+    assert store.write(1, raw_block(1)) and store.read(1) == raw_block(1)
+
+
 def test_a_directory_deleted_under_the_store_is_made_again(tmp_path):
     store = DiskStore(tmp_path / "kv", capacity=10 * SIZE)
     store.write(1, raw_block(1))
