@@ -14,10 +14,20 @@ A chunk never drops below `MIN_PREFILL_TOKENS`, so new requests always progress.
 
 Order is FCFS by default; subclasses change it by overriding `waiting_order_key` (the example
 priority plugin does), and everything else — budgets, chunking, preemption — comes along.
+
+Fair share between requests (`fair_share`): one request (or one call's prompts, a
+`Request.group`) may ask for hundreds of sequences, which FCFS would run before anything that
+arrives later. Instead, waiting sequences are admitted round-robin across owners (fewest
+running sequences first, then the order above), and a newly arrived owner with nothing running
+gets its room at once: when the running slots (or KV blocks) are all taken, the newest
+sequences of the owner holding the most are preempted, down to an equal share of
+`max_num_seqs` and no further. A small request waits at most a step for a slot, whatever runs.
 """
 
 from __future__ import annotations
 
+from collections import Counter, deque
+from collections.abc import Iterator
 from typing import Annotated
 
 import msgspec
@@ -79,6 +89,9 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ContinuousScheduler(Scheduler):
+    # Share slots between owners (module docstring); a subclass may turn it off.
+    fair_share: bool = True
+
     def __init__(
         self,
         options: ContinuousOptions,
@@ -105,6 +118,13 @@ class ContinuousScheduler(Scheduler):
     def waiting_order_key(self, seq: Sequence) -> tuple:
         """Lower is admitted first and preempted last. FCFS: arrival time, then id."""
         return (seq.arrival_time, seq.seq_id)
+
+    @staticmethod
+    def owner(seq: Sequence) -> str:
+        """Whom a sequence's slot counts against for the fair share: its request's group (one
+        HTTP call's prompts), else its request."""
+        req = seq.request
+        return req.group or req.request_id
 
     # --- bookkeeping -----------------------------------------------------------------------
 
@@ -171,12 +191,60 @@ class ContinuousScheduler(Scheduler):
         tokens = int((min(limits) - a) / b) - decodes
         return max(MIN_PREFILL_TOKENS, min(tokens, self.token_budget))
 
+    def _make_room_for_newcomer(self, out: SchedulerOutput) -> None:
+        """Preempt the largest owner's newest sequences (never below an equal share of
+        `max_num_seqs`) until the first waiting sequence of an owner with nothing running fits
+        in slots and KV blocks."""
+        running = Counter(self.owner(s) for s in self.running)
+        newcomers = [s for s in self.waiting if self.owner(s) not in running]
+        if not newcomers:
+            return
+        seq = min(newcomers, key=self.waiting_order_key)
+        owners = len(running) + len({self.owner(s) for s in newcomers})
+        share = max(1, self.max_num_seqs // owners)
+        if self._seq_slots(seq) > share:
+            return  # it would hold more than a share itself: the next newcomer would take it back
+        first_chunk = min(seq.num_uncomputed_tokens, self.chunk_cap, self.token_budget)
+        while self.running and (
+            len(self.running) + self._seq_slots(seq) > self.max_num_seqs
+            or not self.allocator.can_allocate(seq, first_chunk)
+        ):
+            hog, held = running.most_common(1)[0]
+            if held <= share:
+                return  # every owner is within its share: the newcomer waits its turn
+            victim = max((s for s in self.running if self.owner(s) == hog), key=self.waiting_order_key)
+            self._preempt(victim, out)
+            running[hog] -= 1
+
+    def _admission_order(self) -> Iterator[Sequence]:
+        """Waiting sequences in the order to admit them (`self.waiting` sorted by
+        `waiting_order_key`). With `fair_share`: round-robin across owners, the owner with the
+        fewest running sequences next (counting those admitted meanwhile), each owner's own in
+        order. The caller admits each sequence it takes before taking the next."""
+        if not self.fair_share:
+            yield from list(self.waiting)
+            return
+        queues: dict[str, deque[Sequence]] = {}
+        for s in self.waiting:
+            queues.setdefault(self.owner(s), deque()).append(s)
+        running = Counter(self.owner(s) for s in self.running)
+        while queues:
+            who = min(queues, key=lambda o: (running[o], self.waiting_order_key(queues[o][0])))
+            seq = queues[who].popleft()
+            if not queues[who]:
+                del queues[who]
+            running[who] += self._seq_slots(seq)
+            yield seq
+
     # --- the step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.token_budget
         self.running.sort(key=self.waiting_order_key)
+        if self.fair_share and self.waiting and self.running:
+            self._make_room_for_newcomer(out)
+        fair_preemptions = len(out.preempted)
         prefill_left = self.prefill_allowance()
 
         # 1. Running sequences first: decodes and prefill chunks in progress.
@@ -206,11 +274,13 @@ class ContinuousScheduler(Scheduler):
                 prefill_left -= n
             i += 1
 
-        # 2. Admit waiting sequences, unless this step had to preempt (no room anyway).
-        if not out.preempted:
+        # 2. Admit waiting sequences, unless this step had to preempt for room (none left).
+        if len(out.preempted) == fair_preemptions:
             self.waiting.sort(key=self.waiting_order_key)
-            while self.waiting and min(budget, prefill_left) > 0:
-                seq = self.waiting[0]
+            admitted: set[int] = set()
+            for seq in self._admission_order():
+                if min(budget, prefill_left) <= 0:
+                    break
                 if len(self.running) + self._seq_slots(seq) > self.max_num_seqs and self.running:
                     break
                 if seq.num_computed_tokens == 0:
@@ -219,13 +289,15 @@ class ContinuousScheduler(Scheduler):
                 n = min(want, budget, self.chunk_cap, prefill_left)
                 if (n < want and not self.options.chunked_prefill) or not self.allocator.can_allocate(seq, n):
                     break
-                self.waiting.pop(0)
+                admitted.add(id(seq))
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.blocks_to_copy += self.allocator.allocate(seq, n)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 prefill_left -= n
+            if admitted:
+                self.waiting = [s for s in self.waiting if id(s) not in admitted]
         return out
 
 
