@@ -106,6 +106,54 @@ def test_round_robin_admission_between_two_big_calls():
     assert 16 <= order[8:48].count("b") <= 24, order
 
 
+def _recording(sched):
+    """sched.schedule, recording every step's (sequence, tokens, in its prompt) in `sched.steps`."""
+    sched.steps = []
+    schedule = sched.schedule
+
+    def recording():
+        out = schedule()
+        sched.steps.append([(x.seq, x.num_tokens, x.seq.is_prefill) for x in out.scheduled])
+        return out
+
+    sched.schedule = recording
+    return sched
+
+
+def test_long_prompts_in_progress_leave_room_for_a_newcomer():
+    """One call's 8 prompts of 2,000 tokens fill the step's 256-token budget with their
+    chunks; a 4-token request arriving at step 3 is prefilled in the next step, not after
+    the 60-odd steps those prompts take."""
+    sched, alloc, limits = _scheduler(64, 4096)
+    _recording(sched)
+    hog = [make_seq(2000, 2, arrival=float(i)) for i in range(8)]
+    for s in hog:
+        s.request.group = "hog"
+    small = make_seq(4, 1, arrival=1e6)
+    simulate(sched, alloc, hog, limits=limits, arrivals={3: [small]})
+    first = next(i for i, step in enumerate(sched.steps) if any(seq is small for seq, _, _ in step))
+    assert first == 3, first
+    # Meanwhile the prompts went on with the rest of the budget.
+    assert sum(n for seq, n, _ in sched.steps[3] if seq is not small) == 252
+
+
+def test_echoed_prompt_logprobs_run_a_bounded_number_of_rows_a_step():
+    from lmstack.components.continuous import PROMPT_LOGPROB_TOKENS
+
+    sched, alloc, limits = _scheduler(64, 4096)
+    _recording(sched)
+    echo = [make_seq(500, 1, arrival=float(i)) for i in range(3)]
+    for s in echo:
+        s.request.params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    small = make_seq(4, 2, arrival=1e6)
+    simulate(sched, alloc, echo, limits=limits, arrivals={2: [small]})
+    rows = [sum(n for seq, n, prefill in step if seq in echo and prefill) for step in sched.steps]
+    assert max(rows) <= PROMPT_LOGPROB_TOKENS
+    assert sum(rows) >= 3 * 499  # every prompt token's row ran
+    first = next(i for i, step in enumerate(sched.steps) if any(seq is small for seq, _, _ in step))
+    assert first == 2
+
+
 # --- the real engine on the tiny model -------------------------------------------------------
 
 
@@ -148,3 +196,26 @@ def test_the_engine_runs_a_small_request_beside_a_big_call(tiny_model_path):
         engine.shutdown()
     assert all(c.token_ids == alone_big for c in outputs["big-3"].outputs)
     assert len(outputs) == 33 and all(len(o.outputs) == 32 for k, o in outputs.items() if k != "small")
+
+
+def test_prompt_logprobs_in_small_chunks_equal_those_of_whole_steps(tiny_model_path):
+    """The bounded rows a step change nothing but the step count: the prompt logprobs of a
+    300-token prompt equal (to fp32 rounding) those computed in one step without the bound."""
+    from lmstack.engine.llm import LLM
+
+    stack = tiny_stack(
+        tiny_model_path, scheduler={"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 512}
+    )
+    ids = [(13 * i) % 250 + 3 for i in range(300)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
+    got = {}
+    with one_thread():
+        llm = LLM(stack)
+        for fair in (True, False):
+            llm.engine.scheduler.fair_share = fair
+            got[fair] = llm.generate([ids], params)[0].prompt_logprobs
+        llm.engine.shutdown()
+    assert len(got[True]) == 300 and got[True][0] is None
+    for a, b in zip(got[True][1:], got[False][1:], strict=True):
+        assert a.keys() == b.keys()
+        assert all(a[k] == pytest.approx(b[k], abs=1e-4) for k in a)

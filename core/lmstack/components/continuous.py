@@ -21,7 +21,9 @@ arrives later. Instead, waiting sequences are admitted round-robin across owners
 running sequences first, then the order above), and a newly arrived owner with nothing running
 gets its room at once: when the running slots (or KV blocks) are all taken, the newest
 sequences of the owner holding the most are preempted, down to an equal share of
-`max_num_seqs` and no further. A small request waits at most a step for a slot, whatever runs.
+`max_num_seqs` and no further; prompts in progress leave room in the step for its first
+chunk. Echoed prompt logprobs, the costliest prompt tokens, run at most
+`PROMPT_LOGPROB_TOKENS` a step. A small request waits about a step for a slot, whatever runs.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ from lmstack.sequence import Sequence, SequenceStatus
 # The fewest prefill tokens a step gives prompts while streams decode: below this a prompt's
 # time to first token grows with little gain in the gap between tokens.
 MIN_PREFILL_TOKENS = 16
+# The most prompt tokens per step, over all requests, whose prompt logprobs are computed (echo
+# with logprobs): each is a full-vocabulary row of the head and a log-softmax, many times a
+# plain prompt token's cost on a small model. Steps of 1,024 such rows took ~6 s on 2 busy
+# cores (SmolLM2-135M, vocabulary 49,152), and every request batched with them, or arriving
+# meanwhile, waited for each; at 64 a 4-token request beside a 4,000-token echo took 2.1 s
+# (128: 4.4 s) and the echo itself no longer (22.5 s), its cost being per row, not per step.
+PROMPT_LOGPROB_TOKENS = 64
 
 
 class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -191,19 +200,20 @@ class ContinuousScheduler(Scheduler):
         tokens = int((min(limits) - a) / b) - decodes
         return max(MIN_PREFILL_TOKENS, min(tokens, self.token_budget))
 
-    def _make_room_for_newcomer(self, out: SchedulerOutput) -> None:
+    def _make_room_for_newcomer(self, out: SchedulerOutput) -> int:
         """Preempt the largest owner's newest sequences (never below an equal share of
         `max_num_seqs`) until the first waiting sequence of an owner with nothing running fits
-        in slots and KV blocks."""
+        in slots and KV blocks. Returns the prompt tokens to keep for it in this step's budget
+        (at most half the budget; 0 when nobody new waits or it cannot run yet)."""
         running = Counter(self.owner(s) for s in self.running)
         newcomers = [s for s in self.waiting if self.owner(s) not in running]
         if not newcomers:
-            return
+            return 0
         seq = min(newcomers, key=self.waiting_order_key)
         owners = len(running) + len({self.owner(s) for s in newcomers})
         share = max(1, self.max_num_seqs // owners)
         if self._seq_slots(seq) > share:
-            return  # it would hold more than a share itself: the next newcomer would take it back
+            return 0  # it would hold more than a share itself: the next newcomer would take it back
         first_chunk = min(seq.num_uncomputed_tokens, self.chunk_cap, self.token_budget)
         while self.running and (
             len(self.running) + self._seq_slots(seq) > self.max_num_seqs
@@ -211,10 +221,11 @@ class ContinuousScheduler(Scheduler):
         ):
             hog, held = running.most_common(1)[0]
             if held <= share:
-                return  # every owner is within its share: the newcomer waits its turn
+                return 0  # every owner is within its share: the newcomer waits its turn
             victim = max((s for s in self.running if self.owner(s) == hog), key=self.waiting_order_key)
             self._preempt(victim, out)
             running[hog] -= 1
+        return min(first_chunk, self.token_budget // 2)
 
     def _admission_order(self) -> Iterator[Sequence]:
         """Waiting sequences in the order to admit them (`self.waiting` sorted by
@@ -242,20 +253,33 @@ class ContinuousScheduler(Scheduler):
         out = SchedulerOutput()
         budget = self.token_budget
         self.running.sort(key=self.waiting_order_key)
-        if self.fair_share and self.waiting and self.running:
-            self._make_room_for_newcomer(out)
+        # Fair share (module docstring): room for a newly arrived owner, prompt tokens kept for
+        # its first chunk, and echoed prompt logprobs in small chunks while others share.
+        reserve, logprob_left = 0, self.token_budget
+        if self.fair_share and self.options.chunked_prefill:
+            # Always: whoever arrives during a step waits for all of it.
+            logprob_left = PROMPT_LOGPROB_TOKENS
+            if self.waiting and self.running:
+                reserve = self._make_room_for_newcomer(out)
         fair_preemptions = len(out.preempted)
         prefill_left = self.prefill_allowance()
+
+        def prefill_cap(seq: Sequence) -> int:
+            if seq.request.params.prompt_logprobs is not None:
+                return min(self.chunk_cap, logprob_left)
+            return self.chunk_cap
 
         # 1. Running sequences first: decodes and prefill chunks in progress.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.is_prefill and prefill_left <= 0:
+            # A prompt in progress leaves `reserve` of the step to a newcomer's first chunk.
+            room = min(prefill_cap(seq), prefill_left, budget - reserve) if seq.is_prefill else budget
+            if room <= 0:
                 i += 1  # its next chunk waits for a step with room
                 continue
             want = seq.num_uncomputed_tokens + len(seq.draft_token_ids)
-            n = min(want, budget, min(self.chunk_cap, prefill_left) if seq.is_prefill else want)
+            n = min(want, budget, room)
             if n < want and seq.draft_token_ids:
                 seq.draft_token_ids = []  # no room to verify drafts this step
                 n = min(seq.num_uncomputed_tokens, budget)
@@ -272,6 +296,8 @@ class ContinuousScheduler(Scheduler):
             budget -= n
             if seq.is_prefill:
                 prefill_left -= n
+                if seq.request.params.prompt_logprobs is not None:
+                    logprob_left -= n
             i += 1
 
         # 2. Admit waiting sequences, unless this step had to preempt for room (none left).
@@ -283,10 +309,12 @@ class ContinuousScheduler(Scheduler):
                     break
                 if len(self.running) + self._seq_slots(seq) > self.max_num_seqs and self.running:
                     break
+                if prefill_cap(seq) <= 0:
+                    continue  # this step's prompt-logprob rows are spent; others may still fit
                 if seq.num_computed_tokens == 0:
                     seq.num_computed_tokens = self.allocator.attach_cached_prefix(seq)
                 want = seq.num_uncomputed_tokens
-                n = min(want, budget, self.chunk_cap, prefill_left)
+                n = min(want, budget, prefill_cap(seq), prefill_left)
                 if (n < want and not self.options.chunked_prefill) or not self.allocator.can_allocate(seq, n):
                     break
                 admitted.add(id(seq))
@@ -296,6 +324,8 @@ class ContinuousScheduler(Scheduler):
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 prefill_left -= n
+                if seq.request.params.prompt_logprobs is not None:
+                    logprob_left -= n
             if admitted:
                 self.waiting = [s for s in self.waiting if id(s) not in admitted]
         return out
