@@ -2,25 +2,30 @@
 makes no progress (here SIGSTOP) must not hang the server. On a real `lmstack serve` with `tp: 2`
 on the tiny model and `LMSTACK_STEP_TIMEOUT_S=3`: the streamed request in flight ends with an
 error event naming the stall, /health turns 503, and the server exits non-zero — what a killed
-worker does. A normal stop prints no gloo teardown errors.
+worker does. The same under torchrun, where rank 0 serves and steps in-process. A normal stop
+prints no gloo teardown errors.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 
 import pytest
+import yaml
 
 from lmstack.testing.kit import tiny_stack
 
 pytestmark = pytest.mark.slow
 
 psutil = pytest.importorskip("psutil")
-from lmstack_api.testing import ServerProcess  # noqa: E402
+from lmstack_api.testing import ServerProcess, free_port  # noqa: E402
 
 STEP_TIMEOUT_S = 3.0
 # The error must come within the watchdog's bound; this slack covers killing the workers and a
@@ -103,3 +108,76 @@ def test_normal_stop_of_a_tp_server_prints_no_gloo_errors(tiny_model_path):
         assert srv.proc.wait(60) == 0, srv.log()
         log = srv.log()
     assert "closed by peer" not in log.lower() and "Traceback" not in log, log[-3000:]
+
+
+def test_stopped_launched_rank_fails_rank_0s_step_within_the_bound(tiny_model_path, tmp_path):
+    """Under torchrun (two "machines" on loopback): rank 0 serves in-process, so no pipe wait
+    bounds its step; its collectives are bounded instead once the first step is done."""
+    http_port, master = free_port(), free_port()
+    stack = tiny_stack(tiny_model_path, parallel={"name": "replicas", "world_size": 2})
+    stack["server"] = {"host": "127.0.0.1", "port": http_port}
+    path = tmp_path / "stack.yaml"
+    path.write_text(yaml.safe_dump(stack))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LMSTACK_STEP_TIMEOUT_S": str(STEP_TIMEOUT_S)}
+    logs = [tmp_path / f"node{r}.log" for r in range(2)]
+
+    def node(rank: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank)]
+        cmd += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master)]
+        cmd += ["-m", "lmstack.testing.replicas", "serve", str(path)]
+        return subprocess.Popen(cmd, stdout=logs[rank].open("w"), stderr=subprocess.STDOUT, env=env)
+
+    def log() -> str:
+        return "\n".join(f"--- node {r}\n{p.read_text()}" for r, p in enumerate(logs))
+
+    nodes = [node(0), node(1)]
+    victim = None
+    try:
+        base = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert all(n.poll() is None for n in nodes), log()
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, log()
+            time.sleep(0.25)
+        (rank0,) = [k for k in psutil.Process(nodes[0].pid).children() if "serve" in k.cmdline()]
+        (victim,) = [k for k in psutil.Process(nodes[1].pid).children() if "serve" in k.cmdline()]
+        body = {
+            "prompt": "the cat sat",
+            "max_tokens": 900,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
+        req = urllib.request.Request(
+            base + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        events: list[str] = []
+        with urllib.request.urlopen(req, timeout=STEP_TIMEOUT_S + SLACK_S) as resp:
+            for raw in resp:
+                if not raw.strip():
+                    continue
+                events.append(raw.decode().strip())
+                if len(events) == 3:  # past the first step: the step bound applies
+                    victim.send_signal(signal.SIGSTOP)
+                    stopped = time.monotonic()
+        assert time.monotonic() - stopped < STEP_TIMEOUT_S + SLACK_S
+        last = json.loads(next(e for e in reversed(events) if e != "data: [DONE]")[len("data: ") :])
+        assert last.get("error", {}).get("type") == "server_error", events[-3:]
+        assert rank0.wait(SLACK_S) != 0, log()
+        assert "engine died" in log()
+    finally:
+        if victim is not None and victim.is_running():
+            victim.send_signal(signal.SIGCONT)
+            victim.kill()
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+            n.wait(30)
