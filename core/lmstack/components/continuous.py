@@ -28,7 +28,7 @@ chunk. Echoed prompt logprobs, the costliest prompt tokens, run at most
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -204,17 +204,24 @@ class ContinuousScheduler(Scheduler):
         """Preempt the largest owner's newest sequences (never below an equal share of
         `max_num_seqs`) until the first waiting sequence of an owner with nothing running fits
         in slots and KV blocks. Returns the prompt tokens to keep for it in this step's budget
-        (at most half the budget; 0 when nobody new waits or it cannot run yet)."""
+        (at most half the budget; 0 when nobody new waits or it cannot run yet). Needs
+        `self.waiting` sorted by `waiting_order_key`."""
         running = Counter(self.owner(s) for s in self.running)
-        newcomers = [s for s in self.waiting if self.owner(s) not in running]
-        if not newcomers:
+        seq = next((s for s in self.waiting if self.owner(s) not in running), None)
+        if seq is None:
             return 0
-        seq = min(newcomers, key=self.waiting_order_key)
-        owners = len(running) + len({self.owner(s) for s in newcomers})
+        first_chunk = min(seq.num_uncomputed_tokens, self.chunk_cap, self.token_budget)
+        fits = len(self.running) + self._seq_slots(seq) <= self.max_num_seqs and self.allocator.can_allocate(
+            seq, first_chunk
+        )
+        if fits:
+            return min(first_chunk, self.token_budget // 2)
+        if running.most_common(1)[0][1] <= 1:
+            return 0  # nobody holds more than one slot: nothing to share (a batch of prompts)
+        owners = len(set(running) | {self.owner(s) for s in self.waiting})
         share = max(1, self.max_num_seqs // owners)
         if self._seq_slots(seq) > share:
             return 0  # it would hold more than a share itself: the next newcomer would take it back
-        first_chunk = min(seq.num_uncomputed_tokens, self.chunk_cap, self.token_budget)
         while self.running and (
             len(self.running) + self._seq_slots(seq) > self.max_num_seqs
             or not self.allocator.can_allocate(seq, first_chunk)
@@ -231,20 +238,42 @@ class ContinuousScheduler(Scheduler):
         """Waiting sequences in the order to admit them (`self.waiting` sorted by
         `waiting_order_key`). With `fair_share`: round-robin across owners, the owner with the
         fewest running sequences next (counting those admitted meanwhile), each owner's own in
-        order. The caller admits each sequence it takes before taking the next."""
+        order. The caller admits each sequence it takes before taking the next.
+
+        Each pick walks the queue's owners' first sequences in order and stops at one whose
+        owner runs nothing (none can beat it) or once every owner's is seen: a batch of
+        single-sequence requests picks in O(1), whatever the queue's length."""
         if not self.fair_share:
             yield from list(self.waiting)
             return
-        queues: dict[str, deque[Sequence]] = {}
-        for s in self.waiting:
-            queues.setdefault(self.owner(s), deque()).append(s)
         running = Counter(self.owner(s) for s in self.running)
-        while queues:
-            who = min(queues, key=lambda o: (running[o], self.waiting_order_key(queues[o][0])))
-            seq = queues[who].popleft()
-            if not queues[who]:
-                del queues[who]
+        left: Counter | None = None  # per owner, the sequences not yet taken (counted on need)
+        taken: set[int] = set()
+        while len(taken) < len(self.waiting):
+            best: tuple[int, Sequence] | None = None
+            seen: set[str] = set()
+            for s in self.waiting:
+                who = self.owner(s)
+                if id(s) in taken or who in seen:
+                    continue
+                seen.add(who)
+                if best is None or running[who] < best[0]:
+                    best = (running[who], s)  # on a tie the earlier first sequence wins
+                if best[0] == 0:
+                    break
+                if left is None:
+                    left = Counter(self.owner(w) for w in self.waiting if id(w) not in taken)
+                if len(seen) == len(left):
+                    break
+            assert best is not None
+            seq = best[1]
+            who = self.owner(seq)
+            taken.add(id(seq))
             running[who] += self._seq_slots(seq)
+            if left is not None:
+                left[who] -= 1
+                if not left[who]:
+                    del left[who]
             yield seq
 
     # --- the step --------------------------------------------------------------------------
@@ -255,11 +284,13 @@ class ContinuousScheduler(Scheduler):
         self.running.sort(key=self.waiting_order_key)
         # Fair share (module docstring): room for a newly arrived owner, prompt tokens kept for
         # its first chunk, and echoed prompt logprobs in small chunks while others share.
-        reserve, logprob_left = 0, self.token_budget
+        reserve, logprob_left, waiting_sorted = 0, self.token_budget, False
         if self.fair_share and self.options.chunked_prefill:
             # Always: whoever arrives during a step waits for all of it.
             logprob_left = PROMPT_LOGPROB_TOKENS
             if self.waiting and self.running:
+                self.waiting.sort(key=self.waiting_order_key)
+                waiting_sorted = True
                 reserve = self._make_room_for_newcomer(out)
         fair_preemptions = len(out.preempted)
         prefill_left = self.prefill_allowance()
@@ -302,7 +333,8 @@ class ContinuousScheduler(Scheduler):
 
         # 2. Admit waiting sequences, unless this step had to preempt for room (none left).
         if len(out.preempted) == fair_preemptions:
-            self.waiting.sort(key=self.waiting_order_key)
+            if not waiting_sorted or out.preempted:  # preempted sequences joined the queue's end
+                self.waiting.sort(key=self.waiting_order_key)
             admitted: set[int] = set()
             for seq in self._admission_order():
                 if min(budget, prefill_left) <= 0:
