@@ -285,9 +285,9 @@ class ContinuousScheduler(Scheduler):
         # Fair share (module docstring): room for a newly arrived owner, prompt tokens kept for
         # its first chunk, and echoed prompt logprobs in small chunks while others share.
         reserve, logprob_left, waiting_sorted = 0, self.token_budget, False
-        if self.fair_share and self.options.chunked_prefill:
-            # Always: whoever arrives during a step waits for all of it.
-            logprob_left = PROMPT_LOGPROB_TOKENS
+        if self.fair_share:
+            if self.options.chunked_prefill:  # always: whoever arrives during a step waits for all of it
+                logprob_left = PROMPT_LOGPROB_TOKENS
             if self.waiting and self.running:
                 self.waiting.sort(key=self.waiting_order_key)
                 waiting_sorted = True
