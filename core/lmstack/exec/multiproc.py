@@ -42,7 +42,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection
 from typing import Any
@@ -54,42 +53,27 @@ import torch.multiprocessing as mp
 from lmstack.batch import ModelOutput, StepPlan
 from lmstack.errors import ConfigError, EngineDeadError, JoinTimeout, LmstackError, WorkerDied
 from lmstack.exec.executor import ExecutorSpec, InProcessExecutor
+from lmstack.exec.rendezvous import (
+    JOIN_TIMEOUT_S,
+    Launch,
+    backend_for,
+    bound_collectives,
+    default_load_timeout,
+    default_step_timeout,
+    join,
+    launch_store,
+    launched,
+    leave_group,
+    wait_for_ranks,
+)
 from lmstack.interfaces import Executor
 from lmstack.testing import comm_stats
 
-JOIN_TIMEOUT_S = 60.0
-STEP_TIMEOUT_S = 60.0
-LOAD_TIMEOUT_S = 1800.0
 # Commands that load or allocate, bounded by the load timeout (and the first "execute").
 _LOAD_COMMANDS = frozenset({"load_model", "kv_cache_bytes_per_block", "init_kv_cache"})
 # Idle ranks wait for the next command inside a broadcast, which times out with the process
 # group (30 min by default): rank 0 sends a no-op this often when no command came.
 HEARTBEAT_S = 60.0
-_JOINED = "joined/{}"
-
-
-def _seconds_from_env(name: str, default: float) -> float | None:
-    """A timeout in seconds from the environment (`default` when unset); None for 0 (no bound)."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name} must be a number of seconds (0: no bound), got {raw!r}") from None
-    if value < 0 or value != value:
-        raise ConfigError(f"{name} must be >= 0 seconds (0: no bound), got {raw!r}")
-    return value or None
-
-
-def default_step_timeout() -> float | None:
-    """Seconds one step may take before the ranks count as stalled (`LMSTACK_STEP_TIMEOUT_S`)."""
-    return _seconds_from_env("LMSTACK_STEP_TIMEOUT_S", STEP_TIMEOUT_S)
-
-
-def default_load_timeout() -> float | None:
-    """Seconds loading and the first step may take (`LMSTACK_LOAD_TIMEOUT_S`)."""
-    return _seconds_from_env("LMSTACK_LOAD_TIMEOUT_S", LOAD_TIMEOUT_S)
 
 
 def _stopped(pid: int | None) -> bool:
@@ -99,122 +83,6 @@ def _stopped(pid: int | None) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except (OSError, IndexError):
         return False
-
-
-# --- launch environment and joining ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What a launcher (torchrun, or a scheduler setting the same variables) says about this
-    process."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    agent_store: bool  # torchrun's agent on node 0 already hosts the store at MASTER_PORT
-    attempt: str  # restarts of the worker group so far: keys of an earlier attempt are stale
-
-
-def launched() -> Launch | None:
-    """The launcher's view of this process; None when no launcher set RANK, WORLD_SIZE,
-    MASTER_ADDR and MASTER_PORT (the engine then spawns its own workers)."""
-    env = os.environ
-    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return None
-    try:
-        rank, world, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
-        local = int(env.get("LOCAL_RANK", "0"))
-    except ValueError:
-        raise ConfigError(
-            "RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT must be integers "
-            f"(got {env['RANK']!r}, {env['WORLD_SIZE']!r}, {env.get('LOCAL_RANK')!r}, {env['MASTER_PORT']!r})"
-        ) from None
-    if not 0 <= rank < world:
-        raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
-    return Launch(
-        rank,
-        world,
-        local,
-        env["MASTER_ADDR"],
-        port,
-        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-        env.get("TORCHELASTIC_RESTART_COUNT", "0"),
-    )
-
-
-def _launch_store(launch: Launch, timeout: float) -> dist.Store:
-    where = f"{launch.master_addr}:{launch.master_port}"
-    hosts = launch.rank == 0 and not launch.agent_store
-    try:
-        store = dist.TCPStore(
-            launch.master_addr,
-            launch.master_port,
-            is_master=hosts,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout),
-        )
-    except (RuntimeError, dist.DistError) as exc:
-        what = "cannot host" if hosts else "cannot reach rank 0's"
-        reason = " ".join(str(exc).split())[:200]
-        raise JoinTimeout(f"rank {launch.rank} {what} rendezvous store at {where} ({reason})") from None
-    return dist.PrefixStore(f"lmstack/{launch.attempt}", store)
-
-
-def _wait_for_ranks(store: dist.Store, world_size: int, timeout: float, where: str, alive=None) -> None:
-    """Until every rank has set its `joined` key; JoinTimeout naming the missing ones after
-    `timeout` s. `alive()` (optional) is checked while waiting and may raise."""
-    keys = [_JOINED.format(r) for r in range(world_size)]
-    deadline = time.monotonic() + timeout
-    while not store.check(keys):
-        if alive is not None:
-            alive()
-        if time.monotonic() > deadline:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            names = ", ".join(map(str, missing))
-            raise JoinTimeout(
-                f"rank{'s' if len(missing) > 1 else ''} {names} of {world_size} did not join within "
-                f"{timeout:g} s{where}"
-            )
-        time.sleep(0.02)
-
-
-def _join(
-    store: dist.Store,
-    rank: int,
-    world_size: int,
-    backend: str,
-    timeout: float,
-    where: str,
-    collective_timeout: float | None = None,
-) -> None:
-    """Join the group; `collective_timeout`: how long a collective may wait (None: torch's default)."""
-    store.set(_JOINED.format(rank), "1")
-    _wait_for_ranks(store, world_size, timeout, where)
-    extra = {} if collective_timeout is None else {"timeout": timedelta(seconds=collective_timeout)}
-    dist.init_process_group(
-        backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, **extra
-    )
-
-
-def _bound_collectives(seconds: float | None) -> None:
-    """From now on, a collective of this rank's groups (the world and the layout's) waiting
-    longer than `seconds` for another rank raises: a stalled launched rank then fails the step
-    on every rank instead of hanging it. Called once the first step is done."""
-    if seconds is None or not dist.is_initialized():
-        return
-    from lmstack.exec.distributed import get_parallel
-
-    state = get_parallel()
-    layout = [state.tp_group, state.ep_group, state.moe_group, state.pp_group]
-    for group in [dist.group.WORLD, *(g for g in layout if g is not None)]:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
-
-
-def _backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def _rank_spec(spec: ExecutorSpec, local_rank: int) -> ExecutorSpec:
@@ -284,7 +152,7 @@ def _command_loop(
         result = _run(local, name, args)
         if name == "execute" and not stepped:
             stepped = True
-            _bound_collectives(step_timeout)
+            bound_collectives(step_timeout)
         if relay is not None:
             relay.send(result)
 
@@ -301,7 +169,7 @@ def _worker(
         store = dist.TCPStore(
             "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=join_timeout)
         )
-        _join(store, rank, world_size, _backend(spec.device), join_timeout, "")
+        join(store, rank, world_size, backend_for(spec.device), join_timeout, "")
         _command_loop(_rank_executor(rank, spec), conn)
     except BaseException as exc:
         if conn is not None:  # rank 0 reports; the others' exit is seen by the engine
@@ -312,17 +180,7 @@ def _worker(
         else:
             print(f"lmstack worker rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         os._exit(1)  # the group is out of step: no teardown collectives
-    _leave_group()
-
-
-def _leave_group() -> None:
-    """Tear the group down together after "stop": a rank that closed its connections while
-    another still read the last broadcast made gloo print "connection closed by peer"."""
-    try:
-        dist.barrier()
-    except (RuntimeError, dist.DistError):
-        pass  # a rank already gone: nothing left to wait for
-    dist.destroy_process_group()
+    leave_group()
 
 
 def _picklable(exc: BaseException) -> bool:
@@ -349,14 +207,14 @@ def run_launched_worker(join_timeout: float = JOIN_TIMEOUT_S) -> int:
     where = f" (rendezvous at {launch.master_addr}:{launch.master_port})"
     comm_stats.install_if_enabled()
     try:
-        store = _launch_store(launch, join_timeout)
+        store = launch_store(launch, join_timeout)
         try:
             backend = store.get("backend").decode()
             timeout = float(store.get("join_timeout").decode())
             load_timeout = float(store.get("load_timeout").decode()) or None
         except (RuntimeError, dist.DistError):
             raise JoinTimeout(f"rank 0 did not join within {join_timeout:g} s{where}") from None
-        _join(store, launch.rank, launch.world_size, backend, timeout, where, load_timeout)
+        join(store, launch.rank, launch.world_size, backend, timeout, where, load_timeout)
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
         spec = _rank_spec(box[0], launch.local_rank)
@@ -371,7 +229,7 @@ def run_launched_worker(join_timeout: float = JOIN_TIMEOUT_S) -> int:
             f"error: rank {launch.rank}: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr
         )
         return 1
-    _leave_group()
+    leave_group()
     return 0
 
 
@@ -459,7 +317,7 @@ class MultiprocExecutor(Executor):
             p.start()
         child.close()  # rank 0 holds the only other end: its death is EOF here
         try:
-            _wait_for_ranks(self._store, self.world_size, self.join_timeout, "", self._check_alive)
+            wait_for_ranks(self._store, self.world_size, self.join_timeout, "", self._check_alive)
         except JoinTimeout:
             self._kill()
             raise
@@ -515,14 +373,14 @@ class MultiprocExecutor(Executor):
             )
         wire = _rank_spec(wire, launch.local_rank)
         comm_stats.install_if_enabled()
-        store = _launch_store(launch, self.join_timeout)
-        store.set("backend", _backend(wire.device))
+        store = launch_store(launch, self.join_timeout)
+        store.set("backend", backend_for(wire.device))
         store.set("join_timeout", str(self.join_timeout))
         store.set("load_timeout", str(self.load_timeout or 0))
         store.set("step_timeout", str(self.step_timeout or 0))
         store.set("heartbeat", str(self._heartbeat_s))
         where = f" (rendezvous at {launch.master_addr}:{launch.master_port})"
-        _join(store, 0, self.world_size, _backend(wire.device), self.join_timeout, where, self.load_timeout)
+        join(store, 0, self.world_size, backend_for(wire.device), self.join_timeout, where, self.load_timeout)
         dist.broadcast_object_list([wire], src=0)
         self._local = _rank_executor(0, dataclasses.replace(wire, source=self.spec.source))
         self._lock = threading.Lock()
@@ -554,7 +412,7 @@ class MultiprocExecutor(Executor):
             result = _run(self._local, name, args)
             if name == "execute" and not self._stepped:
                 self._stepped = True
-                _bound_collectives(self.step_timeout)
+                bound_collectives(self.step_timeout)
             return result
         except LmstackError as exc:
             self._dead = EngineDeadError(f"rank 0 failed in {name}: {exc}")
@@ -642,7 +500,7 @@ class MultiprocExecutor(Executor):
                 self._local = None
             if dist.is_initialized():
                 if self._dead is None:
-                    _leave_group()
+                    leave_group()
                 else:
                     dist.destroy_process_group()
             return
