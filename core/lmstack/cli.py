@@ -8,6 +8,7 @@ and exit status 2 — never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -145,6 +146,13 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
         "not create the executor, load the weights, allocate the KV cache or run a step: failures "
         "there still show only at `generate` / `serve`. Needs the model (not --skip-model)",
     )
+    check.add_argument(
+        "--memory",
+        action="store_true",
+        help="also build the model as it will run (the quantizer's layers, the weights loaded, in this "
+        "process, no KV cache) and print its resident weight bytes, bytes per weight, and the "
+        "checkpoint tensor types the quantizer dequantized at load; implies --build",
+    )
     check.set_defaults(handler=_cmd_check)
 
     plugins = sub.add_parser(
@@ -206,31 +214,44 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
 def _cmd_check(args: argparse.Namespace) -> int:
     from lmstack.stack.prepare import prepare_stack, resolve_stack
 
-    if args.build and args.skip_model:
-        raise LmstackError("--build needs the model's metadata; leave out --skip-model")
+    if (args.build or args.memory) and args.skip_model:
+        raise LmstackError("--build and --memory need the model; leave out --skip-model")
     # One pass, as `serve` makes it: the same plugins resolve the stack and pick the model's
     # architecture (a plugin's architecture is checked as it will be served).
     pm = _plugin_manager()
     stack = stack_from_args(args)
-    model_config = None
+    model_config = memory = None
     if args.skip_model:
         resolved = resolve_stack(stack, pm)
     else:
         prepared = prepare_stack(stack, plugin_manager=pm)
         resolved, model_config = prepared.resolved, prepared.model_config
-        if args.build:
+        if args.build or args.memory:
             from lmstack.stack.build import check_build
 
-            check_build(resolved, model_config, prepared.models)
+            built = check_build(resolved, model_config, prepared.models)
+        if args.memory:
+            memory = _measure_memory(prepared, built["quantizer"])
 
     if args.json:
         out = resolved.describe()
         if model_config is not None:
             out["model_config"] = _jsonable(model_config)
+        if memory is not None:
+            out["memory"] = {**dataclasses.asdict(memory), "bytes_per_weight": memory.bytes_per_weight}
         print(json.dumps(out, indent=2))
     else:
-        _print_check(args.stack, resolved, model_config, built=args.build)
+        _print_check(args.stack, resolved, model_config, built=args.build or args.memory, memory=memory)
     return 0
+
+
+def _measure_memory(prepared: Any, quantizer: Any) -> Any:
+    """`lmstack check --memory`: the model built and loaded here (`lmstack.model.memory`)."""
+    from lmstack.model.memory import measure_weights
+
+    r, mc = prepared.resolved, prepared.model_config
+    positions = min(mc.max_position_embeddings, r.config.max_model_len or mc.max_position_embeddings)
+    return measure_weights(prepared.source, mc, quantizer, dtype=r.dtype, max_positions=positions)
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -299,7 +320,11 @@ _AUTO_LABEL = {"kv_cache_memory": "KV cache memory"}
 
 
 def _print_check(
-    path: str, resolved: ResolvedStack, model_config: ModelConfig | None, built: bool = False
+    path: str,
+    resolved: ResolvedStack,
+    model_config: ModelConfig | None,
+    built: bool = False,
+    memory: Any = None,
 ) -> None:
     from lmstack.stack.resolved import DTYPE_NAMES, ROLE_LABEL
 
@@ -319,6 +344,15 @@ def _print_check(
     print(f"          {resolved.dtype_reason}")
     fmt = resolved.checkpoint_format or "-"
     print(f"weights   {fmt} checkpoint, quantizer {resolved.quantizer.name}")
+    if memory is not None:
+        m = memory
+        print(
+            f"memory    {m.resident_bytes / 1e6:.1f} MB resident, {m.bytes_per_weight:.3f} bytes a weight "
+            f"({m.weights / 1e6:.2f} M weights; the checkpoint's tensors {m.file_bytes / 1e6:.1f} MB, "
+            f"{m.resident_bytes / max(1, m.file_bytes):.2f}x)"
+        )
+        for name, extra in sorted(m.dequantized.items()):
+            print(f"          {name} tensors dequantized at load: +{extra / 1e6:.1f} MB")
     print()
     rows = []
     for role, sel in resolved.roles().items():
@@ -352,7 +386,8 @@ def _print_check(
     checked = "fits the model" if model_config is not None else "resolves (model not opened)"
     if built:
         checked += " and every component builds"
-    print(f"ok: the stack {checked}; no weights were loaded")
+    loaded = "the weights were loaded to measure memory" if memory is not None else "no weights were loaded"
+    print(f"ok: the stack {checked}; {loaded}")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

@@ -83,6 +83,11 @@ class ModelRunner:
             model = architecture.build(
                 config, quantizer.linear_factory(), dtype=dtype, max_positions=max_positions
             )
+        # An optional quantizer hook before the weights load (lmstack-gguf notes which GGUF
+        # tensors the embedding and head load, to keep their bytes packed).
+        prepare = getattr(quantizer, "prepare_model", None)
+        if prepare is not None:
+            prepare(model)
         model.load_weights(weights)
         quantizer.process_model(model)
         self.model = model.eval()

@@ -12,7 +12,7 @@ Our own small converter over the gguf package's writer and name tables
 Where llama.cpp cannot represent a model (a Gemma 3 whose local RoPE base is not 10000, say), this
 raises instead of writing a file that means another model.
 
-    python -m lmstack.testing.gguf_writer HF_FOLDER OUT.gguf [--type f32|f16|q8_0]
+    python -m lmstack.testing.gguf_writer HF_FOLDER OUT.gguf [--type f32|f16|q8_0|q4_k_m|...]
 """
 
 from __future__ import annotations
@@ -38,7 +38,19 @@ ARCHITECTURES = {
     "gemma3_text": "gemma3",
     "phi3": "phi3",
 }
-TYPES = ("f32", "f16", "q8_0")
+# What `tensor_type` may name: one type for every matrix, or "q4_k_m", llama.cpp's mix (below).
+# K-quants and Q5_x / IQ4_NL blocks come from our reference packer (`lmstack.testing.gguf_quants`).
+TYPES = (
+    "f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q5_1",
+    "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m", "iq4_nl",
+)  # fmt: skip
+# A matrix whose rows are not whole blocks of the asked type falls back as llama.cpp's quantizer
+# does (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; Q2_K / Q3_K -> Q4_0 here, IQ4_NL there, so a
+# fixture's layers stay in a packed type), and to F16 where rows are not whole 32-blocks.
+_FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+# Q4_K_M, as llama.cpp mixes it (simplified: every layer, not half of them): Q6_K for these
+# tensors, Q4_K for the other matrices.
+_Q4_K_M_Q6 = re.compile(r"(\.attn_v|\.ffn_down(_exps)?|^output)\.weight$")
 
 # llama.cpp token types.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -47,8 +59,9 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)
 
 def write_gguf(folder: str | Path, out: str | Path, *, tensor_type: str = "f32") -> Path:
     """Convert the Hugging Face folder `folder` into the GGUF file `out`. `tensor_type`: what
-    matrices are stored as (f32, f16 or q8_0; a matrix whose rows are not whole Q8_0 blocks
-    stays f16, as llama.cpp falls back); vectors (norms, biases) are always f32."""
+    matrices are stored as (one of `TYPES`; a matrix whose rows are not whole blocks of it falls
+    back as llama.cpp does, `_FALLBACK`); vectors (norms, biases) are always f32, and so is a
+    MoE router (`ffn_gate_inp`) in the K-quant mixes, as llama.cpp keeps it."""
     import gguf
     from safetensors import safe_open
 
@@ -110,11 +123,39 @@ def _add_tensor(writer: Any, name: str, arr: np.ndarray, tensor_type: str) -> No
 
     if arr.ndim == 1 or tensor_type == "f32" or name.startswith("rope_"):
         writer.add_tensor(name, arr)
-    elif tensor_type == "q8_0" and arr.shape[-1] % 32 == 0:
-        q8 = gguf.GGMLQuantizationType.Q8_0
-        writer.add_tensor(name, gguf.quants.quantize(arr, q8), raw_dtype=q8)
-    else:
+        return
+    if tensor_type == "q4_k_m":
+        tensor_type = "q6_k" if _Q4_K_M_Q6.search(name) else "q4_k"
+    if "_k" in tensor_type and "ffn_gate_inp" in name:
+        writer.add_tensor(name, arr)
+        return
+    kind = tensor_type
+    while kind not in ("f16", "bf16") and arr.shape[-1] % gguf.GGML_QUANT_SIZES[_GGML[kind]][0]:
+        kind = _FALLBACK.get(kind, "f16")
+    if kind == "f16":
         writer.add_tensor(name, arr.astype(np.float16))
+        return
+    qtype = _GGML[kind]
+    if qtype in (
+        gguf.GGMLQuantizationType.BF16,
+        gguf.GGMLQuantizationType.Q8_0,
+        gguf.GGMLQuantizationType.Q4_0,
+    ):
+        blocks = gguf.quants.quantize(arr, qtype)
+    else:
+        from lmstack.testing.gguf_quants import quantize
+
+        blocks = quantize(arr, qtype)
+    writer.add_tensor(name, blocks, raw_dtype=qtype)
+
+
+def _ggml_types() -> dict[str, Any]:
+    from gguf import GGMLQuantizationType as T
+
+    return {name: T[name.upper()] for name in TYPES if name not in ("f32", "q4_k_m")}
+
+
+_GGML = _ggml_types()
 
 
 def _interleave_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:

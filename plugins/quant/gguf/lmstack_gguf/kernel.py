@@ -8,6 +8,13 @@
   multiplied in integers by x rounded to int8.
 - otherwise (prefill, or no kernel): the blocks are dequantized `SLAB_BYTES` of fp32 at a time
   into a reused buffer and multiplied densely in fp32 — what the dequantized checkpoint computes.
+
+The K-quant and Q5_x types (`KQ_TYPES`) go through the extension's `kq_*` ops
+(`kq_matmul_q8`: x rounded to int8 per 32 values as `gguf_matmul_q8` rounds it; `kq_dequantize`:
+fp32 or bfloat16, bit-equal to the gguf package's). Where the built extension predates them,
+`kq_matmul_q8` / `kq_dequantize` below compute the same thing in torch and numpy (slowly: the
+rows are dequantized per call), so the layers keep the file's bytes either way. F16 / BF16
+matrices are kept in their own dtype (`FLOAT_TYPES`) and widened a slab at a time.
 """
 
 from __future__ import annotations
@@ -19,9 +26,24 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from lmstack.kernels.scratch import reused_buffer
 
-# The GGML types kept as blocks (the C++ kernel's); any other type is dequantized at load.
+# The GGML types kept as blocks by the legacy kernels (panels, dense copies); KQ_TYPES and
+# FLOAT_TYPES are kept too (`GGUFLinear`); any other type is dequantized at load.
 KEPT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
-QK = 32  # values per block, every kept type
+QK = 32  # values per block, every KEPT_TYPES type
+# The `kq_*` ops' types: Q5_0, Q5_1 (32-value blocks) and the K-quants (256-value super-blocks).
+KQ_TYPES = frozenset(
+    int(GGMLQuantizationType[n]) for n in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+)
+F16, BF16 = int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)
+FLOAT_TYPES = {F16: torch.float16, BF16: torch.bfloat16}
+# Batches of at most this many rows multiply a K-quant layer by `kq_matmul_q8` (int8
+# activations); larger ones dequantize it a slab at a time. Development measurement (2-core AMD
+# EPYC with AVX-512 BF16 / VNNI, one thread, a busy machine: load ~8; a 3072 x 1024 Q4_K / Q6_K
+# layer): the kernel against bfloat16 slabs 2.3 vs 2.6 ms at 32 rows, 11.5 vs 6.4 ms at 64;
+# against fp32 slabs it was ahead at every size up to 128 rows (21 vs 34 ms), hence the
+# second limit where the slabs are fp32 (README).
+KQ_MAX_ROWS = 32
+KQ_MAX_ROWS_FP32_SLABS = 128
 # fp32 batches of at most this many rows take the C++ kernel (measured crossover with
 # dequantize + fp32 matmul, README).
 NATIVE_MAX_ROWS = 32
@@ -39,6 +61,59 @@ def native_kernel():
 
 def block_bytes(ggml_type: int) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][1]
+
+
+def block_values(ggml_type: int) -> int:
+    """Values per block of a GGML type (1 for F16 / BF16)."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][0]
+
+
+def type_name(ggml_type: int) -> str:
+    return GGMLQuantizationType(ggml_type).name
+
+
+def kq_kernels():
+    """The extension if it has the `kq_*` ops (csrc), else None (the torch / numpy fallback)."""
+    ext = native_kernel()
+    return ext if ext is not None and hasattr(ext, "kq_matmul_q8") else None
+
+
+def kept_types() -> frozenset[int]:
+    """Every GGML type a layer keeps as stored (where the extension is built)."""
+    ext = kq_kernels()
+    kq = frozenset(int(t) for t in ext.kq_types()) if ext is not None else KQ_TYPES
+    return frozenset(int(t) for t in KEPT_TYPES) | kq | frozenset(FLOAT_TYPES)
+
+
+def round_q8(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as `gguf_matmul_q8` sees it: each 32-block rounded to int8 with scale max|x| / 127
+    (round half to even), back in fp32."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // QK, QK)
+    dx = xb.abs().amax(-1) / 127.0
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    return (torch.round(xb * inv[..., None]) * dx[..., None]).reshape(m, k)
+
+
+def kq_dequantize(
+    blocks: torch.Tensor, ggml_type: int, k: int, into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """K-quant / Q5_x block rows [N, bytes] -> fp32 [N, k], or into `into` (fp32 or bfloat16)."""
+    ext = kq_kernels()
+    if ext is not None:
+        return ext.kq_dequantize(blocks, int(ggml_type), k, into)
+    dense = quants.dequantize(blocks.numpy(), GGMLQuantizationType(ggml_type)).reshape(blocks.shape[0], k)
+    out = torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))
+    return out if into is None else into.copy_(out)
+
+
+def kq_matmul_q8(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """fp32 x [M, k] rounded to int8 per 32 values, times the K-quant / Q5_x rows -> fp32 [M, N]."""
+    ext = kq_kernels()
+    if ext is not None:
+        return ext.kq_matmul_q8(x, blocks, int(ggml_type))
+    k = x.shape[1]
+    return dequant_matmul(round_q8(x), blocks, ggml_type, k)
 
 
 # lmstack's own layout beside the GGML types (csrc/gguf_matmul.cpp): Q4_1 whose consecutive
@@ -81,7 +156,12 @@ def dequantize_blocks(
     blocks: torch.Tensor, ggml_type: int, k: int, into: torch.Tensor | None = None
 ) -> torch.Tensor:
     """uint8 block rows [N, bytes] -> fp32 [N, k], or into `into` (float32, or bfloat16 with the C++
-    kernel) (the C++ kernel, else the gguf package's numpy)."""
+    kernel) (the C++ kernel, else the gguf package's numpy). K-quant / Q5_x rows go to
+    `kq_dequantize`; F16 / BF16 rows (kept typed, [N, k]) are widened."""
+    if blocks.dtype != torch.uint8:  # an F16 / BF16 matrix in its own dtype
+        return blocks.float() if into is None else into.copy_(blocks)
+    if int(ggml_type) in KQ_TYPES:
+        return kq_dequantize(blocks, ggml_type, k, into)
     ext = native_kernel()
     if ext is not None:
         return ext.gguf_dequantize(blocks, int(ggml_type), k, into)

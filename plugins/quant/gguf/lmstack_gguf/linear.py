@@ -1,9 +1,15 @@
-"""`GGUFLinear`: a linear layer that keeps a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 blocks.
+"""`GGUFLinear`: a linear layer that keeps a GGUF checkpoint's tensors as stored.
 
 `weight` holds this rank's rows as uint8 [out, bytes per row] in the file's encoding once the
-layer is finalized (`ggml_type` set); a layer whose parts came in any other encoding (F32, F16,
-K-quants, parts of different types, a tensor-parallel cut inside a block) is dequantized at load
-into `dense` fp32 [out, in] instead, which is what `quant.weights: none` would serve.
+layer is finalized (`ggml_type` set). Q4_0 / Q4_1 / Q8_0 layers take the legacy kernels (block
+kernel, panels, dense copies: `GGUFOptions.prefill`). The K-quants and Q5_0 / Q5_1 (`KQ_TYPES`)
+and F16 / BF16 matrices (kept in their own dtype, [out, in]) are held as `segments`: runs of
+output rows of one type each (Q4_K_M's fused qkv is Q4_K q and k rows, then Q6_K v rows), each
+multiplied on its own — decode batches by `kq_matmul_q8`, larger ones dequantized a slab at a
+time into a reused buffer — with no dense copy and no panels, whatever `prefill` says. A part in
+any other encoding (IQ*, TQ*, ..., or a tensor-parallel cut inside a block) is dequantized at load
+into fp32 rows (`dequantized` records the type and the bytes it costs; the quantizer logs it),
+which is what `quant.weights: none` would serve; F32 parts stay fp32.
 
 The weight loader keeps each part (q, k, v of a fused qkv; gate, up) as it arrives, cut to this
 rank's rows (whole rows: GGUF blocks run along a row) and input columns (on block boundaries);
@@ -15,21 +21,33 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lmstack.interfaces import LinearSpec
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
 from lmstack.model.quantized_linear import QuantizedLinear
 from lmstack_gguf.kernel import (
+    F16,
+    FLOAT_TYPES,
     KEPT_TYPES,
+    KQ_MAX_ROWS,
+    KQ_TYPES,
     NATIVE_MAX_ROWS,
-    QK,
     block_bytes,
     block_matmul,
+    block_values,
+    dequant_matmul,
     dequantize_blocks,
+    kept_types,
     kernel_takes,
+    kq_kernels,
+    kq_matmul_q8,
     native_kernel,
+    type_name,
 )
+
+LEGACY_TYPES = frozenset(int(t) for t in KEPT_TYPES)
 
 
 class GGUFLinear(QuantizedLinear):
@@ -44,6 +62,8 @@ class GGUFLinear(QuantizedLinear):
         copy_dtype: torch.dtype = torch.float32,
         panels: bool = False,
         copy_min_rows: int | None = None,
+        kq_max_rows: int | None = KQ_MAX_ROWS,
+        slab_dtype: torch.dtype = torch.float32,
     ) -> None:
         """`int8_activations`: the kernel rounds x to int8 per 32-block (`block_matmul`).
         `kernel_max_rows`: the largest batch the kernel takes (None: any; larger ones multiply
@@ -53,7 +73,10 @@ class GGUFLinear(QuantizedLinear):
         AVX2 or AVX-512 VNNI: `gguf_matmul_panels`). `copy_min_rows` (with `panels` and
         `dense_copy`): batches from this many rows multiply by the dense copy instead of the
         panels (`prefill: panels+bf16`: a CPU with AMX tiles multiplies large bfloat16 batches
-        faster than the int8 panels)."""
+        faster than the int8 panels). `kq_max_rows`: the largest batch a K-quant / Q5_x segment
+        multiplies by `kq_max_rows` (int8 activations; None: any); larger ones, and every batch
+        with fp32 activations, dequantize it in slabs of `slab_dtype` (bfloat16 on a
+        native-bf16 CPU with int8 activations; a BF16 matrix is then multiplied as it is)."""
         super().__init__(spec)
         self.use_native = use_native
         self.int8_activations = int8_activations
@@ -81,23 +104,39 @@ class GGUFLinear(QuantizedLinear):
         # Panels for every batch and no copy: the blocks are dropped after packing (`rows` reads
         # them back from the panels), so the layer holds 0.75 bytes a weight, not 1.3.
         self.panels_only = False
+        self.kq_max_rows = sys.maxsize if kq_max_rows is None else kq_max_rows
+        self.slab_dtype = slab_dtype
+        # (ggml type or None for fp32 rows, rows in the type's layout) per run of output rows of
+        # one type: every kept layer that is not a legacy one (module docstring).
+        self.segments: list[tuple[int | None, torch.Tensor]] | None = None
+        # GGML type name -> bytes the parts of that type dequantized at load cost over the file's.
+        self.dequantized: dict[str, int] = {}
+        self._dense_from: dict[int, tuple[str, int]] = {}  # part -> (type name, file bytes), until finalize
 
     # --- loading ------------------------------------------------------------------------------
 
     @torch.no_grad()
     def _load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None) -> None:
+        keep = kept_types()
         for part, tensor in self.parts(loaded, shard_id):
             want = (part.size, self.spec.in_features)
             if tuple(tensor.shape) != want:
                 raise ValueError(f"expected shape {want}, got {tuple(tensor.shape)}")
             mine, cols = self.kept_rows(tensor, part), self.shard.columns
-            kept = isinstance(mine, GGUFTensor) and mine.ggml_type in KEPT_TYPES
-            if kept and cols.start % QK == 0 and cols.stop % QK == 0:
-                per = block_bytes(int(mine.ggml_type))
-                raw = mine.raw()[:, cols.start // QK * per : cols.stop // QK * per]
-                self._parts[part.index] = (int(mine.ggml_type), raw.contiguous())
-            else:
-                self._parts[part.index] = (None, to_dense(mine, torch.float32)[:, cols].contiguous())
+            if isinstance(mine, GGUFTensor):
+                t, per = int(mine.ggml_type), block_values(int(mine.ggml_type))
+                if t in keep and cols.start % per == 0 and cols.stop % per == 0:
+                    size = block_bytes(t)
+                    raw = mine.raw()[:, cols.start // per * size : cols.stop // per * size].contiguous()
+                    if t in FLOAT_TYPES:  # an F16 / BF16 matrix: its own dtype, [rows, cols]
+                        raw = raw.view(FLOAT_TYPES[t])
+                    self._parts[part.index] = (t, raw)
+                    continue
+                if mine.ggml_type.name != "F32":
+                    name = mine.ggml_type.name + (" (cut inside a block)" if t in keep else "")
+                    share = (cols.stop - cols.start) / want[1]
+                    self._dense_from[part.index] = (name, int(mine.data.nbytes * share))
+            self._parts[part.index] = (None, to_dense(mine, torch.float32)[:, cols].contiguous())
 
     def set_blocks(self, ggml_type: int, blocks: torch.Tensor) -> None:
         """The whole local weight at once, already in blocks (the LM head's table)."""
@@ -108,8 +147,9 @@ class GGUFLinear(QuantizedLinear):
 
     @torch.no_grad()
     def finalize(self) -> None:
-        """Join the loaded parts: one block tensor when every part kept the same type and the
-        kernels are built, else one dense fp32 weight."""
+        """Join the loaded parts: one block tensor when every part kept the same legacy type,
+        `segments` when the parts keep other types (or several), else one dense fp32 weight
+        (every part dequantized, or the kernels not built)."""
         if not self._parts:
             return  # finalized already
         missing = [i for i in range(len(self.spec.output_sizes)) if i not in self._parts]
@@ -117,29 +157,80 @@ class GGUFLinear(QuantizedLinear):
             raise ValueError(f"{self.spec.name}: weight part(s) {missing} were never loaded")
         parts = [self._parts[i] for i in range(len(self.spec.output_sizes))]
         types = {t for t, _ in parts}
-        if len(types) == 1 and None not in types and native_kernel() is not None:
-            self.ggml_type = types.pop()
-            self.weight.data = torch.cat([rows for _, rows in parts]) if len(parts) > 1 else parts[0][1]
-            if self.use_panels and self.use_native:
-                ext = native_kernel()
-                self.panels = ext.gguf_pack_panels(self.weight.data, self.ggml_type, self.in_features)
-                self._panel_matmul = ext.gguf_matmul_panels
-            if self.dense_copy and (self.panels is None or self.copy_min_rows is not None):
-                self.dense = dequantize_blocks(self.weight.data, self.ggml_type, self.in_features).to(
-                    self.copy_dtype
-                )
-            if self.panels is not None and self.kernel_max_rows == 0 and self.dense is None:
-                self.panels_only = True
-                self.weight.data = torch.empty(self.out_features, 0, dtype=torch.uint8)
-            if self.use_native:
-                self._bind_fast()
+        built = native_kernel() is not None
+        if built and len(types) == 1 and types <= LEGACY_TYPES:
+            self._finalize_legacy(types.pop(), parts)
+        elif built and types != {None}:
+            self._finalize_segments(parts)
         else:
             k = self.in_features
+            for i, (t, rows) in enumerate(parts):
+                if t is not None:  # kept at load, but the kernels did not build
+                    self._dense_from[i] = (type_name(t), rows.nbytes)
             self.dense = torch.cat(
                 [rows if t is None else dequantize_blocks(rows, t, k) for t, rows in parts]
             )
             self.weight.data = torch.empty(self.out_features, 0, dtype=torch.uint8)
+        for i, (name, file_bytes) in self._dense_from.items():
+            dense_bytes = parts[i][1].shape[0] * self.in_features * 4
+            self.dequantized[name] = self.dequantized.get(name, 0) + dense_bytes - file_bytes
+        self._dense_from = {}
         self._parts = {}
+
+    def _finalize_legacy(self, ggml_type: int, parts: list) -> None:
+        """Q4_0 / Q4_1 / Q8_0: the blocks, and the panels or dense copy `prefill` asks for."""
+        self.ggml_type = ggml_type
+        self.weight.data = torch.cat([rows for _, rows in parts]) if len(parts) > 1 else parts[0][1]
+        if self.use_panels and self.use_native:
+            ext = native_kernel()
+            self.panels = ext.gguf_pack_panels(self.weight.data, self.ggml_type, self.in_features)
+            self._panel_matmul = ext.gguf_matmul_panels
+        if self.dense_copy and (self.panels is None or self.copy_min_rows is not None):
+            self.dense = dequantize_blocks(self.weight.data, self.ggml_type, self.in_features).to(
+                self.copy_dtype
+            )
+        if self.panels is not None and self.kernel_max_rows == 0 and self.dense is None:
+            self.panels_only = True
+            self.weight.data = torch.empty(self.out_features, 0, dtype=torch.uint8)
+        if self.use_native:
+            self._bind_fast()
+
+    def _finalize_segments(self, parts: list) -> None:
+        """Runs of consecutive parts of one type joined into segments; one segment is also
+        `weight` (and `ggml_type` its type), several leave `weight` empty."""
+        runs: list[tuple[int | None, list[torch.Tensor]]] = []
+        for t, rows in parts:
+            if runs and runs[-1][0] == t:
+                runs[-1][1].append(rows)
+            else:
+                runs.append((t, [rows]))
+        self.segments = [(t, torch.cat(rows) if len(rows) > 1 else rows[0]) for t, rows in runs]
+        if len(self.segments) == 1:
+            self.ggml_type, self.weight.data = self.segments[0]
+            t = self.ggml_type
+            if t in KQ_TYPES and self.int8_activations and self.use_native:
+                ext = kq_kernels()
+                op = ext.kq_matmul_q8 if ext is not None else kq_matmul_q8
+                self._fast = (op, (self.weight.data, t), self.kq_max_rows)
+        else:
+            self.weight.data = torch.empty(self.out_features, 0, dtype=torch.uint8)
+
+    def _segment_matmul(self, x: torch.Tensor, t: int | None, w: torch.Tensor) -> torch.Tensor:
+        """fp32 x [M, in] times one segment's rows -> fp32 [M, rows]."""
+        if t is None:
+            return F.linear(x, w)
+        k = self.in_features
+        if t in LEGACY_TYPES:
+            return block_matmul(
+                x, w, t, k, self.use_native, int8_activations=self.int8_activations, max_rows=NATIVE_MAX_ROWS
+            )
+        if t in KQ_TYPES and self.int8_activations and self.use_native and x.shape[0] <= self.kq_max_rows:
+            return kq_matmul_q8(x if x.stride(-1) == 1 else x.contiguous(), w, t)
+        if w.dtype == torch.bfloat16 and self.slab_dtype == torch.bfloat16:
+            return F.linear(x.to(torch.bfloat16), w).float()
+        # F16 is widened to fp32 (bfloat16 would round its mantissa).
+        dtype = torch.float32 if t == F16 else self.slab_dtype
+        return dequant_matmul(x.to(dtype), w, t, k).float()
 
     def _bind_fast(self) -> None:
         """The decode path, bound once: a module's parameter and buffer lookups and the checks of
@@ -159,6 +250,8 @@ class GGUFLinear(QuantizedLinear):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Output rows `ids` of the weight in fp32 (the embedding lookup of a block table)."""
+        if self.segments is not None:
+            return self._segment_rows(ids)
         if self.ggml_type is None:
             return self.dense[ids]
         if self.panels_only:
@@ -179,6 +272,13 @@ class GGUFLinear(QuantizedLinear):
             return fast[0](x, *fast[1])  # what the paths below would run, without their checks
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if self.segments is not None:
+            x32 = x2.float()
+            outs = [self._segment_matmul(x32, t, w) for t, w in self.segments]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+            if self.bias is not None:
+                out = out + self.bias
+            return out.to(x.dtype).reshape(*lead, self.out_features)
         rows, copy_from = x2.shape[0], self.copy_min_rows
         if self.panels_only or (
             self.panels is not None
@@ -211,7 +311,23 @@ class GGUFLinear(QuantizedLinear):
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
 
+    def _segment_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        k, first = self.in_features, 0
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
+        for t, w in self.segments:
+            n = w.shape[0]
+            sel = (ids >= first) & (ids < first + n)
+            picked = w[ids[sel] - first].contiguous()
+            out[sel] = picked if t is None else dequantize_blocks(picked, t, k)
+            first += n
+        return out
+
     def extra_repr(self) -> str:
+        if self.segments is not None:
+            runs = ", ".join(
+                f"{w.shape[0]} rows {'fp32' if t is None else type_name(t)}" for t, w in self.segments
+            )
+            return f"in={self.in_features}, out={self.out_features}, {runs} (no copy, no panels)"
         kind = "dense fp32" if self.ggml_type is None else f"GGML type {self.ggml_type} blocks"
         if self.panels is not None:
             over = f"batches over {self.kernel_max_rows} rows" if self.kernel_max_rows else "every batch"

@@ -17,7 +17,8 @@ ISA_NAMES = {2: "AVX-512 (F, BW, DQ, VL, VNNI)", 1: "AVX2+FMA+F16C", 0: "scalar"
 EXTENSION = NativeExtension(
     name="lmstack_gguf_ext",
     cache_name="gguf_matmul",
-    sources=[Path(__file__).resolve().parent / "csrc" / "gguf_matmul.cpp"],
+    sources=[Path(__file__).resolve().parent / "csrc" / name for name in ("gguf_matmul.cpp", "kquants.cpp")],
+    headers=[Path(__file__).resolve().parent / "csrc" / "kquants.h"],
     report=BuildReport("lmstack-gguf", "kernels", ISA_NAMES, "`quant.weights: gguf` will dequantize at load"),
 )
 

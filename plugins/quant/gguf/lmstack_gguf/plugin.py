@@ -87,8 +87,9 @@ COMPONENT = Component(
         "auto_rank": {GGUF: {"cpu": 20}},
     },
     api=">=1.0,<2",
-    description="GGUF Q4_0 / Q4_1 / Q8_0 blocks served as stored (no dequantization at load), with a C++ "
-    "CPU kernel; the Q8_0 embedding / tied head too where exact. Other GGUF types dequantize.",
+    description="GGUF Q4_0 / Q4_1 / Q8_0, Q5_0 / Q5_1, K-quant (Q2_K-Q6_K) and F16 / BF16 tensors served as "
+    "stored (no dequantization at load), with C++ CPU kernels; the embedding / head too. Other GGUF types "
+    "(IQ*, ...) dequantize, with a warning.",
 )
 
 

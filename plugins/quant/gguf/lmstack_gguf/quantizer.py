@@ -1,20 +1,24 @@
-"""The `gguf` quantizer: linears keep the checkpoint's GGUF blocks; the embedding and tied LM
-head become Q8_0 blocks where that is exact (`lm_head: blocks`)."""
+"""The `gguf` quantizer: linears keep the checkpoint's GGUF blocks; the embedding and LM head
+keep the file's blocks too, or become Q8_0 blocks where that is exact (`lm_head: blocks`)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from lmstack.errors import ConfigError
 from lmstack.interfaces import LinearFactory, LinearSpec, Quantizer
 from lmstack.kernels.hardware import native_bf16_cpu
 from lmstack.quant.formats import GGUF, checkpoint_format_id
-from lmstack_gguf.head import keep_embedding_and_head_as_blocks
-from lmstack_gguf.kernel import QK, native_kernel
+from lmstack_gguf.head import keep_embedding_and_head_as_blocks, watch_tables
+from lmstack_gguf.kernel import KQ_MAX_ROWS, KQ_MAX_ROWS_FP32_SLABS, QK, native_kernel
 from lmstack_gguf.linear import GGUFLinear
+
+log = logging.getLogger(__name__)
 
 # With the bfloat16 copy, batches from this many rows multiply by it: on a native-bf16 CPU (AMD
 # EPYC, AVX-512 BF16) the copy overtook the int8-activation kernel between 16 and 24 rows of a
@@ -102,6 +106,25 @@ class GGUFQuantizer(Quantizer):
         self.prefill = prefill_mode(options.prefill, self.int8_activations)
         self.dense_copy = self.prefill in ("dense-copy", "dense-bf16", "panels+bf16")
         self.panels = self.prefill in ("panels", "panels+bf16")
+        # K-quant / BF16 batches the kq kernel does not take are rebuilt a slab at a time in
+        # bfloat16 on a CPU that multiplies it natively (int8 activations accept x's rounding).
+        self.slab_dtype = torch.bfloat16 if self.int8_activations and native_bf16_cpu() else torch.float32
+        # The checkpoint's GGML types (ModelConfig.quantization, from the file's tensor index):
+        # row-parallel layers split on the largest block among them.
+        types = (model_config.quantization or {}).get("tensor_types", {}) if model_config else {}
+        self.block = max(
+            [
+                QK,
+                *(
+                    GGML_QUANT_SIZES[GGMLQuantizationType[n]][0]
+                    for n in types
+                    if n in GGMLQuantizationType.__members__
+                ),
+            ]
+        )
+        self._tables: dict[int, Any] = {}  # the GGUF tensors the embedding / head load (watch_tables)
+        # GGML type name -> bytes it costs dequantized at load over the file's bytes (process_model).
+        self.dequantized: dict[str, int] = {}
 
     def linear_factory(self) -> LinearFactory:
         extra = {}
@@ -112,6 +135,11 @@ class GGUFQuantizer(Quantizer):
             if self.prefill == "panels+bf16":
                 extra.update(copy_dtype=torch.bfloat16, copy_min_rows=AMX_COPY_MIN_ROWS)
 
+        bf16_slabs = self.slab_dtype == torch.bfloat16
+        extra.update(
+            kq_max_rows=KQ_MAX_ROWS if bf16_slabs else KQ_MAX_ROWS_FP32_SLABS, slab_dtype=self.slab_dtype
+        )
+
         def make(spec: LinearSpec) -> nn.Module:
             return GGUFLinear(
                 spec, self.use_native, self.dense_copy, int8_activations=self.int8_activations, **extra
@@ -119,15 +147,46 @@ class GGUFQuantizer(Quantizer):
 
         return make
 
+    def prepare_model(self, model: nn.Module) -> None:
+        """Before the weights load (`ModelRunner`): note the GGUF tensors the embedding and the
+        head load, so that `process_model` can keep their bytes."""
+        if self.options.lm_head == "blocks":
+            watch_tables(model, self._tables)
+
     def process_model(self, model: nn.Module) -> None:
+        dequantized: dict[str, int] = {}
         for module in model.modules():
             if isinstance(module, GGUFLinear):
                 module.finalize()
+                for name, cost in module.dequantized.items():
+                    dequantized[name] = dequantized.get(name, 0) + cost
         if self.options.lm_head == "blocks":
-            keep_embedding_and_head_as_blocks(
-                model, self.use_native, self.int8_activations, head_panels_min_rows() if self.panels else None
+            _, tables = keep_embedding_and_head_as_blocks(
+                model,
+                self.use_native,
+                self.int8_activations,
+                head_panels_min_rows() if self.panels else None,
+                self._tables,
+                self.slab_dtype,
             )
+            for name, cost in tables.items():
+                dequantized[name] = dequantized.get(name, 0) + cost
+        self._tables = {}
+        for name, cost in sorted(dequantized.items()):
+            log.warning(
+                "lmstack-gguf: %s tensors are not kept packed: dequantized to fp32 at load, %.1f MB more "
+                "than the file's bytes",
+                name,
+                cost / 1e6,
+            )
+        self.dequantized = dequantized
+
+    def dequantized_at_load(self) -> dict[str, int]:
+        """GGML type name -> bytes its tensors cost dequantized at load beyond the file's bytes
+        (`lmstack check --memory` lists them)."""
+        return dict(self.dequantized)
 
     def shard_alignment(self, spec: LinearSpec) -> int:
-        # Blocks run along a row: a split of the input columns (row-parallel) keeps whole blocks.
-        return QK if spec.parallel == "row" else 1
+        # Blocks run along a row: a split of the input columns (row-parallel) keeps whole blocks,
+        # 256 values where the file holds a K-quant (a cut inside one would dequantize the layer).
+        return self.block if spec.parallel == "row" else 1

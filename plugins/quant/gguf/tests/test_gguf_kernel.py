@@ -138,9 +138,12 @@ def test_int8_activation_matmul_is_the_rounded_x_times_the_blocks(typ, isa):
         assert out.shape == (m, n) and within_rounding(out, xq, w, k), (
             f"{typ.name} isa {isa} m={m} n={n} k={k}"
         )
-        # The price of the rounding, on Gaussian data: well under a percent of the output's size.
+        # The price of the rounding, on Gaussian data: well under a percent of the size of the
+        # products summed (not of the output itself: with few rows and columns an output can
+        # cancel to near zero, and a relative error against it means nothing).
         exact = x.double() @ w.double().T
-        assert float((out.double() - exact).norm() / exact.norm()) < 0.02
+        scale = x.double().abs() @ w.double().abs().T
+        assert float((out.double() - exact).norm() / scale.norm()) < 0.02
 
 
 @needs_ext
@@ -481,14 +484,18 @@ def test_panels_refuse_bad_operands_in_one_line():
         ext.gguf_matmul_panels(torch.randn(3, 64).double(), packed, int(T.Q4_1), 20)
 
 
-def test_mixed_encodings_become_one_dense_weight():
+def test_mixed_encodings_keep_one_segment_per_type():
+    """Parts of different types (Q4_K_M's qkv mixes Q4_K and Q6_K) each keep their encoding."""
     k = 64
     q4, w4 = blocks_of(np.random.randn(6, k), T.Q4_1)
     q8, w8 = blocks_of(np.random.randn(4, k), T.Q8_0)
     dense = torch.randn(3, k)  # an F32 part
     spec = LinearSpec(k, 13, False, "layers.0.qkv_proj", (6, 4, 3), "column", torch.float32)
     layer = _layer(spec, [_gguf(q4, T.Q4_1, k), _gguf(q8, T.Q8_0, k), dense])
-    assert layer.ggml_type is None and layer.dense.shape == (13, k)
+    if kernel.native_kernel() is None:
+        assert layer.ggml_type is None and layer.dense.shape == (13, k)
+    else:
+        assert [t for t, _ in layer.segments] == [int(T.Q4_1), int(T.Q8_0), None] and layer.dense is None
     x = torch.randn(2, k)
     assert within_rounding(layer(x), x, torch.cat([w4, w8, dense]), k)
 

@@ -31,6 +31,8 @@
 
 #include <torch/extension.h>
 
+#include "kquants.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -1407,4 +1409,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_bytes", &gguf_matmul::row_bytes, "bytes per weight row of K values in a type's layout (Q4_1G included)",
         py::arg("type"), py::arg("k"));
   m.def("best_isa", &gguf_matmul::best_isa, "2: AVX-512 (F, BW, DQ, VL, VNNI), 1: AVX2+FMA+F16C, 0: scalar");
+  // The K-quants and Q5_0 / Q5_1 kept packed (kquants.cpp).
+  m.def("kq_types", &kquants::kq_types, "GGML type ids kq_* packs: Q5_0, Q5_1, Q2_K-Q6_K");
+  m.def("kq_row_bytes", &kquants::kq_row_bytes, "bytes per weight row of K values", py::arg("type"), py::arg("k"));
+  m.def("kq_dequantize", &kquants::kq_dequantize, "packed rows [N, bytes] -> float32 [N, K] (or into fp32 / bf16)",
+        py::arg("w"), py::arg("type"), py::arg("k"), py::arg("into") = py::none(), py::arg("isa") = -1);
+  m.def("kq_matmul_q8", &kquants::kq_matmul_q8,
+        "x fp32 [M, K] @ W^T, W packed, x rounded to int8 per 32-block (integer dot products)", py::arg("x"),
+        py::arg("w"), py::arg("type"), py::arg("isa") = -1);
 }
