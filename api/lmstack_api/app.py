@@ -276,6 +276,7 @@ async def chat_completions(request: Request) -> Response:
     messages, template_tools = T.for_template(tools, messages, template)
     if req.top_logprobs is not None and not req.logprobs:
         raise P.invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
+    P.check_sequences(1, req.n, None, state.config.max_request_sequences)
     try:
         # Rendering grows with the input: off the event loop, like the tokenizing after it.
         text = await asyncio.to_thread(
@@ -407,9 +408,15 @@ async def completions(request: Request) -> Response:
     if req.best_of is not None and req.best_of != req.n:
         raise P.unsupported("best_of", "only best_of equal to n (or absent) is accepted")
     prompts = P.completion_prompts(req, engine.max_model_len)
+    # Before tokenizing: the count alone decides (SamplingParams bounds n and best_of).
+    P.check_sequences(len(prompts), req.n, req.best_of, state.config.max_request_sequences)
     texts = {i: p for i, p in enumerate(prompts) if isinstance(p, str)}
     for i, ids in zip(texts, await _tokenize(state, engine, list(texts.values()), "prompt"), strict=True):
         prompts[i] = ids
+    if req.echo and req.logprobs is not None:
+        P.check_prompt_logprobs(
+            [len(p) for p in prompts], req.logprobs, state.config.max_prompt_logprob_tokens
+        )
     grammar = await _grammar(request, req)
     top_n = req.logprobs or 0
     sp = P.sampling_params(
@@ -545,15 +552,22 @@ async def model_card(request: Request) -> Response:
 # password, ...). Only string values are withheld, so counts such as max_tokens still show.
 _SECRET_NAME = re.compile(r"(key|token(?!izer)|secret|passw|credential|auth)", re.IGNORECASE)
 REDACTED = "[redacted]"
+# Where the server keeps files (a cache's disk_path, a draft model's folder) is no key holder's
+# business: strings under a path-like name, or that look like a filesystem path, are withheld too.
+_PATH_NAME = re.compile(r"(path|dir|directory|folder)$", re.IGNORECASE)
+_PATH_VALUE = re.compile(r"^(/|~|\.{1,2}[/\\]|[A-Za-z]:[/\\])")
 
 
 def redact(value: object, name: str = "") -> object:
-    """`value` with every string under a credential-like name replaced by REDACTED."""
+    """`value` with every string under a credential-like or path-like name, and every string
+    that looks like a filesystem path, replaced by REDACTED."""
     if isinstance(value, dict):
         return {k: redact(v, str(k)) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [redact(v, name) for v in value]
-    if isinstance(value, str) and _SECRET_NAME.search(name):
+    if isinstance(value, str) and (
+        _SECRET_NAME.search(name) or _PATH_NAME.search(name) or _PATH_VALUE.match(value)
+    ):
         return REDACTED
     return value
 
@@ -578,6 +592,11 @@ async def stack_info(request: Request) -> Response:
             "max_num_seqs": eng.limits.max_num_seqs,
             "max_num_batched_tokens": eng.limits.max_num_batched_tokens,
         }
+        # A cache with a lower tier may say how it is doing (`tiered`: its disk tier being off
+        # or failing is no engine failure, so /health stays ok and this is where it shows).
+        cache_status = getattr(getattr(eng.engine, "block_cache", None), "status", None)
+        if callable(cache_status):
+            body["engine"]["cache"] = redact(cache_status())
     return _json(body)
 
 

@@ -96,6 +96,19 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_body_bytes: Annotated[PositiveInt, msgspec.Meta(description="the largest request body, in bytes")] = (
         4 * 1024 * 1024
     )
+    # Work one request may ask for, so that one call cannot own the engine: a 20 KB body of
+    # 4,000 prompts with n = 32 is 128,000 sequences; echo with logprobs runs the head over
+    # every prompt token. Past either bound: 400 naming it.
+    max_request_sequences: Annotated[
+        PositiveInt,
+        msgspec.Meta(description="the most sequences one request may ask for: prompts x n (x best_of)"),
+    ] = 256
+    max_prompt_logprob_tokens: Annotated[
+        PositiveInt,
+        msgspec.Meta(
+            description="the most prompt tokens, over a request's prompts, whose logprobs echo computes"
+        ),
+    ] = 4096
     rate_limit: RateLimitConfig = msgspec.field(default_factory=RateLimitConfig)
     slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
     # SIGTERM: stop admitting, let in-flight requests finish for up to this long, then exit.

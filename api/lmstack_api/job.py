@@ -91,6 +91,9 @@ class Job:
                 )
         except InvalidRequestError as exc:
             raise request_error(exc) from None
+        if len(self.reqs) > 1:  # one call's prompts share the engine as one (fair scheduling)
+            for r in self.reqs:
+                r.group = self.request_id
         prompt_tokens = sum(r.prompt_len for r in self.reqs)
         limit = engine.max_model_len
         max_out = sum(params.n * (params.max_tokens or limit - r.prompt_len) for r in self.reqs)

@@ -120,6 +120,34 @@ def completion_prompts(req: CompletionRequest, max_len: int | None = None) -> li
     )
 
 
+def check_sequences(prompts: int, n: int, best_of: int | None, limit: int) -> None:
+    """400 naming the limit when a request asks for more than `limit` sequences: every prompt
+    samples max(n, best_of) of them, each a slot in the engine's batch for its whole life."""
+    per_prompt, total = max(n, best_of or 1), prompts * max(n, best_of or 1)
+    if total > limit:
+        what = f"{prompts} prompts x {per_prompt} = {total}" if prompts > 1 else f"{total}"
+        raise invalid(
+            f"this request asks for {what} sequences, more than this server's "
+            f"limit of {limit} sequences per request (max_request_sequences)",
+            param="n" if prompts == 1 else "prompt",
+            code="too_many_sequences",
+        )
+
+
+def check_prompt_logprobs(prompt_lens: list[int], top_n: int, limit: int) -> None:
+    """400 naming the limit when echo + logprobs would compute prompt logprobs for more than
+    `limit` prompt tokens (over all the request's prompts): each is a full-vocabulary row of
+    the head and `top_n` + 1 entries kept until the request ends."""
+    total = sum(prompt_lens)
+    if total > limit:
+        raise invalid(
+            f"echo with logprobs={top_n} computes logprobs for {total} prompt tokens, more than this "
+            f"server's limit of {limit} prompt tokens per request (max_prompt_logprob_tokens)",
+            param="logprobs",
+            code="too_many_prompt_logprobs",
+        )
+
+
 class _LogitBias:
     """Adds a per-token bias to the logits of one sequence (OpenAI's `logit_bias`)."""
 

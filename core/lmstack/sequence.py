@@ -107,6 +107,8 @@ class Request:
       The scheduler bounds the gap between tokens only for those: a request read when it ends
       (`LLM.generate`, a non-streaming HTTP call) sees its total time, which that bound only
       lengthens.
+    - `group`: the requests one call made (an HTTP request's several prompts share its id);
+      a fair scheduler counts them as one. None: the request is a group of its own.
     """
 
     request_id: str
@@ -131,6 +133,7 @@ class Request:
     # Prompt tokens whose KV came from a prefix cache when the request was first scheduled.
     num_cached_tokens: int = 0
     streamed: bool = True
+    group: str | None = None
 
     @property
     def prompt_len(self) -> int:

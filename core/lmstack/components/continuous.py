@@ -14,10 +14,22 @@ A chunk never drops below `MIN_PREFILL_TOKENS`, so new requests always progress.
 
 Order is FCFS by default; subclasses change it by overriding `waiting_order_key` (the example
 priority plugin does), and everything else — budgets, chunking, preemption — comes along.
+
+Fair share between requests (`fair_share`): one request (or one call's prompts, a
+`Request.group`) may ask for hundreds of sequences, which FCFS would run before anything that
+arrives later. Instead, waiting sequences are admitted round-robin across owners (fewest
+running sequences first, then the order above), and a newly arrived owner with nothing running
+gets its room at once: when the running slots (or KV blocks) are all taken, the newest
+sequences of the owner holding the most are preempted, down to an equal share of
+`max_num_seqs` and no further; prompts in progress leave room in the step for its first
+chunk. Echoed prompt logprobs, the costliest prompt tokens, run at most
+`PROMPT_LOGPROB_TOKENS` a step. A small request waits about a step for a slot, whatever runs.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
 from typing import Annotated
 
 import msgspec
@@ -38,6 +50,13 @@ from lmstack.sequence import Sequence, SequenceStatus
 # The fewest prefill tokens a step gives prompts while streams decode: below this a prompt's
 # time to first token grows with little gain in the gap between tokens.
 MIN_PREFILL_TOKENS = 16
+# The most prompt tokens per step, over all requests, whose prompt logprobs are computed (echo
+# with logprobs): each is a full-vocabulary row of the head and a log-softmax, many times a
+# plain prompt token's cost on a small model. Steps of 1,024 such rows took ~6 s on 2 busy
+# cores (SmolLM2-135M, vocabulary 49,152), and every request batched with them, or arriving
+# meanwhile, waited for each; at 64 a 4-token request beside a 4,000-token echo took 2.1 s
+# (128: 4.4 s) and the echo itself no longer (22.5 s), its cost being per row, not per step.
+PROMPT_LOGPROB_TOKENS = 64
 
 
 class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -79,6 +98,9 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ContinuousScheduler(Scheduler):
+    # Share slots between owners (module docstring); a subclass may turn it off.
+    fair_share: bool = True
+
     def __init__(
         self,
         options: ContinuousOptions,
@@ -105,6 +127,13 @@ class ContinuousScheduler(Scheduler):
     def waiting_order_key(self, seq: Sequence) -> tuple:
         """Lower is admitted first and preempted last. FCFS: arrival time, then id."""
         return (seq.arrival_time, seq.seq_id)
+
+    @staticmethod
+    def owner(seq: Sequence) -> str:
+        """Whom a sequence's slot counts against for the fair share: its request's group (one
+        HTTP call's prompts), else its request."""
+        req = seq.request
+        return req.group or req.request_id
 
     # --- bookkeeping -----------------------------------------------------------------------
 
@@ -171,23 +200,117 @@ class ContinuousScheduler(Scheduler):
         tokens = int((min(limits) - a) / b) - decodes
         return max(MIN_PREFILL_TOKENS, min(tokens, self.token_budget))
 
+    def _make_room_for_newcomer(self, out: SchedulerOutput) -> int:
+        """Preempt the largest owner's newest sequences (never below an equal share of
+        `max_num_seqs`) until the first waiting sequence of an owner with nothing running fits
+        in slots and KV blocks. Returns the prompt tokens to keep for it in this step's budget
+        (at most half the budget; 0 when nobody new waits or it cannot run yet). Needs
+        `self.waiting` sorted by `waiting_order_key`."""
+        running = Counter(self.owner(s) for s in self.running)
+        seq = next((s for s in self.waiting if self.owner(s) not in running), None)
+        if seq is None:
+            return 0
+        first_chunk = min(seq.num_uncomputed_tokens, self.chunk_cap, self.token_budget)
+        fits = len(self.running) + self._seq_slots(seq) <= self.max_num_seqs and self.allocator.can_allocate(
+            seq, first_chunk
+        )
+        if fits:
+            return min(first_chunk, self.token_budget // 2)
+        if running.most_common(1)[0][1] <= 1:
+            return 0  # nobody holds more than one slot: nothing to share (a batch of prompts)
+        owners = len(set(running) | {self.owner(s) for s in self.waiting})
+        share = max(1, self.max_num_seqs // owners)
+        if self._seq_slots(seq) > share:
+            return 0  # it would hold more than a share itself: the next newcomer would take it back
+        while self.running and (
+            len(self.running) + self._seq_slots(seq) > self.max_num_seqs
+            or not self.allocator.can_allocate(seq, first_chunk)
+        ):
+            hog, held = running.most_common(1)[0]
+            if held <= share:
+                return 0  # every owner is within its share: the newcomer waits its turn
+            victim = max((s for s in self.running if self.owner(s) == hog), key=self.waiting_order_key)
+            self._preempt(victim, out)
+            running[hog] -= 1
+        return min(first_chunk, self.token_budget // 2)
+
+    def _admission_order(self) -> Iterator[Sequence]:
+        """Waiting sequences in the order to admit them (`self.waiting` sorted by
+        `waiting_order_key`). With `fair_share`: round-robin across owners, the owner with the
+        fewest running sequences next (counting those admitted meanwhile), each owner's own in
+        order. The caller admits each sequence it takes before taking the next.
+
+        Each pick walks the queue's owners' first sequences in order and stops at one whose
+        owner runs nothing (none can beat it) or once every owner's is seen: a batch of
+        single-sequence requests picks in O(1), whatever the queue's length."""
+        if not self.fair_share:
+            yield from list(self.waiting)
+            return
+        running = Counter(self.owner(s) for s in self.running)
+        left: Counter | None = None  # per owner, the sequences not yet taken (counted on need)
+        taken: set[int] = set()
+        while len(taken) < len(self.waiting):
+            best: tuple[int, Sequence] | None = None
+            seen: set[str] = set()
+            for s in self.waiting:
+                who = self.owner(s)
+                if id(s) in taken or who in seen:
+                    continue
+                seen.add(who)
+                if best is None or running[who] < best[0]:
+                    best = (running[who], s)  # on a tie the earlier first sequence wins
+                if best[0] == 0:
+                    break
+                if left is None:
+                    left = Counter(self.owner(w) for w in self.waiting if id(w) not in taken)
+                if len(seen) == len(left):
+                    break
+            assert best is not None
+            seq = best[1]
+            who = self.owner(seq)
+            taken.add(id(seq))
+            running[who] += self._seq_slots(seq)
+            if left is not None:
+                left[who] -= 1
+                if not left[who]:
+                    del left[who]
+            yield seq
+
     # --- the step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.token_budget
         self.running.sort(key=self.waiting_order_key)
+        # Fair share (module docstring): room for a newly arrived owner, prompt tokens kept for
+        # its first chunk, and echoed prompt logprobs in small chunks while others share.
+        reserve, logprob_left, waiting_sorted = 0, self.token_budget, False
+        if self.fair_share:
+            if self.options.chunked_prefill:  # always: whoever arrives during a step waits for all of it
+                logprob_left = PROMPT_LOGPROB_TOKENS
+            if self.waiting and self.running:
+                self.waiting.sort(key=self.waiting_order_key)
+                waiting_sorted = True
+                reserve = self._make_room_for_newcomer(out)
+        fair_preemptions = len(out.preempted)
         prefill_left = self.prefill_allowance()
+
+        def prefill_cap(seq: Sequence) -> int:
+            if seq.request.params.prompt_logprobs is not None:
+                return min(self.chunk_cap, logprob_left)
+            return self.chunk_cap
 
         # 1. Running sequences first: decodes and prefill chunks in progress.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.is_prefill and prefill_left <= 0:
+            # A prompt in progress leaves `reserve` of the step to a newcomer's first chunk.
+            room = min(prefill_cap(seq), prefill_left, budget - reserve) if seq.is_prefill else budget
+            if room <= 0:
                 i += 1  # its next chunk waits for a step with room
                 continue
             want = seq.num_uncomputed_tokens + len(seq.draft_token_ids)
-            n = min(want, budget, min(self.chunk_cap, prefill_left) if seq.is_prefill else want)
+            n = min(want, budget, room)
             if n < want and seq.draft_token_ids:
                 seq.draft_token_ids = []  # no room to verify drafts this step
                 n = min(seq.num_uncomputed_tokens, budget)
@@ -204,28 +327,39 @@ class ContinuousScheduler(Scheduler):
             budget -= n
             if seq.is_prefill:
                 prefill_left -= n
+                if seq.request.params.prompt_logprobs is not None:
+                    logprob_left -= n
             i += 1
 
-        # 2. Admit waiting sequences, unless this step had to preempt (no room anyway).
-        if not out.preempted:
-            self.waiting.sort(key=self.waiting_order_key)
-            while self.waiting and min(budget, prefill_left) > 0:
-                seq = self.waiting[0]
+        # 2. Admit waiting sequences, unless this step had to preempt for room (none left).
+        if len(out.preempted) == fair_preemptions:
+            if not waiting_sorted or out.preempted:  # preempted sequences joined the queue's end
+                self.waiting.sort(key=self.waiting_order_key)
+            admitted: set[int] = set()
+            for seq in self._admission_order():
+                if min(budget, prefill_left) <= 0:
+                    break
                 if len(self.running) + self._seq_slots(seq) > self.max_num_seqs and self.running:
                     break
+                if prefill_cap(seq) <= 0:
+                    continue  # this step's prompt-logprob rows are spent; others may still fit
                 if seq.num_computed_tokens == 0:
                     seq.num_computed_tokens = self.allocator.attach_cached_prefix(seq)
                 want = seq.num_uncomputed_tokens
-                n = min(want, budget, self.chunk_cap, prefill_left)
+                n = min(want, budget, prefill_cap(seq), prefill_left)
                 if (n < want and not self.options.chunked_prefill) or not self.allocator.can_allocate(seq, n):
                     break
-                self.waiting.pop(0)
+                admitted.add(id(seq))
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.blocks_to_copy += self.allocator.allocate(seq, n)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 prefill_left -= n
+                if seq.request.params.prompt_logprobs is not None:
+                    logprob_left -= n
+            if admitted:
+                self.waiting = [s for s in self.waiting if id(s) not in admitted]
         return out
 
 

@@ -15,6 +15,16 @@ Two ways the ranks start:
 Either way every rank announces itself in the rendezvous store and waits for the others for
 `join_timeout` seconds; ranks still missing then are named in one `JoinTimeout` line.
 
+A step watchdog bounds every command: a rank that is alive but makes no progress (stopped,
+deadlocked, swapping) would otherwise hang every request with no error. A step that has not
+answered within `step_timeout` seconds (`LMSTACK_STEP_TIMEOUT_S`, default 60; 0: no bound) kills
+the workers and raises `WorkerDied`, the path a dead rank takes: the requests in flight fail, the
+server's /health turns 503 and it exits non-zero. Loading the model, sizing and allocating the
+KV cache and the first step (lazy kernel set-up) get their own, longer bound, `load_timeout`
+(`LMSTACK_LOAD_TIMEOUT_S`, default 1800: torch's own default for a collective). Launched ranks
+get the same bounds as their process group's timeout once the first step is done, so a
+collective waiting for a stopped rank fails there too.
+
 A command that fails on one rank leaves the others out of step (waiting in a collective the
 failed rank never reaches), so the executor is then dead: that call and every later one raise
 an `EngineDeadError`, and the remaining workers are killed rather than left hanging.
@@ -32,7 +42,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection
 from typing import Any
@@ -44,104 +53,36 @@ import torch.multiprocessing as mp
 from lmstack.batch import ModelOutput, StepPlan
 from lmstack.errors import ConfigError, EngineDeadError, JoinTimeout, LmstackError, WorkerDied
 from lmstack.exec.executor import ExecutorSpec, InProcessExecutor
+from lmstack.exec.rendezvous import (
+    JOIN_TIMEOUT_S,
+    Launch,
+    backend_for,
+    bound_collectives,
+    default_load_timeout,
+    default_step_timeout,
+    join,
+    launch_store,
+    launched,
+    leave_group,
+    wait_for_ranks,
+)
 from lmstack.interfaces import Executor
 from lmstack.testing import comm_stats
 
-JOIN_TIMEOUT_S = 60.0
+# Commands that load or allocate, bounded by the load timeout (and the first "execute").
+_LOAD_COMMANDS = frozenset({"load_model", "kv_cache_bytes_per_block", "init_kv_cache"})
 # Idle ranks wait for the next command inside a broadcast, which times out with the process
 # group (30 min by default): rank 0 sends a no-op this often when no command came.
 HEARTBEAT_S = 60.0
-_JOINED = "joined/{}"
 
 
-# --- launch environment and joining ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What a launcher (torchrun, or a scheduler setting the same variables) says about this
-    process."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    agent_store: bool  # torchrun's agent on node 0 already hosts the store at MASTER_PORT
-    attempt: str  # restarts of the worker group so far: keys of an earlier attempt are stale
-
-
-def launched() -> Launch | None:
-    """The launcher's view of this process; None when no launcher set RANK, WORLD_SIZE,
-    MASTER_ADDR and MASTER_PORT (the engine then spawns its own workers)."""
-    env = os.environ
-    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return None
+def _stopped(pid: int | None) -> bool:
+    """Whether a process is stopped (SIGSTOP, a debugger): state T or t in /proc (Linux)."""
     try:
-        rank, world, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
-        local = int(env.get("LOCAL_RANK", "0"))
-    except ValueError:
-        raise ConfigError(
-            "RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT must be integers "
-            f"(got {env['RANK']!r}, {env['WORLD_SIZE']!r}, {env.get('LOCAL_RANK')!r}, {env['MASTER_PORT']!r})"
-        ) from None
-    if not 0 <= rank < world:
-        raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
-    return Launch(
-        rank,
-        world,
-        local,
-        env["MASTER_ADDR"],
-        port,
-        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-        env.get("TORCHELASTIC_RESTART_COUNT", "0"),
-    )
-
-
-def _launch_store(launch: Launch, timeout: float) -> dist.Store:
-    where = f"{launch.master_addr}:{launch.master_port}"
-    hosts = launch.rank == 0 and not launch.agent_store
-    try:
-        store = dist.TCPStore(
-            launch.master_addr,
-            launch.master_port,
-            is_master=hosts,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout),
-        )
-    except (RuntimeError, dist.DistError) as exc:
-        what = "cannot host" if hosts else "cannot reach rank 0's"
-        reason = " ".join(str(exc).split())[:200]
-        raise JoinTimeout(f"rank {launch.rank} {what} rendezvous store at {where} ({reason})") from None
-    return dist.PrefixStore(f"lmstack/{launch.attempt}", store)
-
-
-def _wait_for_ranks(store: dist.Store, world_size: int, timeout: float, where: str, alive=None) -> None:
-    """Until every rank has set its `joined` key; JoinTimeout naming the missing ones after
-    `timeout` s. `alive()` (optional) is checked while waiting and may raise."""
-    keys = [_JOINED.format(r) for r in range(world_size)]
-    deadline = time.monotonic() + timeout
-    while not store.check(keys):
-        if alive is not None:
-            alive()
-        if time.monotonic() > deadline:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            names = ", ".join(map(str, missing))
-            raise JoinTimeout(
-                f"rank{'s' if len(missing) > 1 else ''} {names} of {world_size} did not join within "
-                f"{timeout:g} s{where}"
-            )
-        time.sleep(0.02)
-
-
-def _join(store: dist.Store, rank: int, world_size: int, backend: str, timeout: float, where: str) -> None:
-    store.set(_JOINED.format(rank), "1")
-    _wait_for_ranks(store, world_size, timeout, where)
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size)
-
-
-def _backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _rank_spec(spec: ExecutorSpec, local_rank: int) -> ExecutorSpec:
@@ -187,12 +128,19 @@ def _run(local: InProcessExecutor, name: str, args: tuple) -> Any:
     return out
 
 
-def _command_loop(local: InProcessExecutor, relay: Any = None) -> None:
+def _command_loop(
+    local: InProcessExecutor,
+    relay: Any = None,
+    step_timeout: float | None = None,
+    heartbeat: float = HEARTBEAT_S,
+) -> None:
     """Run commands until "stop". The relay (spawned rank 0) reads them from the engine's pipe,
-    broadcasts them and answers on the pipe; the other ranks receive the broadcast."""
+    broadcasts them and answers on the pipe; the other ranks receive the broadcast.
+    `step_timeout` (launched ranks): the collectives' bound after the first step."""
+    stepped = False
     while True:
         if relay is not None:
-            box: list[Any] = [relay.recv() if relay.poll(HEARTBEAT_S) else ("ping", ())]
+            box: list[Any] = [relay.recv() if relay.poll(heartbeat) else ("ping", ())]
         else:
             box = [None]
         dist.broadcast_object_list(box, src=0)
@@ -202,6 +150,9 @@ def _command_loop(local: InProcessExecutor, relay: Any = None) -> None:
         if name == "ping":
             continue
         result = _run(local, name, args)
+        if name == "execute" and not stepped:
+            stepped = True
+            bound_collectives(step_timeout)
         if relay is not None:
             relay.send(result)
 
@@ -218,7 +169,7 @@ def _worker(
         store = dist.TCPStore(
             "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=join_timeout)
         )
-        _join(store, rank, world_size, _backend(spec.device), join_timeout, "")
+        join(store, rank, world_size, backend_for(spec.device), join_timeout, "")
         _command_loop(_rank_executor(rank, spec), conn)
     except BaseException as exc:
         if conn is not None:  # rank 0 reports; the others' exit is seen by the engine
@@ -229,7 +180,7 @@ def _worker(
         else:
             print(f"lmstack worker rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         os._exit(1)  # the group is out of step: no teardown collectives
-    dist.destroy_process_group()
+    leave_group()
 
 
 def _picklable(exc: BaseException) -> bool:
@@ -256,17 +207,20 @@ def run_launched_worker(join_timeout: float = JOIN_TIMEOUT_S) -> int:
     where = f" (rendezvous at {launch.master_addr}:{launch.master_port})"
     comm_stats.install_if_enabled()
     try:
-        store = _launch_store(launch, join_timeout)
+        store = launch_store(launch, join_timeout)
         try:
             backend = store.get("backend").decode()
             timeout = float(store.get("join_timeout").decode())
+            load_timeout = float(store.get("load_timeout").decode()) or None
         except (RuntimeError, dist.DistError):
             raise JoinTimeout(f"rank 0 did not join within {join_timeout:g} s{where}") from None
-        _join(store, launch.rank, launch.world_size, backend, timeout, where)
+        join(store, launch.rank, launch.world_size, backend, timeout, where, load_timeout)
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
         spec = _rank_spec(box[0], launch.local_rank)
-        _command_loop(_rank_executor(launch.rank, spec))
+        step_timeout = store.get("step_timeout").decode()
+        heartbeat = float(store.get("heartbeat").decode())
+        _command_loop(_rank_executor(launch.rank, spec), None, float(step_timeout) or None, heartbeat)
     except LmstackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -275,7 +229,7 @@ def run_launched_worker(join_timeout: float = JOIN_TIMEOUT_S) -> int:
             f"error: rank {launch.rank}: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr
         )
         return 1
-    dist.destroy_process_group()
+    leave_group()
     return 0
 
 
@@ -296,8 +250,9 @@ def _exit_reason(code: int | None) -> str:
 class MultiprocExecutor(Executor):
     """`world_size` ranks; spawned here unless a launcher (torchrun) started this process as
     global rank 0. `join_timeout`: seconds the ranks get to join. `step_timeout`: seconds a
-    command may take before the workers count as hung (None: no limit; death is still seen at
-    once)."""
+    step may take before the ranks count as stalled, `load_timeout` the same for loading and
+    the first step (None: `LMSTACK_STEP_TIMEOUT_S` / `LMSTACK_LOAD_TIMEOUT_S` or 60 / 1800 s;
+    0: no bound — a dead worker is still seen at once)."""
 
     def __init__(
         self,
@@ -306,12 +261,18 @@ class MultiprocExecutor(Executor):
         *,
         join_timeout: float = JOIN_TIMEOUT_S,
         step_timeout: float | None = None,
+        load_timeout: float | None = None,
         local_executor: Callable[[ExecutorSpec], Executor] | None = None,
     ) -> None:
         self.spec = spec
         self.world_size = world_size
         self.join_timeout = join_timeout
-        self.step_timeout = step_timeout
+        self.step_timeout = default_step_timeout() if step_timeout is None else (step_timeout or None)
+        self.load_timeout = default_load_timeout() if load_timeout is None else (load_timeout or None)
+        self._stepped = False  # the first "execute" has answered: steps get step_timeout
+        # Idle ranks wait for the next command in a broadcast, bounded by the step timeout once
+        # launched ranks bound their collectives: ping well within it.
+        self._heartbeat_s = min(HEARTBEAT_S, self.step_timeout / 3) if self.step_timeout else HEARTBEAT_S
         self._dead: BaseException | None = None
         self._procs: list[Any] = []
         self._conn: Any = None
@@ -356,7 +317,7 @@ class MultiprocExecutor(Executor):
             p.start()
         child.close()  # rank 0 holds the only other end: its death is EOF here
         try:
-            _wait_for_ranks(self._store, self.world_size, self.join_timeout, "", self._check_alive)
+            wait_for_ranks(self._store, self.world_size, self.join_timeout, "", self._check_alive)
         except JoinTimeout:
             self._kill()
             raise
@@ -366,11 +327,21 @@ class MultiprocExecutor(Executor):
             if not p.is_alive():
                 raise self._fail(WorkerDied(f"worker rank {r} (pid {p.pid}) {_exit_reason(p.exitcode)}"))
 
-    def _reply(self) -> Any:
+    def _timeout(self, name: str) -> float | None:
+        if name in _LOAD_COMMANDS or (name == "execute" and not self._stepped):
+            return self.load_timeout
+        return self.step_timeout
+
+    def _reply(self, name: str) -> Any:
         waitables = [self._conn, *(p.sentinel for p in self._procs)]
-        ready = connection.wait(waitables, timeout=self.step_timeout)
+        timeout = self._timeout(name)
+        ready = connection.wait(waitables, timeout=timeout)
         if not ready:
-            raise self._fail(WorkerDied(f"the workers did not answer within {self.step_timeout:g} s"))
+            stopped = [f"rank {r} (pid {p.pid})" for r, p in enumerate(self._procs) if _stopped(p.pid)]
+            why = f": worker {', '.join(stopped)} is stopped" if stopped else ""
+            raise self._fail(
+                WorkerDied(f"the workers made no progress in {name} for {timeout:g} s (step watchdog){why}")
+            )
         dead = [r for r, p in enumerate(self._procs) if p.sentinel in ready]
         if dead:
             # A rank gone mid-command: even a result rank 0 already sent is from a group that
@@ -402,11 +373,14 @@ class MultiprocExecutor(Executor):
             )
         wire = _rank_spec(wire, launch.local_rank)
         comm_stats.install_if_enabled()
-        store = _launch_store(launch, self.join_timeout)
-        store.set("backend", _backend(wire.device))
+        store = launch_store(launch, self.join_timeout)
+        store.set("backend", backend_for(wire.device))
         store.set("join_timeout", str(self.join_timeout))
+        store.set("load_timeout", str(self.load_timeout or 0))
+        store.set("step_timeout", str(self.step_timeout or 0))
+        store.set("heartbeat", str(self._heartbeat_s))
         where = f" (rendezvous at {launch.master_addr}:{launch.master_port})"
-        _join(store, 0, self.world_size, _backend(wire.device), self.join_timeout, where)
+        join(store, 0, self.world_size, backend_for(wire.device), self.join_timeout, where, self.load_timeout)
         dist.broadcast_object_list([wire], src=0)
         self._local = _rank_executor(0, dataclasses.replace(wire, source=self.spec.source))
         self._lock = threading.Lock()
@@ -415,8 +389,10 @@ class MultiprocExecutor(Executor):
         threading.Thread(target=self._heartbeat, name="lmstack-heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
-        while not self._stopping.wait(HEARTBEAT_S / 4):
-            if time.monotonic() - self._last_call < HEARTBEAT_S or not self._lock.acquire(blocking=False):
+        while not self._stopping.wait(self._heartbeat_s / 4):
+            if time.monotonic() - self._last_call < self._heartbeat_s or not self._lock.acquire(
+                blocking=False
+            ):
                 continue
             try:
                 if self._dead is None and not self._stopping.is_set():
@@ -431,7 +407,13 @@ class MultiprocExecutor(Executor):
         self._last_call = time.monotonic()
         try:
             dist.broadcast_object_list([(name, args)], src=0)
-            return None if name in ("ping", "stop") else _run(self._local, name, args)
+            if name in ("ping", "stop"):
+                return None
+            result = _run(self._local, name, args)
+            if name == "execute" and not self._stepped:
+                self._stepped = True
+                bound_collectives(self.step_timeout)
+            return result
         except LmstackError as exc:
             self._dead = EngineDeadError(f"rank 0 failed in {name}: {exc}")
             raise
@@ -469,7 +451,7 @@ class MultiprocExecutor(Executor):
         except OSError:
             self._check_alive()
             raise self._fail(WorkerDied("worker rank 0 closed its pipe")) from None
-        result = self._reply()
+        result = self._reply(name)
         if isinstance(result, BaseException):
             # Rank 0 stopped after reporting it: the group is gone either way.
             self._fail(result)
@@ -478,6 +460,8 @@ class MultiprocExecutor(Executor):
             raise EngineDeadError(
                 f"worker rank 0 failed in {name}: {type(result).__name__}: {result}"
             ) from result
+        if name == "execute":
+            self._stepped = True
         return result
 
     def load_model(self) -> None:
@@ -515,7 +499,10 @@ class MultiprocExecutor(Executor):
                         pass
                 self._local = None
             if dist.is_initialized():
-                dist.destroy_process_group()
+                if self._dead is None:
+                    leave_group()
+                else:
+                    dist.destroy_process_group()
             return
         if not self._procs:
             return

@@ -15,6 +15,7 @@ of `general.alignment` (default 32).
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,14 @@ _SCALARS: dict[int, tuple[str, str]] = {
     12: ("<d", "<f8"),
 }
 _STRING, _ARRAY = 8, 9
+
+# ggml tensors have at most 4 dimensions (GGML_MAX_DIMS).
+MAX_DIMS = 4
+# The fewest bytes an encoded item takes, so that a count the rest of the file cannot hold is
+# refused before a loop runs (or a list grows) that long: a string is its u64 length; an array
+# its u32 type and u64 count; a key/value a key and a u32 type; a tensor info a name, u32
+# n_dims, u32 type and u64 offset.
+_MIN_STRING, _MIN_ARRAY, _MIN_KV, _MIN_TENSOR_INFO = 8, 12, 12, 24
 
 # Tensor types the gguf reader (and so `GGUFTensor.data`) keeps typed; the rest are bytes.
 _TYPED = {
@@ -94,11 +103,21 @@ class _Cursor:
         self.pos = end
         return text
 
+    def count(self, n: int, item_bytes: int, what: str) -> int:
+        """`n` items of at least `item_bytes` each, when what is left of the file can hold them."""
+        if n * item_bytes > len(self.buf) - self.pos:
+            raise GGUFFormatError(
+                f"file ends inside the header: {n} {what} cannot fit in the rest of it (at byte {self.pos})"
+            )
+        return n
+
     def value(self, vtype: int) -> Any:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
             etype, count = self.take("<I"), self.take("<Q")
+            least = {_STRING: _MIN_STRING, _ARRAY: _MIN_ARRAY}.get(etype, 1)
+            count = self.count(count, least, "array values")
             if etype == _STRING:
                 return [self.string() for _ in range(count)]
             if etype in _SCALARS:
@@ -130,6 +149,8 @@ def read_gguf(path: Path) -> GGUFFile:
         hint = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
         raise GGUFFormatError(f"GGUF version {version} is not supported{hint}; expected 2 or 3")
     n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
+    cur.count(n_kv, _MIN_KV, "metadata keys")
+    cur.count(n_tensors, _MIN_TENSOR_INFO, "tensor infos")
 
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
@@ -140,6 +161,10 @@ def read_gguf(path: Path) -> GGUFFile:
     for _ in range(n_tensors):
         name = cur.string()
         n_dims = cur.take("<I")
+        if n_dims > MAX_DIMS:
+            raise GGUFFormatError(
+                f"tensor {name!r} has {n_dims} dimensions; GGUF tensors have at most {MAX_DIMS}"
+            )
         dims = [cur.take("<Q") for _ in range(n_dims)]
         raw_type, offset = cur.take("<I"), cur.take("<Q")
         try:
@@ -158,12 +183,15 @@ def read_gguf(path: Path) -> GGUFFile:
         if name in tensors:
             raise GGUFFormatError(f"tensor {name!r} appears twice")
         shape = tuple(reversed(dims))  # row-major, outermost first
-        n_elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        # Python integers: a product of u64 dims must not wrap around to a small size.
+        n_elements = math.prod(dims)  # 1 for a scalar (no dims)
         block, type_size = GGML_QUANT_SIZES[ggml_type]
         n_bytes = n_elements // block * type_size
         start = data_start + offset
         if start + n_bytes > len(mapped):
-            raise GGUFFormatError(f"tensor {name!r} runs past the end of the file")
+            raise GGUFFormatError(
+                f"tensor {name!r} of shape {list(shape)} ({n_bytes} bytes) runs past the end of the file"
+            )
         raw = mapped[start : start + n_bytes]
         if ggml_type in _TYPED:
             data = raw.view(_TYPED[ggml_type]).reshape(shape)

@@ -35,6 +35,7 @@ from lmstack.model.architecture import (
     HFConfigParser,
     ModelArchitecture,
 )
+from lmstack.model.bounds import table_positions
 from lmstack.model.checkpoint import CheckpointTensor, to_dense
 from lmstack.model.config import ModelConfig
 from lmstack.model.gguf_loader import gguf_support
@@ -314,7 +315,7 @@ class LlamaModel(nn.Module):
             # tensor into its head (`StageLayers.param_name`).
             if cfg.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
-        positions = max_positions or cfg.max_position_embeddings
+        positions = max_positions or table_positions(cfg.max_position_embeddings, None)
         self.rope = RotaryEmbedding(cfg.rotary_dim, positions, cfg.rope_theta, cfg.rope_scaling)
         # Gemma 3: the sliding-window layers rotate with their own base (and no scaling). Which
         # table each layer takes is fixed here (`forward` indexes the step's tables by it).

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lmstack.errors import ConfigError
-from lmstack.model import gguf_loader, hf_loader
+from lmstack.model import bounds, gguf_loader, hf_loader
 from lmstack.model.architecture import ModelArchitecture, ModelRegistry, default_model_registry
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor
 from lmstack.model.config import ModelConfig
@@ -300,15 +300,23 @@ class ModelSource:
 
     @cached_property
     def config(self) -> ModelConfig:
+        # Sizes are checked (bounds.py) before a parser divides by them or a model is sized by
+        # them, and again once parsed: whatever the parser, an absurd checkpoint is one line.
         arch = self.architecture
         if self.format == "gguf":
+            where = f"GGUF file {self.path}"
+            bounds.check_gguf_metadata(self._metadata, self._gguf_tensors, where)
             assert arch.parse_gguf_config is not None  # ModelArchitecture checks this
             parsed = arch.parse_gguf_config(self._metadata, self._gguf_tensors, self.name)
+            bounds.check_model_config(parsed, where)
             return dataclasses.replace(
                 parsed, quantization=gguf_loader.quantization_description(self._gguf_tensors)
             )
+        where = f"config.json of model {self.name!r}"
+        bounds.check_hf_config(self._hf_config, where)
         assert arch.parse_hf_config is not None
         parsed = arch.parse_hf_config(self._hf_config, self.name)
+        bounds.check_model_config(parsed, where)
         return dataclasses.replace(
             parsed,
             **hf_loader.generation_overrides(self.path),

@@ -28,6 +28,7 @@ from lmstack.exec.executor import ExecutorSpec
 from lmstack.interfaces import BuildContext, EngineLimits, Executor
 from lmstack.kernels.hardware import usable_cpus
 from lmstack.model.architecture import ModelRegistry
+from lmstack.model.bounds import table_positions
 from lmstack.model.config import ModelConfig
 from lmstack.roles import ROLE, ROLES
 from lmstack.stack.resolve import DTYPE_NAMES, ResolvedStack, Selected
@@ -57,10 +58,8 @@ class _Builder:
         # load=False: factories only; no executor, no weights, no KV cache (`check_build`).
         self.load = load
         self.ctx = BuildContext(model_config, stack.device, stack.dtype, stack.kv_cache_dtype)
-        mc = model_config
-        self.max_positions = min(
-            mc.max_position_embeddings, stack.config.max_model_len or mc.max_position_embeddings
-        )
+        # RoPE tables cover the context served, not whatever the checkpoint claims (bounds.py).
+        self.max_positions = table_positions(model_config.max_position_embeddings, stack.config.max_model_len)
         self.executor: Executor | None = None
         self.limits: EngineLimits | None = None
 

@@ -10,11 +10,13 @@ that needs it (`StepPlan.swap_in`). The directory outlives the process: a restar
 earlier prefixes.
 
 On a CPU device the device pool *is* host memory, so there is no separate host tier.
+
+The disk is a cache: no error of its (`store` has the list) ever fails an engine step. A read
+that fails is a miss (the block is computed), a write that fails is a block not stored.
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,9 +29,14 @@ from lmstack.components.paged import parse_bytes
 from lmstack.content_hash import CacheGeometry, hash_hex
 from lmstack.errors import ConfigError
 from lmstack_prefix_cache import PrefixCache
-from lmstack_tiered_cache.store import CorruptEntry, DiskStore, decode_block, encode_block
-
-log = logging.getLogger("lmstack.cache.tiered")
+from lmstack_tiered_cache.store import (
+    CorruptEntry,
+    DiskStore,
+    RateLimitedWarnings,
+    block_file_bytes,
+    decode_block,
+    encode_block,
+)
 
 
 class TieredCacheOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -61,7 +68,10 @@ class TieredCache(PrefixCache):
     def __init__(self, options: TieredCacheOptions) -> None:
         super().__init__(options)  # type: ignore[arg-type]  # shares share_across_tenants
         self.options = options
-        self.store = DiskStore(options.disk_path, parse_bytes(options.disk_capacity, "cache.disk_capacity"))
+        self._capacity = parse_bytes(options.disk_capacity, "cache.disk_capacity")
+        # Opened in `bind`, which says how large a block file is (reads are bounded by it).
+        self.store: DiskStore | None = None
+        self.warnings = RateLimitedWarnings()
         self._dtype = torch.float32
         self._copy_out: dict[int, int] = {}  # block id -> hash: to copy out after this step
         self._in_flight: list[int] = []  # hashes of the blocks asked for, in order
@@ -77,9 +87,29 @@ class TieredCache(PrefixCache):
         self.disk_misses = 0  # corrupt or foreign entries
         self.dropped_writes = 0
 
+    def status(self) -> dict[str, object]:
+        """How the disk tier is doing, for operators (`/v1/stack`): the tier being off or
+        failing is not an engine failure, so `/health` does not say it."""
+        store = self.store
+        return {
+            "disk_tier": "on" if store is not None and store.available else "off",
+            "disk_files": len(store) if store is not None else 0,
+            "disk_used_bytes": store.used_bytes if store is not None else 0,
+            "disk_hits": self.disk_hits,
+            "disk_misses": self.disk_misses,
+            "disk_io_errors": store.io_errors if store is not None else 0,
+            "dropped_writes": self.dropped_writes,
+        }
+
     def bind(self, geometry: CacheGeometry) -> None:
         super().bind(geometry)
         self._dtype = getattr(torch, geometry.kv_cache_dtype)  # a torch dtype name, e.g. bfloat16
+        self.store = DiskStore(
+            self.options.disk_path,
+            self._capacity,
+            block_file_bytes(geometry, self._dtype),
+            warnings=self.warnings,
+        )
 
     # --- device tier -------------------------------------------------------------------------
 
@@ -121,7 +151,12 @@ class TieredCache(PrefixCache):
             data = read.result() if read is not None else self._load(block_hash)
         except CorruptEntry as exc:
             self.disk_misses += 1
-            log.warning("disk tier: block %s is unusable (%s); treated as a miss", hash_hex(block_hash), exc)
+            self.warnings.warn(
+                "corrupt",
+                "disk tier: block %s is unusable (%s); treated as a miss",
+                hash_hex(block_hash),
+                exc,
+            )
             self.store.discard(block_hash)
             return False
         if data is None:
@@ -169,10 +204,10 @@ class TieredCache(PrefixCache):
                     return
                 block_hash, tensor = item
                 try:
+                    # The store turns every I/O error into a skipped write (and a warning).
                     self.store.write(block_hash, encode_block(self.geometry, block_hash, tensor))
-                except OSError as exc:
-                    log.warning("disk tier: cannot write block %s: %s", hash_hex(block_hash), exc)
                 finally:
+                    # Not stored (a fault, no room): offered again when next computed.
                     self._pending.discard(block_hash)
             finally:
                 self._queue.task_done()
@@ -190,3 +225,5 @@ class TieredCache(PrefixCache):
             self._queue.put(None)
             self._writer.join()
         self._writer = None
+        if self.store is not None:
+            self.store.close()  # releases the directory's lock; a later write takes it again

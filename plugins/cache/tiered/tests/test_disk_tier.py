@@ -88,7 +88,8 @@ def test_capacity_evicts_least_recently_used_files(tmp_path):
     assert 2 not in store and all(h in store for h in (1, 3, 4))
     assert store.used_bytes <= 3 * size
     assert len(list(tmp_path.glob("*.kv"))) == 3
-    # A new store on the directory (a restart) finds them again.
+    # A new store on the directory (a restart, after the first released its lock) finds them again.
+    store.close()
     assert len(DiskStore(tmp_path, capacity=3 * size)) == 3
 
 

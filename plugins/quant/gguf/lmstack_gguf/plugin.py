@@ -40,12 +40,13 @@ class GGUFOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # still reads the blocks) from 33 rows; "dense-bf16" by a bfloat16 copy (2 bytes a weight), x
     # rounded to bfloat16, from 17 rows (the crossover with the kernel measured on a CPU with
     # native bf16, README); "dequantize" rebuilds the layer in fp32 per call (least memory).
-    # "panels+bf16": the panels, and from 256 rows (prefill chunks) a bfloat16 copy, which oneDNN
-    # multiplies on AMX tiles ~2x faster than the panels at 512-2048 rows on an Intel Xeon (2 more
-    # bytes a weight resident, README).
-    # "auto": "panels" where activations are int8 and the kernels run (AVX2 or AVX-512;
-    # "panels+bf16" where the CPU has AMX, amx_bf16), else "dense-bf16" where the CPU computes
-    # bfloat16 natively (avx512_bf16 / amx_bf16) and activations are int8, else "dense-copy".
+    # "panels+bf16" (opt-in): the panels, and from 256 rows (prefill chunks) a bfloat16 copy, which
+    # oneDNN multiplies on AMX tiles ~2x faster than the panels at 512-2048 rows on an Intel Xeon
+    # (2 more bytes a weight resident, README); a row then rounds differently in large steps, so
+    # the prefix cache, chunking and batch-mates can change greedy tokens.
+    # "auto": "panels" where activations are int8 and the kernels run (AVX2 or AVX-512, AMX CPUs
+    # too: batch-invariant), else "dense-bf16" where the CPU computes bfloat16 natively
+    # (avx512_bf16 / amx_bf16) and activations are int8, else "dense-copy".
     prefill: Annotated[
         Literal["auto", "panels", "panels+bf16", "dense-copy", "dense-bf16", "dequantize"],
         msgspec.Meta(

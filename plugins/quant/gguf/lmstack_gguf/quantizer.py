@@ -12,7 +12,7 @@ from torch import nn
 
 from lmstack.errors import ConfigError
 from lmstack.interfaces import LinearFactory, LinearSpec, Quantizer
-from lmstack.kernels.hardware import cpu_flags, native_bf16_cpu
+from lmstack.kernels.hardware import native_bf16_cpu
 from lmstack.quant.formats import GGUF, checkpoint_format_id
 from lmstack_gguf.head import keep_embedding_and_head_as_blocks, watch_tables
 from lmstack_gguf.kernel import KQ_MAX_ROWS, KQ_MAX_ROWS_FP32_SLABS, QK, native_kernel
@@ -26,18 +26,19 @@ log = logging.getLogger(__name__)
 BF16_COPY_MIN_ROWS = 17
 
 
-# Where AVX2 is the widest code the Q8_0 LM head multiplies batches from this many rows by its
-# panels and fewer by the block kernel, which was faster at one row on a Zen 3 (1.1 vs 1.3 ms).
-# (It was also the layers' crossover on a Zen 5 before the panel kernel prefetched its stream.)
+# The block kernel was faster than the panels below this many rows for the Q8_0 LM head where
+# AVX2 is the widest code (one row on a Zen 3: 1.1 vs 1.3 ms), and for the layers on a Zen 5
+# before the panel kernel prefetched its stream (benchmarks/ab/panels_from_ab.py's baseline).
 PANELS_MIN_ROWS = 6
 
 
 def head_panels_min_rows() -> int:
-    """From how many rows the Q8_0 LM head multiplies by its panels: every batch with AVX-512
-    VNNI (Zen 5, with the panels' prefetch: 351 vs 455 us at one row, 584 vs 772 at five, README),
-    PANELS_MIN_ROWS where AVX2 is the widest code."""
-    ext = native_kernel()
-    return 1 if ext is not None and ext.best_isa() >= 2 else PANELS_MIN_ROWS
+    """From how many rows the Q8_0 LM head multiplies by its panels: every batch, on every ISA.
+    With AVX-512 VNNI the panels are faster at any batch (Zen 5, with the prefetch: 351 vs 455 us
+    at one row, 584 vs 772 at five, README); with AVX2 only the block kernel was ~0.2 ms faster
+    at one row, but it sums in another order than the panels, so a row's logits (and on a near
+    tie its greedy token) depended on how many rows shared the step."""
+    return 1
 
 
 # Decoder layers take the panels for every batch wherever the panel kernel runs (AVX2 or AVX-512
@@ -55,13 +56,10 @@ def layer_panels_min_rows() -> int:
 
 # With `prefill: panels+bf16`, batches from this many rows multiply by the bfloat16 copy (oneDNN
 # runs them on AMX tiles): measured over a step's layers on a 2-core Intel Xeon with AMX, the
-# copy was level with the panels at 128-256 rows and ahead from 512 (0.73-0.85x, README).
+# copy was level with the panels at 128-256 rows and ahead from 512 (0.73-0.85x, README). Opt-in
+# only: a row then rounds differently in a large step than in a small one, so the prefix cache,
+# chunked prefill and batch-mates changed greedy tokens (2 of 6 prompts with a shared prefix).
 AMX_COPY_MIN_ROWS = 256
-
-
-def amx_cpu() -> bool:
-    """Whether this CPU multiplies bfloat16 on AMX tiles (`amx_bf16`)."""
-    return "amx_bf16" in cpu_flags()
 
 
 def panels_cpu() -> bool:
@@ -72,8 +70,10 @@ def panels_cpu() -> bool:
 
 def prefill_mode(prefill: str, int8_activations: bool) -> str:
     """`GGUFOptions.prefill` resolved: "auto" becomes "panels" where activations are int8 and the
-    kernels run (AVX2 or AVX-512; "panels+bf16" where the CPU also has AMX), else "dense-bf16"
-    where the CPU computes bfloat16 natively and activations are int8, else "dense-copy".
+    kernels run (AVX2 or AVX-512, AMX CPUs too: the panels compute a row alike in any batch, so
+    greedy output does not depend on batch-mates, the prefix cache or chunking), else
+    "dense-bf16" where the CPU computes bfloat16 natively and activations are int8, else
+    "dense-copy" (both switch to their copy from a batch size, so they are not batch-invariant).
     "panels" or "panels+bf16" where it cannot run is a ConfigError."""
     if prefill in ("panels", "panels+bf16"):
         if not int8_activations:
@@ -86,7 +86,7 @@ def prefill_mode(prefill: str, int8_activations: bool) -> str:
     if prefill != "auto":
         return prefill
     if int8_activations and panels_cpu():
-        return "panels+bf16" if amx_cpu() else "panels"
+        return "panels"
     return "dense-bf16" if int8_activations and native_bf16_cpu() else "dense-copy"
 
 

@@ -1,0 +1,63 @@
+"""`import lmstack` makes OpenMP threads sleep when idle (`OMP_WAIT_POLICY=PASSIVE`) unless the
+user chose a policy: spinning threads collapse throughput beside a busy neighbour. The oracle is
+libgomp itself: with `OMP_DISPLAY_ENV=verbose` it prints the spin count it settled on when torch
+loaded it (0 for PASSIVE, 300000 when no policy is set, 3e10 for ACTIVE) — in the serving process
+and in each worker process of a multi-process layout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from lmstack.testing.kit import tiny_stack
+
+SPIN = re.compile(r"GOMP_SPINCOUNT = '(\d+)'")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    # This test process imported lmstack, so its own environment has the policy already.
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    return {**env, "OMP_DISPLAY_ENV": "verbose", **extra}
+
+
+def spin_counts(env: dict[str, str], code: str) -> list[str]:
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return SPIN.findall(run.stderr + run.stdout)
+
+
+def test_baseline_without_lmstack_spins():
+    # What the setting changes: torch alone leaves libgomp spinning before it sleeps.
+    assert spin_counts(clean_env(), "import torch") == ["300000"]
+
+
+def test_import_lmstack_before_torch_sets_passive():
+    assert spin_counts(clean_env(), "import lmstack, torch") == ["0"]
+
+
+def test_a_users_policy_wins():
+    assert spin_counts(clean_env(OMP_WAIT_POLICY="ACTIVE"), "import lmstack, torch") == ["30000000000"]
+
+
+@pytest.mark.slow
+def test_serving_process_and_its_workers_wait_passively(tiny_model_path):
+    pytest.importorskip("lmstack_tp")
+    pytest.importorskip("psutil")
+    from lmstack_api.testing import ServerProcess
+
+    srv = ServerProcess(tiny_stack(tiny_model_path, parallel={"name": "tp", "tp": 2}))
+    srv.env = clean_env(OMP_NUM_THREADS="1")
+    with srv:
+        status, _, _ = srv.post("/v1/completions", {"prompt": "the cat", "max_tokens": 2, "temperature": 0})
+        assert status == 200, srv.log()
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(60)
+        counts = SPIN.findall(srv.log())
+    # The server and its two ranks each loaded libgomp, all with the passive policy.
+    assert len(counts) >= 3 and set(counts) == {"0"}, counts
