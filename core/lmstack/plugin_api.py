@@ -205,6 +205,16 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.stack.plugins": ("make_plugin_manager", "build_registry"),
     "lmstack.stack.prepare": ("PreparedStack", "StackSource", "prepare_stack", "resolve_stack"),
     "lmstack.model.source": ("open_model_source",),
-    "lmstack.sample.grammar": ("Grammar", "GrammarCompiler", "PreparedSchema", "error_reason"),
+    "lmstack.sample.grammar": (
+        "Grammar",
+        "GrammarCompiler",
+        "PreparedSchema",
+        "error_reason",
+        # 1.8: regex / EBNF / choice beside JSON schemas (issue 55)
+        "KIND_NOUNS",
+        "compile_source",
+        "choice_ebnf",
+    ),
+    "lmstack.model.tokenizer": ("compile_chat_template",),  # 1.8: `server.chat_template`
 }
 """Module -> the names in it that plugins may import (everything else is internal)."""
