@@ -215,7 +215,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from lmstack.stack.prepare import prepare_stack, resolve_stack
 
     if (args.build or args.memory) and args.skip_model:
-        raise LmstackError("--build and --memory need the model; leave out --skip-model")
+        flag = "--build" if args.build else "--memory"
+        raise LmstackError(f"{flag} needs the model's metadata; leave out --skip-model")
     # One pass, as `serve` makes it: the same plugins resolve the stack and pick the model's
     # architecture (a plugin's architecture is checked as it will be served).
     pm = _plugin_manager()

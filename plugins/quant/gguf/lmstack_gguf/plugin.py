@@ -61,6 +61,15 @@ class GGUFOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         Literal["fp32", "int8"],
         msgspec.Meta(description="what the kernel multiplies blocks by: x rounded to int8 per 32, or fp32"),
     ] = "int8"
+    # K-quant / Q5_x layers (no panels, no copy) with int8 activations: batches over 32 rows
+    # (prefill) are "slabs", rebuilt a slab at a time in bfloat16 (native-bf16 CPU) or fp32 and
+    # multiplied with x unrounded (prefill ~2x faster than the kernel on a 2-core Zen 4), or
+    # "int8": the kq kernel for every batch, x rounded to int8 as llama.cpp rounds it for every
+    # batch (its perplexity, and every row computed alike in any batch: README).
+    kquant_batches: Annotated[
+        Literal["slabs", "int8"],
+        msgspec.Meta(description="K-quant layers' batches over 32 rows: bf16/fp32 slabs, or the int8 kernel"),
+    ] = "slabs"
 
 
 def build(options: GGUFOptions, ctx: BuildContext):

@@ -136,9 +136,10 @@ class GGUFQuantizer(Quantizer):
                 extra.update(copy_dtype=torch.bfloat16, copy_min_rows=AMX_COPY_MIN_ROWS)
 
         bf16_slabs = self.slab_dtype == torch.bfloat16
-        extra.update(
-            kq_max_rows=KQ_MAX_ROWS if bf16_slabs else KQ_MAX_ROWS_FP32_SLABS, slab_dtype=self.slab_dtype
-        )
+        kq_max_rows = KQ_MAX_ROWS if bf16_slabs else KQ_MAX_ROWS_FP32_SLABS
+        if self.options.kquant_batches == "int8":
+            kq_max_rows = None  # the kq kernel at every batch size
+        extra.update(kq_max_rows=kq_max_rows, slab_dtype=self.slab_dtype)
 
         def make(spec: LinearSpec) -> nn.Module:
             return GGUFLinear(

@@ -130,6 +130,22 @@ def test_q4_k_m_served_packed_as_the_dequantized_file(family, root) -> None:
 
 
 @needs_ext
+def test_kquant_batches_int8_computes_every_row_alike_whatever_the_chunking(root) -> None:
+    """`kquant_batches: int8`: the prompt's 40 rows go through the kq kernel as one batch or in
+    chunks of 8, and every row gets the same bits (the slabs would round x differently above 32
+    rows: `slabs` is the default for prefill speed)."""
+    path = _file("qwen3", "q4_k_m", root)
+    quant = {"weights": "gguf", "kv_cache": "none", "kquant_batches": "int8"}
+    attention = "cpu-paged"  # batch-invariant rows (torch's SDPA sums chunks in another order)
+    tokens, whole, _, model = _run(path, quant, attention=attention)
+    assert all(m.kq_max_rows > len(IDS) for m in model.modules() if isinstance(m, GGUFLinear))
+    chunked = {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 8}
+    tokens_chunked, pieces, _, _ = _run(path, quant, attention=attention, scheduler=chunked)
+    assert tokens_chunked == tokens
+    assert torch.equal(pieces, whole)
+
+
+@needs_ext
 @pytest.mark.parametrize("kind", ["q2_k", "q3_k", "q5_k", "q6_k", "q5_0", "q5_1", "f16", "bf16"])
 def test_each_kept_type_with_fp32_activations_is_the_dequantized_file(kind, root) -> None:
     """fp32 activations: every batch dequantizes a slab and multiplies in fp32, which is what

@@ -249,9 +249,12 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 // into 16 outputs, with no horizontal sum at all.
 //
 // Layout (`gguf_pack_panels`): panel p holds weight rows [16p, 16p + 16) (zero rows pad N), block
-// by block; a panel block is the codes then 16 fp32 scales d then (Q4 types) 16 fp32 offsets m:
+// by block; a panel block is the codes then the 16 rows' d then (Q4_1, Q4_1G) their 16 m, each the
+// fp16 bits the row's block header holds (so the panels take exactly the blocks' bytes, 0.625 a
+// weight for Q4_1, and the kernels widen them with F16C):
 //   Q4_0 / Q4_1: 4 vectors of 64 bytes; byte 4c + i of vector j holds row c's value 4j + i in its
-//                low nibble and value 16 + 4j + i in its high nibble (codes 0..15); Q4_0's m = -8d
+//                low nibble and value 16 + 4j + i in its high nibble (codes 0..15); Q4_0's m = -8d,
+//                made in fp32 by the kernels
 //   Q8_0:        8 vectors of 64 bytes; byte 4c + i of vector t holds row c's value 4t + i + 128
 //                (unsigned): VNNI's sums then carry 128 * sum(q_x), taken off in integers; AVX2
 //                flips the bit back and multiplies signed (maddubs would saturate on 255 x 127)
@@ -260,8 +263,16 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 
 constexpr int PANEL = 16;
 
+// After a block's codes: the 16 rows' d as the fp16 bits their blocks hold, then (Q4_1, Q4_1G) the
+// 16 m (Q4_0's offset, -8 d, is made in the kernel): the panels hold exactly the blocks' bytes.
+template <int TYPE>
+constexpr int64_t PANEL_CODES = TYPE == Q8_0 ? 512 : 256;
+template <int TYPE>
+constexpr int64_t PANEL_BLOCK = PANEL_CODES<TYPE> + (TYPE == Q8_0 || TYPE == Q4_0 ? 32 : 64);
 inline int64_t panel_code_bytes(int64_t type) { return type == Q8_0 ? 512 : 256; }
-inline int64_t panel_block_bytes(int64_t type) { return panel_code_bytes(type) + (type == Q8_0 ? 64 : 128); }
+inline int64_t panel_block_bytes(int64_t type) {
+  return panel_code_bytes(type) + (type == Q8_0 || type == Q4_0 ? 32 : 64);
+}
 
 // Activation rows [r0, r1) in tiles of 4 and one tile of the rest: tile(MR, r) for each, MR a
 // std::integral_constant so that the tile's row count is a compile-time constant.
@@ -587,7 +598,7 @@ void rows_q8(const Q8Problem& p, int64_t n0, int64_t n1) {
 template <int TYPE, int MR>
 inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, const float* dx, const float* sx,
                        float* out, int64_t ldo, int valid) {
-  constexpr int64_t PB = TYPE == Q8_0 ? 576 : 384, CODES = TYPE == Q8_0 ? 512 : 256;
+  constexpr int64_t PB = PANEL_BLOCK<TYPE>, CODES = PANEL_CODES<TYPE>;
   const int64_t nb = K / QK;
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
   __m256 acc[MR];
@@ -628,9 +639,13 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
       }
       for (int r = 0; r < MR; ++r) dot[r] = _mm256_madd_epi16(s16[r], ones);
     }
-    const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(w + b * PB + CODES + 32 * half));
+    const uint8_t* head = w + b * PB + CODES + 16 * half;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
     __m256 m = _mm256_setzero_ps();
-    if constexpr (TYPE != Q8_0) m = _mm256_loadu_ps(reinterpret_cast<const float*>(w + b * PB + CODES + 64 + 32 * half));
+    if constexpr (TYPE == Q4_0)
+      m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    else if constexpr (TYPE != Q8_0)
+      m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 32)));
     for (int r = 0; r < MR; ++r) {
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
       if constexpr (TYPE != Q8_0) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
@@ -831,7 +846,7 @@ void x_pairs(const Q8Problem& p, bool plus128, int8_t* q, float* dx, float* sx, 
 template <int TYPE, int MR, int NR>
 inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, int64_t K, const float* dx,
                        const float* sx, const int32_t* c128, float* out, int64_t ldo, int valid_last) {
-  constexpr int64_t PB = TYPE == Q8_0 ? 576 : 384, CODES = TYPE == Q8_0 ? 512 : 256;
+  constexpr int64_t PB = PANEL_BLOCK<TYPE>, CODES = PANEL_CODES<TYPE>;
   const int64_t nb = K / QK;
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -883,8 +898,11 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
     __m512 d[NR], m[NR];
     for (int c = 0; c < NR; ++c) {
       const uint8_t* blk = w + c * panel_bytes + b * PB + CODES;
-      d[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
-      if constexpr (TYPE != Q8_0) m[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 64));
+      d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+      if constexpr (TYPE == Q4_0)
+        m[c] = _mm512_mul_ps(d[c], _mm512_set1_ps(-8.f));
+      else if constexpr (TYPE != Q8_0)
+        m[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
     }
     for (int r = 0; r < MR; ++r) {
       const __m512 dxr = _mm512_set1_ps(dx[r * nb + b]);
@@ -1207,16 +1225,14 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
     for (int64_t pn = p0; pn < p1; ++pn)
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* pb = dst + (pn * nb + b) * pbb;
-        float* dv = reinterpret_cast<float*>(pb + codes);
+        uint8_t* heads = pb + codes;
         for (int c = 0; c < PANEL; ++c) {
           const int64_t n = pn * PANEL + c;
           if (n >= N) break;  // zero rows: codes 0, d = m = 0
           const uint8_t* row = src + n * w.size(1);
-          float d, m;
-          block_dm(L, row, b, d, m);
           block_q(L, row, b, q);  // as stored: 0..15, or -128..127
-          dv[c] = d;
-          if (type != Q8_0) dv[PANEL + c] = type == Q4_0 ? -8.f * d : m;
+          std::memcpy(heads + 2 * c, row + L.head_at(b), 2);  // d's fp16 bits
+          if (L.kind != Q8_0 && L.kind != Q4_0) std::memcpy(heads + 2 * PANEL + 2 * c, row + L.head_at(b) + 2, 2);
           for (int i = 0; i < 4; ++i) {
             if (type == Q8_0) {
               for (int t = 0; t < 8; ++t) pb[64 * t + 4 * c + i] = uint8_t(int(q[4 * t + i]) + 128);
@@ -1229,10 +1245,6 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
       }
   });
   return out;
-}
-
-__attribute__((target("f16c"))) inline uint16_t float_to_half_exact(float f) {  // f: an fp16 value (d, m)
-  return uint16_t(_cvtss_sh(f, 0));
 }
 
 // Rows `rows` of W back from its panels, as GGML blocks [len(rows), K / 32 * block bytes]: Q4_0,
@@ -1260,10 +1272,9 @@ torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64
       const int64_t pn = id[r] / PANEL, c = id[r] % PANEL;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* pb = src + (pn * nb + b) * pbb;
-        const float* dv = reinterpret_cast<const float*>(pb + codes);
+        const uint8_t* heads = pb + codes;
         uint8_t* blk = dst + r * nb * bb + b * bb;
-        const uint16_t d = float_to_half_exact(dv[c]);
-        std::memcpy(blk, &d, 2);
+        std::memcpy(blk, heads + 2 * c, 2);
         if (kind == Q8_0) {
           for (int t = 0; t < 8; ++t)
             for (int i = 0; i < 4; ++i) blk[2 + 4 * t + i] = uint8_t(int(pb[64 * t + 4 * c + i]) - 128);
@@ -1271,8 +1282,7 @@ torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64
         }
         uint8_t* q = blk + 2;
         if (kind == Q4_1) {
-          const uint16_t m = float_to_half_exact(dv[PANEL + c]);
-          std::memcpy(blk + 2, &m, 2);
+          std::memcpy(blk + 2, heads + 2 * PANEL + 2 * c, 2);
           q = blk + 4;
         }
         // Panel byte 64j + 4c + i holds values 4j + i (low) and 16 + 4j + i (high): exactly
