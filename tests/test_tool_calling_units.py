@@ -98,6 +98,41 @@ def test_llama3_json_grammar_and_parser_agree():
     assert [c.name for c in got.calls] == ["get_weather", "ping"] and not got.content.strip()
 
 
+def test_mistral_grammar_and_parser_agree():
+    s = setup_for("{{ tools }}[TOOL_CALLS]", tool_choice="required")
+    assert s.parser.name == "mistral"
+    g = call_grammar(s, "mistral")
+    calls = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "ping", "arguments": {}}]'
+    assert accepts(g, calls) and not accepts(g, calls.removeprefix("[TOOL_CALLS]"))
+    assert not accepts(g, calls.replace('"Rome"', "1"))
+    assert not accepts(g, "[TOOL_CALLS]ping[ARGS]{}")  # the list form only
+    parser = s.parser(TOOLS)
+    got = parser.feed(calls)
+    got.add(parser.finish())
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [
+        ("get_weather", {"city": "Rome"}),
+        ("ping", {}),
+    ]
+    assert not got.content.strip()
+    one = call_grammar(
+        setup_for("[TOOL_CALLS]", tool_choice="required", parallel_tool_calls=False), "mistral"
+    )
+    assert accepts(one, '[TOOL_CALLS][{"name": "ping", "arguments": {}}]') and not accepts(one, calls)
+
+
+def test_pythonic_forced_calls_are_the_generic_array():
+    template = "{{ tools }}[func_name1(params_name1=params_value1)]"
+    assert setup_for(template, tool_choice="auto").parser.name == "pythonic"
+    for choice in ("required", {"type": "function", "function": {"name": "ping"}}):
+        s = setup_for(template, tool_choice=choice)  # no longer a 400
+        assert s.parser is T.GenericJSONParser and not s.generic
+        g = call_grammar(s, s.parser.name)
+        text = '[{"name": "ping", "arguments": {}}]'
+        assert accepts(g, text) and not accepts(g, "[ping()]")
+        content, calls = T.ChoiceCalls(s).whole(text)
+        assert content is None and [c.name for _, _, c in calls] == ["ping"]
+
+
 def test_generic_array_schema():
     s = setup_for("{{ messages }}", tool_choice="required")  # no `tools` in it: generic
     assert s.generic and s.parser is T.GenericJSONParser

@@ -10,8 +10,9 @@ and `tool` results become text the template can show.
 `auto` lets the model write what it likes and a tool-call parser (`lmstack_api.tool_parsers`,
 one per choice) separates calls from text. `required` and a named function constrain the output
 with a grammar built from the functions' `parameters` schemas in the parser's own format (Hermes
-``<tool_call>`` blocks, Llama 3 JSON, or the generic array), so the arguments always parse and
-validate. `none` parses nothing.
+``<tool_call>`` blocks, Llama 3 JSON, Mistral's ``[TOOL_CALLS]`` list, or the generic array), so
+the arguments always parse and validate; a pythonic model's forced calls are the generic array.
+`none` parses nothing.
 """
 
 from __future__ import annotations
@@ -158,6 +159,8 @@ def tool_setup(
                 f"(available: {', '.join(sorted(available_parsers()))})",
                 param="tools",
             )
+        if choice in ("required", "function") and parser.name in READ_AS_GENERIC:
+            parser = GenericJSONParser  # the forced format is the generic array: see READ_AS_GENERIC
         if choice in ("required", "function") and parser.name not in CALL_FORMATS:
             raise unsupported(
                 "tool_choice",
@@ -296,12 +299,25 @@ class CallFormat:
     close: str = ""  # after the last
 
 
-# Formats lmstack can constrain; "generic" is lmstack's own: a JSON array of calls.
+# Formats lmstack can constrain, by parser name; "generic" is lmstack's own: a JSON array of calls.
+#
+# Mistral's is its list form, ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``. In real
+# Mistral tokenizers ``[TOOL_CALLS]`` is a special token, but no grammar ever allows a special
+# token (the GrammarCompiler gives them empty pieces), so under this grammar the model writes
+# the marker in ordinary tokens: the decoded text holds it whatever skip_special_tokens says,
+# and the mistral parser reads it there.
 CALL_FORMATS = {
     "generic": CallFormat("arguments", "", "", ", ", "[", "]"),
     "hermes": CallFormat("arguments", "<tool_call>\n", "\n</tool_call>", "\n"),
     "llama3_json": CallFormat("parameters", "", "", "; "),
+    "mistral": CallFormat("arguments", "", "", ", ", "[TOOL_CALLS][", "]"),
 }
+
+# Parsers whose forced calls are written in the generic array instead, and read back by
+# GenericJSONParser. Pythonic calls (``[f(a=1)]``): a grammar of Python call syntax whose keyword
+# values follow arbitrary JSON schemas (Python literals, not JSON) is a large piece of work for
+# little gain; the array is as easy for the model to write and its arguments validate the same.
+READ_AS_GENERIC = frozenset({"pythonic"})
 
 
 def call_schema(setup: ToolSetup, args_key: str = "arguments") -> dict[str, Any]:
