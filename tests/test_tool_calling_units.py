@@ -232,3 +232,40 @@ def test_bad_tool_fields_are_400():
         T.message_tool_fields("assistant", [call], None, None, 0)
     assert setup_for(HERMES_TEMPLATE, tools=None) is None
     assert setup_for(HERMES_TEMPLATE, tool_choice="none").parser is None
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "mistral"])
+def test_tiny_tool_templates_pick_their_parser_and_render_calls_it_reads(style):
+    # The tiny end-to-end models' templates: each selects its family's parser, and the calls it
+    # renders in an earlier assistant turn are what that parser reads back (and, without the
+    # ids Mistral adds, what the forced grammar allows).
+    from lmstack.model.tokenizer import compile_chat_template
+    from lmstack.testing.tiny_tools import TOOL_TEMPLATES
+
+    source = TOOL_TEMPLATES[style]
+    s = setup_for(source, tool_choice="required")
+    assert s.parser.name == style and not s.generic
+    args = [{"city": "Paris", "days": 2}, {}]
+    calls = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+        for i, (n, a) in enumerate(zip(["get_weather", "ping"], args, strict=True))
+    ]
+    ask = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    template = compile_chat_template(source)
+    tokens = dict(bos_token="<|im_start|>", eos_token="<|im_end|>")
+    prompt = template.render(messages=ask, tools=TOOLS, add_generation_prompt=True, **tokens)
+    turn = {"role": "assistant", "content": None, "tool_calls": calls}
+    full = template.render(messages=[*ask, turn], tools=TOOLS, add_generation_prompt=False, **tokens)
+    assert full.startswith(prompt) and "Be brief." in prompt and "get_weather" in prompt
+    answer = full[len(prompt) :].split("<|im_end|>")[0]
+    parser = s.parser(TOOLS)
+    got = parser.feed(answer)
+    got.add(parser.finish())
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [("get_weather", args[0]), ("ping", {})]
+    assert not got.content.strip()
+    if style != "mistral":
+        assert accepts(call_grammar(s, style), answer)
+    # a tool result renders too, after the call
+    result = {"role": "tool", "tool_call_id": "call_0", "name": "get_weather", "content": "21 C"}
+    later = template.render(messages=[*ask, turn, result], tools=TOOLS, add_generation_prompt=True, **tokens)
+    assert later.startswith(full.rstrip("\n")) and "21 C" in later
