@@ -1,7 +1,8 @@
 """Tool calling on /v1/chat/completions, end to end: a real `lmstack serve` driven by the
 official `openai` client. On SmolLM2, whose template knows no tools (lmstack's generic
-rendering: a JSON array of calls), and on the tiny Llama with a Hermes-style template that takes
-tools (`<tool_call>` blocks). Arguments are checked against the functions' schemas with
+rendering: a JSON array of calls), and on the tiny Llama with a template of each family that
+takes tools: Hermes (`<tool_call>` blocks), Llama 3 (`{"name": ..., "parameters": ...}`) and
+Mistral (`[TOOL_CALLS][...]`), each forced and parsed in its own format. Arguments are checked against the functions' schemas with
 jsonschema; streamed and whole answers are compared (greedy decoding)."""
 
 from __future__ import annotations
@@ -73,20 +74,24 @@ def smol(shared_server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0), MODEL, 80
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+# The tiny models' template styles (lmstack.testing.tiny_tools), each its family's call format.
+TINY_STYLES = ("hermes", "llama3_json", "mistral")
+
+
+@pytest.fixture(scope="module", params=["smol", *TINY_STYLES])
+def served(request, tmp_path_factory):
+    """(client, model, max_tokens for a call): SmolLM2, or a tiny model with a `tiny_tools`
+    template (module scope: pytest runs one style's tests together, one server at a time)."""
+    if request.param == "smol":
+        yield request.getfixturevalue("smol")
+        return
     from lmstack.testing.tiny_tools import write_tiny_tool_model
     from lmstack_api.testing import ServerProcess
 
-    path = write_tiny_tool_model(tmp_path_factory.mktemp("tiny-tools"))
+    path = write_tiny_tool_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), style=request.param)
     with ServerProcess(tiny_stack(path)) as server:
         # The random model spends ~1 token per byte: a larger budget.
         yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0), str(path), 400
-
-
-@pytest.fixture(params=["smol", "tiny"])
-def served(request):
-    return request.getfixturevalue(request.param)
 
 
 def check_calls(calls, names=None) -> list[tuple[str, dict]]:
