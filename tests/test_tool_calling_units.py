@@ -98,8 +98,11 @@ def test_llama3_json_grammar_and_parser_agree():
     assert [c.name for c in got.calls] == ["get_weather", "ping"] and not got.content.strip()
 
 
+MISTRAL_TEMPLATE = "{{ tools }}[TOOL_CALLS]"
+
+
 def test_mistral_grammar_and_parser_agree():
-    s = setup_for("{{ tools }}[TOOL_CALLS]", tool_choice="required")
+    s = setup_for(MISTRAL_TEMPLATE, tool_choice="required")
     assert s.parser.name == "mistral"
     g = call_grammar(s, "mistral")
     calls = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "ping", "arguments": {}}]'
@@ -115,7 +118,7 @@ def test_mistral_grammar_and_parser_agree():
     ]
     assert not got.content.strip()
     one = call_grammar(
-        setup_for("[TOOL_CALLS]", tool_choice="required", parallel_tool_calls=False), "mistral"
+        setup_for(MISTRAL_TEMPLATE, tool_choice="required", parallel_tool_calls=False), "mistral"
     )
     assert accepts(one, '[TOOL_CALLS][{"name": "ping", "arguments": {}}]') and not accepts(one, calls)
 
@@ -269,3 +272,52 @@ def test_tiny_tool_templates_pick_their_parser_and_render_calls_it_reads(style):
     result = {"role": "tool", "tool_call_id": "call_0", "name": "get_weather", "content": "21 C"}
     later = template.render(messages=[*ask, turn, result], tools=TOOLS, add_generation_prompt=True, **tokens)
     assert later.startswith(full.rstrip("\n")) and "21 C" in later
+
+
+def test_forced_mistral_marker_is_text_when_it_is_a_special_token(tmp_path):
+    # Real Mistral tokenizers have [TOOL_CALLS] as a special token. No grammar allows a special
+    # token, so the forced format makes the model spell the marker in ordinary tokens, and the
+    # text decoded with skip_special_tokens (the default) still holds it for the parser.
+    import torch
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    from lmstack.model.tokenizer import Tokenizer
+    from lmstack.sample.grammar import GrammarCompiler, GrammarError
+    from lmstack.testing.tiny_model import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path, 1024)
+    backend = Backend.from_file(str(tmp_path / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True, normalized=False)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_hf_folder(tmp_path)
+    (marker,) = tok.encode("[TOOL_CALLS]")
+    assert marker in tok.special_token_ids
+
+    s = setup_for(MISTRAL_TEMPLATE, tool_choice="required", parallel_tool_calls=False)
+    assert s.parser.name == "mistral"
+    fmt = T.CALL_FORMATS["mistral"]
+    rules = xgr.Grammar.from_json_schema(
+        json.dumps(T.call_schema(s, fmt.args_key)), any_whitespace=False, strict_mode=True
+    )
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
+    text, root = T.call_grammar_ebnf(s, fmt, str(rules))
+    grammar = compiler.ebnf(text, root=root, param="tools")
+
+    logits = torch.zeros(tok.vocab_size)
+    grammar.new_state().apply(logits, [])
+    assert logits[marker] == float("-inf") and logits[tok.encode("[")[0]] == 0
+    with pytest.raises(GrammarError):
+        grammar.new_state().apply(torch.zeros(tok.vocab_size), [marker])
+
+    body = '[{"name": "ping", "arguments": {}}]'
+    ids = tok.encode("[") + tok.encode("TOOL_CALLS]") + tok.encode(body)
+    state = grammar.new_state()
+    for k in range(len(ids) + 1):
+        state.apply(torch.zeros(tok.vocab_size), ids[:k])  # each token allowed in turn
+    out = tok.decode(ids + list(tok.eos_token_ids))
+    assert out == "[TOOL_CALLS]" + body
+    parser = s.parser(TOOLS)
+    got = parser.feed(out)
+    got.add(parser.finish())
+    assert [c.name for c in got.calls] == ["ping"] and not got.content
