@@ -2,7 +2,8 @@
 official `openai` client. On SmolLM2, whose template knows no tools (lmstack's generic
 rendering: a JSON array of calls), and on the tiny Llama with a template of each family that
 takes tools: Hermes (`<tool_call>` blocks), Llama 3 (`{"name": ..., "parameters": ...}`) and
-Mistral (`[TOOL_CALLS][...]`), each forced and parsed in its own format. Arguments are checked against the functions' schemas with
+Mistral (`[TOOL_CALLS][...]`), each forced and parsed in its own format, and pythonic
+(`[f(a=1)]`), whose forced calls are the generic array. Arguments are checked against the functions' schemas with
 jsonschema; streamed and whole answers are compared (greedy decoding)."""
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def smol(shared_server):
 
 
 # The tiny models' template styles (lmstack.testing.tiny_tools), each its family's call format.
-TINY_STYLES = ("hermes", "llama3_json", "mistral")
+TINY_STYLES = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 @pytest.fixture(scope="module", params=["smol", *TINY_STYLES])

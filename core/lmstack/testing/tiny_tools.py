@@ -11,6 +11,9 @@ through a template that renders `tools`, assistant `tool_calls` and `tool` resul
 - ``mistral`` (Mistral v3 tokenizers): ``[AVAILABLE_TOOLS][...][/AVAILABLE_TOOLS]`` before the
   last ``[INST]``; calls as ``[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}]``;
   results as ``[TOOL_RESULTS]{"content": ..., "call_id": ...}[/TOOL_RESULTS]``.
+- ``pythonic`` (Llama 4, Llama 3.2 pythonic): the format (``[func_name1(params_name1=...``) and
+  the functions in the system turn; calls as ``[get_weather(city="Paris"), ping()]``; results in
+  an ``ipython`` turn. (Forced calls of this style are lmstack's generic JSON array.)
 
 The tiny tokenizer's only special tokens are ChatML's, so the turns of every style use
 ``<|im_start|>`` / ``<|im_end|>`` (its bos / eos) and the families' markers are plain text here.
@@ -112,11 +115,38 @@ MISTRAL_TOOLS_TEMPLATE = (
     "{% endfor %}"
 )
 
+PYTHONIC_TOOLS_TEMPLATE = (
+    # The system turn: the format and the functions, then the caller's text.
+    "{% set first = messages[0] if messages else none %}"
+    "{% if tools or (first and first.role == 'system') %}<|im_start|>system\n"
+    "{% if tools %}If you decide to invoke any of the function(s), you MUST put it in the format of "
+    "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]\n"
+    "You SHOULD NOT include any other text in the response.\n"
+    "Here is a list of functions in JSON format that you can invoke.\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
+    "{% if first and first.role == 'system' %}{{ first.content }}{% endif %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message.role == 'system' %}"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if message.tool_calls %}["
+    "{% for call in message.tool_calls %}{% if not loop.first %}, {% endif %}{{ call.function.name }}("
+    "{% for key, value in call.function.arguments.items() %}{% if not loop.first %}, {% endif %}"
+    "{{ key }}={{ value | tojson }}{% endfor %})"
+    "{% endfor %}]"
+    "{% else %}{{ message.content }}{% endif %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>ipython\n{{ message.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 # Style -> template; the style is also the name of the tool-call parser the template selects.
 TOOL_TEMPLATES = {
     "hermes": HERMES_TOOLS_TEMPLATE,
     "llama3_json": LLAMA3_TOOLS_TEMPLATE,
     "mistral": MISTRAL_TOOLS_TEMPLATE,
+    "pythonic": PYTHONIC_TOOLS_TEMPLATE,
 }
 
 
