@@ -1,8 +1,9 @@
-"""`import lmstack` makes OpenMP threads sleep when idle (`OMP_WAIT_POLICY=PASSIVE`) unless the
-user chose a policy: spinning threads collapse throughput beside a busy neighbour. The oracle is
-libgomp itself: with `OMP_DISPLAY_ENV=verbose` it prints the spin count it settled on when torch
-loaded it (0 for PASSIVE, 300000 when no policy is set, 3e10 for ACTIVE) — in the serving process
-and in each worker process of a multi-process layout.
+"""`import lmstack` bounds how long idle OpenMP threads spin (`GOMP_SPINCOUNT=3000`) unless the user
+chose a policy or a count: long spins collapse throughput beside a busy neighbour, sleeping at once
+halves a quiet machine's decode (lmstack/__init__.py). The oracle is libgomp itself: with
+`OMP_DISPLAY_ENV=verbose` it prints the spin count it settled on when torch loaded it (3000 with
+lmstack, 300000 when nothing is set, 0 for PASSIVE, 3e10 for ACTIVE) — in the serving process and
+in each worker process of a multi-process layout.
 """
 
 from __future__ import annotations
@@ -37,16 +38,18 @@ def test_baseline_without_lmstack_spins():
     assert spin_counts(clean_env(), "import torch") == ["300000"]
 
 
-def test_import_lmstack_before_torch_sets_passive():
-    assert spin_counts(clean_env(), "import lmstack, torch") == ["0"]
+def test_import_lmstack_before_torch_bounds_the_spin():
+    assert spin_counts(clean_env(), "import lmstack, torch") == ["3000"]
 
 
 def test_a_users_policy_wins():
     assert spin_counts(clean_env(OMP_WAIT_POLICY="ACTIVE"), "import lmstack, torch") == ["30000000000"]
+    assert spin_counts(clean_env(OMP_WAIT_POLICY="PASSIVE"), "import lmstack, torch") == ["0"]
+    assert spin_counts(clean_env(GOMP_SPINCOUNT="10"), "import lmstack, torch") == ["10"]
 
 
 @pytest.mark.slow
-def test_serving_process_and_its_workers_wait_passively(tiny_model_path):
+def test_serving_process_and_its_workers_bound_the_spin(tiny_model_path):
     pytest.importorskip("lmstack_tp")
     pytest.importorskip("psutil")
     from lmstack_api.testing import ServerProcess
@@ -59,5 +62,5 @@ def test_serving_process_and_its_workers_wait_passively(tiny_model_path):
         srv.proc.send_signal(signal.SIGTERM)
         srv.proc.wait(60)
         counts = SPIN.findall(srv.log())
-    # The server and its two ranks each loaded libgomp, all with the passive policy.
-    assert len(counts) >= 3 and set(counts) == {"0"}, counts
+    # The server and its two ranks each loaded libgomp, all with the bounded spin.
+    assert len(counts) >= 3 and set(counts) == {"3000"}, counts
