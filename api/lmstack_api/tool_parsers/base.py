@@ -167,6 +167,41 @@ class BufferedParser(ToolParser):
         self._scan = None
         return end - self.offset
 
+    # The two states a marker-opened format (hermes, mistral) shares: "gap" (the output's start,
+    # or just after calls) and "text"; `opened` is the parser's state once `marker` is read.
+    # Each returns where the buffer is consumed to, and whether to stop until more text comes.
+
+    def after_calls(
+        self, buf: str, i: int, marker: str, opened: str, final: bool, out: ParseDelta
+    ) -> tuple[int, bool]:
+        """State "gap" at `i`: whitespace here is content only if text (not a call, not the
+        end) follows it."""
+        k = skip_space(buf, i)
+        if buf.startswith(marker, k):
+            self.state = opened
+            return k + len(marker), False
+        if k == len(buf) or marker.startswith(buf[k:]):
+            if final:
+                out.content += buf[i:] if k < len(buf) else ""
+                i = len(buf)
+            return i, True
+        self.state = "text"
+        return i, False
+
+    def in_text(
+        self, buf: str, i: int, marker: str, opened: str, final: bool, out: ParseDelta
+    ) -> tuple[int, bool]:
+        """State "text" at `i`: content up to the next `marker` (holding back a possible start
+        of one unless `final`)."""
+        j, found = find_marker(buf, (marker,), i)
+        if found is None:
+            end = len(buf) if final else j
+            out.content += buf[i:end]
+            return end, True
+        out.content += buf[i:j]
+        self.state = opened
+        return j + len(marker), False
+
     def _advance(self, final: bool) -> ParseDelta:
         size = len(self.buffer)
         out = self.advance(final)

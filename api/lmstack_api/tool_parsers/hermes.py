@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from lmstack_api.tool_parsers.base import BufferedParser, ParseDelta, find_marker, skip_space
+from lmstack_api.tool_parsers.base import BufferedParser, ParseDelta
 
 START, END = "<tool_call>", "</tool_call>"
 GAP, TEXT, CALL = "gap", "text", "call"  # GAP: at the output's start or after a call
@@ -50,25 +50,12 @@ class HermesParser(BufferedParser):
                     self.state = TEXT
                 i = j + len(END)
             elif self.state == GAP:
-                # Whitespace here is content only if text (not a call, not the end) follows.
-                k = skip_space(buf, i)
-                if buf.startswith(START, k):
-                    i, self.state = k + len(START), CALL
-                elif k == len(buf) or START.startswith(buf[k:]):
-                    if final:
-                        out.content += buf[i:] if k < len(buf) else ""
-                        i = len(buf)
+                i, stop = self.after_calls(buf, i, START, CALL, final, out)
+                if stop:
                     break
-                else:
-                    self.state = TEXT
             else:
-                j, marker = find_marker(buf, (START,), i)
-                if marker is None:
-                    end = len(buf) if final else j
-                    out.content += buf[i:end]
-                    i = end
+                i, stop = self.in_text(buf, i, START, CALL, final, out)
+                if stop:
                     break
-                out.content += buf[i:j]
-                i, self.state = j + len(START), CALL
         self.buffer = buf[i:]
         return out

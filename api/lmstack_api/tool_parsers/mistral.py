@@ -14,7 +14,6 @@ from lmstack_api.tool_parsers.base import (
     BufferedParser,
     ParseDelta,
     ToolCall,
-    find_marker,
     loads_or_none,
     skip_space,
 )
@@ -66,25 +65,13 @@ class MistralParser(BufferedParser):
                     self.state = TEXT
                 i = end
             elif self.state == GAP:
-                k = skip_space(buf, i)
-                if buf.startswith(MARKER, k):
-                    i, self.state = k + len(MARKER), CALLS
-                elif k == len(buf) or MARKER.startswith(buf[k:]):
-                    if final:
-                        out.content += buf[i:] if k < len(buf) else ""
-                        i = len(buf)
+                i, stop = self.after_calls(buf, i, MARKER, CALLS, final, out)
+                if stop:
                     break
-                else:
-                    self.state = TEXT
             else:
-                j, marker = find_marker(buf, (MARKER,), i)
-                if marker is None:
-                    end = len(buf) if final else j
-                    out.content += buf[i:end]
-                    i = end
+                i, stop = self.in_text(buf, i, MARKER, CALLS, final, out)
+                if stop:
                     break
-                out.content += buf[i:j]
-                i, self.state = j + len(MARKER), CALLS
         self.buffer = buf[i:]
         return out
 
