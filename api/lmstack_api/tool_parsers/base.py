@@ -167,7 +167,8 @@ class BufferedParser(ToolParser):
         self._scan = None
         return end - self.offset
 
-    # The two states a marker-opened format (hermes, mistral) shares: "gap" (the output's start,
+    # The two states a marker-opened format shares (hermes, mistral; "text" also llama3_json and
+    # pythonic): "gap" (the output's start,
     # or just after calls) and "text"; `opened` is the parser's state once `marker` is read.
     # Each returns where the buffer is consumed to, and whether to stop until more text comes.
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from lmstack_api.tool_parsers.base import BufferedParser, ParseDelta, find_marker, skip_space
+from lmstack_api.tool_parsers.base import BufferedParser, ParseDelta, skip_space
 
 TAG = "<|python_tag|>"
 START, AFTER, TEXT = "start", "after", "text"  # START: the output's start, or just after the tag
@@ -47,14 +47,10 @@ class Llama3JsonParser(BufferedParser):
         out, buf, i = ParseDelta(), self.buffer, 0
         while i < len(buf):
             if self.state == TEXT:
-                j, marker = find_marker(buf, (TAG,), i)
-                if marker is None:
-                    end = len(buf) if final else j
-                    out.content += buf[i:end]
-                    i = end
+                i, stop = self.in_text(buf, i, TAG, START, final, out)
+                if stop:
                     break
-                out.content += buf[i:j]
-                i, self.state, self.tag = j + len(TAG), START, TAG
+                self.tag = TAG
                 continue
             # START or AFTER: whitespace (and after a call, one `;`), then maybe a call.
             k = skip_space(buf, i)

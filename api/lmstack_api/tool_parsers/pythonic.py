@@ -17,7 +17,6 @@ from lmstack_api.tool_parsers.base import (
     BufferedParser,
     ParseDelta,
     ToolCall,
-    find_marker,
     skip_space,
 )
 
@@ -54,14 +53,10 @@ class PythonicParser(BufferedParser):
         out, buf, i = ParseDelta(), self.buffer, 0
         while i < len(buf):
             if self.state == TEXT:
-                j, marker = find_marker(buf, (START_TAG,), i)
-                if marker is None:
-                    end = len(buf) if final else j
-                    out.content += buf[i:end]
-                    i = end
+                i, stop = self.in_text(buf, i, START_TAG, START, final, out)
+                if stop:
                     break
-                out.content += buf[i:j]
-                i, self.state, self.tag = j + len(START_TAG), START, START_TAG
+                self.tag = START_TAG
                 continue
             # START or AFTER: whitespace, then maybe a list of calls.
             k = skip_space(buf, i)
