@@ -168,9 +168,9 @@ class BufferedParser(ToolParser):
         return end - self.offset
 
     # The two states a marker-opened format shares (hermes, mistral; "text" also llama3_json and
-    # pythonic): "gap" (the output's start,
-    # or just after calls) and "text"; `opened` is the parser's state once `marker` is read.
-    # Each returns where the buffer is consumed to, and whether to stop until more text comes.
+    # pythonic): "gap" (the output's start, or just after calls) and "text"; `opened` is the
+    # parser's state once `marker` is read. Each returns where the buffer is consumed to, and
+    # whether to stop until more text comes.
 
     def after_calls(
         self, buf: str, i: int, marker: str, opened: str, final: bool, out: ParseDelta
