@@ -323,11 +323,3 @@ def test_forced_mistral_marker_is_text_when_it_is_a_special_token(tmp_path):
     got = parser.feed(out)
     got.add(parser.finish())
     assert [c.name for c in got.calls] == ["ping"] and not got.content
-
-
-def test_a_parser_whose_markers_are_special_tokens_keeps_them_in_the_decoded_text():
-    # Mistral's [TOOL_CALLS] is a special token in its tokenizers: `auto` output is decoded with
-    # special tokens kept, or skip_special_tokens would erase the marker before the parser.
-    assert T.keeps_special_tokens(setup_for(MISTRAL_TEMPLATE, tool_choice="auto"))
-    assert not T.keeps_special_tokens(setup_for(HERMES_TEMPLATE, tool_choice="auto"))
-    assert not T.keeps_special_tokens(None)

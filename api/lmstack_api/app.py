@@ -309,8 +309,6 @@ async def chat_completions(request: Request) -> Response:
         max_logit_bias_entries=state.config.max_logit_bias_entries,
         max_temperature=state.config.max_temperature,
     )
-    if T.keeps_special_tokens(tools):
-        sp.skip_special_tokens = False  # the parser's markers ([TOOL_CALLS]) are special tokens
     # The body's id stays ours (unique and OpenAI-shaped) even when the caller sent an
     # X-Request-Id: that one may repeat across requests; it comes back in the header instead.
     rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -174,12 +174,6 @@ def tool_setup(
 # --- messages for the template ---------------------------------------------------------------
 
 
-def keeps_special_tokens(setup: ToolSetup | None) -> bool:
-    """Whether the output must be decoded with special tokens kept: the request's parser reads
-    markers that tokenizers make special tokens (`ToolParser.markers`)."""
-    return setup is not None and setup.parser is not None and bool(getattr(setup.parser, "markers", ()))
-
-
 def message_tool_fields(role: str, tool_calls: Any, tool_call_id: Any, name: Any, i: int) -> dict[str, Any]:
     """The tool parts of messages[i] as templates take them: `tool_calls` with `arguments` as a
     dict (transformers' convention; OpenAI sends JSON text), `tool_call_id` and `name`."""

@@ -54,10 +54,6 @@ class ToolParser(ABC):
     `model_type` or architecture, e.g. ``qwen2``, ``Qwen2ForCausalLM``)."""
 
     name: ClassVar[str]
-    # Texts the parser must see that tokenizers often make special tokens (Mistral's
-    # `[TOOL_CALLS]`): with tools, the output is then decoded keeping special tokens, else the
-    # default `skip_special_tokens` would erase the marker and the calls would read as content.
-    markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, tools: list[dict]) -> None:
         """`tools`: the request's `tools`, OpenAI's shape (``{"type": "function", "function":

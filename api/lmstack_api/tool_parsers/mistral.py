@@ -34,7 +34,6 @@ class MistralParser(BufferedParser):
     call of the request's tools (a list with one bad entry stays content whole)."""
 
     name = "mistral"
-    markers = ("[TOOL_CALLS]", "[CALL_ID]", "[ARGS]")
 
     def __init__(self, tools: list[dict]) -> None:
         super().__init__(tools)
