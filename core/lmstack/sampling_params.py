@@ -10,6 +10,10 @@ from lmstack.errors import InvalidRequestError
 if TYPE_CHECKING:
     from lmstack.sample.grammar import Grammar
 
+# Requests with priority >= BATCH_PRIORITY are background work (the Batch API runs at this value):
+# the `continuous` scheduler admits them only into capacity that interactive requests leave idle.
+BATCH_PRIORITY = 100
+
 
 @dataclass
 class SamplingParams:
