@@ -18,6 +18,7 @@ from lmstack.errors import EngineDeadError, LmstackError
 from lmstack.stack.resolve import ResolvedStack
 from lmstack_api import params as P
 from lmstack_api import tools as T
+from lmstack_api.batches.routes import batch_routes, open_batches
 from lmstack_api.errors import APIError, clip, from_status
 from lmstack_api.grammar_guard import bounded_grammar, bounded_schema_grammar
 from lmstack_api.job import EngineFailure, Job
@@ -672,11 +673,18 @@ def create_app(stack: ResolvedStack, state: ServerState | None = None) -> Litest
     when it is ready); pass a `state` holding an engine to skip that."""
     state = state or ServerState(stack)
     load_task: list[asyncio.Task] = []
+    # The Batch API (server.batch_dir): its store opens now, so an unusable folder is one line
+    # before the model loads; its runner starts with the app and stops before the engine.
+    batches = open_batches(state)
 
     async def on_startup(app: Litestar) -> None:
         load_task.append(asyncio.create_task(state.load()))
+        if batches is not None:
+            batches.start(app)
 
     async def on_shutdown(app: Litestar) -> None:
+        if batches is not None:
+            await batches.stop()
         await state.grammar_guard.aclose()
         for t in load_task:
             if not t.done():
@@ -694,6 +702,7 @@ def create_app(stack: ResolvedStack, state: ServerState | None = None) -> Litest
             stack_info,
             health,
             metrics,
+            *batch_routes(state),
         ],
         exception_handlers={
             APIError: _on_api_error,
@@ -703,7 +712,7 @@ def create_app(stack: ResolvedStack, state: ServerState | None = None) -> Litest
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         request_max_body_size=state.config.max_body_bytes,
-        state=State({"server": state}),
+        state=State({"server": state, "batches": batches}),
         openapi_config=None,
         logging_config=None,
     )

@@ -166,6 +166,21 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         ),
     ] = None
 
+    # --- Batch API (lmstack_api.batches) -----------------
+    # Off unless set: its state must outlive the process and belong to one server (a lock file
+    # keeps a second server off it), so no implicit location is right for everyone.
+    batch_dir: Annotated[
+        str | None,
+        msgspec.Meta(description="folder for /v1/files and /v1/batches state (null: the Batch API is off)"),
+    ] = None
+    batch_max_upload_bytes: Annotated[
+        PositiveInt, msgspec.Meta(description="the largest file POST /v1/files accepts, in bytes (then 413)")
+    ] = 100 * 1024 * 1024
+    batch_max_inflight: Annotated[
+        PositiveInt | None,
+        msgspec.Meta(description="batch lines running at once (null: the scheduler's max_num_seqs)"),
+    ] = None
+
     def __post_init__(self) -> None:
         tenants: dict[str, str | None] = {}
         for entry in self.api_keys:

@@ -1,0 +1,267 @@
+"""The OpenAI Batch API (`/v1/files`, `/v1/batches`), end to end: a real `lmstack serve` on the
+tiny model driven by the official `openai` client. Oracles: the same requests sent one by one
+(greedy, fp32), and every custom_id accounted for exactly once, also across a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("lmstack_api")
+
+from lmstack_api.testing import ServerProcess  # noqa: E402
+
+KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
+UPLOAD_LIMIT = 200_000
+
+
+def _stack(model_path, batch_dir, **server) -> dict:
+    from lmstack.testing.kit import tiny_stack
+
+    return tiny_stack(
+        model_path,
+        max_model_len=256,
+        allocator={"name": "paged", "block_size": 16, "num_blocks": 256},
+        scheduler={"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 256},
+        cache="none",  # a repeated request runs again in full: its output is the first one's
+        server={
+            "api_keys": [{"key": KEY_A, "tenant": "a"}, {"key": KEY_B, "tenant": "b"}],
+            "batch_dir": str(batch_dir),
+            "batch_max_upload_bytes": UPLOAD_LIMIT,
+            **server,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    with ServerProcess(_stack(tiny_model_path, tmp_path_factory.mktemp("batches"))) as srv:
+        yield srv
+
+
+def _client(server, key: str):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
+
+
+def _chat(i: int) -> dict:
+    return {
+        "model": None,
+        "messages": [{"role": "user", "content": f"question number {i}: what comes next?"}],
+        "max_tokens": 6 + i % 3,
+        "temperature": 0,
+    }
+
+
+def _line(custom_id: str, body: dict, url: str = "/v1/chat/completions") -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def _wait(
+    client, batch_id: str, timeout: float = 60.0, until=("completed", "failed", "expired", "cancelled")
+):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in until:
+            return batch
+        time.sleep(0.2)
+    raise AssertionError(f"batch still {batch.status} after {timeout} s: {batch}")
+
+
+def _records(client, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def _run_batch(client, lines: list[str], endpoint: str = "/v1/chat/completions"):
+    f = client.files.create(file=("in.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
+    assert batch.status == "validating" and batch.input_file_id == f.id
+    return _wait(client, batch.id)
+
+
+def test_outputs_equal_the_requests_sent_one_by_one(server):
+    client = _client(server, KEY_A)
+    model = client.models.list().data[0].id
+    bodies = {f"req-{i}": {**_chat(i), "model": model} for i in range(8)}
+    batch = _run_batch(client, [_line(cid, body) for cid, body in bodies.items()])
+    assert batch.status == "completed" and batch.error_file_id is None
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        8,
+        8,
+        0,
+    )
+    out = _records(client, batch.output_file_id)
+    assert [r["custom_id"] for r in out] == list(bodies)  # input order
+    for rec in out:
+        alone = client.chat.completions.create(**bodies[rec["custom_id"]])
+        got = rec["response"]
+        assert got["status_code"] == 200 and rec["error"] is None
+        assert got["request_id"] == got["body"]["id"]
+        assert got["body"]["choices"][0]["message"]["content"] == alone.choices[0].message.content
+        assert got["body"]["usage"]["completion_tokens"] == alone.usage.completion_tokens
+        assert got["body"]["usage"]["prompt_tokens"] == alone.usage.prompt_tokens
+    # The completions endpoint too.
+    prompts = {
+        f"c{i}": {"model": model, "prompt": f"one two {i}", "max_tokens": 5, "temperature": 0}
+        for i in range(3)
+    }
+    batch = _run_batch(
+        client, [_line(k, v, "/v1/completions") for k, v in prompts.items()], "/v1/completions"
+    )
+    for rec in _records(client, batch.output_file_id):
+        alone = client.completions.create(**prompts[rec["custom_id"]])
+        assert rec["response"]["body"]["choices"][0]["text"] == alone.choices[0].text
+
+
+def test_bad_lines_go_to_the_error_file_and_the_rest_go_on(server):
+    client = _client(server, KEY_A)
+    model = client.models.list().data[0].id
+    good = {**_chat(1), "model": model}
+    lines = [
+        _line("ok-1", good),
+        "{not json",
+        json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": good}),  # no custom_id
+        _line("ok-1", good),  # duplicate
+        _line("unknown-model", {**good, "model": "no-such-model"}),
+        _line("wrong-url", {"model": model, "prompt": "hi"}, url="/v1/completions"),
+        _line("too-long", {**good, "messages": [{"role": "user", "content": "ab " * 2000}]}),
+        _line("streamed", {**good, "stream": True}),
+        _line("ok-2", {**_chat(2), "model": model}),
+    ]
+    batch = _run_batch(client, lines)
+    assert batch.status == "completed"
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        9,
+        2,
+        7,
+    )
+    out, err = _records(client, batch.output_file_id), _records(client, batch.error_file_id)
+    assert [r["custom_id"] for r in out] == ["ok-1", "ok-2"]
+    by_id = {r["custom_id"]: r for r in err if r["custom_id"] not in (None, "ok-1")}
+    assert [r["error"]["code"] for r in err if r["custom_id"] is None] == [
+        "invalid_json",
+        "missing_custom_id",
+    ]
+    assert [r["error"]["code"] for r in err if r["custom_id"] == "ok-1"] == ["duplicate_custom_id"]
+    assert by_id["unknown-model"]["response"]["status_code"] == 404
+    assert by_id["unknown-model"]["response"]["body"]["error"]["code"] == "model_not_found"
+    assert by_id["wrong-url"]["error"]["code"] == "invalid_url"
+    assert by_id["too-long"]["response"]["status_code"] == 400
+    assert by_id["too-long"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    assert by_id["streamed"]["error"]["code"] == "invalid_request"
+
+
+def test_bad_uploads_are_400_and_an_oversized_one_413(server):
+    client = _client(server, KEY_A)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.files.create(file=("in.jsonl", b'{"custom_id": "x"}\n'), purpose="fine-tune")
+    assert e.value.body["param"] == "purpose"
+    for data in (b"a,b,c\n1,2,3\n", b"\xff\xfe\x00garbage", b"\n\n"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.files.create(file=("in.jsonl", data), purpose="batch")
+        assert e.value.body["code"] == "invalid_file"
+    big = (_line("x", {"prompt": "y" * 1000}, "/v1/completions") + "\n") * (UPLOAD_LIMIT // 1000 + 10)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.files.create(file=("big.jsonl", big.encode()), purpose="batch")
+    assert e.value.status_code == 413 and "batch_max_upload_bytes" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/embeddings", completion_window="24h")
+    assert e.value.body["param"] == "endpoint"
+
+
+def test_a_tenant_sees_only_its_own_files_and_batches(server):
+    a, b = _client(server, KEY_A), _client(server, KEY_B)
+    model = a.models.list().data[0].id
+    f = a.files.create(
+        file=("a.jsonl", (_line("a1", {**_chat(0), "model": model}) + "\n").encode()), purpose="batch"
+    )
+    batch = a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (
+        lambda: b.files.retrieve(f.id),
+        lambda: b.files.content(f.id),
+        lambda: b.files.delete(f.id),
+        lambda: b.batches.retrieve(batch.id),
+        lambda: b.batches.cancel(batch.id),
+        lambda: b.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert f.id not in {x.id for x in b.files.list()}
+    assert batch.id not in {x.id for x in b.batches.list()}
+    assert batch.id in {x.id for x in a.batches.list()}
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, "sk-wrong").files.list()
+    done = _wait(a, batch.id)
+    assert done.status == "completed"  # B's attempts changed nothing
+    assert a.files.retrieve(f.id).id == f.id
+
+
+def test_cancel_stops_the_batch(server):
+    client = _client(server, KEY_A)
+    model = client.models.list().data[0].id
+    long = {"model": model, "prompt": "count", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    lines = [_line(f"c{i}", long, "/v1/completions") for i in range(60)]
+    f = client.files.create(file=("c.jsonl", ("\n".join(lines)).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    _wait(client, batch.id, until=("in_progress",))
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    done = _wait(client, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at is not None
+    out = _records(client, done.output_file_id)
+    assert done.request_counts.completed == len(out) < 60
+    assert all(r["response"]["status_code"] == 200 for r in out)
+
+
+def test_sigkill_mid_batch_then_restart_finishes_every_line_once(tiny_model_path, tmp_path):
+    stack = _stack(tiny_model_path, tmp_path / "batches", batch_max_inflight=2)
+    lines = [
+        _line(
+            f"k{i}",
+            {"prompt": f"n {i}", "max_tokens": 40, "ignore_eos": True, "temperature": 0},
+            "/v1/completions",
+        )
+        for i in range(30)
+    ]
+    lines.insert(5, "{broken")
+    srv = ServerProcess(stack).start()
+    try:
+        client = _client(srv, KEY_A)
+        f = client.files.create(file=("k.jsonl", "\n".join(lines).encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).request_counts.completed < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        srv.proc.kill()  # SIGKILL: no drain, no shutdown hook
+        srv.proc.wait(30)
+    finally:
+        srv.stop()
+    again = ServerProcess(stack).start()
+    try:
+        client = _client(again, KEY_A)
+        mid = client.batches.retrieve(batch.id)
+        assert mid.status == "in_progress" and 4 <= mid.request_counts.completed < 30
+        done = _wait(client, batch.id)
+        out, err = _records(client, done.output_file_id), _records(client, done.error_file_id)
+        assert sorted(r["custom_id"] for r in out) == sorted(f"k{i}" for i in range(30))
+        assert [r["error"]["code"] for r in err] == ["invalid_json"]
+        assert (done.request_counts.completed, done.request_counts.failed) == (30, 1)
+        for rec in out[:3] + out[-3:]:  # lines before and after the kill equal a request alone
+            i = int(rec["custom_id"][1:])
+            alone = client.completions.create(
+                model=rec["response"]["body"]["model"],
+                prompt=f"n {i}",
+                max_tokens=40,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert rec["response"]["body"]["choices"][0]["text"] == alone.choices[0].text
+    finally:
+        again.stop()
