@@ -24,12 +24,39 @@ sequences of the owner holding the most are preempted, down to an equal share of
 `max_num_seqs` and no further; prompts in progress leave room in the step for its first
 chunk. Echoed prompt logprobs, the costliest prompt tokens, run at most
 `PROMPT_LOGPROB_TOKENS` a step. A small request waits about a step for a slot, whatever runs.
+
+Priority classes (`Request.priority`, lower runs first): waiting sequences are admitted class
+by class, fair share and FCFS within a class. When the most urgent waiting sequence has no slot
+or no KV room for its first chunk, the least urgent running sequences of a less urgent class are
+preempted (newest first, by recompute; a tiered KV cache keeps their blocks through its normal
+free path), and prompts of a less urgent class in progress leave its first chunk room in the
+step. With one priority in play (all 0) the order and every step are plain FCFS + fair share.
+
+Aging bounds starvation: a sequence's effective priority improves by one per
+`priority_aging_s` seconds since it arrived, down to the most urgent priority among the
+sequences present (waiting or running), where it is served by the fair share and FCFS like the
+rest. So a request at priority p waits at most (p - p_top) x `priority_aging_s` before it
+competes on arrival order with the most urgent class p_top. Background sequences (below) age
+among themselves but never below `BATCH_PRIORITY`: they stay background. 0 disables aging.
+
+Background work (priority >= `BATCH_PRIORITY`, the Batch API's) fills only the capacity that
+interactive work (priority below it) leaves:
+(a) no background prompt chunk shares a step with an interactive sequence that waits or is in
+    its prompt; (b) while interactive work is present, background sequences take only the
+    tokens that keep the step's predicted time (`step_cost`, t(T) = a + b * T) within
+    (1 + `background_slack`) x the interactive-only step: T_bg <= slack * (a / b + T_int);
+    without a measured cost model, none. Background sequences past that are paused for the
+    step (oldest run first) and keep their KV; they are preempted, newest first, when an
+    interactive sequence needs their slot or blocks; (c) with no interactive work, background
+    is scheduled like any traffic (the full batch).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated
 
 import msgspec
@@ -45,6 +72,7 @@ from lmstack.interfaces import (
     SchedulerOutput,
 )
 from lmstack.registry import Component
+from lmstack.sampling_params import BATCH_PRIORITY
 from lmstack.sequence import Sequence, SequenceStatus
 
 # The fewest prefill tokens a step gives prompts while streams decode: below this a prompt's
@@ -82,6 +110,22 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
     max_step_ms: Annotated[
         float, msgspec.Meta(description="the longest such step, in milliseconds (0: no bound)")
     ] = 0.0
+    # Starvation bound for priority classes (module docstring).
+    priority_aging_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="a waiting request's priority improves by one per this many seconds since it "
+            "arrived, up to the most urgent class present (0: no aging)"
+        ),
+    ] = 60.0
+    # Background work (priority >= BATCH_PRIORITY) beside interactive work (module docstring).
+    background_slack: Annotated[
+        float,
+        msgspec.Meta(
+            description="background requests may lengthen an interactive step by at most this "
+            "fraction of its predicted time (0: they wait until no interactive work runs)"
+        ),
+    ] = 0.1
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -95,6 +139,10 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
             )
         if self.max_step_ms < 0:
             raise ConfigError("must be >= 0", "scheduler.max_step_ms")
+        if self.priority_aging_s < 0:
+            raise ConfigError("must be >= 0 (0: no aging)", "scheduler.priority_aging_s")
+        if self.background_slack < 0:
+            raise ConfigError("must be >= 0", "scheduler.background_slack")
 
 
 class ContinuousScheduler(Scheduler):
@@ -121,12 +169,41 @@ class ContinuousScheduler(Scheduler):
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._num_preemptions = 0
+        # Aging reads the time once a step (`schedule`); tests replace the clock.
+        self.clock: Callable[[], float] = time.monotonic
+        self._now = 0.0
+        self._top = 0  # the most urgent base priority present this step
+        self._uniform = True  # one base priority present this step: plain FCFS + fair share
 
     # --- ordering (override in subclasses) -------------------------------------------------
 
+    def effective_priority(self, seq: Sequence) -> int:
+        """The request's priority, improved by aging (module docstring) as of this step."""
+        p = seq.request.priority
+        aging = self.options.priority_aging_s
+        if aging <= 0 or p <= self._top:
+            return p
+        floor = max(self._top, BATCH_PRIORITY) if p >= BATCH_PRIORITY else self._top
+        steps = int(max(0.0, self._now - seq.arrival_time) // aging)
+        return max(p - steps, floor)
+
+    @staticmethod
+    def is_background(seq: Sequence) -> bool:
+        return seq.request.priority >= BATCH_PRIORITY
+
     def waiting_order_key(self, seq: Sequence) -> tuple:
-        """Lower is admitted first and preempted last. FCFS: arrival time, then id."""
-        return (seq.arrival_time, seq.seq_id)
+        """Lower is admitted first and preempted last: effective priority, then arrival time
+        (FCFS), then id."""
+        req = seq.request
+        p = req.priority
+        if p > self._top:  # only then can aging change it (inlined: sorted every step)
+            p = self.effective_priority(seq)
+        return (p, req.arrival_time, seq.seq_id)
+
+    def _rank(self, seq: Sequence) -> tuple:
+        """The most urgent class first, the subclass's order within it: the largest is
+        preempted first."""
+        return (self.effective_priority(seq), self.waiting_order_key(seq))
 
     @staticmethod
     def owner(seq: Sequence) -> str:
@@ -176,10 +253,19 @@ class ContinuousScheduler(Scheduler):
         req = seq.request
         return req.params.n if len(req.seqs) < req.params.n else 1
 
-    def prefill_allowance(self) -> int:
-        """Prefill tokens this step may carry beside the running decodes (see the module
-        docstring); the token budget when no stream decodes or nothing is measured yet."""
-        decoding = [s for s in self.running if not s.is_prefill]
+    def _first_chunk(self, seq: Sequence) -> int:
+        return min(seq.num_uncomputed_tokens, self.chunk_cap, self.token_budget)
+
+    def _fits(self, seq: Sequence, tokens: int) -> bool:
+        """Whether a waiting sequence has a running slot and KV room for `tokens`."""
+        slots = len(self.running) + self._seq_slots(seq) <= self.max_num_seqs
+        return slots and self.allocator.can_allocate(seq, tokens)
+
+    def prefill_allowance(self, running: Iterable[Sequence] | None = None) -> int:
+        """Prefill tokens this step may carry beside the running decodes of `running` (all
+        running sequences by default; see the module docstring); the token budget when no
+        stream decodes or nothing is measured yet."""
+        decoding = [s for s in (self.running if running is None else running) if not s.is_prefill]
         decodes = sum(1 + len(s.draft_token_ids) for s in decoding)
         o = self.options
         # Without chunking a prompt runs whole or not at all: sizing it would only delay it.
@@ -200,59 +286,107 @@ class ContinuousScheduler(Scheduler):
         tokens = int((min(limits) - a) / b) - decodes
         return max(MIN_PREFILL_TOKENS, min(tokens, self.token_budget))
 
+    def background_allowance(self, interactive_tokens: int) -> int | float:
+        """Background tokens a step of `interactive_tokens` interactive tokens may carry: the
+        most that keep its predicted time within (1 + background_slack) x the interactive-only
+        step. None measured yet: 0; tokens measured free: unbounded."""
+        fit = self.step_cost.fit() if self.step_cost is not None else None
+        if fit is None:
+            return 0
+        a, b = fit
+        if b <= 0:
+            return math.inf
+        return int(self.options.background_slack * (a / b + interactive_tokens))
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Preempt the least urgent running sequences of a less urgent class (newest first)
+        until the most urgent waiting sequence has a slot and KV room for its first chunk.
+        Needs `self.waiting` sorted by `waiting_order_key`."""
+        seq = self.waiting[0]
+        urgency = self.effective_priority(seq)
+        first_chunk = self._first_chunk(seq)
+        while self.running and not self._fits(seq, first_chunk):
+            victim = max(self.running, key=self._rank)
+            if self.effective_priority(victim) <= urgency:
+                return  # nothing less urgent runs: it waits its turn
+            self._preempt(victim, out)
+
     def _make_room_for_newcomer(self, out: SchedulerOutput) -> int:
         """Preempt the largest owner's newest sequences (never below an equal share of
         `max_num_seqs`) until the first waiting sequence of an owner with nothing running fits
         in slots and KV blocks. Returns the prompt tokens to keep for it in this step's budget
         (at most half the budget; 0 when nobody new waits or it cannot run yet). Needs
-        `self.waiting` sorted by `waiting_order_key`."""
+        `self.waiting` sorted by `waiting_order_key`.
+
+        Only a newcomer of the most urgent waiting class counts, and only sequences of its
+        class or a less urgent one are shared with it (one priority in play: everyone)."""
+        top = self.effective_priority(self.waiting[0])
         running = Counter(self.owner(s) for s in self.running)
-        seq = next((s for s in self.waiting if self.owner(s) not in running), None)
+        seq = next(
+            (
+                s
+                for s in self.waiting
+                if self.owner(s) not in running and (self._uniform or self.effective_priority(s) == top)
+            ),
+            None,
+        )
         if seq is None:
             return 0
-        first_chunk = min(seq.num_uncomputed_tokens, self.chunk_cap, self.token_budget)
-        fits = len(self.running) + self._seq_slots(seq) <= self.max_num_seqs and self.allocator.can_allocate(
-            seq, first_chunk
-        )
-        if fits:
+        first_chunk = self._first_chunk(seq)
+        if self._fits(seq, first_chunk):
             return min(first_chunk, self.token_budget // 2)
-        if running.most_common(1)[0][1] <= 1:
+        pool = [s for s in self.running if self._uniform or self.effective_priority(s) >= top]
+        running = Counter(self.owner(s) for s in pool)
+        if not running or running.most_common(1)[0][1] <= 1:
             return 0  # nobody holds more than one slot: nothing to share (a batch of prompts)
-        owners = len(set(running) | {self.owner(s) for s in self.waiting})
+        waiting_owners = {
+            self.owner(s) for s in self.waiting if self._uniform or self.effective_priority(s) == top
+        }
+        owners = len(set(running) | waiting_owners)
         share = max(1, self.max_num_seqs // owners)
         if self._seq_slots(seq) > share:
             return 0  # it would hold more than a share itself: the next newcomer would take it back
-        while self.running and (
-            len(self.running) + self._seq_slots(seq) > self.max_num_seqs
-            or not self.allocator.can_allocate(seq, first_chunk)
-        ):
+        while self.running and not self._fits(seq, first_chunk):
             hog, held = running.most_common(1)[0]
             if held <= share:
                 return 0  # every owner is within its share: the newcomer waits its turn
-            victim = max((s for s in self.running if self.owner(s) == hog), key=self.waiting_order_key)
+            victim = max((s for s in pool if self.owner(s) == hog), key=self.waiting_order_key)
             self._preempt(victim, out)
+            pool.remove(victim)
             running[hog] -= 1
         return min(first_chunk, self.token_budget // 2)
 
-    def _admission_order(self) -> Iterator[Sequence]:
-        """Waiting sequences in the order to admit them (`self.waiting` sorted by
-        `waiting_order_key`). With `fair_share`: round-robin across owners, the owner with the
-        fewest running sequences next (counting those admitted meanwhile), each owner's own in
-        order. The caller admits each sequence it takes before taking the next.
+    def _admission_order(self, queue: list[Sequence] | None = None) -> Iterator[Sequence]:
+        """Sequences of `queue` (default `self.waiting`, sorted by `waiting_order_key`) in the
+        order to admit them: class by class (effective priority), and with `fair_share`
+        round-robin across owners within a class. The caller admits each sequence it takes
+        before taking the next."""
+        queue = self.waiting if queue is None else queue
+        if not self.fair_share:
+            yield from list(queue)
+            return
+        running = Counter(self.owner(s) for s in self.running)
+        classes: dict[int, list[Sequence]] = {0: queue}  # one class: the queue itself
+        if not self._uniform:
+            classes = {}
+            for s in queue:
+                classes.setdefault(self.effective_priority(s), []).append(s)
+        for urgency in sorted(classes):
+            yield from self._round_robin(classes[urgency], running)
+
+    def _round_robin(self, queue: list[Sequence], running: Counter) -> Iterator[Sequence]:
+        """Round-robin across owners: the owner with the fewest running sequences next
+        (`running`, counting those admitted meanwhile), each owner's own in queue order.
 
         Each pick walks the queue's owners' first sequences in order and stops at one whose
         owner runs nothing (none can beat it) or once every owner's is seen: a batch of
         single-sequence requests picks in O(1), whatever the queue's length."""
-        if not self.fair_share:
-            yield from list(self.waiting)
-            return
-        running = Counter(self.owner(s) for s in self.running)
         left: Counter | None = None  # per owner, the sequences not yet taken (counted on need)
         taken: set[int] = set()
-        while len(taken) < len(self.waiting):
+        while len(taken) < len(queue):
             best: tuple[int, Sequence] | None = None
             seen: set[str] = set()
-            for s in self.waiting:
+            for s in queue:
                 who = self.owner(s)
                 if id(s) in taken or who in seen:
                     continue
@@ -262,7 +396,7 @@ class ContinuousScheduler(Scheduler):
                 if best[0] == 0:
                     break
                 if left is None:
-                    left = Counter(self.owner(w) for w in self.waiting if id(w) not in taken)
+                    left = Counter(self.owner(w) for w in queue if id(w) not in taken)
                 if len(seen) == len(left):
                     break
             assert best is not None
@@ -281,34 +415,56 @@ class ContinuousScheduler(Scheduler):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.token_budget
+        self._now = self.clock()
+        # The most and least urgent base priorities present.
+        present = {s.request.priority for s in self.waiting} | {s.request.priority for s in self.running}
+        lo, hi = (min(present), max(present)) if present else (0, 0)
+        self._top, self._uniform = lo, lo == hi
+        # Background rules (module docstring) apply only with interactive work present;
+        # otherwise background is scheduled like any traffic.
+        mixed = lo < BATCH_PRIORITY <= hi
         self.running.sort(key=self.waiting_order_key)
-        # Fair share (module docstring): room for a newly arrived owner, prompt tokens kept for
-        # its first chunk, and echoed prompt logprobs in small chunks while others share.
-        reserve, logprob_left, waiting_sorted = 0, self.token_budget, False
-        if self.fair_share:
-            if self.options.chunked_prefill:  # always: whoever arrives during a step waits for all of it
-                logprob_left = PROMPT_LOGPROB_TOKENS
-            if self.waiting and self.running:
-                self.waiting.sort(key=self.waiting_order_key)
-                waiting_sorted = True
+        # Priority and fair share: room for the most urgent waiting sequence and for a newly
+        # arrived owner, prompt tokens kept for its first chunk, and echoed prompt logprobs in
+        # small chunks while others share.
+        reserve, urgent_reserve, urgent = 0, 0, None
+        logprob_left, waiting_sorted = self.token_budget, False
+        if self.fair_share and self.options.chunked_prefill:
+            # Always: whoever arrives during a step waits for all of it.
+            logprob_left = PROMPT_LOGPROB_TOKENS
+        if self.waiting and self.running:
+            self.waiting.sort(key=self.waiting_order_key)
+            waiting_sorted = True
+            if not self._uniform:
+                self._preempt_for_priority(out)
+                urgent = self.effective_priority(self.waiting[0])
+                urgent_reserve = min(self._first_chunk(self.waiting[0]), self.token_budget // 2)
+            if self.fair_share:
                 reserve = self._make_room_for_newcomer(out)
-        fair_preemptions = len(out.preempted)
-        prefill_left = self.prefill_allowance()
+        room_preemptions = len(out.preempted)
+        interactive = [s for s in self.running if not self.is_background(s)] if mixed else self.running
+        prefill_left = self.prefill_allowance(interactive)
 
         def prefill_cap(seq: Sequence) -> int:
             if seq.request.params.prompt_logprobs is not None:
                 return min(self.chunk_cap, logprob_left)
             return self.chunk_cap
 
-        # 1. Running sequences first: decodes and prefill chunks in progress.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            # A prompt in progress leaves `reserve` of the step to a newcomer's first chunk.
-            room = min(prefill_cap(seq), prefill_left, budget - reserve) if seq.is_prefill else budget
+        def run(seq: Sequence, limit: int | float) -> bool:
+            """Schedule a running sequence's next tokens (at most `limit`); False when it, or
+            the sequence it is compared with, had to be preempted for blocks (stop the pass)."""
+            nonlocal budget, prefill_left, logprob_left
+            # A prompt in progress leaves `reserve` of the step to a newcomer's first chunk,
+            # and the same to a more urgent waiting sequence's.
+            if seq.is_prefill:
+                keep = reserve
+                if urgent is not None and urgent < self.effective_priority(seq):
+                    keep = max(keep, urgent_reserve)
+                room = min(prefill_cap(seq), prefill_left, budget - keep, limit)
+            else:
+                room = min(budget, limit)
             if room <= 0:
-                i += 1  # its next chunk waits for a step with room
-                continue
+                return True  # its next chunk waits for a step with room
             want = seq.num_uncomputed_tokens + len(seq.draft_token_ids)
             n = min(want, budget, room)
             if n < want and seq.draft_token_ids:
@@ -316,12 +472,12 @@ class ContinuousScheduler(Scheduler):
                 n = min(seq.num_uncomputed_tokens, budget)
             # Out of blocks: preempt the lowest-ranked running sequence (maybe this one).
             while not self.allocator.can_allocate(seq, n):
-                victim = self.running[-1]
+                victim = max(self.running, key=self._rank)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
-                break
+                return False
             out.blocks_to_copy += self.allocator.allocate(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
@@ -329,15 +485,17 @@ class ContinuousScheduler(Scheduler):
                 prefill_left -= n
                 if seq.request.params.prompt_logprobs is not None:
                     logprob_left -= n
-            i += 1
+            return True
 
-        # 2. Admit waiting sequences, unless this step had to preempt for room (none left).
-        if len(out.preempted) == fair_preemptions:
-            if not waiting_sorted or out.preempted:  # preempted sequences joined the queue's end
-                self.waiting.sort(key=self.waiting_order_key)
-            admitted: set[int] = set()
-            for seq in self._admission_order():
-                if min(budget, prefill_left) <= 0:
+        admitted: set[int] = set()
+
+        def admit(queue: list[Sequence], limit: int | float) -> int:
+            """Admit waiting sequences of `queue` in `_admission_order`, their first chunks
+            taking at most `limit` tokens in all; returns the tokens admitted."""
+            nonlocal budget, prefill_left, logprob_left
+            spent = 0
+            for seq in self._admission_order(queue):
+                if min(budget, prefill_left, limit - spent) <= 0:
                     break
                 if len(self.running) + self._seq_slots(seq) > self.max_num_seqs and self.running:
                     break
@@ -346,7 +504,7 @@ class ContinuousScheduler(Scheduler):
                 if seq.num_computed_tokens == 0:
                     seq.num_computed_tokens = self.allocator.attach_cached_prefix(seq)
                 want = seq.num_uncomputed_tokens
-                n = min(want, budget, prefill_cap(seq), prefill_left)
+                n = min(want, budget, prefill_cap(seq), prefill_left, limit - spent)
                 if (n < want and not self.options.chunked_prefill) or not self.allocator.can_allocate(seq, n):
                     break
                 admitted.add(id(seq))
@@ -356,10 +514,51 @@ class ContinuousScheduler(Scheduler):
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 prefill_left -= n
+                spent += n
                 if seq.request.params.prompt_logprobs is not None:
                     logprob_left -= n
-            if admitted:
-                self.waiting = [s for s in self.waiting if id(s) not in admitted]
+            return spent
+
+        # 1. Running sequences first: decodes and prefill chunks in progress (with background
+        # work beside interactive work: the interactive ones here, the background ones in 3).
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if not mixed or not self.is_background(seq):
+                if not run(seq, math.inf):
+                    break
+            i += 1
+
+        # 2. Admit waiting sequences, unless this step had to preempt for room (none left).
+        if len(out.preempted) == room_preemptions:
+            if not waiting_sorted or out.preempted:  # preempted sequences joined the queue's end
+                self.waiting.sort(key=self.waiting_order_key)
+            if mixed:
+                admit([s for s in self.waiting if not self.is_background(s)], math.inf)
+            else:
+                admit(self.waiting, math.inf)
+
+        # 3. Background work beside interactive work: the tokens the slack leaves (b), no prompt
+        # chunk while an interactive sequence waits or is in its prompt (a).
+        if mixed and budget > 0:
+            left = self.background_allowance(sum(it.num_tokens for it in out.scheduled))
+            prompts_ok = not any(
+                not self.is_background(s) and (s.is_prefill or s.status is not SequenceStatus.RUNNING)
+                for s in (*self.running, *self.waiting)
+            )
+            for seq in [s for s in self.running if self.is_background(s)]:
+                if budget <= 0 or left <= 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING or (seq.is_prefill and not prompts_ok):
+                    continue  # preempted meanwhile, or its prompt waits for the interactive ones
+                before = budget
+                if not run(seq, left):
+                    break
+                left -= before - budget
+            if prompts_ok and left > 0 and len(out.preempted) == room_preemptions:
+                admit([s for s in self.waiting if self.is_background(s) and id(s) not in admitted], left)
+        if admitted:
+            self.waiting = [s for s in self.waiting if id(s) not in admitted]
         return out
 
 
