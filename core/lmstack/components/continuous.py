@@ -572,6 +572,7 @@ COMPONENT = Component(
     kind="scheduler",
     factory=build,
     options_type=ContinuousOptions,
-    description="Continuous batching, FCFS, chunked prefill, preemption by recompute.",
+    description="Continuous batching by priority class (FCFS and fair share within one), chunked prefill, "
+    "preemption by recompute, background work (priority >= 100) in the capacity interactive work leaves.",
     capabilities={"chunked_prefill": True, "preemption": "recompute", "devices": ("cpu", "cuda", "mps")},
 )
