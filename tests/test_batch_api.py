@@ -5,6 +5,7 @@ tiny model driven by the official `openai` client. Oracles: the same requests se
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 
 import pytest
@@ -243,12 +244,18 @@ def test_sigkill_mid_batch_then_restart_finishes_every_line_once(tiny_model_path
         srv.proc.wait(30)
     finally:
         srv.stop()
+    with sqlite3.connect(tmp_path / "batches" / "index.sqlite") as db:  # what the kill left
+        (kept,) = db.execute("SELECT COUNT(*) FROM results WHERE ok = 1").fetchone()
+    assert 4 <= kept < 30
     again = ServerProcess(stack).start()
     try:
         client = _client(again, KEY_A)
         mid = client.batches.retrieve(batch.id)
-        assert mid.status == "in_progress" and 4 <= mid.request_counts.completed < 30
+        assert mid.status == "in_progress" and kept <= mid.request_counts.completed < 30
         done = _wait(client, batch.id)
+        # The restarted server ran exactly the lines the first one had not finished.
+        ran = [r for r in again.log_records("request finished") if r.get("status") == "ok"]
+        assert len(ran) == 30 - kept, again.log()
         out, err = _records(client, done.output_file_id), _records(client, done.error_file_id)
         assert sorted(r["custom_id"] for r in out) == sorted(f"k{i}" for i in range(30))
         assert [r["error"]["code"] for r in err] == ["invalid_json"]

@@ -158,10 +158,10 @@ class BatchRunner:
         """Stop the batch's lines on a cancel, a drain, the runner stopping or the deadline."""
         while not stop.is_set():
             await asyncio.sleep(POLL_S)
-            now = await asyncio.to_thread(self.store.get_batch, None, batch["id"])
+            status = await asyncio.to_thread(self.store.status, batch["id"])
             if time.time() >= batch["expires_at"]:
                 expired.set()
-            if self._paused or expired.is_set() or now is None or now["status"] != "in_progress":
+            if self._paused or expired.is_set() or status != "in_progress":
                 stop.set()
 
     async def _run_lines(

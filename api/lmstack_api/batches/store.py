@@ -227,6 +227,11 @@ class BatchStore:
                 out["completed"], out["failed"] = self._counts(batch_id)
         return out
 
+    def status(self, batch_id: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return row["status"] if row else None
+
     def _counts(self, batch_id: str) -> tuple[int, int]:
         counts = dict(
             self._db.execute("SELECT ok, COUNT(*) FROM results WHERE batch_id = ? GROUP BY ok", (batch_id,))
