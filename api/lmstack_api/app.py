@@ -320,7 +320,7 @@ async def chat_completions(request: Request) -> Response:
         _client(request),
         cache_salt=req.cache_salt,
         streamed=req.stream,
-        priority=P.request_priority(req, request.headers),
+        priority=P.request_priority(req, request.headers, P.key_policy(state.config, key)),
     )
     created = int(time.time())
     tt = TokenText(engine.tokenizer)
@@ -442,7 +442,7 @@ async def completions(request: Request) -> Response:
         _client(request),
         cache_salt=req.cache_salt,
         streamed=req.stream,
-        priority=P.request_priority(req, request.headers),
+        priority=P.request_priority(req, request.headers, P.key_policy(state.config, key)),
     )
     created = int(time.time())
     tt = TokenText(engine.tokenizer)

@@ -29,10 +29,40 @@ TenantName = Annotated[str, msgspec.Meta(pattern=TENANT_PATTERN)]
 
 class ApiKey(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """A key with the tenant its requests belong to (`{key: sk-..., tenant: acme}`); several
-    keys may name one tenant (rotation, one key per service of a customer)."""
+    keys may name one tenant (rotation, one key per service of a customer).
+
+    Scheduling priority (lower runs first; >= 100 is background work): `priority` is what the
+    key's requests get when they name none (body `priority`, `X-Priority`); `min_priority` is
+    the most urgent one they may name: a more urgent request is clamped to it, not refused, so
+    a client that always sends a priority (or a Batch API line) keeps working when its key is
+    demoted."""
 
     key: Annotated[str, msgspec.Meta(min_length=1)]
     tenant: TenantName
+    priority: Annotated[
+        int, msgspec.Meta(description="the priority of this key's requests that name none (lower runs first)")
+    ] = 0
+    min_priority: Annotated[
+        int | None,
+        msgspec.Meta(
+            description="the most urgent priority this key's requests may ask; more urgent ones are "
+            "clamped to it (null: any)"
+        ),
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.min_priority is not None and self.priority < self.min_priority:
+            # ", got" keeps the entry (and so the key) from being quoted in the message.
+            raise ValueError(
+                "an api_keys entry's priority may not be more urgent than its min_priority, got "
+                f"priority {self.priority} and min_priority {self.min_priority}"
+            )
+
+    def clamp(self, priority: int | None) -> int:
+        """A request's priority under this key: its default when the request names none, never
+        more urgent than `min_priority`."""
+        p = self.priority if priority is None else priority
+        return p if self.min_priority is None else max(p, self.min_priority)
 
 
 class RateLimitConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

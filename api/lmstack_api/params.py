@@ -6,6 +6,7 @@ request reaches the engine.
 
 from __future__ import annotations
 
+import hmac
 import re
 from typing import Any, NamedTuple, TypeVar
 
@@ -15,6 +16,7 @@ import torch
 from lmstack.errors import InvalidRequestError, LmstackError
 from lmstack.sample.grammar import choice_ebnf
 from lmstack.sampling_params import SamplingParams
+from lmstack_api.config import ApiKey, ServerConfig
 from lmstack_api.errors import APIError, invalid, unsupported
 from lmstack_api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from lmstack_api.tools import message_tool_fields
@@ -319,17 +321,34 @@ def grammar_spec(req: SamplingFields) -> GrammarSpec | None:
 _PRIORITY = re.compile(r"-?[0-9]{1,18}")
 
 
-def request_priority(req: SamplingFields, headers: Any) -> int:
-    """The request's scheduling priority (lower runs first under a priority scheduler): the
-    body's `priority`, else the `X-Priority` header, else 0."""
-    if req.priority is not None:
-        return req.priority
-    raw = headers.get("x-priority")
-    if raw is None:
-        return 0
-    if not _PRIORITY.fullmatch(raw.strip()):
-        raise invalid("the X-Priority header must be an integer", param="X-Priority")
-    return int(raw)
+def key_policy(cfg: ServerConfig, key: str | None) -> ApiKey | None:
+    """The `{key, tenant, priority, min_priority}` entry of the key a request authenticated
+    with; None for no key, a plain-string key or one from LMSTACK_API_KEYS (whose requests
+    take any priority, 0 by default)."""
+    if key is None:
+        return None
+    given = key.encode()
+    found = None
+    for entry in cfg.api_keys:  # every entry compared, as in ServerState.caller
+        if isinstance(entry, ApiKey) and hmac.compare_digest(entry.key.encode(), given) and found is None:
+            found = entry
+    return found
+
+
+def request_priority(req: SamplingFields, headers: Any, key: ApiKey | None = None) -> int:
+    """The request's scheduling priority (lower runs first; >= BATCH_PRIORITY is background
+    work): the body's `priority`, else the `X-Priority` header, else the key's default `priority`
+    (0 without one); never more urgent than the key's `min_priority` (clamped, see ApiKey)."""
+    asked = req.priority
+    if asked is None:
+        raw = headers.get("x-priority")
+        if raw is not None:
+            if not _PRIORITY.fullmatch(raw.strip()):
+                raise invalid("the X-Priority header must be an integer", param="X-Priority")
+            asked = int(raw)
+    if key is None:
+        return 0 if asked is None else asked
+    return key.clamp(asked)
 
 
 def as_request_error(exc: LmstackError, param: str = "response_format") -> APIError:
