@@ -272,3 +272,41 @@ def test_sigkill_mid_batch_then_restart_finishes_every_line_once(tiny_model_path
             assert rec["response"]["body"]["choices"][0]["text"] == alone.choices[0].text
     finally:
         again.stop()
+
+
+def test_a_batch_past_its_window_expires_and_reports_the_lines_it_did_not_run(tiny_model_path, tmp_path):
+    """In process: a batch entered with a window already over runs until the runner notices
+    (within a poll), then every line it did not finish is a `batch_expired` error."""
+    from litestar.testing import TestClient
+
+    from lmstack.engine.async_engine import AsyncEngine
+    from lmstack.engine.llm import LLM
+    from lmstack_api.app import create_app
+    from lmstack_api.state import ServerState
+
+    llm = LLM(_stack(tiny_model_path, tmp_path / "batches", batch_max_inflight=1))
+    app = create_app(llm.engine.stack, ServerState(llm.engine.stack, AsyncEngine(llm.engine)))
+    long = {"prompt": "count", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    data = "\n".join(_line(f"e{i}", long, "/v1/completions") for i in range(40)).encode()
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    with TestClient(app) as c:
+        store = app.state["batches"].store
+        f = store.add_file("a", "batch", "e.jsonl", data)
+        batch = store.create_batch("a", None, "/v1/completions", f["id"], 0, "24h", None)
+        app.state["batches"].runner.wake()
+        deadline = time.monotonic() + 30
+        while (got := c.get(f"/v1/batches/{batch['id']}", headers=headers).json())["status"] != "expired":
+            assert time.monotonic() < deadline, got
+            time.sleep(0.1)
+        out = [
+            json.loads(x)
+            for x in c.get(f"/v1/files/{got['output_file_id']}/content", headers=headers).text.splitlines()
+        ]
+        err = [
+            json.loads(x)
+            for x in c.get(f"/v1/files/{got['error_file_id']}/content", headers=headers).text.splitlines()
+        ]
+    assert got["expired_at"] is not None and err and len(out) < 40
+    assert {r["error"]["code"] for r in err} == {"batch_expired"}
+    assert sorted(r["custom_id"] for r in out + err) == sorted(f"e{i}" for i in range(40))
+    assert got["request_counts"] == {"total": 40, "completed": len(out), "failed": len(err)}
