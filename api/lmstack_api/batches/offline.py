@@ -112,7 +112,9 @@ async def run_lines(app: Any, todo: list[Line], headers: dict[str, str], width: 
                 await asyncio.sleep(reply.retry_after())  # a rate limit of the stack's own
             on_done(line, *record_of(line, reply))
 
-    await asyncio.gather(*(worker() for _ in range(max(1, min(width, len(todo))))))
+    async with asyncio.TaskGroup() as group:  # one failing cancels the others
+        for _ in range(max(1, min(width, len(todo)))):
+            group.create_task(worker())
 
 
 def run(

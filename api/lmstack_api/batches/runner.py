@@ -123,9 +123,11 @@ class BatchRunner:
             return
         done = await asyncio.to_thread(store.done_lines, batch_id)
         todo = [ln for ln in lines if ln.error is None and ln.number not in done]
-        stop = asyncio.Event()
+        stop, expired = asyncio.Event(), asyncio.Event()
+        if time.time() >= batch["expires_at"]:  # e.g. resumed after a long outage: run nothing
+            expired.set()
+            todo = []
         self._current = (batch_id, stop)
-        expired = asyncio.Event()
         watch = asyncio.create_task(self._watch(batch, stop, expired))
         try:
             await self._run_lines(batch_id, todo, headers, stop)
@@ -186,7 +188,9 @@ class BatchRunner:
                 if stop.is_set():
                     return
 
-        await asyncio.gather(*(worker() for _ in range(max(1, min(width, len(todo))))))
+        async with asyncio.TaskGroup() as group:  # one failing cancels the others
+            for _ in range(max(1, min(width, len(todo)))):
+                group.create_task(worker())
 
     async def _settle(self, batch_id: str, lines: list[Line], expired: bool) -> None:
         """After the lines ran or stopped: finalize the batch if it is over, else leave it."""
