@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from lmstack_api.batches.lines import Line, error_record, request_body, response_record
 
+# What the server adopts as a caller's X-Request-Id (lmstack_api.state.client_request_id).
+_TRACE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Answers that say "not now" rather than anything about the line: the line is retried.
 RETRY_STATUSES = frozenset({408, 429, 499, 503})
 
@@ -84,13 +87,17 @@ async def call(app: Any, path: str, body: bytes, headers: dict[str, str], stop: 
 
 async def run_line(app: Any, line: Line, headers: dict[str, str], stop: asyncio.Event) -> Reply:
     assert line.url is not None
+    if line.custom_id is not None and _TRACE_ID.fullmatch(line.custom_id):
+        # The server's request log then names the line (`client_request_id`).
+        headers = {**headers, "x-request-id": line.custom_id}
     return await call(app, line.url, request_body(line), headers, stop)
 
 
 def record_of(line: Line, reply: Reply) -> tuple[bool, dict[str, Any]]:
     """(ok, the output or error line) of a reply that is recorded."""
     body = reply.json()
-    request_id = reply.headers.get("x-request-id") or (body.get("id") if isinstance(body, dict) else None)
+    # The body's id is the server's own (unique); the header may be the custom_id echoed.
+    request_id = body.get("id") if isinstance(body, dict) and isinstance(body.get("id"), str) else None
     return reply.status == 200, response_record(line.custom_id, reply.status, request_id, body)
 
 
