@@ -267,6 +267,25 @@ def test_background_is_preempted_newest_first_for_an_interactive_slot():
     assert alloc.num_free_blocks() == alloc.num_blocks
 
 
+def test_a_burst_of_interactive_requests_gets_its_slots_in_one_step():
+    """Background holds every slot; four interactive requests arrive at once: the four newest
+    background sequences are preempted and all four start in the same step."""
+    sched, alloc, limits = make(max_num_seqs=6, cost=fitted())
+    batch = [make_seq(6, 100, priority=BATCH_PRIORITY, arrival=float(i)) for i in range(6)]
+    _decoding(sched, batch)
+    chat = [make_seq(6, 3, priority=0, arrival=50.0 + i) for i in range(4)]
+    for s in chat:
+        sched.add(s)
+    out = step(sched)
+    assert out.preempted == batch[:1:-1], "newest first"
+    assert all(s.status is SequenceStatus.RUNNING for s in chat)
+    finished: list = []
+    while sched.has_unfinished():
+        step(sched, finished)
+    assert {s.seq_id for s in finished[:4]} == {s.seq_id for s in chat}
+    assert alloc.num_free_blocks() == alloc.num_blocks
+
+
 def test_background_waits_without_a_cost_model_or_slack_and_then_gets_everything():
     """No measured cost (or slack 0): no background token while interactive work runs; once it
     is done the background runs as a full batch."""

@@ -299,16 +299,25 @@ class ContinuousScheduler(Scheduler):
         return int(self.options.background_slack * (a / b + interactive_tokens))
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """Preempt the least urgent running sequences of a less urgent class (newest first)
-        until the most urgent waiting sequence has a slot and KV room for its first chunk.
-        Needs `self.waiting` sorted by `waiting_order_key`."""
-        seq = self.waiting[0]
-        urgency = self.effective_priority(seq)
-        first_chunk = self._first_chunk(seq)
-        while self.running and not self._fits(seq, first_chunk):
+        """Preempt the least urgent running sequences (newest first) while sequences more
+        urgent than them wait without a slot, or the first of those without KV room for its
+        first chunk. Needs `self.waiting` sorted by `waiting_order_key`."""
+        first = self.waiting[0]
+        first_chunk = self._first_chunk(first)
+        while self.running:
             victim = max(self.running, key=self._rank)
-            if self.effective_priority(victim) <= urgency:
-                return  # nothing less urgent runs: it waits its turn
+            worst = self.effective_priority(victim)
+            slots = 0
+            for seq in self.waiting:  # the waiting sequences more urgent than the victim
+                if self.effective_priority(seq) >= worst:
+                    break
+                slots += self._seq_slots(seq)
+            if not slots:
+                return  # nothing less urgent than the waiting runs: they wait their turn
+            if len(self.running) + slots <= self.max_num_seqs and self.allocator.can_allocate(
+                first, first_chunk
+            ):
+                return
             self._preempt(victim, out)
 
     def _make_room_for_newcomer(self, out: SchedulerOutput) -> int:
