@@ -310,3 +310,10 @@ def test_a_batch_past_its_window_expires_and_reports_the_lines_it_did_not_run(ti
     assert {r["error"]["code"] for r in err} == {"batch_expired"}
     assert sorted(r["custom_id"] for r in out + err) == sorted(f"e{i}" for i in range(40))
     assert got["request_counts"] == {"total": 40, "completed": len(out), "failed": len(err)}
+
+
+def test_a_second_server_on_the_same_batch_dir_is_refused_in_one_line(server):
+    with pytest.raises(RuntimeError) as e:
+        ServerProcess(server.stack).start()  # the module's server holds its batch_dir
+    assert "is in use by another server" in str(e.value)
+    assert "Traceback" not in str(e.value)
