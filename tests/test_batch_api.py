@@ -317,3 +317,60 @@ def test_a_second_server_on_the_same_batch_dir_is_refused_in_one_line(server):
         ServerProcess(server.stack).start()  # the module's server holds its batch_dir
     assert "is in use by another server" in str(e.value)
     assert "Traceback" not in str(e.value)
+
+
+def test_batch_lines_reach_the_engine_at_batch_priority_or_lower(tiny_model_path, tmp_path):
+    """In process, watching the scheduler: every line's engine request is background work, a
+    line asking to be more urgent included; one asking for less urgency keeps it."""
+    from litestar.testing import TestClient
+
+    from lmstack.engine.async_engine import AsyncEngine
+    from lmstack.engine.llm import LLM
+    from lmstack.sampling_params import BATCH_PRIORITY
+    from lmstack_api.app import create_app
+    from lmstack_api.state import ServerState
+
+    llm = LLM(_stack(tiny_model_path, tmp_path / "batches"))
+    seen: dict[str, int] = {}
+    add = llm.engine.scheduler.add
+    llm.engine.scheduler.add = lambda seq: (
+        seen.setdefault(seq.request.client_request_id, seq.request.priority),
+        add(seq),
+    )[1]
+    app = create_app(llm.engine.stack, ServerState(llm.engine.stack, AsyncEngine(llm.engine)))
+    asks = {"p-none": None, "p-urgent": -5, "p-zero": 0, "p-lower": BATCH_PRIORITY + 50}
+    lines = [
+        _line(
+            cid,
+            {"prompt": "hi", "max_tokens": 2, **({} if p is None else {"priority": p})},
+            "/v1/completions",
+        )
+        for cid, p in asks.items()
+    ]
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    with TestClient(app) as c:
+        f = c.post(
+            "/v1/files",
+            files={"file": ("p.jsonl", "\n".join(lines).encode())},
+            data={"purpose": "batch"},
+            headers=headers,
+        )
+        body = {"input_file_id": f.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+        batch = c.post("/v1/batches", json=body, headers=headers).json()
+        deadline = time.monotonic() + 30
+        while c.get(f"/v1/batches/{batch['id']}", headers=headers).json()["status"] != "completed":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        interactive = c.post(
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 2},
+            headers={**headers, "X-Request-Id": "live"},
+        )
+        assert interactive.status_code == 200
+    assert seen == {
+        "p-none": BATCH_PRIORITY,
+        "p-urgent": BATCH_PRIORITY,
+        "p-zero": BATCH_PRIORITY,
+        "p-lower": BATCH_PRIORITY + 50,
+        "live": 0,
+    }
