@@ -246,6 +246,24 @@ def test_background_takes_only_the_slack_beside_interactive_decodes():
         assert not out.preempted and sched.num_running() == 24, "the others are paused, not dropped"
 
 
+def test_background_tokens_are_priced_as_decodes_beside_a_prompt_step():
+    """A kinked measured cost: 5 ms a token up to 32 (decodes: attention, sampling), 0.5 ms a
+    token beyond (prompt chunks). Beside a 256-token interactive prompt step with 24 sequences
+    running, background tokens are priced at the decode slope: 0.1 x t(256) / 5 ms = 6 of
+    them, whose decode cost keeps the step within 1.1 x; the prompt slope would allow 63."""
+    cost = StepCostModel()
+    for t, secs in ((1, 0.05), (8, 0.085), (32, 0.205), (256, 0.317)):
+        for _ in range(2):
+            cost.record(t, secs)
+    sched, alloc, limits = make(max_num_seqs=32, cost=cost, background_slack=0.1)
+    sched.running = [make_seq(4, 4) for _ in range(24)]
+    t_int = 0.317
+    allowed = sched.background_allowance(256)
+    assert allowed == int(0.1 * t_int / 0.005) == 6
+    assert t_int + allowed * 0.005 <= 1.1 * t_int
+    sched.running = []
+
+
 def test_background_is_preempted_newest_first_for_an_interactive_slot():
     """Background holds every slot; an interactive request arrives: the newest background
     sequence gives up its slot (and its blocks) in the same step."""

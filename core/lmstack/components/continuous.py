@@ -44,11 +44,12 @@ interactive work (priority below it) leaves:
 (a) no background prompt chunk shares a step with an interactive sequence that waits or is in
     its prompt; (b) while interactive work is present, background sequences take only the
     tokens that keep the step's predicted time (`step_cost`, t(T) = a + b * T) within
-    (1 + `background_slack`) x the interactive-only step: T_bg <= slack * (a / b + T_int);
-    without a measured cost model, none. Background sequences past that are paused for the
-    step (oldest run first) and keep their KV; they are preempted, newest first, when an
-    interactive sequence needs their slot or blocks; (c) with no interactive work, background
-    is scheduled like any traffic (the full batch).
+    (1 + `background_slack`) x the interactive-only step: T_bg <= slack * t(T_int) / b, where
+    t is the measured line around T_int and b the steeper of its slope and a decode step's
+    (`background_allowance`); without a measured cost model, none. Background sequences past
+    that are paused for the step (oldest run first) and keep their KV; they are preempted,
+    newest first, when an interactive sequence needs their slot or blocks; (c) with no
+    interactive work, background is scheduled like any traffic (the full batch).
 """
 
 from __future__ import annotations
@@ -289,14 +290,24 @@ class ContinuousScheduler(Scheduler):
     def background_allowance(self, interactive_tokens: int) -> int | float:
         """Background tokens a step of `interactive_tokens` interactive tokens may carry: the
         most that keep its predicted time within (1 + background_slack) x the interactive-only
-        step. None measured yet: 0; tokens measured free: unbounded."""
-        fit = self.step_cost.fit() if self.step_cost is not None else None
-        if fit is None:
+        step. None measured yet: 0; tokens measured free: unbounded.
+
+        t(T_int) comes from the line through the measured sizes around the step
+        (`StepCostModel.fit_near`); a background token is priced at the steeper of that line's
+        slope and the slope around a decode step of every running sequence: a decode token
+        (attention over its context, sampling) costs several times a long prompt's, so a
+        prompt step's slope alone would let too many background decodes ride along."""
+        if self.step_cost is None:
             return 0
-        a, b = fit
-        if b <= 0:
+        near = self.step_cost.fit_near(interactive_tokens)
+        decode = self.step_cost.fit_near(max(1, len(self.running)))
+        if near is None or decode is None:
+            return 0
+        a, b = near
+        per_token = max(b, decode[1])
+        if per_token <= 0:
             return math.inf
-        return int(self.options.background_slack * (a / b + interactive_tokens))
+        return int(self.options.background_slack * (a + b * interactive_tokens) / per_token)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Preempt the least urgent running sequences (newest first) while sequences more
