@@ -324,6 +324,26 @@ def test_background_waits_without_a_cost_model_or_slack_and_then_gets_everything
         assert len(finished) == 10 and alloc.num_free_blocks() == alloc.num_blocks
 
 
+@pytest.mark.parametrize("bound_ms", [150.0, 0.0])
+def test_background_only_steps_are_bounded_in_time(bound_ms):
+    """Only background work: its prompt chunks are sized so that the step is predicted to take
+    at most background_max_step_ms (fake cost: 50 ms + 1 ms a token, so 100 tokens at 150 ms,
+    decodes included); 0 lets a step take the whole token budget."""
+    cost = fitted()
+    sched, alloc, limits = make(max_num_seqs=8, cost=cost, background_max_step_ms=bound_ms)
+    batch = [make_seq(100, 6, priority=BATCH_PRIORITY, arrival=float(i)) for i in range(8)]
+    for s in batch:
+        sched.add(s)
+    sizes = []
+    while sched.has_unfinished():
+        sizes.append(step(sched).num_batched_tokens)
+    if bound_ms:
+        assert max(sizes) == 100 and all(cost.predict(n) <= 0.150 + 1e-9 for n in sizes)
+    else:
+        assert sizes[0] == 256
+    assert alloc.num_free_blocks() == alloc.num_blocks
+
+
 def test_mixed_traffic_finishes_without_leaks_under_kv_pressure():
     """Interactive requests of two priorities and background ones arriving over time, with few
     KV blocks: everyone finishes, the scheduler contract holds every step (simulate), nothing
@@ -348,3 +368,5 @@ def test_options_are_checked():
         ContinuousOptions(priority_aging_s=-1)
     with pytest.raises(ConfigError, match="background_slack"):
         ContinuousOptions(background_slack=-0.5)
+    with pytest.raises(ConfigError, match="background_max_step_ms"):
+        ContinuousOptions(background_max_step_ms=-1)

@@ -49,7 +49,9 @@ interactive work (priority below it) leaves:
     (`background_allowance`); without a measured cost model, none. Background sequences past
     that are paused for the step (oldest run first) and keep their KV; they are preempted,
     newest first, when an interactive sequence needs their slot or blocks; (c) with no
-    interactive work, background is scheduled like any traffic (the full batch).
+    interactive work, background is scheduled like any traffic (the full batch), except that
+    a step carrying its prompt chunks is predicted to take at most `background_max_step_ms`
+    (an interactive request arriving meanwhile waits for the step under way).
 """
 
 from __future__ import annotations
@@ -127,6 +129,15 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
             "fraction of its predicted time (0: they wait until no interactive work runs)"
         ),
     ] = 0.1
+    # (c) without interactive work: how long a background step may be, so that an interactive
+    # request arriving meanwhile waits at most about this long for its first step.
+    background_max_step_ms: Annotated[
+        float,
+        msgspec.Meta(
+            description="with only background work, a step carrying prompt chunks is predicted to "
+            "take at most this many milliseconds (0: no bound)"
+        ),
+    ] = 250.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -144,6 +155,8 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
             raise ConfigError("must be >= 0 (0: no aging)", "scheduler.priority_aging_s")
         if self.background_slack < 0:
             raise ConfigError("must be >= 0", "scheduler.background_slack")
+        if self.background_max_step_ms < 0:
+            raise ConfigError("must be >= 0 (0: no bound)", "scheduler.background_max_step_ms")
 
 
 class ContinuousScheduler(Scheduler):
@@ -309,6 +322,18 @@ class ContinuousScheduler(Scheduler):
             return math.inf
         return int(self.options.background_slack * (a + b * interactive_tokens) / per_token)
 
+    def background_prefill_allowance(self) -> int | float:
+        """With only background work: the prompt tokens that keep the step within
+        `background_max_step_ms` beside the running decodes (at least MIN_PREFILL_TOKENS;
+        unbounded when off or nothing is measured yet)."""
+        bound = self.options.background_max_step_ms / 1000.0
+        fit = self.step_cost.fit_near(self.token_budget) if bound and self.step_cost is not None else None
+        if fit is None or fit[1] <= 0:
+            return math.inf
+        a, b = fit
+        decodes = sum(1 + len(s.draft_token_ids) for s in self.running if not s.is_prefill)
+        return max(MIN_PREFILL_TOKENS, int((bound - a) / b) - decodes)
+
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Preempt the least urgent running sequences (newest first) while sequences more
         urgent than them wait without a slot, or the first of those without KV room for its
@@ -464,6 +489,8 @@ class ContinuousScheduler(Scheduler):
         room_preemptions = len(out.preempted)
         interactive = [s for s in self.running if not self.is_background(s)] if mixed else self.running
         prefill_left = self.prefill_allowance(interactive)
+        if lo >= BATCH_PRIORITY:
+            prefill_left = min(prefill_left, self.background_prefill_allowance())
 
         def prefill_cap(seq: Sequence) -> int:
             if seq.request.params.prompt_logprobs is not None:
