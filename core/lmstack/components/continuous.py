@@ -517,9 +517,11 @@ class ContinuousScheduler(Scheduler):
             if n < want and seq.draft_token_ids:
                 seq.draft_token_ids = []  # no room to verify drafts this step
                 n = min(seq.num_uncomputed_tokens, budget)
-            # Out of blocks: preempt the lowest-ranked running sequence (maybe this one).
+            # Out of blocks: preempt the lowest-ranked running sequence (maybe this one). The
+            # running list is sorted, except for the interactive sequences admitted this step
+            # (at its end) when background sequences run after them.
             while not self.allocator.can_allocate(seq, n):
-                victim = max(self.running, key=self._rank)
+                victim = self.running[-1] if self._uniform else max(self.running, key=self._rank)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
