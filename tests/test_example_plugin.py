@@ -137,6 +137,8 @@ def _finish_order(scheduler: dict, jobs: list[tuple[int, int]]) -> list[int]:
 
 def test_selected_from_yaml_changes_finishing_order(only_priority):
     jobs = [(5, 6), (1, 4), (3, 2), (0, 3)]  # (priority, max_tokens), submitted in this order
-    assert _finish_order({"name": "continuous"}, jobs) == [0, 1, 2, 3]  # FCFS
+    # `continuous` orders by priority class too (issue 59); the plugin's own policy differs.
+    assert _finish_order({"name": "continuous"}, jobs) == [3, 1, 2, 0]
+    assert _finish_order({"name": "continuous"}, [(0, m) for _, m in jobs]) == [0, 1, 2, 3]  # FCFS
     assert _finish_order({"name": "priority"}, jobs) == [3, 1, 2, 0]  # lowest priority value first
     assert _finish_order({"name": "priority", "policy": "shortest-first"}, jobs) == [2, 3, 1, 0]

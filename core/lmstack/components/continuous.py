@@ -12,8 +12,10 @@ request only when it ends sees its total time, which smaller chunks (more steps,
 every weight) lengthen: offline batches ran ~7 % faster without it (median, 2-core Zen 4).
 A chunk never drops below `MIN_PREFILL_TOKENS`, so new requests always progress.
 
-Order is FCFS by default; subclasses change it by overriding `waiting_order_key` (the example
-priority plugin does), and everything else — budgets, chunking, preemption — comes along.
+Order is by priority class, then FCFS (below); subclasses change it by overriding
+`waiting_order_key` (the example priority plugin does), and everything else — budgets,
+chunking, preemption, background work — comes along. Their order replaces the classes unless
+they set `priority_classes = True`.
 
 Fair share between requests (`fair_share`): one request (or one call's prompts, a
 `Request.group`) may ask for hundreds of sequences, which FCFS would run before anything that
@@ -162,6 +164,9 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
 class ContinuousScheduler(Scheduler):
     # Share slots between owners (module docstring); a subclass may turn it off.
     fair_share: bool = True
+    # Priority classes (module docstring). None: on unless a subclass orders by its own
+    # `waiting_order_key`, whose order then stays whole (one class, as before classes).
+    priority_classes: bool | None = None
 
     def __init__(
         self,
@@ -187,7 +192,10 @@ class ContinuousScheduler(Scheduler):
         self.clock: Callable[[], float] = time.monotonic
         self._now = 0.0
         self._top = 0  # the most urgent base priority present this step
-        self._uniform = True  # one base priority present this step: plain FCFS + fair share
+        self._uniform = True  # one class this step: plain FCFS (or the subclass's order) + fair share
+        self._classes = self.priority_classes
+        if self._classes is None:
+            self._classes = type(self).waiting_order_key is ContinuousScheduler.waiting_order_key
 
     # --- ordering (override in subclasses) -------------------------------------------------
 
@@ -464,7 +472,7 @@ class ContinuousScheduler(Scheduler):
         # The most and least urgent base priorities present.
         present = {s.request.priority for s in self.waiting} | {s.request.priority for s in self.running}
         lo, hi = (min(present), max(present)) if present else (0, 0)
-        self._top, self._uniform = lo, lo == hi
+        self._top, self._uniform = lo, lo == hi or not self._classes
         # Background rules (module docstring) apply only with interactive work present;
         # otherwise background is scheduled like any traffic.
         mixed = lo < BATCH_PRIORITY <= hi
