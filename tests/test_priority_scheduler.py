@@ -308,7 +308,7 @@ def test_background_waits_without_a_cost_model_or_slack_and_then_gets_everything
     """No measured cost (or slack 0): no background token while interactive work runs; once it
     is done the background runs as a full batch."""
     for cost, slack in ((None, 0.1), (fitted(), 0.0)):
-        sched, alloc, limits = make(max_num_seqs=8, cost=cost, background_slack=slack)
+        sched, alloc, limits = make(max_num_seqs=8, cost=cost, background_slack=slack, background_grace_s=0.0)
         chat = [make_seq(6, 5, priority=0, arrival=0.0)]
         batch = [make_seq(6, 5, priority=BATCH_PRIORITY, arrival=float(i)) for i in range(10)]
         for s in chat + batch:
@@ -322,6 +322,33 @@ def test_background_waits_without_a_cost_model_or_slack_and_then_gets_everything
         while sched.has_unfinished():
             step(sched, finished)
         assert len(finished) == 10 and alloc.num_free_blocks() == alloc.num_blocks
+
+
+def test_background_keeps_to_the_slack_for_the_grace_after_interactive_work():
+    """Interactive work ends; for background_grace_s (2 s on a fake clock, 0.5 s a step) the
+    background still takes only the slack of an empty step, 0.1 x 50 ms / 1 ms = 5 tokens
+    (a closed-loop client's next request is about to come); after it, the full batch."""
+    sched, alloc, limits = make(max_num_seqs=16, cost=fitted(), background_grace_s=2.0)
+    clock = Clock()
+    sched.clock = clock
+    chat = make_seq(6, 2, priority=0, arrival=clock.now)
+    batch = [make_seq(6, 50, priority=BATCH_PRIORITY, arrival=clock.now + i) for i in range(12)]
+    for s in (chat, *batch):
+        sched.add(s)
+    while chat.status is not SequenceStatus.FINISHED:
+        step(sched)
+        clock.now += 0.5
+    ended = clock.now - 0.5  # the last step that saw it
+    sizes = []
+    while clock.now - ended < 4.0:
+        out = step(sched)
+        sizes.append((clock.now - ended, sum(it.num_tokens for it in out.scheduled)))
+        clock.now += 0.5
+    assert all(n <= 5 for t, n in sizes if t < 2.0), sizes
+    assert any(n > 5 for t, n in sizes if t >= 2.0), sizes
+    while sched.has_unfinished():
+        step(sched)
+    assert alloc.num_free_blocks() == alloc.num_blocks
 
 
 @pytest.mark.parametrize("bound_ms", [150.0, 0.0])
@@ -370,3 +397,5 @@ def test_options_are_checked():
         ContinuousOptions(background_slack=-0.5)
     with pytest.raises(ConfigError, match="background_max_step_ms"):
         ContinuousOptions(background_max_step_ms=-1)
+    with pytest.raises(ConfigError, match="background_grace_s"):
+        ContinuousOptions(background_grace_s=-1)

@@ -51,9 +51,11 @@ interactive work (priority below it) leaves:
     (`background_allowance`); without a measured cost model, none. Background sequences past
     that are paused for the step (oldest run first) and keep their KV; they are preempted,
     newest first, when an interactive sequence needs their slot or blocks; (c) with no
-    interactive work, background is scheduled like any traffic (the full batch), except that
-    a step carrying its prompt chunks is predicted to take at most `background_max_step_ms`
-    (an interactive request arriving meanwhile waits for the step under way).
+    interactive work for `background_grace_s`, background is scheduled like any traffic (the
+    full batch), except that a step carrying its prompt chunks is predicted to take at most
+    `background_max_step_ms` (an interactive request arriving meanwhile waits for the step
+    under way). Within the grace, (b) holds with no interactive tokens: a closed-loop client's
+    next request arrives a moment after its last one ends.
 """
 
 from __future__ import annotations
@@ -140,6 +142,16 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
             "take at most this many milliseconds (0: no bound)"
         ),
     ] = 250.0
+    # A closed-loop client sends its next request a moment after its last one ends: without
+    # this, every such gap would let a full background batch in, which the next request then
+    # waits behind (and preempts by recompute).
+    background_grace_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="background work keeps to the slack this many seconds after interactive "
+            "work was last present (0: gets the full batch at once)"
+        ),
+    ] = 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -159,6 +171,8 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
             raise ConfigError("must be >= 0", "scheduler.background_slack")
         if self.background_max_step_ms < 0:
             raise ConfigError("must be >= 0 (0: no bound)", "scheduler.background_max_step_ms")
+        if self.background_grace_s < 0:
+            raise ConfigError("must be >= 0", "scheduler.background_grace_s")
 
 
 class ContinuousScheduler(Scheduler):
@@ -192,6 +206,7 @@ class ContinuousScheduler(Scheduler):
         self.clock: Callable[[], float] = time.monotonic
         self._now = 0.0
         self._top = 0  # the most urgent base priority present this step
+        self._interactive_seen = -math.inf  # when interactive work was last present (clock)
         self._uniform = True  # one class this step: plain FCFS (or the subclass's order) + fair share
         self._classes = self.priority_classes
         if self._classes is None:
@@ -475,7 +490,10 @@ class ContinuousScheduler(Scheduler):
         self._top, self._uniform = lo, lo == hi or not self._classes
         # Background rules (module docstring) apply only with interactive work present;
         # otherwise background is scheduled like any traffic.
-        mixed = lo < BATCH_PRIORITY <= hi
+        if lo < BATCH_PRIORITY:
+            self._interactive_seen = self._now
+        recent = self._now - self._interactive_seen < self.options.background_grace_s
+        mixed = hi >= BATCH_PRIORITY and (lo < BATCH_PRIORITY or recent)
         self.running.sort(key=self.waiting_order_key)
         # Priority and fair share: room for the most urgent waiting sequence and for a newly
         # arrived owner, prompt tokens kept for its first chunk, and echoed prompt logprobs in
@@ -497,7 +515,7 @@ class ContinuousScheduler(Scheduler):
         room_preemptions = len(out.preempted)
         interactive = [s for s in self.running if not self.is_background(s)] if mixed else self.running
         prefill_left = self.prefill_allowance(interactive)
-        if lo >= BATCH_PRIORITY:
+        if lo >= BATCH_PRIORITY and not mixed:
             prefill_left = min(prefill_left, self.background_prefill_allowance())
 
         def prefill_cap(seq: Sequence) -> int:
