@@ -207,6 +207,7 @@ class ContinuousScheduler(Scheduler):
         self._now = 0.0
         self._top = 0  # the most urgent base priority present this step
         self._interactive_seen = -math.inf  # when interactive work was last present (clock)
+        self._priorities: Counter = Counter()  # base priority -> sequences waiting or running
         self._uniform = True  # one class this step: plain FCFS (or the subclass's order) + fair share
         self._classes = self.priority_classes
         if self._classes is None:
@@ -254,12 +255,25 @@ class ContinuousScheduler(Scheduler):
     def add(self, seq: Sequence) -> None:
         # A fork (n > 1) arrives already holding its parent's blocks.
         (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).append(seq)
+        self._priorities[seq.request.priority] += 1
 
     def finish(self, seq: Sequence) -> None:
         for queue in (self.running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
+                self._priorities[seq.request.priority] -= 1
         self.allocator.free(seq)
+
+    def _priority_range(self) -> tuple[int, int]:
+        """(most, least urgent) base priority among the sequences present; (0, 0) for none.
+        Counted as sequences come and go (a scan of a long queue each step costs ~1 ms); counted
+        again should the queues have been changed behind `add` and `finish`."""
+        counts = self._priorities
+        if counts.total() != len(self.waiting) + len(self.running):
+            counts.clear()
+            counts.update(s.request.priority for q in (self.waiting, self.running) for s in q)
+        present = [p for p, n in counts.items() if n > 0]
+        return (min(present), max(present)) if present else (0, 0)
 
     def running_seqs(self) -> list[Sequence]:
         return list(self.running)
@@ -484,9 +498,7 @@ class ContinuousScheduler(Scheduler):
         out = SchedulerOutput()
         budget = self.token_budget
         self._now = self.clock()
-        # The most and least urgent base priorities present.
-        present = {s.request.priority for s in self.waiting} | {s.request.priority for s in self.running}
-        lo, hi = (min(present), max(present)) if present else (0, 0)
+        lo, hi = self._priority_range()
         self._top, self._uniform = lo, lo == hi or not self._classes
         # Background rules (module docstring) apply only with interactive work present;
         # otherwise background is scheduled like any traffic.
