@@ -48,7 +48,7 @@ namespace gguf_matmul {
 
 enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 // GGML type ids (ggml.h).
-enum Type { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_1G = 1000 };
+enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_1G = 1000 };  // Q5_x: panels only
 constexpr int QK = 32;  // values per block, every type here
 constexpr int MAX_GSHIFT = 3;  // Q4_1G's groups: at most 8 blocks (256 columns)
 
@@ -249,12 +249,16 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 // into 16 outputs, with no horizontal sum at all.
 //
 // Layout (`gguf_pack_panels`): panel p holds weight rows [16p, 16p + 16) (zero rows pad N), block
-// by block; a panel block is the codes then the 16 rows' d then (Q4_1, Q4_1G) their 16 m, each the
-// fp16 bits the row's block header holds (so the panels take exactly the blocks' bytes, 0.625 a
-// weight for Q4_1, and the kernels widen them with F16C):
+// by block; a panel block is the codes then the 16 rows' d then (Q4_1, Q4_1G, Q5_1) their 16 m,
+// each the fp16 bits the row's block header holds (so the panels take exactly the blocks' bytes,
+// 0.625 a weight for Q4_1, and the kernels widen them with F16C):
 //   Q4_0 / Q4_1: 4 vectors of 64 bytes; byte 4c + i of vector j holds row c's value 4j + i in its
 //                low nibble and value 16 + 4j + i in its high nibble (codes 0..15); Q4_0's m = -8d,
 //                made in fp32 by the kernels
+//   Q5_0 / Q5_1: Q4's 4 vectors of the codes' low 4 bits, then their fifth bits as 8 64-bit masks:
+//                mask 2j holds vector j's low-nibble values, mask 2j + 1 its high-nibble ones, bit
+//                4c + i for byte 4c + i (one AVX-512 mask register each: a masked add of 16 makes
+//                the codes 0..31); Q5_0's m = -16d. 0.6875 / 0.75 bytes a weight, as the blocks
 //   Q8_0:        8 vectors of 64 bytes; byte 4c + i of vector t holds row c's value 4t + i + 128
 //                (unsigned): VNNI's sums then carry 128 * sum(q_x), taken off in integers; AVX2
 //                flips the bit back and multiplies signed (maddubs would saturate on 255 x 127)
@@ -263,16 +267,23 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 
 constexpr int PANEL = 16;
 
-// After a block's codes: the 16 rows' d as the fp16 bits their blocks hold, then (Q4_1, Q4_1G) the
-// 16 m (Q4_0's offset, -8 d, is made in the kernel): the panels hold exactly the blocks' bytes.
 template <int TYPE>
-constexpr int64_t PANEL_CODES = TYPE == Q8_0 ? 512 : 256;
+constexpr bool FIVE_BIT = TYPE == Q5_0 || TYPE == Q5_1;
+// Types whose panels hold an m per block (Q4_1G's panels are Q4_1's).
 template <int TYPE>
-constexpr int64_t PANEL_BLOCK = PANEL_CODES<TYPE> + (TYPE == Q8_0 || TYPE == Q4_0 ? 32 : 64);
-inline int64_t panel_code_bytes(int64_t type) { return type == Q8_0 ? 512 : 256; }
-inline int64_t panel_block_bytes(int64_t type) {
-  return panel_code_bytes(type) + (type == Q8_0 || type == Q4_0 ? 32 : 64);
-}
+constexpr bool PANEL_M = TYPE == Q4_1 || TYPE == Q5_1;
+// After a block's codes (and fifth bits): the 16 rows' d as the fp16 bits their blocks hold, then
+// (PANEL_M) the 16 m (Q4_0's and Q5_0's offsets, -8 d and -16 d, are made in the kernel).
+template <int TYPE>
+constexpr int64_t PANEL_CODES = TYPE == Q8_0 ? 512 : FIVE_BIT<TYPE> ? 320 : 256;
+template <int TYPE>
+constexpr int64_t PANEL_BLOCK = PANEL_CODES<TYPE> + (PANEL_M<TYPE> ? 64 : 32);
+inline int64_t panel_code_bytes(int64_t type) { return type == Q8_0 ? 512 : type == Q5_0 || type == Q5_1 ? 320 : 256; }
+inline bool panel_has_m(int64_t type) { return type != Q4_0 && type != Q5_0 && type != Q8_0; }  // Q4_1G too
+inline int64_t panel_block_bytes(int64_t type) { return panel_code_bytes(type) + (panel_has_m(type) ? 64 : 32); }
+// The bias c of value = d * (q - c) for the types without an m (0: Q8_0, and the types with one).
+template <int TYPE>
+constexpr float PANEL_BIAS = TYPE == Q4_0 ? 8.f : TYPE == Q5_0 ? 16.f : 0.f;
 
 // Activation rows [r0, r1) in tiles of 4 and one tile of the rest: tile(MR, r) for each, MR a
 // std::integral_constant so that the tile's row count is a compile-time constant.
@@ -591,10 +602,22 @@ void rows_q8(const Q8Problem& p, int64_t n0, int64_t n1) {
 }
 
 
+// 32 fifth bits (a 5-bit panel's mask bits for one half-vector) as bytes: 16 where set, else 0.
+inline __m256i sixteens(const uint8_t* bits4) {
+  int32_t m;
+  std::memcpy(&m, bits4, 4);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                          3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
+  const __m256i picked = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(m), spread), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(picked, bit), _mm256_set1_epi8(16));
+}
+
 // Panels (layout above) with AVX2: each 64-byte panel vector is two halves of 8 weight rows;
 // maddubs multiplies 4 x values by 4 positions of 8 rows into pairs of int16. For Q4 codes (0..15)
 // the int16 sums of a whole block stay below 2^15 (16 x 15 x 127), so they are widened once per
-// block; Q8_0's are widened per maddubs. MR activation rows x one half.
+// block, Q5's (0..31: the fifth bits or-ed in as 16) once per half block; Q8_0's are widened per
+// maddubs. MR activation rows x one half.
 template <int TYPE, int MR>
 inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, const float* dx, const float* sx,
                        float* out, int64_t ldo, int valid) {
@@ -625,10 +648,15 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
       }
     } else {
       __m256i s16[MR];
-      for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256();
+      for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256(), dot[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j));
-        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        if constexpr (FIVE_BIT<TYPE>) {  // this half's 32 bits of masks 2j and 2j + 1
+          const uint8_t* fifth = w + b * PB + 256 + 16 * j + 4 * half;
+          lo = _mm256_or_si256(lo, sixteens(fifth));
+          hi = _mm256_or_si256(hi, sixteens(fifth + 8));
+        }
         for (int r = 0; r < MR; ++r) {
           int32_t xl, xh;
           std::memcpy(&xl, xb + r * K + 4 * j, 4);
@@ -636,14 +664,22 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
           s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
           s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
         }
+        // 5-bit codes (0..31): 4 maddubs sums (4 x 2 x 31 x 127 < 2^15) at most in int16.
+        if constexpr (FIVE_BIT<TYPE>)
+          if (j % 2 == 1)
+            for (int r = 0; r < MR; ++r) {
+              dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(s16[r], ones));
+              s16[r] = _mm256_setzero_si256();
+            }
       }
-      for (int r = 0; r < MR; ++r) dot[r] = _mm256_madd_epi16(s16[r], ones);
+      if constexpr (!FIVE_BIT<TYPE>)
+        for (int r = 0; r < MR; ++r) dot[r] = _mm256_madd_epi16(s16[r], ones);
     }
     const uint8_t* head = w + b * PB + CODES + 16 * half;
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
     __m256 m = _mm256_setzero_ps();
-    if constexpr (TYPE == Q4_0)
-      m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    if constexpr (PANEL_BIAS<TYPE> != 0.f)
+      m = _mm256_mul_ps(d, _mm256_set1_ps(-PANEL_BIAS<TYPE>));
     else if constexpr (TYPE != Q8_0)
       m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 32)));
     for (int r = 0; r < MR; ++r) {
@@ -851,7 +887,7 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
-  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i mask = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   for (int64_t b = 0; b < nb; ++b) {
     // Each panel is its own stream of PB-byte blocks: every line of a block PREFETCH_BYTES ahead
     // of it (a hint: no fault past the end). Without it a decode row read the panels at ~37 GB/s
@@ -879,9 +915,17 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NR], hi[NR];
         for (int c = 0; c < NR; ++c) {
-          const __m512i raw = _mm512_loadu_si512(w + c * panel_bytes + b * PB + 64 * j);
+          const uint8_t* blk = w + c * panel_bytes + b * PB;
+          const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
           lo[c] = _mm512_and_si512(raw, mask);
           hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+          if constexpr (FIVE_BIT<TYPE>) {  // codes 0..31: + 16 where the fifth bit is set
+            uint64_t l, h;
+            std::memcpy(&l, blk + 256 + 16 * j, 8);
+            std::memcpy(&h, blk + 256 + 16 * j + 8, 8);
+            lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(l), lo[c], sixteen);
+            hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(h), hi[c], sixteen);
+          }
         }
         for (int r = 0; r < MR; ++r) {
           int32_t xl, xh;
@@ -899,8 +943,8 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
     for (int c = 0; c < NR; ++c) {
       const uint8_t* blk = w + c * panel_bytes + b * PB + CODES;
       d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-      if constexpr (TYPE == Q4_0)
-        m[c] = _mm512_mul_ps(d[c], _mm512_set1_ps(-8.f));
+      if constexpr (PANEL_BIAS<TYPE> != 0.f)
+        m[c] = _mm512_mul_ps(d[c], _mm512_set1_ps(-PANEL_BIAS<TYPE>));
       else if constexpr (TYPE != Q8_0)
         m[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
     }
@@ -1210,10 +1254,33 @@ torch::Tensor gguf_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int
   return out;
 }
 
+// Q5_0 / Q5_1 rows (kept packed by kquants.cpp; the panels are this file's): fp16 d, (Q5_1) fp16 m,
+// 4 bytes of fifth bits (bit j: value j), 16 bytes of low nibbles as Q4's.
+inline bool five_bit(int64_t type) { return type == Q5_0 || type == Q5_1; }
+inline int64_t five_bit_block_bytes(int64_t type) { return type == Q5_0 ? 22 : 24; }
+
+// The panel kind of a type id (Q4_1G's panels are Q4_1's), or a one-line error.
+int64_t panel_kind(int64_t type) {
+  if (five_bit(type)) return type;
+  const Layout L = layout_of(type);
+  return L.kind == Q4_1G ? Q4_1 : L.kind;
+}
+
+void check_panel_weight(const torch::Tensor& w, int64_t type, int64_t k) {
+  if (!five_bit(type)) return check_weight(w, type, k);
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
+              "w must be a contiguous CPU uint8 tensor [N, bytes per row]");
+  TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of ", QK, ", got ", k);
+  const int64_t want = k / QK * five_bit_block_bytes(type);
+  TORCH_CHECK(w.size(1) == want, "w rows hold ", w.size(1), " bytes; K = ", k, " needs ", want);
+}
+
 // W's GGUF blocks [N, bytes] -> panels [ceil(N / 16), K / 32 * panel block bytes] (layout above).
 torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) {
-  check_weight(w, type, k);
-  const Layout L = layout_of(type);
+  check_panel_weight(w, type, k);
+  const bool five = five_bit(type);
+  const Layout L = five ? Layout{type, 0, 0, 0, 0} : layout_of(type);
+  const int64_t bb = five ? five_bit_block_bytes(type) : 0, head = type == Q5_1 ? 4 : 2;
   const int64_t N = w.size(0), nb = k / QK;
   const int64_t panels = (N + PANEL - 1) / PANEL, pbb = panel_block_bytes(type);
   const int64_t codes = panel_code_bytes(type);
@@ -1230,6 +1297,21 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
           const int64_t n = pn * PANEL + c;
           if (n >= N) break;  // zero rows: codes 0, d = m = 0
           const uint8_t* row = src + n * w.size(1);
+          if (five) {
+            const uint8_t* blk = row + b * bb;
+            std::memcpy(heads + 2 * c, blk, 2);  // d's fp16 bits
+            if (type == Q5_1) std::memcpy(heads + 2 * PANEL + 2 * c, blk + 2, 2);
+            uint32_t qh;
+            std::memcpy(&qh, blk + head, 4);
+            // Block byte 4j + i holds values 4j + i and 16 + 4j + i, as a Q4 panel byte.
+            for (int j = 0; j < 4; ++j)
+              for (int i = 0; i < 4; ++i) {
+                pb[64 * j + 4 * c + i] = blk[head + 4 + 4 * j + i];
+                for (int h = 0; h < 2; ++h)
+                  if ((qh >> (16 * h + 4 * j + i)) & 1) pb[256 + 16 * j + 8 * h + (4 * c + i) / 8] |= uint8_t(1u << ((4 * c + i) % 8));
+              }
+            continue;
+          }
           block_q(L, row, b, q);  // as stored: 0..15, or -128..127
           std::memcpy(heads + 2 * c, row + L.head_at(b), 2);  // d's fp16 bits
           if (L.kind != Q8_0 && L.kind != Q4_0) std::memcpy(heads + 2 * PANEL + 2 * c, row + L.head_at(b) + 2, 2);
@@ -1248,20 +1330,21 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
 }
 
 // Rows `rows` of W back from its panels, as GGML blocks [len(rows), K / 32 * block bytes]: Q4_0,
-// Q8_0, or Q4_1 for Q4_1 and Q4_1G panels (which hold a d and an m per block). d and m were fp16
+// Q5_0, Q5_1, Q8_0, or Q4_1 for Q4_1 and Q4_1G panels (which hold a d and an m per block). d and m were fp16
 // values, so the blocks are the ones packed (Q4_1G's as the Q4_1 blocks of its groups). What a
 // layer that keeps only its panels reads for its rare other uses: rows of the embedding, codes.
 torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64_t k, const torch::Tensor& rows) {
   TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of ", QK, ", got ", k);
+  const int64_t kind = panel_kind(type);
   const int64_t nb = k / QK, pbb = panel_block_bytes(type), codes = panel_code_bytes(type);
-  const int64_t kind = layout_of(type).kind == Q4_1G ? Q4_1 : type;
   TORCH_CHECK(best_isa() >= ISA_AVX2, "gguf_panel_blocks needs F16C (AVX2 CPUs have it)");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(1) == nb * pbb,
               "packed must be gguf_pack_panels' output for K = ", k);
   TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1, "rows must be a 1-D int64 tensor");
   const auto ids = rows.contiguous();
-  const int64_t R = ids.size(0), bb = block_bytes(kind), n_max = packed.size(0) * PANEL;
+  const int64_t R = ids.size(0), n_max = packed.size(0) * PANEL;
+  const int64_t bb = five_bit(kind) ? five_bit_block_bytes(kind) : block_bytes(kind);
   auto out = torch::empty({R, nb * bb}, packed.options());
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < R; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n_max, "row ", id[i], " is not in the panels");
@@ -1281,9 +1364,19 @@ torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64
           continue;
         }
         uint8_t* q = blk + 2;
-        if (kind == Q4_1) {
+        if (kind == Q4_1 || kind == Q5_1) {
           std::memcpy(blk + 2, heads + 2 * PANEL + 2 * c, 2);
           q = blk + 4;
+        }
+        if (five_bit(kind)) {  // the fifth bits back: value 16h + 4j + i from mask 2j + h, bit 4c + i
+          uint32_t qh = 0;
+          for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < 4; ++i)
+              for (int h = 0; h < 2; ++h)
+                qh |= uint32_t((pb[256 + 16 * j + 8 * h + (4 * c + i) / 8] >> ((4 * c + i) % 8)) & 1)
+                      << (16 * h + 4 * j + i);
+          std::memcpy(q, &qh, 4);
+          q += 4;
         }
         // Panel byte 64j + 4c + i holds values 4j + i (low) and 16 + 4j + i (high): exactly
         // block byte 4j + i's two nibbles.
@@ -1305,23 +1398,24 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
               "x must be a CPU float32 tensor [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   TORCH_CHECK(K > 0 && K % QK == 0, "K must be a positive multiple of ", QK, ", got ", K);
-  const int64_t panels = (n + PANEL - 1) / PANEL;
+  const int64_t panels = (n + PANEL - 1) / PANEL, kind = panel_kind(type);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(0) == panels && packed.size(1) == nb * panel_block_bytes(type),
               "packed must be gguf_pack_panels' output for N = ", n, ", K = ", K);
   auto out = torch::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
   const auto qx = quantize_q8(x, ISA_AVX2);
+  // (The panel kernels read no Layout: the panels hold a d, and an m where the kind has one.)
   Q8Problem p{qx[0].data_ptr<int8_t>(), qx[1].data_ptr<float>(), qx[2].data_ptr<float>(), nullptr, 0,
-              layout_of(type), out.data_ptr<float>(), M, n, K};
+              Layout{kind, 0, 0, 0, 0}, out.data_ptr<float>(), M, n, K};
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  // Panels hold a d and an m per block whatever the blocks' layout: Q4_1G's are Q4_1's.
-  const int64_t kind = p.L.kind == Q4_1G ? Q4_1 : p.L.kind;
   if (isa < ISA_AVX512) {
     at::parallel_for(0, 2 * panels, 1, [&](int64_t u0, int64_t u1) {
       switch (kind) {
         case Q4_0: avx2::panels_q8<Q4_0>(p, w, u0, u1); break;
         case Q4_1: avx2::panels_q8<Q4_1>(p, w, u0, u1); break;
+        case Q5_0: avx2::panels_q8<Q5_0>(p, w, u0, u1); break;
+        case Q5_1: avx2::panels_q8<Q5_1>(p, w, u0, u1); break;
         default: avx2::panels_q8<Q8_0>(p, w, u0, u1); break;
       }
     });
@@ -1340,6 +1434,8 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
     switch (kind) {
       case Q4_0: avx512::panels_q8<Q4_0>(p, w, nullptr, t0, t1); break;
       case Q4_1: avx512::panels_q8<Q4_1>(p, w, nullptr, t0, t1); break;
+      case Q5_0: avx512::panels_q8<Q5_0>(p, w, nullptr, t0, t1); break;
+      case Q5_1: avx512::panels_q8<Q5_1>(p, w, nullptr, t0, t1); break;
       default: avx512::panels_q8<Q8_0>(p, w, c128.data(), t0, t1); break;
     }
   });
@@ -1405,13 +1501,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("type"), py::arg("isa") = -1);
   m.def("quantize_q8", &gguf_matmul::quantize_q8, "x fp32 [M, K] -> (int8 q, scale dx, dx * sum(q)) per 32-block",
         py::arg("x"), py::arg("isa") = -1);
-  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] -> 16-row panels (batches: AVX-512 VNNI or AVX2)",
+  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] (Q4_0, Q4_1, Q4_1G, Q5_0, Q5_1, Q8_0) -> 16-row panels (AVX-512 VNNI or AVX2)",
         py::arg("w"), py::arg("type"), py::arg("k"));
   m.def("gguf_matmul_panels", &gguf_matmul::gguf_matmul_panels,
         "x fp32 [M, K] @ W^T from gguf_pack_panels(W), x rounded to int8 per 32-block", py::arg("x"), py::arg("packed"),
         py::arg("type"), py::arg("n"), py::arg("isa") = -1);
   m.def("gguf_panel_blocks", &gguf_matmul::gguf_panel_blocks,
-        "rows of W back from gguf_pack_panels(W) as GGML blocks (Q4_1 for Q4_1G)", py::arg("packed"), py::arg("type"),
+        "rows of W back from gguf_pack_panels(W) as GGML blocks (Q4_1 for Q4_1G; Q5_0 / Q5_1 too)", py::arg("packed"), py::arg("type"),
         py::arg("k"), py::arg("rows"));
   m.def("gguf_dequantize", &gguf_matmul::gguf_dequantize, "GGUF block rows -> float32 [N, K]", py::arg("w"),
         py::arg("type"), py::arg("k"), py::arg("into") = py::none());

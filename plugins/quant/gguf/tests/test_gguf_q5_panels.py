@@ -1,0 +1,259 @@
+"""Q5_0 / Q5_1 in 16-row panels (csrc/gguf_matmul.cpp, `gguf_pack_panels` / `gguf_matmul_panels`):
+the blocks come back from the panels byte for byte; the product is (x rounded per 32-block) @ the
+gguf package's dequantized weights within the int8-activation tests' bound, on each panel ISA the
+CPU has (AVX2, AVX-512 VNNI), M 1 / 7 / 64, odd N, short K; a row's bits are the same alone and
+in a batch of 64; the 5-bit codes' int16 sums do not saturate; `GGUFLinear` keeps such layers
+(and a legacy segment beside them) only as panels; a tiny model served from a Q5_0 / Q5_1 file
+through the panels. Random blocks with a fresh seed each run (printed on failure)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, quants
+from gguf import GGMLQuantizationType as T
+
+from lmstack.interfaces import LinearSpec
+from lmstack.model.memory import resident_weight_bytes
+from lmstack_gguf import native
+from lmstack_gguf.linear import GGUFLinear
+
+ext = None if native.load_error() else native.load()
+pytestmark = pytest.mark.skipif(
+    ext is None or ext.best_isa() < 1, reason="the panel kernel needs AVX2 and the built kernels"
+)
+
+TYPES = [T.Q5_0, T.Q5_1]
+PANEL_ISAS = [1, 2]
+isa_ids = ["avx2", "avx512"]
+
+
+def random_blocks(typ: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, row bytes]: random codes and fifth bits, finite fp16 d (and m), some zero or subnormal."""
+    values, size = GGML_QUANT_SIZES[typ]
+    raw = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
+    for at in (0, 2) if typ == T.Q5_1 else (0,):
+        d = (rng.standard_normal((n, k // values)) * 0.01).astype(np.float16)
+        special = rng.random(d.shape)
+        d[special < 0.05] = 0.0
+        d[(special >= 0.05) & (special < 0.1)] = np.float16(3e-6)
+        raw[:, :, at : at + 2] = d.view(np.uint8).reshape(n, k // values, 2)
+    return raw.reshape(n, -1)
+
+
+def dequantized(raw: np.ndarray, typ: T) -> torch.Tensor:
+    n = raw.shape[0]
+    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(raw, typ), dtype=np.float32)).reshape(
+        n, -1
+    )
+
+
+def rounded_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels multiply it: int8 q * dx per 32-block (`quantize_q8`)."""
+    q, dx, _ = ext.quantize_q8(x)
+    m, k = x.shape
+    return (q.double().reshape(m, -1, 32) * dx.double()[..., None]).reshape(m, k)
+
+
+def within_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
+    """out vs x @ w^T in float64: each output within a few fp32 ulps of the sum of magnitudes (the
+    bound test_gguf_kernel / test_kquant_kernel hold the int8-activation kernels to)."""
+    ref = x.double() @ w.double().T
+    mag = x.abs().double() @ w.abs().double().T
+    return bool(torch.all((out.double() - ref).abs() <= 8 * (k + 4) * 2**-24 * mag + 1e-30))
+
+
+def skip_missing(isa: int) -> None:
+    if isa > ext.best_isa():
+        pytest.skip(f"this CPU lacks {native.ISA_NAMES[isa]}")
+
+
+@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("isa", PANEL_ISAS, ids=isa_ids)
+def test_q5_panels_are_the_rounded_x_times_the_dequantized_blocks(typ, isa):
+    """Panel shapes: one row of a single panel, odd N (a partly filled last panel, a lone last
+    panel of a pair), M 1 / 7 / 64, K of 1-18 blocks, rows of x with a stride."""
+    skip_missing(isa)
+    seed = random.randrange(2**32)
+    rng = np.random.default_rng(seed)
+    shapes = [(1, 1, 32), (1, 37, 288), (7, 33, 224), (64, 17, 576), (64, 51, 96)]
+    shapes.append((int(rng.integers(1, 65)), int(rng.integers(1, 80)), 32 * int(rng.integers(1, 19))))
+    for m, n, k in shapes:
+        raw = torch.from_numpy(random_blocks(typ, n, k, rng))
+        packed = ext.gguf_pack_panels(raw, int(typ), k)
+        # The panels hold exactly the blocks' bytes (16 rows a panel; zero rows pad N).
+        assert packed.numel() == -(-n // 16) * 16 * raw.shape[1]
+        ids = torch.from_numpy(rng.permutation(n))
+        assert torch.equal(ext.gguf_panel_blocks(packed, int(typ), k, ids), raw[ids])
+        x = torch.randn(m, k + int(rng.integers(1, 5)))[:, :k]
+        out = ext.gguf_matmul_panels(x, packed, int(typ), n, isa)
+        w = dequantized(raw.numpy(), typ)
+        assert out.shape == (m, n) and within_rounding(out, rounded_x(x), w, k), (
+            f"{typ.name} isa {isa} m={m} n={n} k={k} seed {seed}"
+        )
+        # The block kernel (kq_matmul_q8) computes the same product: within twice the bound.
+        kq = ext.kq_matmul_q8(x, raw, int(typ))
+        mag = rounded_x(x).abs() @ w.abs().double().T
+        assert torch.all((out.double() - kq.double()).abs() <= 16 * (k + 4) * 2**-24 * mag + 1e-30)
+
+
+@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("isa", PANEL_ISAS, ids=isa_ids)
+def test_q5_panel_rows_are_alike_whatever_the_batch(typ, isa):
+    """Each of 64 rows alone, and any slice of the batch, gives the bits it gets in the batch."""
+    skip_missing(isa)
+    seed = random.randrange(2**32)
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(1, 70)), 32 * int(rng.integers(1, 20))
+    raw = torch.from_numpy(random_blocks(typ, n, k, rng))
+    packed = ext.gguf_pack_panels(raw, int(typ), k)
+    x = torch.randn(64, k)
+    batched = ext.gguf_matmul_panels(x, packed, int(typ), n, isa)
+    alone = torch.cat([ext.gguf_matmul_panels(x[i : i + 1], packed, int(typ), n, isa) for i in range(64)])
+    assert torch.equal(batched, alone), f"{typ.name} isa {isa} n={n} k={k} seed {seed}"
+    start, stop = sorted(int(v) for v in rng.integers(0, 65, 2))
+    if stop > start:
+        assert torch.equal(
+            ext.gguf_matmul_panels(x[start:stop], packed, int(typ), n, isa), batched[start:stop]
+        )
+
+
+@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("isa", PANEL_ISAS, ids=isa_ids)
+def test_q5_panels_largest_codes_do_not_saturate(typ, isa):
+    """Every code 31 (fifth bits all set) against x rounded to +-127: AVX2 sums 5-bit maddubs
+    products in int16, which must widen before 2^15 (a saturated sum would be off by thousands)."""
+    skip_missing(isa)
+    n, k = 20, 256
+    values, size = GGML_QUANT_SIZES[typ]
+    raw = np.zeros((n, k // values, size), dtype=np.uint8)
+    raw[:, :, :2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    head = 4 if typ == T.Q5_1 else 2  # Q5_1's m stays 0
+    raw[:, :, head:] = 0xFF
+    raw = torch.from_numpy(raw.reshape(n, -1))
+    x = torch.full((3, k), 2.0)
+    x[1] = -2.0
+    x[2, ::2] = -2.0
+    out = ext.gguf_matmul_panels(x, ext.gguf_pack_panels(raw, int(typ), k), int(typ), n, isa)
+    w = dequantized(raw.numpy(), typ)
+    assert torch.all(w == 31.0 - (16 if typ == T.Q5_0 else 0))
+    assert within_rounding(out, rounded_x(x), w, k)
+
+
+def test_q5_pack_refuses_rows_of_the_wrong_size_in_one_line():
+    raw = torch.zeros(4, 2 * 22, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="w rows hold 44 bytes; K = 96 needs 66"):
+        ext.gguf_pack_panels(raw, int(T.Q5_0), 96)
+    packed = ext.gguf_pack_panels(raw, int(T.Q5_0), 64)
+    with pytest.raises(RuntimeError, match="gguf_pack_panels' output for N = 4, K = 64"):
+        ext.gguf_matmul_panels(torch.randn(2, 64), packed, int(T.Q5_1), 4)
+
+
+def _panel_layer(spec: LinearSpec) -> GGUFLinear:
+    """A layer as `prefill: panels` makes it: int8 activations, panels for every batch."""
+    return GGUFLinear(spec, int8_activations=True, kernel_max_rows=0, panels=True)
+
+
+@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+def test_a_q5_layer_keeps_only_panels_and_multiplies_every_batch_by_them(typ):
+    rng = np.random.default_rng(int(typ))
+    n, k = 48, 192
+    raw = torch.from_numpy(random_blocks(typ, n, k, rng))
+    dense = dequantized(raw.numpy(), typ)
+    layer = _panel_layer(LinearSpec(k, n, False, "x"))
+    layer.set_blocks(int(typ), raw.clone())
+    assert layer.ggml_type == int(typ) and layer.segment_panels == [n] and layer.weight.numel() == 0
+    ((t, packed),) = layer.segments
+    assert resident_weight_bytes(layer) == raw.nbytes  # the file's bytes, re-laid
+    for m in (1, 7, 64):
+        x = torch.randn(m, k)
+        out = layer(x)
+        assert torch.equal(out, ext.gguf_matmul_panels(x, packed, int(typ), n))
+        assert within_rounding(out, rounded_x(x), dense, k)
+    ids = torch.tensor([0, 47, 5, 5, 16])
+    assert torch.equal(layer.rows(ids), dense[ids])
+    assert "48 rows " + typ.name + " in 16-row panels" in layer.extra_repr()
+
+
+def test_a_mixed_layer_takes_panels_for_its_panel_types_and_kq_for_the_k_quants():
+    """SmolLM2's Q4_K_M qkv: Q5_0 q and k, a Q8_0 v (llama-quantize's fallbacks), here with a Q6_K
+    part too: Q5_0 and Q8_0 rows as panels, Q6_K as its blocks; the panel rows alike in any batch."""
+    from lmstack.testing.gguf_quants import quantize
+
+    rng = np.random.default_rng(5)
+    k, sizes = 256, (32, 16, 16, 16)
+    w = [rng.standard_normal((s, k)).astype(np.float32) for s in sizes]
+    types = (T.Q5_0, T.Q5_0, T.Q8_0, T.Q6_K)
+    raws = [quantize(a, t) if t != T.Q8_0 else quants.quantize(a, t) for a, t in zip(w, types)]
+    dense = torch.cat([dequantized(r, t) for r, t in zip(raws, types)])
+    spec = LinearSpec(k, sum(sizes), False, "qkv", output_sizes=sizes)
+    layer = _panel_layer(spec)
+    layer._parts = {i: (int(t), torch.from_numpy(r)) for i, (r, t) in enumerate(zip(raws, types))}
+    layer.finalize()
+    assert [t for t, _ in layer.segments] == [int(T.Q5_0), int(T.Q8_0), int(T.Q6_K)]
+    assert layer.segment_panels == [48, 16, None] and layer.ggml_type is None
+    x = torch.randn(64, k)
+    out = layer(x)
+    # (64 rows: the Q6_K segment multiplies x unrounded, by fp32 slabs: KQ_MAX_ROWS)
+    assert within_rounding(out[:, :64], rounded_x(x), dense[:64], k)
+    assert within_rounding(out[:, 64:], x, dense[64:], k)
+    assert within_rounding(layer(x[:8]), rounded_x(x[:8]), dense, k)
+    picked = [0, 31, 63]
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in picked])[:, :64], out[picked, :64])
+    ids = torch.tensor([0, 47, 48, 63, 64, 79])
+    assert torch.equal(layer.rows(ids), dense[ids])
+
+
+@pytest.mark.parametrize("kind", ["q5_0", "q5_1"])
+def test_a_model_served_from_a_q5_file_through_the_panels(kind, tmp_path):
+    """A tiny qwen3 written as Q5_0 / Q5_1: the default stack (int8 activations, `prefill: panels`)
+    holds every layer as panels within 5 % of the file's tensor bytes; the first greedy token is
+    the dequantized file's (`weights: none`) and the prompt log-probabilities stay within the
+    int8 rounding's bound; prefilled in chunks of 8 rows every row gets the same bits."""
+    pytest.importorskip("transformers")
+    from lmstack.engine.llm import LLM
+    from lmstack.model.gguf_file import read_gguf
+    from lmstack.sampling_params import SamplingParams
+    from lmstack.stack.plugins import make_plugin_manager
+    from lmstack.testing.gguf_writer import write_gguf
+    from lmstack.testing.kit import one_thread, tiny_stack
+    from lmstack.testing.tiny_families import write_tiny_family
+
+    path = write_gguf(
+        write_tiny_family("qwen3", tmp_path / "hf"), tmp_path / f"qwen3.{kind}.gguf", tensor_type=kind
+    )
+    ids = list(range(3, 43))
+
+    def run(quant: dict, **stack):
+        llm = LLM(
+            {**tiny_stack(path, max_model_len=64), "attention": "cpu-paged", "quant": quant, **stack},
+            plugin_manager=make_plugin_manager(),
+        )
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+            with one_thread():
+                out = llm.generate(ids, params)[0]
+            logprobs = torch.tensor([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
+            model = llm.engine.executor.runner.model
+            return out.outputs[0].token_ids, logprobs, model, resident_weight_bytes(model)
+        finally:
+            llm.engine.shutdown()
+
+    expected, theirs, _, _ = run({"weights": "none"})
+    tokens, ours, model, resident = run({"weights": "gguf", "kv_cache": "none"})
+    layers = [m for m in model.modules() if isinstance(m, GGUFLinear) and m is not model.lm_head]
+    assert layers and all(m.segment_panels and None not in m.segment_panels for m in layers)
+    qtype = int(T[kind.upper()])
+    assert {m.ggml_type for m in layers} == {qtype}
+    file_bytes = sum(int(t.data.nbytes) for t in read_gguf(path).tensors.values())
+    rope = sum(b.nbytes for m in model.modules() if "Rotary" in type(m).__name__ for b in m.buffers())
+    assert resident <= 1.05 * file_bytes + rope, (resident, file_bytes)
+    diffs = (ours - theirs).abs()
+    assert 1e-4 < diffs.max() < 1.5 and diffs.mean() < 0.3, (diffs.mean(), diffs.max())
+    assert tokens[0] == expected[0]
+    chunked = {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 8}
+    tokens_chunked, pieces, _, _ = run({"weights": "gguf", "kv_cache": "none"}, scheduler=chunked)
+    assert tokens_chunked == tokens and torch.equal(pieces, ours)
