@@ -6,9 +6,11 @@ kernel, panels, dense copies: `GGUFOptions.prefill`). The K-quants and Q5_0 / Q5
 and F16 / BF16 matrices (kept in their own dtype, [out, in]) are held as `segments`: runs of
 output rows of one type each (Q4_K_M's fused qkv is Q4_K q and k rows, then Q6_K v rows), each
 multiplied on its own — decode batches by `kq_matmul_q8`, larger ones dequantized a slab at a
-time into a reused buffer — with no dense copy. With panels (`prefill: panels`), a Q5_0 / Q5_1
-segment, and a legacy one beside other types, is held only as 16-row panels of its blocks' bytes
-and multiplies every batch by them (`segment_panels`); the K-quants keep their blocks. A part in
+time into a reused buffer — with no dense copy. With panels (`prefill: panels`), a Q5_0 / Q5_1 /
+Q4_K segment, and a legacy one beside other types, is held only as 16-row panels of its blocks'
+bytes and multiplies every batch by them (`segment_panels`) — Q4_K up to `kq_max_rows` rows, then
+slabs rebuilt from the panels, as its blocks would be; the other K-quants keep their blocks. A
+part in
 any other encoding (IQ*, TQ*, ..., or a tensor-parallel cut inside a block) is dequantized at load
 into fp32 rows (`dequantized` records the type and the bytes it costs; the quantizer logs it),
 which is what `quant.weights: none` would serve; F32 parts stay fp32.
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmstack.interfaces import LinearSpec
+from lmstack.kernels.scratch import reused_buffer
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
 from lmstack.model.quantized_linear import QuantizedLinear
 from lmstack_gguf.kernel import (
@@ -36,7 +39,9 @@ from lmstack_gguf.kernel import (
     KQ_MAX_ROWS,
     KQ_TYPES,
     NATIVE_MAX_ROWS,
+    PANEL_KQUANTS,
     PANEL_TYPES,
+    SLAB_BYTES,
     block_bytes,
     block_matmul,
     block_values,
@@ -112,8 +117,8 @@ class GGUFLinear(QuantizedLinear):
         # (ggml type or None for fp32 rows, rows in the type's layout) per run of output rows of
         # one type: every kept layer that is not a legacy one (module docstring).
         self.segments: list[tuple[int | None, torch.Tensor]] | None = None
-        # Per segment: its rows where it is held as 16-row panels (`panels`: Q5_0 / Q5_1, and a
-        # legacy type beside other types), else None (rows in the type's layout).
+        # Per segment: its rows where it is held as 16-row panels (`panels`: Q5_0 / Q5_1 / Q4_K,
+        # and a legacy type beside other types), else None (rows in the type's layout).
         self.segment_panels: list[int | None] = []
         # GGML type name -> bytes the parts of that type dequantized at load cost over the file's.
         self.dequantized: dict[str, int] = {}
@@ -226,7 +231,8 @@ class GGUFLinear(QuantizedLinear):
             self.ggml_type = t
             if self.segment_panels[0] is not None:
                 self.weight.data = torch.empty(self.out_features, 0, dtype=torch.uint8)
-                self._fast = (ext.gguf_matmul_panels, (w, t, self.out_features), sys.maxsize)
+                most = self.kq_max_rows if t in PANEL_KQUANTS else sys.maxsize
+                self._fast = (ext.gguf_matmul_panels, (w, t, self.out_features), most)
                 return
             self.weight.data = w
             if t in KQ_TYPES and self.int8_activations and self.use_native:
@@ -244,6 +250,8 @@ class GGUFLinear(QuantizedLinear):
         if t is None:
             return F.linear(x, w)
         if panel_rows is not None:
+            if t in PANEL_KQUANTS and x.shape[0] > self.kq_max_rows:
+                return self._panel_slabs(x, t, w, panel_rows)
             return native_kernel().gguf_matmul_panels(
                 x if x.stride(-1) == 1 else x.contiguous(), w, t, panel_rows
             )
@@ -259,6 +267,19 @@ class GGUFLinear(QuantizedLinear):
         # F16 is widened to fp32 (bfloat16 would round its mantissa).
         dtype = torch.float32 if t == F16 else self.slab_dtype
         return dequant_matmul(x.to(dtype), w, t, k).float()
+
+    def _panel_slabs(self, x: torch.Tensor, t: int, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """x @ W^T for a K-quant kept as panels, `SLAB_BYTES` of fp32 rows at a time rebuilt in
+        `slab_dtype` (the blocks' values bit for bit, as `dequant_matmul` rebuilds blocks)."""
+        k, ext = self.in_features, native_kernel()
+        xs = x.to(self.slab_dtype)
+        step = min(n, max(1, SLAB_BYTES // (4 * k)))
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for r in range(0, n, step):
+            rows = min(step, n - r)
+            slab = ext.kq_panel_dequantize(packed, t, k, r, r + rows, reused_buffer(rows, k, self.slab_dtype))
+            out[:, r : r + rows] = F.linear(xs, slab)
+        return out
 
     def _bind_fast(self) -> None:
         """The decode path, bound once: a module's parameter and buffer lookups and the checks of

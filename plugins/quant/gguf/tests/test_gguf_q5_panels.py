@@ -1,10 +1,11 @@
-"""Q5_0 / Q5_1 in 16-row panels (csrc/gguf_matmul.cpp, `gguf_pack_panels` / `gguf_matmul_panels`):
-the blocks come back from the panels byte for byte; the product is (x rounded per 32-block) @ the
-gguf package's dequantized weights within the int8-activation tests' bound, on each panel ISA the
-CPU has (AVX2, AVX-512 VNNI), M 1 / 7 / 64, odd N, short K; a row's bits are the same alone and
-in a batch of 64; the 5-bit codes' int16 sums do not saturate; `GGUFLinear` keeps such layers
-(and a legacy segment beside them) only as panels; a tiny model served from a Q5_0 / Q5_1 file
-through the panels. Random blocks with a fresh seed each run (printed on failure)."""
+"""Q5_0 / Q5_1 / Q4_K in 16-row panels (csrc/gguf_matmul.cpp, `gguf_pack_panels` /
+`gguf_matmul_panels`): the blocks come back from the panels byte for byte; the product is (x
+rounded per 32-block) @ the gguf package's dequantized weights within the int8-activation tests'
+bound, on each panel ISA the CPU has (AVX2, AVX-512 VNNI), M 1 / 7 / 64, odd N, short K; a row's
+bits are the same alone and in a batch of 64; the 5-bit codes' int16 sums do not saturate;
+`GGUFLinear` keeps such layers (and a legacy segment beside them) only as panels; a tiny model
+served from a Q5_0 / Q5_1 / Q4_K file through the panels. Random blocks with a fresh seed each
+run (printed on failure)."""
 
 from __future__ import annotations
 
@@ -26,16 +27,19 @@ pytestmark = pytest.mark.skipif(
     ext is None or ext.best_isa() < 1, reason="the panel kernel needs AVX2 and the built kernels"
 )
 
-TYPES = [T.Q5_0, T.Q5_1]
+TYPES = [T.Q5_0, T.Q5_1, T.Q4_K]
+FIVE_BIT = [T.Q5_0, T.Q5_1]
+FP16_AT = {T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q4_K: (0, 2)}  # where a block keeps its fp16 scales
 PANEL_ISAS = [1, 2]
 isa_ids = ["avx2", "avx512"]
 
 
 def random_blocks(typ: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """[n, row bytes]: random codes and fifth bits, finite fp16 d (and m), some zero or subnormal."""
+    """[n, row bytes]: random codes (fifth bits, 6-bit scales), finite fp16 d (and m / dmin), some
+    zero or subnormal."""
     values, size = GGML_QUANT_SIZES[typ]
     raw = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
-    for at in (0, 2) if typ == T.Q5_1 else (0,):
+    for at in FP16_AT[typ]:
         d = (rng.standard_normal((n, k // values)) * 0.01).astype(np.float16)
         special = rng.random(d.shape)
         d[special < 0.05] = 0.0
@@ -81,11 +85,15 @@ def test_q5_panels_are_the_rounded_x_times_the_dequantized_blocks(typ, isa):
     rng = np.random.default_rng(seed)
     shapes = [(1, 1, 32), (1, 37, 288), (7, 33, 224), (64, 17, 576), (64, 51, 96)]
     shapes.append((int(rng.integers(1, 65)), int(rng.integers(1, 80)), 32 * int(rng.integers(1, 19))))
+    if typ == T.Q4_K:  # whole super-blocks
+        shapes = [(m, n, 256 * -(-k // 256)) for m, n, k in shapes]
     for m, n, k in shapes:
         raw = torch.from_numpy(random_blocks(typ, n, k, rng))
         packed = ext.gguf_pack_panels(raw, int(typ), k)
-        # The panels hold exactly the blocks' bytes (16 rows a panel; zero rows pad N).
-        assert packed.numel() == -(-n // 16) * 16 * raw.shape[1]
+        # The panels hold exactly the blocks' bytes (16 rows a panel; zero rows pad N); Q4_K's
+        # 6-bit scale / min pairs as bytes, 148 bytes a super-block row for 144.
+        per_row = raw.shape[1] // 144 * 148 if typ == T.Q4_K else raw.shape[1]
+        assert packed.numel() == -(-n // 16) * 16 * per_row
         ids = torch.from_numpy(rng.permutation(n))
         assert torch.equal(ext.gguf_panel_blocks(packed, int(typ), k, ids), raw[ids])
         x = torch.randn(m, k + int(rng.integers(1, 5)))[:, :k]
@@ -107,7 +115,7 @@ def test_q5_panel_rows_are_alike_whatever_the_batch(typ, isa):
     skip_missing(isa)
     seed = random.randrange(2**32)
     rng = np.random.default_rng(seed)
-    n, k = int(rng.integers(1, 70)), 32 * int(rng.integers(1, 20))
+    n, k = int(rng.integers(1, 70)), (256 if typ == T.Q4_K else 32) * int(rng.integers(1, 7))
     raw = torch.from_numpy(random_blocks(typ, n, k, rng))
     packed = ext.gguf_pack_panels(raw, int(typ), k)
     x = torch.randn(64, k)
@@ -121,7 +129,7 @@ def test_q5_panel_rows_are_alike_whatever_the_batch(typ, isa):
         )
 
 
-@pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("typ", FIVE_BIT, ids=lambda t: t.name)
 @pytest.mark.parametrize("isa", PANEL_ISAS, ids=isa_ids)
 def test_q5_panels_largest_codes_do_not_saturate(typ, isa):
     """Every code 31 (fifth bits all set) against x rounded to +-127: AVX2 sums 5-bit maddubs
@@ -150,24 +158,83 @@ def test_q5_pack_refuses_rows_of_the_wrong_size_in_one_line():
     packed = ext.gguf_pack_panels(raw, int(T.Q5_0), 64)
     with pytest.raises(RuntimeError, match="gguf_pack_panels' output for N = 4, K = 64"):
         ext.gguf_matmul_panels(torch.randn(2, 64), packed, int(T.Q5_1), 4)
+    with pytest.raises(RuntimeError, match="K must be a positive multiple of 256, got 288"):
+        ext.gguf_pack_panels(torch.zeros(4, 162, dtype=torch.uint8), int(T.Q4_K), 288)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 256 for Q4_K, got 64"):
+        ext.gguf_matmul_panels(torch.randn(2, 64), packed, int(T.Q4_K), 4)
 
 
-def _panel_layer(spec: LinearSpec) -> GGUFLinear:
-    """A layer as `prefill: panels` makes it: int8 activations, panels for every batch."""
-    return GGUFLinear(spec, int8_activations=True, kernel_max_rows=0, panels=True)
+def test_q4_k_panels_dequantize_to_the_blocks_values_bit_for_bit():
+    """`kq_panel_dequantize` (the slabs of a Q4_K layer kept as panels): any row range, fp32 and
+    bf16, exactly `kq_dequantize`'s values (the gguf package's, bit for bit)."""
+    seed = random.randrange(2**32)
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(1, 60)), 256 * int(rng.integers(1, 5))
+    raw = torch.from_numpy(random_blocks(T.Q4_K, n, k, rng))
+    packed = ext.gguf_pack_panels(raw, int(T.Q4_K), k)
+    ref = ext.kq_dequantize(raw, int(T.Q4_K), k)
+    assert torch.equal(ref.view(torch.int32), dequantized(raw.numpy(), T.Q4_K).view(torch.int32))
+    r0 = int(rng.integers(0, n))
+    r1 = int(rng.integers(r0, n + 1))
+    for dtype in (torch.float32, torch.bfloat16):
+        into = torch.empty(r1 - r0, k, dtype=dtype)
+        ext.kq_panel_dequantize(packed, int(T.Q4_K), k, r0, r1, into)
+        assert torch.equal(into, ref[r0:r1].to(dtype)), f"{dtype} n={n} k={k} rows {r0}:{r1} seed {seed}"
+    with pytest.raises(RuntimeError, match=r"rows \[0, 100\) are not in the panels"):
+        ext.kq_panel_dequantize(packed, int(T.Q4_K), k, 0, 100, torch.empty(100, k))
+
+
+def test_q4_k_panels_take_decode_batches_and_slabs_take_larger_ones_as_before():
+    """`kquant_batches: slabs` (the default): a Q4_K layer kept as panels multiplies batches up to
+    `kq_max_rows` by the panels, larger ones by slabs rebuilt from them — the bits the blocks'
+    slabs gave (x unrounded); with `kq_max_rows` None (`kquant_batches: int8`) panels take all."""
+    from lmstack_gguf.kernel import dequant_matmul
+
+    rng = np.random.default_rng(7)
+    n, k = 40, 512
+    raw = torch.from_numpy(random_blocks(T.Q4_K, n, k, rng))
+    dense = dequantized(raw.numpy(), T.Q4_K)
+    for slab_dtype in (torch.float32, torch.bfloat16):
+        layer = GGUFLinear(
+            LinearSpec(k, n, False, "x"),
+            int8_activations=True,
+            kernel_max_rows=0,
+            panels=True,
+            kq_max_rows=5,
+            slab_dtype=slab_dtype,
+        )
+        layer.set_blocks(int(T.Q4_K), raw.clone())
+        ((_, packed),) = layer.segments
+        x = torch.randn(9, k)
+        assert torch.equal(layer(x[:5]), ext.gguf_matmul_panels(x[:5], packed, int(T.Q4_K), n))
+        before = dequant_matmul(x.to(slab_dtype), raw, int(T.Q4_K), k).float()  # the blocks' slabs
+        assert torch.equal(layer(x), before)
+    every = GGUFLinear(
+        LinearSpec(k, n, False, "x"), int8_activations=True, kernel_max_rows=0, panels=True, kq_max_rows=None
+    )
+    every.set_blocks(int(T.Q4_K), raw.clone())
+    x = torch.randn(70, k)
+    assert within_rounding(every(x), rounded_x(x), dense, k)
+
+
+def _panel_layer(spec: LinearSpec, **kq) -> GGUFLinear:
+    """A layer as `prefill: panels` makes it: int8 activations, panels for every batch (a Q4_K
+    one up to `kq_max_rows`, KQ_MAX_ROWS unless given)."""
+    return GGUFLinear(spec, int8_activations=True, kernel_max_rows=0, panels=True, **kq)
 
 
 @pytest.mark.parametrize("typ", TYPES, ids=lambda t: t.name)
-def test_a_q5_layer_keeps_only_panels_and_multiplies_every_batch_by_them(typ):
+def test_a_layer_keeps_only_panels_and_multiplies_every_batch_by_them(typ):
     rng = np.random.default_rng(int(typ))
-    n, k = 48, 192
+    n, k = 48, 256
     raw = torch.from_numpy(random_blocks(typ, n, k, rng))
     dense = dequantized(raw.numpy(), typ)
-    layer = _panel_layer(LinearSpec(k, n, False, "x"))
+    layer = _panel_layer(LinearSpec(k, n, False, "x"), kq_max_rows=None)  # kquant_batches: int8
     layer.set_blocks(int(typ), raw.clone())
     assert layer.ggml_type == int(typ) and layer.segment_panels == [n] and layer.weight.numel() == 0
     ((t, packed),) = layer.segments
-    assert resident_weight_bytes(layer) == raw.nbytes  # the file's bytes, re-laid
+    # The file's bytes, re-laid (Q4_K: 148 bytes a super-block row for 144).
+    assert resident_weight_bytes(layer) == (raw.nbytes // 144 * 148 if typ == T.Q4_K else raw.nbytes)
     for m in (1, 7, 64):
         x = torch.randn(m, k)
         out = layer(x)
@@ -179,40 +246,42 @@ def test_a_q5_layer_keeps_only_panels_and_multiplies_every_batch_by_them(typ):
 
 
 def test_a_mixed_layer_takes_panels_for_its_panel_types_and_kq_for_the_k_quants():
-    """SmolLM2's Q4_K_M qkv: Q5_0 q and k, a Q8_0 v (llama-quantize's fallbacks), here with a Q6_K
-    part too: Q5_0 and Q8_0 rows as panels, Q6_K as its blocks; the panel rows alike in any batch."""
+    """SmolLM2's Q4_K_M qkv: Q5_0 q and k, a Q8_0 v (llama-quantize's fallbacks), here with Q4_K
+    and Q6_K parts too: Q5_0, Q8_0 and Q4_K rows as panels, Q6_K as its blocks; the panel rows
+    alike in any batch."""
     from lmstack.testing.gguf_quants import quantize
 
     rng = np.random.default_rng(5)
-    k, sizes = 256, (32, 16, 16, 16)
+    k, sizes = 256, (32, 16, 16, 16, 16)
     w = [rng.standard_normal((s, k)).astype(np.float32) for s in sizes]
-    types = (T.Q5_0, T.Q5_0, T.Q8_0, T.Q6_K)
+    types = (T.Q5_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)
     raws = [quantize(a, t) if t != T.Q8_0 else quants.quantize(a, t) for a, t in zip(w, types)]
     dense = torch.cat([dequantized(r, t) for r, t in zip(raws, types)])
     spec = LinearSpec(k, sum(sizes), False, "qkv", output_sizes=sizes)
     layer = _panel_layer(spec)
     layer._parts = {i: (int(t), torch.from_numpy(r)) for i, (r, t) in enumerate(zip(raws, types))}
     layer.finalize()
-    assert [t for t, _ in layer.segments] == [int(T.Q5_0), int(T.Q8_0), int(T.Q6_K)]
-    assert layer.segment_panels == [48, 16, None] and layer.ggml_type is None
+    assert [t for t, _ in layer.segments] == [int(T.Q5_0), int(T.Q8_0), int(T.Q4_K), int(T.Q6_K)]
+    assert layer.segment_panels == [48, 16, 16, None] and layer.ggml_type is None
     x = torch.randn(64, k)
     out = layer(x)
-    # (64 rows: the Q6_K segment multiplies x unrounded, by fp32 slabs: KQ_MAX_ROWS)
+    # (64 rows: the K-quant segments multiply x unrounded, by fp32 slabs: KQ_MAX_ROWS)
     assert within_rounding(out[:, :64], rounded_x(x), dense[:64], k)
     assert within_rounding(out[:, 64:], x, dense[64:], k)
     assert within_rounding(layer(x[:8]), rounded_x(x[:8]), dense, k)
     picked = [0, 31, 63]
     assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in picked])[:, :64], out[picked, :64])
-    ids = torch.tensor([0, 47, 48, 63, 64, 79])
+    ids = torch.tensor([0, 47, 48, 63, 64, 79, 80, 95])
     assert torch.equal(layer.rows(ids), dense[ids])
 
 
-@pytest.mark.parametrize("kind", ["q5_0", "q5_1"])
-def test_a_model_served_from_a_q5_file_through_the_panels(kind, tmp_path):
-    """A tiny qwen3 written as Q5_0 / Q5_1: the default stack (int8 activations, `prefill: panels`)
-    holds every layer as panels within 5 % of the file's tensor bytes; the first greedy token is
-    the dequantized file's (`weights: none`) and the prompt log-probabilities stay within the
-    int8 rounding's bound; prefilled in chunks of 8 rows every row gets the same bits."""
+@pytest.mark.parametrize("kind", ["q5_0", "q5_1", "q4_k"])
+def test_a_model_served_through_the_panels(kind, tmp_path):
+    """A tiny qwen3 written as Q5_0 / Q5_1 / Q4_K: the default stack (int8 activations, `prefill:
+    panels`; Q4_K with `kquant_batches: int8`, so that its prompt takes the panels too) holds every
+    layer as panels within 5 % of the file's tensor bytes; the first greedy token is the
+    dequantized file's (`weights: none`) and the prompt log-probabilities stay within the int8
+    rounding's bound; prefilled in chunks of 8 rows every row gets the same bits."""
     pytest.importorskip("transformers")
     from lmstack.engine.llm import LLM
     from lmstack.model.gguf_file import read_gguf
@@ -243,7 +312,12 @@ def test_a_model_served_from_a_q5_file_through_the_panels(kind, tmp_path):
             llm.engine.shutdown()
 
     expected, theirs, _, _ = run({"weights": "none"})
-    tokens, ours, model, resident = run({"weights": "gguf", "kv_cache": "none"})
+    gguf_quant = {
+        "weights": "gguf",
+        "kv_cache": "none",
+        **({"kquant_batches": "int8"} if kind == "q4_k" else {}),
+    }
+    tokens, ours, model, resident = run(gguf_quant)
     layers = [m for m in model.modules() if isinstance(m, GGUFLinear) and m is not model.lm_head]
     assert layers and all(m.segment_panels and None not in m.segment_panels for m in layers)
     qtype = int(T[kind.upper()])
@@ -255,5 +329,5 @@ def test_a_model_served_from_a_q5_file_through_the_panels(kind, tmp_path):
     assert 1e-4 < diffs.max() < 1.5 and diffs.mean() < 0.3, (diffs.mean(), diffs.max())
     assert tokens[0] == expected[0]
     chunked = {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 8}
-    tokens_chunked, pieces, _, _ = run({"weights": "gguf", "kv_cache": "none"}, scheduler=chunked)
+    tokens_chunked, pieces, _, _ = run(gguf_quant, scheduler=chunked)
     assert tokens_chunked == tokens and torch.equal(pieces, ours)

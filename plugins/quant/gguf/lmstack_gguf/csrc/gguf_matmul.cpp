@@ -48,7 +48,7 @@ namespace gguf_matmul {
 
 enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 // GGML type ids (ggml.h).
-enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_1G = 1000 };  // Q5_x: panels only
+enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q4_1G = 1000 };  // Q5_x, Q4_K: panels only
 constexpr int QK = 32;  // values per block, every type here
 constexpr int MAX_GSHIFT = 3;  // Q4_1G's groups: at most 8 blocks (256 columns)
 
@@ -276,14 +276,33 @@ constexpr bool PANEL_M = TYPE == Q4_1 || TYPE == Q5_1;
 // (PANEL_M) the 16 m (Q4_0's and Q5_0's offsets, -8 d and -16 d, are made in the kernel).
 template <int TYPE>
 constexpr int64_t PANEL_CODES = TYPE == Q8_0 ? 512 : FIVE_BIT<TYPE> ? 320 : 256;
+// (Q4_K: a super-block's bytes per block, Q4K_PANEL_SUPER / 8.)
 template <int TYPE>
-constexpr int64_t PANEL_BLOCK = PANEL_CODES<TYPE> + (PANEL_M<TYPE> ? 64 : 32);
+constexpr int64_t PANEL_BLOCK = TYPE == Q4_K ? 296 : PANEL_CODES<TYPE> + (PANEL_M<TYPE> ? 64 : 32);
 inline int64_t panel_code_bytes(int64_t type) { return type == Q8_0 ? 512 : type == Q5_0 || type == Q5_1 ? 320 : 256; }
 inline bool panel_has_m(int64_t type) { return type != Q4_0 && type != Q5_0 && type != Q8_0; }  // Q4_1G too
-inline int64_t panel_block_bytes(int64_t type) { return panel_code_bytes(type) + (panel_has_m(type) ? 64 : 32); }
+inline int64_t panel_block_bytes(int64_t type) {
+  return type == Q4_K ? 296 : panel_code_bytes(type) + (panel_has_m(type) ? 64 : 32);
+}
 // The bias c of value = d * (q - c) for the types without an m (0: Q8_0, and the types with one).
 template <int TYPE>
 constexpr float PANEL_BIAS = TYPE == Q4_0 ? 8.f : TYPE == Q5_0 ? 16.f : 0.f;
+
+// Q4_K (256-value super-blocks: fp16 d, dmin, 8 x 6-bit (scale, min), 4-bit q; value of block t
+// = d * sc_t * q - dmin * mn_t): a panel super-block is its 8 blocks' codes in Q4's panel layout
+// (256 bytes each), then the 16 rows' 6-bit scales as bytes (16 per block t: row c at 16t + c),
+// their mins likewise, then d and dmin as fp16 bits (16 each): 2368 bytes for 16 x 256 values,
+// 148 a row where the file's super-block holds 144 (1.028x: the 6-bit pairs spread to bytes). The
+// kernels make a block's d * sc_t and -(dmin * mn_t) in fp32 (kquants.cpp's operations) and go
+// on as for Q4_1.
+constexpr int64_t Q4K_PANEL_SUPER = 2048 + 256 + 64;
+template <int TYPE>
+inline int64_t panel_codes_at(int64_t b) {
+  if constexpr (TYPE == Q4_K)
+    return (b >> 3) * Q4K_PANEL_SUPER + 256 * (b & 7);
+  else
+    return b * PANEL_BLOCK<TYPE>;
+}
 
 // Activation rows [r0, r1) in tiles of 4 and one tile of the rest: tile(MR, r) for each, MR a
 // std::integral_constant so that the tile's row count is a compile-time constant.
@@ -629,9 +648,9 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
   for (int64_t b = 0; b < nb; ++b) {
     // The panel's stream PREFETCH_BYTES ahead (as the AVX-512 panel tile; the second half's pass
     // finds these lines in cache already).
-    const char* next = reinterpret_cast<const char*>(w + b * PB) + PREFETCH_BYTES;
+    const char* next = reinterpret_cast<const char*>(w + panel_codes_at<TYPE>(b)) + PREFETCH_BYTES;
     for (int64_t o = 0; o < PB; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
-    const uint8_t* blk = w + b * PB + 32 * half;
+    const uint8_t* blk = w + panel_codes_at<TYPE>(b) + 32 * half;
     const int8_t* xb = qx + b * QK;
     __m256i dot[MR];
     if constexpr (TYPE == Q8_0) {
@@ -675,13 +694,25 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
       if constexpr (!FIVE_BIT<TYPE>)
         for (int r = 0; r < MR; ++r) dot[r] = _mm256_madd_epi16(s16[r], ones);
     }
-    const uint8_t* head = w + b * PB + CODES + 16 * half;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
-    __m256 m = _mm256_setzero_ps();
-    if constexpr (PANEL_BIAS<TYPE> != 0.f)
-      m = _mm256_mul_ps(d, _mm256_set1_ps(-PANEL_BIAS<TYPE>));
-    else if constexpr (TYPE != Q8_0)
-      m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 32)));
+    __m256 d, m = _mm256_setzero_ps();
+    if constexpr (TYPE == Q4_K) {  // d * sc_t and -(dmin * mn_t), 8 rows
+      const uint8_t* sup = w + (b >> 3) * Q4K_PANEL_SUPER;
+      const int64_t t = b & 7;
+      auto bytes8 = [](const uint8_t* p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      };
+      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 2304 + 16 * half)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 2336 + 16 * half)));
+      d = _mm256_mul_ps(dd, bytes8(sup + 2048 + 16 * t + 8 * half));
+      m = _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmin, bytes8(sup + 2176 + 16 * t + 8 * half)));
+    } else {
+      const uint8_t* head = w + b * PB + CODES + 16 * half;
+      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
+      if constexpr (PANEL_BIAS<TYPE> != 0.f)
+        m = _mm256_mul_ps(d, _mm256_set1_ps(-PANEL_BIAS<TYPE>));
+      else if constexpr (TYPE != Q8_0)
+        m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 32)));
+    }
     for (int r = 0; r < MR; ++r) {
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
       if constexpr (TYPE != Q8_0) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
@@ -893,7 +924,7 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
     // of it (a hint: no fault past the end). Without it a decode row read the panels at ~37 GB/s
     // on a Zen 5, where the block kernel's software prefetch streams its rows at ~50.
     for (int c = 0; c < NR; ++c) {
-      const char* next = reinterpret_cast<const char*>(w + c * panel_bytes + b * PB) + PREFETCH_BYTES;
+      const char* next = reinterpret_cast<const char*>(w + c * panel_bytes + panel_codes_at<TYPE>(b)) + PREFETCH_BYTES;
       for (int64_t o = 0; o < PB; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
     }
     __m512i dot[MR][NR];
@@ -915,7 +946,7 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NR], hi[NR];
         for (int c = 0; c < NR; ++c) {
-          const uint8_t* blk = w + c * panel_bytes + b * PB;
+          const uint8_t* blk = w + c * panel_bytes + panel_codes_at<TYPE>(b);
           const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
           lo[c] = _mm512_and_si512(raw, mask);
           hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
@@ -942,6 +973,18 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
     __m512 d[NR], m[NR];
     for (int c = 0; c < NR; ++c) {
       const uint8_t* blk = w + c * panel_bytes + b * PB + CODES;
+      if constexpr (TYPE == Q4_K) {  // d * sc_t and -(dmin * mn_t), 16 rows
+        const uint8_t* sup = w + c * panel_bytes + (b >> 3) * Q4K_PANEL_SUPER;
+        const int64_t t = b & 7;
+        auto bytes16 = [](const uint8_t* p) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        };
+        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 2304)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 2336)));
+        d[c] = _mm512_mul_ps(dd, bytes16(sup + 2048 + 16 * t));
+        m[c] = _mm512_xor_ps(_mm512_set1_ps(-0.f), _mm512_mul_ps(dmin, bytes16(sup + 2176 + 16 * t)));
+        continue;
+      }
       d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
       if constexpr (PANEL_BIAS<TYPE> != 0.f)
         m[c] = _mm512_mul_ps(d[c], _mm512_set1_ps(-PANEL_BIAS<TYPE>));
@@ -1259,19 +1302,68 @@ torch::Tensor gguf_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int
 inline bool five_bit(int64_t type) { return type == Q5_0 || type == Q5_1; }
 inline int64_t five_bit_block_bytes(int64_t type) { return type == Q5_0 ? 22 : 24; }
 
+// Q4_K: the 8 six-bit scales and mins of a super-block from its 12 packed bytes, and back.
+inline void unpack_scales_k4(const uint8_t* q, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = q[j] & 63;
+    mn[j] = q[j + 4] & 63;
+    sc[j + 4] = (q[j + 8] & 15) | ((q[j] >> 6) << 4);
+    mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+  }
+}
+inline void pack_scales_k4(const uint8_t sc[8], const uint8_t mn[8], uint8_t* q) {
+  for (int j = 0; j < 4; ++j) {
+    q[j] = uint8_t(sc[j] | ((sc[j + 4] >> 4) << 6));
+    q[j + 4] = uint8_t(mn[j] | ((mn[j + 4] >> 4) << 6));
+    q[j + 8] = uint8_t((sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4));
+  }
+}
+
+// Super-block sb of a Q4_K row (144 bytes: fp16 d, dmin, 12 bytes of scales, 128 of codes: value
+// 64h + l (l < 32) in the low nibble of byte 32h + l, value 64h + 32 + l in its high one) into
+// row c of a panel super-block (layout above), or back (to_panel false).
+void q4_k_row_panel(uint8_t* blk, uint8_t* sup, int c, bool to_panel) {
+  uint8_t sc[8], mn[8];
+  if (to_panel) {
+    std::memcpy(sup + 2304 + 2 * c, blk, 2);
+    std::memcpy(sup + 2336 + 2 * c, blk + 2, 2);
+    unpack_scales_k4(blk + 4, sc, mn);
+    for (int t = 0; t < 8; ++t) sup[2048 + 16 * t + c] = sc[t], sup[2176 + 16 * t + c] = mn[t];
+  } else {
+    std::memcpy(blk, sup + 2304 + 2 * c, 2);
+    std::memcpy(blk + 2, sup + 2336 + 2 * c, 2);
+    for (int t = 0; t < 8; ++t) sc[t] = sup[2048 + 16 * t + c], mn[t] = sup[2176 + 16 * t + c];
+    pack_scales_k4(sc, mn, blk + 4);
+  }
+  // Block t's value v (0..31) sits in Q4's panel byte 64 (v % 16 / 4) + 4c + v % 4, nibble v / 16.
+  for (int t = 0; t < 8; ++t)
+    for (int v = 0; v < 32; ++v) {
+      const int j = 32 * t + v;  // value in the super-block
+      uint8_t& file = blk[16 + 32 * (j / 64) + j % 32];
+      const int file_shift = 4 * ((j / 32) % 2);
+      uint8_t& panel = sup[256 * t + 64 * (v % 16 / 4) + 4 * c + v % 4];
+      const int panel_shift = 4 * (v / 16);
+      if (to_panel)
+        panel = uint8_t(panel | (((file >> file_shift) & 15) << panel_shift));
+      else
+        file = uint8_t((file & ~(15 << file_shift)) | (((panel >> panel_shift) & 15) << file_shift));
+    }
+}
+
 // The panel kind of a type id (Q4_1G's panels are Q4_1's), or a one-line error.
 int64_t panel_kind(int64_t type) {
-  if (five_bit(type)) return type;
+  if (five_bit(type) || type == Q4_K) return type;
   const Layout L = layout_of(type);
   return L.kind == Q4_1G ? Q4_1 : L.kind;
 }
 
 void check_panel_weight(const torch::Tensor& w, int64_t type, int64_t k) {
-  if (!five_bit(type)) return check_weight(w, type, k);
+  if (!five_bit(type) && type != Q4_K) return check_weight(w, type, k);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
               "w must be a contiguous CPU uint8 tensor [N, bytes per row]");
-  TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of ", QK, ", got ", k);
-  const int64_t want = k / QK * five_bit_block_bytes(type);
+  const int64_t values = type == Q4_K ? 256 : QK;
+  TORCH_CHECK(k > 0 && k % values == 0, "K must be a positive multiple of ", values, ", got ", k);
+  const int64_t want = type == Q4_K ? k / 256 * 144 : k / QK * five_bit_block_bytes(type);
   TORCH_CHECK(w.size(1) == want, "w rows hold ", w.size(1), " bytes; K = ", k, " needs ", want);
 }
 
@@ -1279,7 +1371,7 @@ void check_panel_weight(const torch::Tensor& w, int64_t type, int64_t k) {
 torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) {
   check_panel_weight(w, type, k);
   const bool five = five_bit(type);
-  const Layout L = five ? Layout{type, 0, 0, 0, 0} : layout_of(type);
+  const Layout L = five || type == Q4_K ? Layout{type, 0, 0, 0, 0} : layout_of(type);
   const int64_t bb = five ? five_bit_block_bytes(type) : 0, head = type == Q5_1 ? 4 : 2;
   const int64_t N = w.size(0), nb = k / QK;
   const int64_t panels = (N + PANEL - 1) / PANEL, pbb = panel_block_bytes(type);
@@ -1289,6 +1381,14 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     float q[QK];
+    if (type == Q4_K) {
+      for (int64_t pn = p0; pn < p1; ++pn)
+        for (int64_t sb = 0; sb < nb / 8; ++sb)
+          for (int c = 0; c < PANEL && pn * PANEL + c < N; ++c)
+            q4_k_row_panel(const_cast<uint8_t*>(src) + (pn * PANEL + c) * w.size(1) + sb * 144,
+                           dst + pn * nb * pbb + sb * Q4K_PANEL_SUPER, c, true);
+      return;
+    }
     for (int64_t pn = p0; pn < p1; ++pn)
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* pb = dst + (pn * nb + b) * pbb;
@@ -1336,6 +1436,7 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
 torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64_t k, const torch::Tensor& rows) {
   TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of ", QK, ", got ", k);
   const int64_t kind = panel_kind(type);
+  TORCH_CHECK(kind != Q4_K || k % 256 == 0, "K must be a multiple of 256 for Q4_K, got ", k);
   const int64_t nb = k / QK, pbb = panel_block_bytes(type), codes = panel_code_bytes(type);
   TORCH_CHECK(best_isa() >= ISA_AVX2, "gguf_panel_blocks needs F16C (AVX2 CPUs have it)");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
@@ -1344,7 +1445,7 @@ torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64
   TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1, "rows must be a 1-D int64 tensor");
   const auto ids = rows.contiguous();
   const int64_t R = ids.size(0), n_max = packed.size(0) * PANEL;
-  const int64_t bb = five_bit(kind) ? five_bit_block_bytes(kind) : block_bytes(kind);
+  const int64_t bb = kind == Q4_K ? 18 : five_bit(kind) ? five_bit_block_bytes(kind) : block_bytes(kind);
   auto out = torch::empty({R, nb * bb}, packed.options());
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < R; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n_max, "row ", id[i], " is not in the panels");
@@ -1353,6 +1454,14 @@ torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t pn = id[r] / PANEL, c = id[r] % PANEL;
+      if (kind == Q4_K) {  // 144 bytes a super-block (bb: 18 a block)
+        for (int64_t sb = 0; sb < nb / 8; ++sb) {
+          uint8_t* blk = dst + r * nb * bb + sb * 144;
+          std::memset(blk, 0, 144);
+          q4_k_row_panel(blk, const_cast<uint8_t*>(src) + pn * nb * pbb + sb * Q4K_PANEL_SUPER, int(c), false);
+        }
+        continue;
+      }
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* pb = src + (pn * nb + b) * pbb;
         const uint8_t* heads = pb + codes;
@@ -1399,6 +1508,7 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   TORCH_CHECK(K > 0 && K % QK == 0, "K must be a positive multiple of ", QK, ", got ", K);
   const int64_t panels = (n + PANEL - 1) / PANEL, kind = panel_kind(type);
+  TORCH_CHECK(kind != Q4_K || K % 256 == 0, "K must be a multiple of 256 for Q4_K, got ", K);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(0) == panels && packed.size(1) == nb * panel_block_bytes(type),
               "packed must be gguf_pack_panels' output for N = ", n, ", K = ", K);
@@ -1416,6 +1526,7 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
         case Q4_1: avx2::panels_q8<Q4_1>(p, w, u0, u1); break;
         case Q5_0: avx2::panels_q8<Q5_0>(p, w, u0, u1); break;
         case Q5_1: avx2::panels_q8<Q5_1>(p, w, u0, u1); break;
+        case Q4_K: avx2::panels_q8<Q4_K>(p, w, u0, u1); break;
         default: avx2::panels_q8<Q8_0>(p, w, u0, u1); break;
       }
     });
@@ -1436,6 +1547,7 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
       case Q4_1: avx512::panels_q8<Q4_1>(p, w, nullptr, t0, t1); break;
       case Q5_0: avx512::panels_q8<Q5_0>(p, w, nullptr, t0, t1); break;
       case Q5_1: avx512::panels_q8<Q5_1>(p, w, nullptr, t0, t1); break;
+      case Q4_K: avx512::panels_q8<Q4_K>(p, w, nullptr, t0, t1); break;
       default: avx512::panels_q8<Q8_0>(p, w, c128.data(), t0, t1); break;
     }
   });
@@ -1501,13 +1613,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("type"), py::arg("isa") = -1);
   m.def("quantize_q8", &gguf_matmul::quantize_q8, "x fp32 [M, K] -> (int8 q, scale dx, dx * sum(q)) per 32-block",
         py::arg("x"), py::arg("isa") = -1);
-  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] (Q4_0, Q4_1, Q4_1G, Q5_0, Q5_1, Q8_0) -> 16-row panels (AVX-512 VNNI or AVX2)",
+  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] (Q4_0, Q4_1, Q4_1G, Q5_0, Q5_1, Q8_0, Q4_K) -> 16-row panels (AVX-512 VNNI or AVX2)",
         py::arg("w"), py::arg("type"), py::arg("k"));
   m.def("gguf_matmul_panels", &gguf_matmul::gguf_matmul_panels,
         "x fp32 [M, K] @ W^T from gguf_pack_panels(W), x rounded to int8 per 32-block", py::arg("x"), py::arg("packed"),
         py::arg("type"), py::arg("n"), py::arg("isa") = -1);
   m.def("gguf_panel_blocks", &gguf_matmul::gguf_panel_blocks,
-        "rows of W back from gguf_pack_panels(W) as GGML blocks (Q4_1 for Q4_1G; Q5_0 / Q5_1 too)", py::arg("packed"), py::arg("type"),
+        "rows of W back from gguf_pack_panels(W) as GGML blocks (Q4_1 for Q4_1G)", py::arg("packed"), py::arg("type"),
         py::arg("k"), py::arg("rows"));
   m.def("gguf_dequantize", &gguf_matmul::gguf_dequantize, "GGUF block rows -> float32 [N, K]", py::arg("w"),
         py::arg("type"), py::arg("k"), py::arg("into") = py::none());
@@ -1520,6 +1632,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kq_row_bytes", &kquants::kq_row_bytes, "bytes per weight row of K values", py::arg("type"), py::arg("k"));
   m.def("kq_dequantize", &kquants::kq_dequantize, "packed rows [N, bytes] -> float32 [N, K] (or into fp32 / bf16)",
         py::arg("w"), py::arg("type"), py::arg("k"), py::arg("into") = py::none(), py::arg("isa") = -1);
+  m.def("kq_panel_dequantize", &kquants::kq_panel_dequantize,
+        "rows [r0, r1) of a Q4_K layer kept as panels -> into (fp32 / bf16), kq_dequantize's values", py::arg("packed"),
+        py::arg("type"), py::arg("k"), py::arg("r0"), py::arg("r1"), py::arg("into"));
   m.def("kq_matmul_q8", &kquants::kq_matmul_q8,
         "x fp32 [M, K] @ W^T, W packed, x rounded to int8 per 32-block (integer dot products)", py::arg("x"),
         py::arg("w"), py::arg("type"), py::arg("isa") = -1);

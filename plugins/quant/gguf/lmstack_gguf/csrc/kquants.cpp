@@ -862,6 +862,82 @@ torch::Tensor kq_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int64
   return out;
 }
 
+// Q4_K panels (gguf_pack_panels, gguf_matmul.cpp's layout: per 16 rows and super-block, 8 blocks
+// of codes in Q4's panel layout, 256 bytes each, then the rows' scales as bytes (block t: 16
+// bytes, row c at 16t + c), their mins likewise, d and dmin as fp16 bits, 2368 bytes): rows
+// [r0, r1) dequantized into `into` (fp32 or bf16 [r1 - r0, k]) with exactly kq_dequantize's
+// operations, so the values are the blocks' bit for bit (the slabs of a layer kept as panels).
+namespace q4k_panel {
+constexpr int64_t SUPER = 2368, SCALES = 2048, MINS = 2176, D = 2304, DMIN = 2336;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+template <class OUT>
+void panel_rows_q4_k(const uint8_t* packed, int64_t panel_bytes, int64_t k, int64_t r0, int64_t r1, OUT* out) {
+  using namespace q4k_panel;
+  const int64_t nsb = k / SB;
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  for (int64_t n = r0; n < r1; ++n) {
+    const int64_t c = n % 16;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* sup = packed + (n / 16) * panel_bytes + sb * SUPER;
+      const float d = half_f16c(sup + D + 2 * c), dmin = half_f16c(sup + DMIN + 2 * c);
+      for (int t = 0; t < 8; ++t) {
+        const float s = d * float(sup[SCALES + 16 * t + c]), o = -(dmin * float(sup[MINS + 16 * t + c]));
+        // Row c's 4 bytes of each of the block's 4 panel vectors: values 4j..4j+3 (low nibbles)
+        // and 16 + 4j.. (high), so the 16 bytes' low nibbles are values 0-15 in order.
+        const uint8_t* v = sup + 256 * t + 4 * c;
+        const __m128i raw = _mm_setr_epi32(int(load_u32(v)), int(load_u32(v + 64)), int(load_u32(v + 128)),
+                                           int(load_u32(v + 192)));
+        alignas(16) uint8_t u[32];
+        _mm_store_si128(reinterpret_cast<__m128i*>(u), _mm_and_si128(raw, m4));
+        _mm_store_si128(reinterpret_cast<__m128i*>(u + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        OUT* dst = out + (n - r0) * k + sb * SB + 32 * t;
+        for (int j = 0; j < 32; j += 8) {
+          int64_t u8;
+          std::memcpy(&u8, u + j, 8);
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(u8)));
+          const __m256 value = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(s), q), _mm256_set1_ps(o));
+          if constexpr (std::is_same_v<OUT, float>)
+            _mm256_storeu_ps(dst + j, value);
+          else
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), to_bf16(value));
+        }
+      }
+    }
+  }
+}
+}  // namespace avx2
+#pragma GCC pop_options
+
+torch::Tensor kq_panel_dequantize(const torch::Tensor& packed, int64_t type, int64_t k, int64_t r0, int64_t r1,
+                                  torch::Tensor into) {
+  TORCH_CHECK(type == Q4_K, "kq_panel_dequantize reads Q4_K (12) panels, got type ", type);
+  TORCH_CHECK(k > 0 && k % SB == 0, "K must be a positive multiple of 256 for Q4_K, got ", k);
+  TORCH_CHECK(gguf_matmul::best_isa() >= ISA_AVX2, "kq_panel_dequantize needs AVX2 (as the panels)");
+  const int64_t panel_bytes = k / SB * q4k_panel::SUPER;
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.dim() == 2 && packed.size(1) == panel_bytes,
+              "packed must be gguf_pack_panels' Q4_K output for K = ", k);
+  TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= packed.size(0) * 16, "rows [", r0, ", ", r1, ") are not in the panels");
+  TORCH_CHECK(into.device().is_cpu() &&
+                  (into.scalar_type() == torch::kFloat32 || into.scalar_type() == torch::kBFloat16) &&
+                  into.is_contiguous() && into.dim() == 2 && into.size(0) == r1 - r0 && into.size(1) == k,
+              "into must be a contiguous CPU float32 or bfloat16 tensor [", r1 - r0, ", ", k, "]");
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  const bool bf16 = into.scalar_type() == torch::kBFloat16;
+  at::parallel_for(r0, r1, 16, [&](int64_t n0, int64_t n1) {
+    if (bf16)
+      avx2::panel_rows_q4_k(src, panel_bytes, k, n0, n1,
+                            reinterpret_cast<uint16_t*>(into.data_ptr<at::BFloat16>()) + (n0 - r0) * k);
+    else
+      avx2::panel_rows_q4_k(src, panel_bytes, k, n0, n1, into.data_ptr<float>() + (n0 - r0) * k);
+  });
+  return into;
+}
+
 torch::Tensor kq_dequantize(const torch::Tensor& w, int64_t type, int64_t k, std::optional<torch::Tensor> into,
                             int64_t isa) {
   check_weight(w, type, k);
