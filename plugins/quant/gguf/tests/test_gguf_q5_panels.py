@@ -275,6 +275,40 @@ def test_a_mixed_layer_takes_panels_for_its_panel_types_and_kq_for_the_k_quants(
     assert torch.equal(layer.rows(ids), dense[ids])
 
 
+PROMPT = list(range(3, 43))  # above KQ_MAX_ROWS: a Q4_K prompt takes the slabs by default
+
+
+def _tiny_file(family: str, kind: str, root) -> object:
+    from lmstack.testing.gguf_writer import write_gguf
+    from lmstack.testing.tiny_families import write_tiny_family
+
+    return write_gguf(
+        write_tiny_family(family, root / "hf"), root / f"{family}.{kind}.gguf", tensor_type=kind
+    )
+
+
+def _serve(path, quant: dict, **stack):
+    """(greedy tokens, prompt log-probabilities, model, resident weight bytes) of one engine."""
+    from lmstack.engine.llm import LLM
+    from lmstack.sampling_params import SamplingParams
+    from lmstack.stack.plugins import make_plugin_manager
+    from lmstack.testing.kit import one_thread, tiny_stack
+
+    llm = LLM(
+        {**tiny_stack(path, max_model_len=64), "attention": "cpu-paged", "quant": quant, **stack},
+        plugin_manager=make_plugin_manager(),
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+        with one_thread():
+            out = llm.generate(PROMPT, params)[0]
+        logprobs = torch.tensor([out.prompt_logprobs[i][PROMPT[i]] for i in range(1, len(PROMPT))])
+        model = llm.engine.executor.runner.model
+        return out.outputs[0].token_ids, logprobs, model, resident_weight_bytes(model)
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["q5_0", "q5_1", "q4_k"])
 def test_a_model_served_through_the_panels(kind, tmp_path):
     """A tiny qwen3 written as Q5_0 / Q5_1 / Q4_K: the default stack (int8 activations, `prefill:
@@ -283,41 +317,16 @@ def test_a_model_served_through_the_panels(kind, tmp_path):
     dequantized file's (`weights: none`) and the prompt log-probabilities stay within the int8
     rounding's bound; prefilled in chunks of 8 rows every row gets the same bits."""
     pytest.importorskip("transformers")
-    from lmstack.engine.llm import LLM
     from lmstack.model.gguf_file import read_gguf
-    from lmstack.sampling_params import SamplingParams
-    from lmstack.stack.plugins import make_plugin_manager
-    from lmstack.testing.gguf_writer import write_gguf
-    from lmstack.testing.kit import one_thread, tiny_stack
-    from lmstack.testing.tiny_families import write_tiny_family
 
-    path = write_gguf(
-        write_tiny_family("qwen3", tmp_path / "hf"), tmp_path / f"qwen3.{kind}.gguf", tensor_type=kind
-    )
-    ids = list(range(3, 43))
-
-    def run(quant: dict, **stack):
-        llm = LLM(
-            {**tiny_stack(path, max_model_len=64), "attention": "cpu-paged", "quant": quant, **stack},
-            plugin_manager=make_plugin_manager(),
-        )
-        try:
-            params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
-            with one_thread():
-                out = llm.generate(ids, params)[0]
-            logprobs = torch.tensor([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
-            model = llm.engine.executor.runner.model
-            return out.outputs[0].token_ids, logprobs, model, resident_weight_bytes(model)
-        finally:
-            llm.engine.shutdown()
-
-    expected, theirs, _, _ = run({"weights": "none"})
+    path = _tiny_file("qwen3", kind, tmp_path)
+    expected, theirs, _, _ = _serve(path, {"weights": "none"})
     gguf_quant = {
         "weights": "gguf",
         "kv_cache": "none",
         **({"kquant_batches": "int8"} if kind == "q4_k" else {}),
     }
-    tokens, ours, model, resident = run(gguf_quant)
+    tokens, ours, model, resident = _serve(path, gguf_quant)
     layers = [m for m in model.modules() if isinstance(m, GGUFLinear) and m is not model.lm_head]
     assert layers and all(m.segment_panels and None not in m.segment_panels for m in layers)
     qtype = int(T[kind.upper()])
@@ -329,5 +338,26 @@ def test_a_model_served_through_the_panels(kind, tmp_path):
     assert 1e-4 < diffs.max() < 1.5 and diffs.mean() < 0.3, (diffs.mean(), diffs.max())
     assert tokens[0] == expected[0]
     chunked = {"name": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 8}
-    tokens_chunked, pieces, _, _ = run(gguf_quant, scheduler=chunked)
+    tokens_chunked, pieces, _, _ = _serve(path, gguf_quant, scheduler=chunked)
     assert tokens_chunked == tokens and torch.equal(pieces, ours)
+
+
+def test_a_q4_k_m_model_prompt_is_unchanged_by_the_panels(tmp_path):
+    """A tiny llama written as Q4_K_M (Q4_K, Q6_K for v / down) with the default stack: its Q4_K
+    layers are panels, and the 40-token prompt's log-probabilities are bit for bit what the blocks
+    give (`prefill: dense-copy`: no panels, the Q4_K blocks through kq and slabs, as before the
+    panels), since prefill above KQ_MAX_ROWS multiplies slabs rebuilt from the panels; the greedy
+    tokens (decode through the panels, kq before) are the same. (`lm_head: dense`: this tiny llama
+    ties its head to the Q4_K embedding, which as a packed table takes the panels at every batch,
+    kq before: the same products summed in another order.)"""
+    pytest.importorskip("transformers")
+    path = _tiny_file("llama3", "q4_k_m", tmp_path)
+    quant = {"weights": "gguf", "kv_cache": "none", "lm_head": "dense"}
+    before_tokens, before, old_model, _ = _serve(path, {**quant, "prefill": "dense-copy"})
+    assert not any(n for m in old_model.modules() if isinstance(m, GGUFLinear) for n in m.segment_panels if n)
+    tokens, ours, model, _ = _serve(path, quant)
+    panels = {
+        m.ggml_type for m in model.modules() if isinstance(m, GGUFLinear) and m.segment_panels[:1] != [None]
+    }
+    assert int(T.Q4_K) in panels
+    assert torch.equal(ours, before) and tokens == before_tokens
