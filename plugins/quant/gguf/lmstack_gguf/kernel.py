@@ -35,14 +35,14 @@ KQ_TYPES = frozenset(
     int(GGMLQuantizationType[n]) for n in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 )
 # The types `gguf_pack_panels` re-lays in 16-row panels (`prefill: panels`): the legacy ones, and
-# Q5_0 / Q5_1 / Q4_K (kept as `kq_*` blocks where the panels do not run).
+# Q5_0 / Q5_1 / Q4_K / Q6_K (kept as `kq_*` blocks where the panels do not run).
 PANEL_TYPES = frozenset(
-    int(GGMLQuantizationType[n]) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K")
+    int(GGMLQuantizationType[n]) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
 )
 # The K-quants among them: as their blocks' `kquant_batches` rule says, batches over the layer's
 # `kq_max_rows` multiply by slabs (dequantized from the panels, `kq_panel_dequantize`), x
 # unrounded; the other panel types take the panels for every batch.
-PANEL_KQUANTS = frozenset({int(GGMLQuantizationType.Q4_K)})
+PANEL_KQUANTS = frozenset({int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q6_K)})
 F16, BF16 = int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)
 FLOAT_TYPES = {F16: torch.float16, BF16: torch.bfloat16}
 # Batches of at most this many rows multiply a K-quant layer by `kq_matmul_q8` (int8

@@ -48,7 +48,7 @@ namespace gguf_matmul {
 
 enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 // GGML type ids (ggml.h).
-enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q4_1G = 1000 };  // Q5_x, Q4_K: panels only
+enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14, Q4_1G = 1000 };  // Q5_x, Q4_K, Q6_K: panels only
 constexpr int QK = 32;  // values per block, every type here
 constexpr int MAX_GSHIFT = 3;  // Q4_1G's groups: at most 8 blocks (256 columns)
 
@@ -276,13 +276,13 @@ constexpr bool PANEL_M = TYPE == Q4_1 || TYPE == Q5_1;
 // (PANEL_M) the 16 m (Q4_0's and Q5_0's offsets, -8 d and -16 d, are made in the kernel).
 template <int TYPE>
 constexpr int64_t PANEL_CODES = TYPE == Q8_0 ? 512 : FIVE_BIT<TYPE> ? 320 : 256;
-// (Q4_K: a super-block's bytes per block, Q4K_PANEL_SUPER / 8.)
+// (Q4_K, Q6_K: a super-block's bytes per block, Q4K_PANEL_SUPER / 8, Q6K_PANEL_SUPER / 8.)
 template <int TYPE>
-constexpr int64_t PANEL_BLOCK = TYPE == Q4_K ? 296 : PANEL_CODES<TYPE> + (PANEL_M<TYPE> ? 64 : 32);
+constexpr int64_t PANEL_BLOCK = TYPE == Q4_K ? 296 : TYPE == Q6_K ? 420 : PANEL_CODES<TYPE> + (PANEL_M<TYPE> ? 64 : 32);
 inline int64_t panel_code_bytes(int64_t type) { return type == Q8_0 ? 512 : type == Q5_0 || type == Q5_1 ? 320 : 256; }
 inline bool panel_has_m(int64_t type) { return type != Q4_0 && type != Q5_0 && type != Q8_0; }  // Q4_1G too
 inline int64_t panel_block_bytes(int64_t type) {
-  return type == Q4_K ? 296 : panel_code_bytes(type) + (panel_has_m(type) ? 64 : 32);
+  return type == Q4_K ? 296 : type == Q6_K ? 420 : panel_code_bytes(type) + (panel_has_m(type) ? 64 : 32);
 }
 // The bias c of value = d * (q - c) for the types without an m (0: Q8_0, and the types with one).
 template <int TYPE>
@@ -296,10 +296,21 @@ constexpr float PANEL_BIAS = TYPE == Q4_0 ? 8.f : TYPE == Q5_0 ? 16.f : 0.f;
 // kernels make a block's d * sc_t and -(dmin * mn_t) in fp32 (kquants.cpp's operations) and go
 // on as for Q4_1.
 constexpr int64_t Q4K_PANEL_SUPER = 2048 + 256 + 64;
+// Q6_K (256-value super-blocks: 4 low + 2 high bits of q, 16 int8 scales per 16 values, fp16 d;
+// value = d * sc_g * (q - 32)): a panel super-block is per block t (384 bytes) Q4's 256 bytes of
+// the codes' low 4 bits, then their bits 4 and 5 as masks (as Q5's fifth bits: 32 bytes per panel
+// vector j: the low-nibble values' bit 4, bit 5, then the high-nibble values' bit 4, bit 5); then
+// the 16 rows' scales (group g of 16 values: 16 bytes, row c at 16g + c) and d as fp16 bits:
+// 3360 bytes for 16 x 256 values, exactly the blocks' 210 a row. A block's low-nibble values are
+// group 2t, its high-nibble ones 2t + 1: two integer dot products, each less 32 * sum(q_x) of its
+// 16 values (exact), then times d * sc_g * dx.
+constexpr int64_t Q6K_PANEL_SUPER = 8 * 384 + 256 + 32;
 template <int TYPE>
 inline int64_t panel_codes_at(int64_t b) {
   if constexpr (TYPE == Q4_K)
     return (b >> 3) * Q4K_PANEL_SUPER + 256 * (b & 7);
+  else if constexpr (TYPE == Q6_K)
+    return (b >> 3) * Q6K_PANEL_SUPER + 384 * (b & 7);
   else
     return b * PANEL_BLOCK<TYPE>;
 }
@@ -621,15 +632,16 @@ void rows_q8(const Q8Problem& p, int64_t n0, int64_t n1) {
 }
 
 
-// 32 fifth bits (a 5-bit panel's mask bits for one half-vector) as bytes: 16 where set, else 0.
-inline __m256i sixteens(const uint8_t* bits4) {
+// 32 mask bits (a panel's fifth / sixth code bits for one half-vector) as bytes: `value` where
+// set, else 0.
+inline __m256i sixteens(const uint8_t* bits4, char value = 16) {
   int32_t m;
   std::memcpy(&m, bits4, 4);
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
                                           3, 3, 3, 3, 3, 3);
   const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
   const __m256i picked = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(m), spread), bit);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(picked, bit), _mm256_set1_epi8(16));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(picked, bit), _mm256_set1_epi8(value));
 }
 
 // Panels (layout above) with AVX2: each 64-byte panel vector is two halves of 8 weight rows;
@@ -639,7 +651,7 @@ inline __m256i sixteens(const uint8_t* bits4) {
 // maddubs. MR activation rows x one half.
 template <int TYPE, int MR>
 inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, const float* dx, const float* sx,
-                       float* out, int64_t ldo, int valid) {
+                       const int32_t* c32, float* out, int64_t ldo, int valid) {
   constexpr int64_t PB = PANEL_BLOCK<TYPE>, CODES = PANEL_CODES<TYPE>;
   const int64_t nb = K / QK;
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
@@ -652,6 +664,49 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
     for (int64_t o = 0; o < PB; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
     const uint8_t* blk = w + panel_codes_at<TYPE>(b) + 32 * half;
     const int8_t* xb = qx + b * QK;
+    if constexpr (TYPE == Q6_K) {  // codes 0..63: two maddubs sums at most in int16
+      __m256i dl[MR], dh[MR], sl[MR], sh[MR];
+      for (int r = 0; r < MR; ++r)
+        dl[r] = dh[r] = sl[r] = sh[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j));
+        const uint8_t* bits = w + panel_codes_at<TYPE>(b) + 256 + 32 * j + 4 * half;
+        const __m256i lo = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(raw, mask), sixteens(bits)),
+                                           sixteens(bits + 8, 32));
+        const __m256i hi = _mm256_or_si256(
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), sixteens(bits + 16)),
+            sixteens(bits + 24, 32));
+        for (int r = 0; r < MR; ++r) {
+          int32_t xl, xh;
+          std::memcpy(&xl, xb + r * K + 4 * j, 4);
+          std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
+          sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+          sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+          if (j % 2 == 1) {
+            dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(sl[r], ones));
+            dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(sh[r], ones));
+            sl[r] = sh[r] = _mm256_setzero_si256();
+          }
+        }
+      }
+      const uint8_t* sup = w + (b >> 3) * Q6K_PANEL_SUPER;
+      const int64_t t = b & 7;
+      auto bytes8 = [](const uint8_t* p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      };
+      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 3328 + 16 * half)));
+      const __m256 s_lo = _mm256_mul_ps(dd, bytes8(sup + 3072 + 32 * t + 8 * half));
+      const __m256 s_hi = _mm256_mul_ps(dd, bytes8(sup + 3072 + 32 * t + 16 + 8 * half));
+      for (int r = 0; r < MR; ++r) {
+        const __m256 dxr = _mm256_set1_ps(dx[r * nb + b]);
+        const int32_t* c = c32 + r * 2 * nb + 2 * b;
+        const __m256i il = _mm256_sub_epi32(dl[r], _mm256_set1_epi32(c[0]));
+        const __m256i ih = _mm256_sub_epi32(dh[r], _mm256_set1_epi32(c[1]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_mul_ps(s_lo, dxr), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_mul_ps(s_hi, dxr), acc[r]);
+      }
+      continue;
+    }
     __m256i dot[MR];
     if constexpr (TYPE == Q8_0) {
       for (int r = 0; r < MR; ++r) dot[r] = _mm256_setzero_si256();
@@ -725,7 +780,7 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
 // Halves [u0, u1) of the output (half u: weight rows [8u, 8u + 8)), every activation row, in
 // chunks of rows that stay in cache while the thread's halves pass over them.
 template <int TYPE>
-void panels_q8(const Q8Problem& p, const uint8_t* packed, int64_t u0, int64_t u1) {
+void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c32, int64_t u0, int64_t u1) {
   const int64_t nb = p.K / QK, panel_bytes = nb * panel_block_bytes(TYPE);
   constexpr int64_t ROW_CHUNK = 64;
   for (int64_t rc = 0; rc < p.M; rc += ROW_CHUNK) {
@@ -738,7 +793,7 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, int64_t u0, int64_t u1
       const int half = int(u % 2);
       for_row_tiles(rc, rc1, [&](auto mr, int64_t r) {
         panel_half<TYPE, decltype(mr)::value>(w, half, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
-                                              p.out + r * p.N + col, p.N, valid);
+                                              c32 ? c32 + r * 2 * nb : nullptr, p.out + r * p.N + col, p.N, valid);
       });
     }
   }
@@ -927,10 +982,62 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
       const char* next = reinterpret_cast<const char*>(w + c * panel_bytes + panel_codes_at<TYPE>(b)) + PREFETCH_BYTES;
       for (int64_t o = 0; o < PB; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
     }
+    const int8_t* xb = qx + b * QK;
+    if constexpr (TYPE == Q6_K) {  // groups 2t (low nibbles) and 2t + 1 (high), codes 0..63
+      __m512i dl[MR][NR], dh[MR][NR];
+      for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < NR; ++c) dl[r][c] = dh[r][c] = _mm512_setzero_si512();
+      const __m512i thirty_two = _mm512_set1_epi8(32);
+      for (int j = 0; j < 4; ++j) {
+        __m512i lo[NR], hi[NR];
+        for (int c = 0; c < NR; ++c) {
+          const uint8_t* blk = w + c * panel_bytes + panel_codes_at<TYPE>(b);
+          const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
+          uint64_t m4[4];
+          std::memcpy(m4, blk + 256 + 32 * j, 32);
+          lo[c] = _mm512_and_si512(raw, mask);
+          hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+          lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(m4[0]), lo[c], sixteen);
+          lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(m4[1]), lo[c], thirty_two);
+          hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(m4[2]), hi[c], sixteen);
+          hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(m4[3]), hi[c], thirty_two);
+        }
+        for (int r = 0; r < MR; ++r) {
+          int32_t xl, xh;
+          std::memcpy(&xl, xb + r * K + 4 * j, 4);
+          std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
+          const __m512i xlv = _mm512_set1_epi32(xl), xhv = _mm512_set1_epi32(xh);
+          for (int c = 0; c < NR; ++c) {
+            dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], lo[c], xlv);
+            dh[r][c] = _mm512_dpbusd_epi32(dh[r][c], hi[c], xhv);
+          }
+        }
+      }
+      __m512 s_lo[NR], s_hi[NR];
+      for (int c = 0; c < NR; ++c) {
+        const uint8_t* sup = w + c * panel_bytes + (b >> 3) * Q6K_PANEL_SUPER;
+        const int64_t t = b & 7;
+        auto bytes16 = [](const uint8_t* p) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        };
+        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 3328)));
+        s_lo[c] = _mm512_mul_ps(dd, bytes16(sup + 3072 + 32 * t));
+        s_hi[c] = _mm512_mul_ps(dd, bytes16(sup + 3072 + 32 * t + 16));
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m512 dxr = _mm512_set1_ps(dx[r * nb + b]);
+        const __m512i cl = _mm512_set1_epi32(c128[r * 2 * nb + 2 * b]), ch = _mm512_set1_epi32(c128[r * 2 * nb + 2 * b + 1]);
+        for (int c = 0; c < NR; ++c) {
+          const __m512i il = _mm512_sub_epi32(dl[r][c], cl), ih = _mm512_sub_epi32(dh[r][c], ch);
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_mul_ps(s_lo[c], dxr), acc[r][c]);
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(s_hi[c], dxr), acc[r][c]);
+        }
+      }
+      continue;
+    }
     __m512i dot[MR][NR];
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NR; ++c) dot[r][c] = _mm512_setzero_si512();
-    const int8_t* xb = qx + b * QK;
     if constexpr (TYPE == Q8_0) {
       for (int t = 0; t < 8; ++t) {
         __m512i wv[NR];
@@ -1014,7 +1121,8 @@ inline void panel_rows(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p
   const int64_t nb = p.K / QK;
   for_row_tiles(r0, r1, [&](auto mr, int64_t r) {
     panel_tile<TYPE, decltype(mr)::value, NR>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
-                                              c128 ? c128 + r * nb : nullptr, p.out + r * p.N + col, p.N, valid_last);
+                                              c128 ? c128 + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
+                                              p.out + r * p.N + col, p.N, valid_last);
   });
 }
 
@@ -1350,20 +1458,58 @@ void q4_k_row_panel(uint8_t* blk, uint8_t* sup, int c, bool to_panel) {
     }
 }
 
+// Super-block sb of a Q6_K row (210 bytes: ql[128] the low 4 bits, value 128h + r (r < 128) in
+// byte 64h + r % 64, nibble r / 64; qh[64] the high 2 bits, value 128h + r in byte 32h + r % 32 at
+// bit 2 (r / 32); 16 int8 scales; fp16 d) into row c of a panel super-block (layout above), or back.
+void q6_k_row_panel(uint8_t* blk, uint8_t* sup, int c, bool to_panel) {
+  if (to_panel) {
+    std::memcpy(sup + 3328 + 2 * c, blk + 208, 2);
+    for (int g = 0; g < 16; ++g) sup[3072 + 16 * g + c] = blk[192 + g];
+  } else {
+    std::memcpy(blk + 208, sup + 3328 + 2 * c, 2);
+    for (int g = 0; g < 16; ++g) blk[192 + g] = sup[3072 + 16 * g + c];
+  }
+  for (int t = 0; t < 8; ++t)
+    for (int v = 0; v < 32; ++v) {
+      const int j = 32 * t + v, h = j / 128, rr = j % 128;
+      uint8_t& low = blk[64 * h + rr % 64];
+      const int low_shift = 4 * (rr / 64);
+      uint8_t& high = blk[128 + 32 * h + rr % 32];
+      const int high_shift = 2 * (rr / 32);
+      // Panel: codes byte 64 (v % 16 / 4) + 4c + v % 4, nibble v / 16; bits 4 and 5 in the masks
+      // of vector j' = v % 16 / 4 (32 bytes from 256: low-nibble bit 4, bit 5, high-nibble ...).
+      uint8_t* blk_t = sup + 384 * t;
+      uint8_t& code = blk_t[64 * (v % 16 / 4) + 4 * c + v % 4];
+      const int code_shift = 4 * (v / 16), pos = 4 * c + v % 4;
+      uint8_t* mask = blk_t + 256 + 32 * (v % 16 / 4) + 16 * (v / 16);
+      if (to_panel) {
+        const int q = ((low >> low_shift) & 15) | (((high >> high_shift) & 3) << 4);
+        code = uint8_t(code | ((q & 15) << code_shift));
+        for (int bit = 0; bit < 2; ++bit)
+          if ((q >> (4 + bit)) & 1) mask[8 * bit + pos / 8] |= uint8_t(1u << (pos % 8));
+      } else {
+        int q = (code >> code_shift) & 15;
+        for (int bit = 0; bit < 2; ++bit) q |= ((mask[8 * bit + pos / 8] >> (pos % 8)) & 1) << (4 + bit);
+        low = uint8_t(low | ((q & 15) << low_shift));
+        high = uint8_t(high | ((q >> 4) << high_shift));
+      }
+    }
+}
+
 // The panel kind of a type id (Q4_1G's panels are Q4_1's), or a one-line error.
 int64_t panel_kind(int64_t type) {
-  if (five_bit(type) || type == Q4_K) return type;
+  if (five_bit(type) || type == Q4_K || type == Q6_K) return type;
   const Layout L = layout_of(type);
   return L.kind == Q4_1G ? Q4_1 : L.kind;
 }
 
 void check_panel_weight(const torch::Tensor& w, int64_t type, int64_t k) {
-  if (!five_bit(type) && type != Q4_K) return check_weight(w, type, k);
+  if (!five_bit(type) && type != Q4_K && type != Q6_K) return check_weight(w, type, k);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
               "w must be a contiguous CPU uint8 tensor [N, bytes per row]");
-  const int64_t values = type == Q4_K ? 256 : QK;
+  const int64_t values = type == Q4_K || type == Q6_K ? 256 : QK;
   TORCH_CHECK(k > 0 && k % values == 0, "K must be a positive multiple of ", values, ", got ", k);
-  const int64_t want = type == Q4_K ? k / 256 * 144 : k / QK * five_bit_block_bytes(type);
+  const int64_t want = type == Q4_K ? k / 256 * 144 : type == Q6_K ? k / 256 * 210 : k / QK * five_bit_block_bytes(type);
   TORCH_CHECK(w.size(1) == want, "w rows hold ", w.size(1), " bytes; K = ", k, " needs ", want);
 }
 
@@ -1371,7 +1517,7 @@ void check_panel_weight(const torch::Tensor& w, int64_t type, int64_t k) {
 torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) {
   check_panel_weight(w, type, k);
   const bool five = five_bit(type);
-  const Layout L = five || type == Q4_K ? Layout{type, 0, 0, 0, 0} : layout_of(type);
+  const Layout L = five || type == Q4_K || type == Q6_K ? Layout{type, 0, 0, 0, 0} : layout_of(type);
   const int64_t bb = five ? five_bit_block_bytes(type) : 0, head = type == Q5_1 ? 4 : 2;
   const int64_t N = w.size(0), nb = k / QK;
   const int64_t panels = (N + PANEL - 1) / PANEL, pbb = panel_block_bytes(type);
@@ -1381,12 +1527,18 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     float q[QK];
-    if (type == Q4_K) {
+    if (type == Q4_K || type == Q6_K) {
+      const bool q4 = type == Q4_K;
       for (int64_t pn = p0; pn < p1; ++pn)
         for (int64_t sb = 0; sb < nb / 8; ++sb)
-          for (int c = 0; c < PANEL && pn * PANEL + c < N; ++c)
-            q4_k_row_panel(const_cast<uint8_t*>(src) + (pn * PANEL + c) * w.size(1) + sb * 144,
-                           dst + pn * nb * pbb + sb * Q4K_PANEL_SUPER, c, true);
+          for (int c = 0; c < PANEL && pn * PANEL + c < N; ++c) {
+            uint8_t* blk = const_cast<uint8_t*>(src) + (pn * PANEL + c) * w.size(1) + sb * (q4 ? 144 : 210);
+            uint8_t* sup = dst + pn * nb * pbb + sb * (q4 ? Q4K_PANEL_SUPER : Q6K_PANEL_SUPER);
+            if (q4)
+              q4_k_row_panel(blk, sup, c, true);
+            else
+              q6_k_row_panel(blk, sup, c, true);
+          }
       return;
     }
     for (int64_t pn = p0; pn < p1; ++pn)
@@ -1436,7 +1588,7 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
 torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64_t k, const torch::Tensor& rows) {
   TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of ", QK, ", got ", k);
   const int64_t kind = panel_kind(type);
-  TORCH_CHECK(kind != Q4_K || k % 256 == 0, "K must be a multiple of 256 for Q4_K, got ", k);
+  TORCH_CHECK((kind != Q4_K && kind != Q6_K) || k % 256 == 0, "K must be a multiple of 256 for Q4_K / Q6_K, got ", k);
   const int64_t nb = k / QK, pbb = panel_block_bytes(type), codes = panel_code_bytes(type);
   TORCH_CHECK(best_isa() >= ISA_AVX2, "gguf_panel_blocks needs F16C (AVX2 CPUs have it)");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
@@ -1445,8 +1597,11 @@ torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64
   TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1, "rows must be a 1-D int64 tensor");
   const auto ids = rows.contiguous();
   const int64_t R = ids.size(0), n_max = packed.size(0) * PANEL;
-  const int64_t bb = kind == Q4_K ? 18 : five_bit(kind) ? five_bit_block_bytes(kind) : block_bytes(kind);
-  auto out = torch::empty({R, nb * bb}, packed.options());
+  // Bytes of an output row: blocks (32 values) or, for the K-quants, super-blocks (256).
+  const int64_t super_bytes = kind == Q4_K ? 144 : kind == Q6_K ? 210 : 0;
+  const int64_t bb = super_bytes ? 0 : five_bit(kind) ? five_bit_block_bytes(kind) : block_bytes(kind);
+  const int64_t out_row = super_bytes ? nb / 8 * super_bytes : nb * bb;
+  auto out = torch::empty({R, out_row}, packed.options());
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < R; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n_max, "row ", id[i], " is not in the panels");
   const uint8_t* src = packed.data_ptr<uint8_t>();
@@ -1454,18 +1609,22 @@ torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t pn = id[r] / PANEL, c = id[r] % PANEL;
-      if (kind == Q4_K) {  // 144 bytes a super-block (bb: 18 a block)
+      if (super_bytes) {
         for (int64_t sb = 0; sb < nb / 8; ++sb) {
-          uint8_t* blk = dst + r * nb * bb + sb * 144;
-          std::memset(blk, 0, 144);
-          q4_k_row_panel(blk, const_cast<uint8_t*>(src) + pn * nb * pbb + sb * Q4K_PANEL_SUPER, int(c), false);
+          uint8_t* blk = dst + r * out_row + sb * super_bytes;
+          std::memset(blk, 0, super_bytes);
+          uint8_t* sup = const_cast<uint8_t*>(src) + pn * nb * pbb;
+          if (kind == Q4_K)
+            q4_k_row_panel(blk, sup + sb * Q4K_PANEL_SUPER, int(c), false);
+          else
+            q6_k_row_panel(blk, sup + sb * Q6K_PANEL_SUPER, int(c), false);
         }
         continue;
       }
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* pb = src + (pn * nb + b) * pbb;
         const uint8_t* heads = pb + codes;
-        uint8_t* blk = dst + r * nb * bb + b * bb;
+        uint8_t* blk = dst + r * out_row + b * bb;
         std::memcpy(blk, heads + 2 * c, 2);
         if (kind == Q8_0) {
           for (int t = 0; t < 8; ++t)
@@ -1508,7 +1667,7 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   TORCH_CHECK(K > 0 && K % QK == 0, "K must be a positive multiple of ", QK, ", got ", K);
   const int64_t panels = (n + PANEL - 1) / PANEL, kind = panel_kind(type);
-  TORCH_CHECK(kind != Q4_K || K % 256 == 0, "K must be a multiple of 256 for Q4_K, got ", K);
+  TORCH_CHECK((kind != Q4_K && kind != Q6_K) || K % 256 == 0, "K must be a multiple of 256 for Q4_K / Q6_K, got ", K);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(0) == panels && packed.size(1) == nb * panel_block_bytes(type),
               "packed must be gguf_pack_panels' output for N = ", n, ", K = ", K);
@@ -1519,15 +1678,25 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
   Q8Problem p{qx[0].data_ptr<int8_t>(), qx[1].data_ptr<float>(), qx[2].data_ptr<float>(), nullptr, 0,
               Layout{kind, 0, 0, 0, 0}, out.data_ptr<float>(), M, n, K};
   const uint8_t* w = packed.data_ptr<uint8_t>();
+  std::vector<int32_t> c32;
+  if (kind == Q6_K) {  // 32 * sum(q_x) per row and 16 values: what the codes' bias 32 adds
+    c32.resize(M * nb * 2);
+    for (int64_t i = 0; i < M * nb * 2; ++i) {
+      int32_t sum = 0;
+      for (int j = 0; j < 16; ++j) sum += p.qx[i * 16 + j];
+      c32[i] = 32 * sum;
+    }
+  }
   if (isa < ISA_AVX512) {
     at::parallel_for(0, 2 * panels, 1, [&](int64_t u0, int64_t u1) {
       switch (kind) {
-        case Q4_0: avx2::panels_q8<Q4_0>(p, w, u0, u1); break;
-        case Q4_1: avx2::panels_q8<Q4_1>(p, w, u0, u1); break;
-        case Q5_0: avx2::panels_q8<Q5_0>(p, w, u0, u1); break;
-        case Q5_1: avx2::panels_q8<Q5_1>(p, w, u0, u1); break;
-        case Q4_K: avx2::panels_q8<Q4_K>(p, w, u0, u1); break;
-        default: avx2::panels_q8<Q8_0>(p, w, u0, u1); break;
+        case Q4_0: avx2::panels_q8<Q4_0>(p, w, nullptr, u0, u1); break;
+        case Q4_1: avx2::panels_q8<Q4_1>(p, w, nullptr, u0, u1); break;
+        case Q5_0: avx2::panels_q8<Q5_0>(p, w, nullptr, u0, u1); break;
+        case Q5_1: avx2::panels_q8<Q5_1>(p, w, nullptr, u0, u1); break;
+        case Q4_K: avx2::panels_q8<Q4_K>(p, w, nullptr, u0, u1); break;
+        case Q6_K: avx2::panels_q8<Q6_K>(p, w, c32.data(), u0, u1); break;
+        default: avx2::panels_q8<Q8_0>(p, w, nullptr, u0, u1); break;
       }
     });
     return out;
@@ -1548,6 +1717,7 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
       case Q5_0: avx512::panels_q8<Q5_0>(p, w, nullptr, t0, t1); break;
       case Q5_1: avx512::panels_q8<Q5_1>(p, w, nullptr, t0, t1); break;
       case Q4_K: avx512::panels_q8<Q4_K>(p, w, nullptr, t0, t1); break;
+      case Q6_K: avx512::panels_q8<Q6_K>(p, w, c32.data(), t0, t1); break;
       default: avx512::panels_q8<Q8_0>(p, w, c128.data(), t0, t1); break;
     }
   });
@@ -1613,7 +1783,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("type"), py::arg("isa") = -1);
   m.def("quantize_q8", &gguf_matmul::quantize_q8, "x fp32 [M, K] -> (int8 q, scale dx, dx * sum(q)) per 32-block",
         py::arg("x"), py::arg("isa") = -1);
-  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] (Q4_0, Q4_1, Q4_1G, Q5_0, Q5_1, Q8_0, Q4_K) -> 16-row panels (AVX-512 VNNI or AVX2)",
+  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] (Q4_0, Q4_1, Q4_1G, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) -> 16-row panels (AVX-512 VNNI or AVX2)",
         py::arg("w"), py::arg("type"), py::arg("k"));
   m.def("gguf_matmul_panels", &gguf_matmul::gguf_matmul_panels,
         "x fp32 [M, K] @ W^T from gguf_pack_panels(W), x rounded to int8 per 32-block", py::arg("x"), py::arg("packed"),
@@ -1633,7 +1803,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kq_dequantize", &kquants::kq_dequantize, "packed rows [N, bytes] -> float32 [N, K] (or into fp32 / bf16)",
         py::arg("w"), py::arg("type"), py::arg("k"), py::arg("into") = py::none(), py::arg("isa") = -1);
   m.def("kq_panel_dequantize", &kquants::kq_panel_dequantize,
-        "rows [r0, r1) of a Q4_K layer kept as panels -> into (fp32 / bf16), kq_dequantize's values", py::arg("packed"),
+        "rows [r0, r1) of a Q4_K / Q6_K layer kept as panels -> into (fp32 / bf16), kq_dequantize's values", py::arg("packed"),
         py::arg("type"), py::arg("k"), py::arg("r0"), py::arg("r1"), py::arg("into"));
   m.def("kq_matmul_q8", &kquants::kq_matmul_q8,
         "x fp32 [M, K] @ W^T, W packed, x rounded to int8 per 32-block (integer dot products)", py::arg("x"),

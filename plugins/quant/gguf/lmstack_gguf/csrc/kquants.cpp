@@ -870,6 +870,13 @@ torch::Tensor kq_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int64
 namespace q4k_panel {
 constexpr int64_t SUPER = 2368, SCALES = 2048, MINS = 2176, D = 2304, DMIN = 2336;
 }
+// Q6_K panels likewise (gguf_matmul.cpp): per block t 384 bytes (Q4's 256 bytes of the codes' low
+// 4 bits, then bits 4 and 5 as masks: 32 bytes per panel vector j, the low-nibble values' bit 4,
+// bit 5, the high-nibble values' bit 4, bit 5, bit 4c + i for row c), then the rows' int8 scales
+// (group g: 16 bytes, row c at 16g + c), then d as fp16 bits: 3360 bytes.
+namespace q6k_panel {
+constexpr int64_t SUPER = 3360, SCALES = 3072, D = 3328;
+}
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -909,18 +916,77 @@ void panel_rows_q4_k(const uint8_t* packed, int64_t panel_bytes, int64_t k, int6
     }
   }
 }
+
+// 32 bits (value order) as bytes: `value` where set.
+inline __m256i bit_bytes(uint32_t bits, char value) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                          3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
+  const __m256i picked = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), spread), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(picked, bit), _mm256_set1_epi8(value));
+}
+
+template <class OUT>
+void panel_rows_q6_k(const uint8_t* packed, int64_t panel_bytes, int64_t k, int64_t r0, int64_t r1, OUT* out) {
+  using namespace q6k_panel;
+  const int64_t nsb = k / SB;
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m256i bias = _mm256_set1_epi32(32);
+  for (int64_t n = r0; n < r1; ++n) {
+    const int64_t c = n % 16;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* sup = packed + (n / 16) * panel_bytes + sb * SUPER;
+      const float d = half_f16c(sup + D + 2 * c);
+      for (int t = 0; t < 8; ++t) {
+        const uint8_t* blk = sup + 384 * t;
+        const uint8_t* v = blk + 4 * c;
+        const __m128i raw = _mm_setr_epi32(int(load_u32(v)), int(load_u32(v + 64)), int(load_u32(v + 128)),
+                                           int(load_u32(v + 192)));
+        // Bits 4 and 5 of values 0-31: row c's nibble (bits 4c..4c+3) of each mask, value
+        // 16h + 4j + i from vector j's mask for nibble half h.
+        uint32_t b4 = 0, b5 = 0;
+        for (int j = 0; j < 4; ++j)
+          for (int h = 0; h < 2; ++h) {
+            const uint8_t* mk = blk + 256 + 32 * j + 16 * h + (4 * c) / 8;
+            const int shift = (4 * c) % 8, at = 16 * h + 4 * j;
+            b4 |= uint32_t((mk[0] >> shift) & 15) << at;
+            b5 |= uint32_t((mk[8] >> shift) & 15) << at;
+          }
+        const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+        alignas(32) uint8_t u[32];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(u),
+                           _mm256_or_si256(low, _mm256_or_si256(bit_bytes(b4, 16), bit_bytes(b5, 32))));
+        const float s_lo = d * float(int8_t(sup[SCALES + 16 * (2 * t) + c]));
+        const float s_hi = d * float(int8_t(sup[SCALES + 16 * (2 * t + 1) + c]));
+        OUT* dst = out + (n - r0) * k + sb * SB + 32 * t;
+        for (int j = 0; j < 32; j += 8) {
+          int64_t u8;
+          std::memcpy(&u8, u + j, 8);
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(u8)), bias));
+          const __m256 value =
+              _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(j < 16 ? s_lo : s_hi), q), _mm256_set1_ps(-0.f));
+          if constexpr (std::is_same_v<OUT, float>)
+            _mm256_storeu_ps(dst + j, value);
+          else
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), to_bf16(value));
+        }
+      }
+    }
+  }
+}
 }  // namespace avx2
 #pragma GCC pop_options
 
 torch::Tensor kq_panel_dequantize(const torch::Tensor& packed, int64_t type, int64_t k, int64_t r0, int64_t r1,
                                   torch::Tensor into) {
-  TORCH_CHECK(type == Q4_K, "kq_panel_dequantize reads Q4_K (12) panels, got type ", type);
-  TORCH_CHECK(k > 0 && k % SB == 0, "K must be a positive multiple of 256 for Q4_K, got ", k);
+  TORCH_CHECK(type == Q4_K || type == Q6_K, "kq_panel_dequantize reads Q4_K (12) or Q6_K (14) panels, got type ",
+              type);
+  TORCH_CHECK(k > 0 && k % SB == 0, "K must be a positive multiple of 256 for Q4_K / Q6_K, got ", k);
   TORCH_CHECK(gguf_matmul::best_isa() >= ISA_AVX2, "kq_panel_dequantize needs AVX2 (as the panels)");
-  const int64_t panel_bytes = k / SB * q4k_panel::SUPER;
+  const int64_t panel_bytes = k / SB * (type == Q4_K ? q4k_panel::SUPER : q6k_panel::SUPER);
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
                   packed.dim() == 2 && packed.size(1) == panel_bytes,
-              "packed must be gguf_pack_panels' Q4_K output for K = ", k);
+              "packed must be gguf_pack_panels' output for K = ", k);
   TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= packed.size(0) * 16, "rows [", r0, ", ", r1, ") are not in the panels");
   TORCH_CHECK(into.device().is_cpu() &&
                   (into.scalar_type() == torch::kFloat32 || into.scalar_type() == torch::kBFloat16) &&
@@ -929,11 +995,12 @@ torch::Tensor kq_panel_dequantize(const torch::Tensor& packed, int64_t type, int
   const uint8_t* src = packed.data_ptr<uint8_t>();
   const bool bf16 = into.scalar_type() == torch::kBFloat16;
   at::parallel_for(r0, r1, 16, [&](int64_t n0, int64_t n1) {
-    if (bf16)
-      avx2::panel_rows_q4_k(src, panel_bytes, k, n0, n1,
-                            reinterpret_cast<uint16_t*>(into.data_ptr<at::BFloat16>()) + (n0 - r0) * k);
+    uint16_t* o16 = bf16 ? reinterpret_cast<uint16_t*>(into.data_ptr<at::BFloat16>()) + (n0 - r0) * k : nullptr;
+    float* o32 = bf16 ? nullptr : into.data_ptr<float>() + (n0 - r0) * k;
+    if (type == Q4_K)
+      bf16 ? avx2::panel_rows_q4_k(src, panel_bytes, k, n0, n1, o16) : avx2::panel_rows_q4_k(src, panel_bytes, k, n0, n1, o32);
     else
-      avx2::panel_rows_q4_k(src, panel_bytes, k, n0, n1, into.data_ptr<float>() + (n0 - r0) * k);
+      bf16 ? avx2::panel_rows_q6_k(src, panel_bytes, k, n0, n1, o16) : avx2::panel_rows_q6_k(src, panel_bytes, k, n0, n1, o32);
   });
   return into;
 }
