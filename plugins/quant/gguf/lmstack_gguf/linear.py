@@ -10,7 +10,7 @@ time into a reused buffer — with no dense copy. With panels (`prefill: panels`
 Q4_K / Q6_K segment, and a legacy one beside other types, is held only as 16-row panels of its
 blocks' bytes and multiplies every batch by them (`segment_panels`) — Q4_K / Q6_K up to
 `kq_max_rows` rows, then slabs rebuilt from the panels, as their blocks would be; the other
-K-quants keep their blocks. A part in
+K-quants (and Q6_K where AVX2 is the widest code: `panel_types`) keep their blocks. A part in
 any other encoding (IQ*, TQ*, ..., or a tensor-parallel cut inside a block) is dequantized at load
 into fp32 rows (`dequantized` records the type and the bytes it costs; the quantizer logs it),
 which is what `quant.weights: none` would serve; F32 parts stay fp32.
@@ -40,7 +40,6 @@ from lmstack_gguf.kernel import (
     KQ_TYPES,
     NATIVE_MAX_ROWS,
     PANEL_KQUANTS,
-    PANEL_TYPES,
     SLAB_BYTES,
     block_bytes,
     block_matmul,
@@ -52,6 +51,7 @@ from lmstack_gguf.kernel import (
     kq_kernels,
     kq_matmul_q8,
     native_kernel,
+    panel_types,
     type_name,
 )
 
@@ -222,8 +222,9 @@ class GGUFLinear(QuantizedLinear):
         self.segment_panels = [None] * len(self.segments)
         ext = native_kernel()
         if self.use_panels and self.use_native and ext is not None and ext.best_isa() >= 1:
+            kinds = panel_types(ext.best_isa())
             for i, (t, w) in enumerate(self.segments):
-                if t in PANEL_TYPES:
+                if t in kinds:
                     self.segments[i] = (t, ext.gguf_pack_panels(w, t, self.in_features))
                     self.segment_panels[i] = w.shape[0]
         if len(self.segments) == 1:

@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as T
 from lmstack.interfaces import LinearSpec
 from lmstack.model.memory import resident_weight_bytes
 from lmstack_gguf import native
+from lmstack_gguf.kernel import panel_types
 from lmstack_gguf.linear import GGUFLinear
 
 ext = None if native.load_error() else native.load()
@@ -235,6 +236,23 @@ def test_k_quant_panels_take_decode_batches_and_slabs_take_larger_ones_as_before
     assert within_rounding(every(x), rounded_x(x), dense, k)
 
 
+def test_q6_k_takes_panels_only_with_avx512(monkeypatch):
+    """Where AVX2 is the widest code a Q6_K layer keeps its blocks (kq: its AVX2 panels were
+    slower); the other types take the panels on both ISAs."""
+    from lmstack_gguf import linear
+
+    assert int(T.Q6_K) in panel_types(2) and int(T.Q6_K) not in panel_types(1)
+    assert panel_types(1) >= {int(t) for t in (T.Q5_0, T.Q5_1, T.Q4_K, T.Q8_0)}
+    monkeypatch.setattr(linear, "panel_types", lambda isa: panel_types(1))
+    rng = np.random.default_rng(3)
+    raw = torch.from_numpy(random_blocks(T.Q6_K, 32, 256, rng))
+    layer = _panel_layer(LinearSpec(256, 32, False, "x"))
+    layer.set_blocks(int(T.Q6_K), raw.clone())
+    assert layer.segment_panels == [None] and torch.equal(layer.weight.data, raw)
+    x = torch.randn(3, 256)
+    assert within_rounding(layer(x), rounded_x(x), dequantized(raw.numpy(), T.Q6_K), 256)
+
+
 def _panel_layer(spec: LinearSpec, **kq) -> GGUFLinear:
     """A layer as `prefill: panels` makes it: int8 activations, panels for every batch (a Q4_K
     one up to `kq_max_rows`, KQ_MAX_ROWS unless given)."""
@@ -349,8 +367,9 @@ def test_a_model_served_through_the_panels(kind, tmp_path):
     }
     tokens, ours, model, resident = _serve(path, gguf_quant)
     layers = [m for m in model.modules() if isinstance(m, GGUFLinear) and m is not model.lm_head]
-    assert layers and all(m.segment_panels and None not in m.segment_panels for m in layers)
     qtype = int(T[kind.upper()])
+    in_panels = qtype in panel_types(ext.best_isa())  # Q6_K: AVX-512 VNNI only
+    assert layers and all(m.segment_panels == [m.out_features if in_panels else None] for m in layers)
     assert {m.ggml_type for m in layers} == {qtype}
     file_bytes = sum(int(t.data.nbytes) for t in read_gguf(path).tensors.values())
     rope = sum(b.nbytes for m in model.modules() if "Rotary" in type(m).__name__ for b in m.buffers())
@@ -380,5 +399,5 @@ def test_a_q4_k_m_model_prompt_is_unchanged_by_the_panels(tmp_path):
     panels = {
         m.ggml_type for m in model.modules() if isinstance(m, GGUFLinear) and m.segment_panels[:1] != [None]
     }
-    assert {int(T.Q4_K), int(T.Q6_K)} <= panels
+    assert {int(T.Q4_K), int(T.Q6_K)} & panel_types(ext.best_isa()) <= panels and int(T.Q4_K) in panels
     assert torch.equal(ours, before) and tokens == before_tokens
