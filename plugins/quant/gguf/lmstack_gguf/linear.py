@@ -7,10 +7,10 @@ and F16 / BF16 matrices (kept in their own dtype, [out, in]) are held as `segmen
 output rows of one type each (Q4_K_M's fused qkv is Q4_K q and k rows, then Q6_K v rows), each
 multiplied on its own — decode batches by `kq_matmul_q8`, larger ones dequantized a slab at a
 time into a reused buffer — with no dense copy. With panels (`prefill: panels`), a Q5_0 / Q5_1 /
-Q4_K / Q6_K segment, and a legacy one beside other types, is held only as 16-row panels of its
-blocks' bytes and multiplies every batch by them (`segment_panels`) — Q4_K / Q6_K up to
-`kq_max_rows` rows, then slabs rebuilt from the panels, as their blocks would be; the other
-K-quants (and Q6_K where AVX2 is the widest code: `panel_types`) keep their blocks. A part in
+Q4_K / Q5_K / Q6_K segment, and a legacy one beside other types, is held only as 16-row panels
+of its blocks' bytes and multiplies every batch by them (`segment_panels`) — the K-quants up to
+`kq_max_rows` rows, then slabs rebuilt from the panels, as their blocks would be; Q2_K / Q3_K
+(and Q6_K where AVX2 is the widest code: `panel_types`) keep their blocks. A part in
 any other encoding (IQ*, TQ*, ..., or a tensor-parallel cut inside a block) is dequantized at load
 into fp32 rows (`dequantized` records the type and the bytes it costs; the quantizer logs it),
 which is what `quant.weights: none` would serve; F32 parts stay fp32.
@@ -118,7 +118,7 @@ class GGUFLinear(QuantizedLinear):
         # one type: every kept layer that is not a legacy one (module docstring).
         self.segments: list[tuple[int | None, torch.Tensor]] | None = None
         # Per segment: its rows where it is held as 16-row panels (`panels`: Q5_0 / Q5_1 / Q4_K /
-        # Q6_K, and a legacy type beside other types), else None (rows in the type's layout).
+        # Q5_K / Q6_K, and a legacy type beside other types), else None (rows in the type's layout).
         self.segment_panels: list[int | None] = []
         # GGML type name -> bytes the parts of that type dequantized at load cost over the file's.
         self.dequantized: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""Q5_0 / Q5_1 / Q4_K / Q6_K in 16-row panels (csrc/gguf_matmul.cpp, `gguf_pack_panels` /
+"""Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K in 16-row panels (csrc/gguf_matmul.cpp, `gguf_pack_panels` /
 `gguf_matmul_panels`): the blocks come back from the panels byte for byte; the product is (x
 rounded per 32-block) @ the gguf package's dequantized weights within the int8-activation tests'
 bound, on each panel ISA the CPU has (AVX2, AVX-512 VNNI), M 1 / 7 / 64, odd N, short K; a row's
@@ -29,17 +29,18 @@ pytestmark = pytest.mark.skipif(
     ext is None or ext.best_isa() < 1, reason="the panel kernel needs AVX2 and the built kernels"
 )
 
-TYPES = [T.Q5_0, T.Q5_1, T.Q4_K, T.Q6_K]
+TYPES = [T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 FIVE_BIT = [T.Q5_0, T.Q5_1]
-KQUANTS = [T.Q4_K, T.Q6_K]  # 256-value super-blocks
+KQUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]  # 256-value super-blocks
 FP16_AT = {
     T.Q5_0: (0,),
     T.Q5_1: (0, 2),
     T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
     T.Q6_K: (208,),
 }  # where a block keeps its fp16 scales
-# Panel bytes a row per super-block: Q4_K spreads its 6-bit scale / min pairs to bytes.
-PANEL_SUPER_BYTES = {T.Q4_K: 148, T.Q6_K: 210}
+# Panel bytes a row per super-block: Q4_K / Q5_K spread their 6-bit scale / min pairs to bytes.
+PANEL_SUPER_BYTES = {T.Q4_K: 148, T.Q5_K: 180, T.Q6_K: 210}
 PANEL_ISAS = [1, 2]
 isa_ids = ["avx2", "avx512"]
 
@@ -140,10 +141,10 @@ def test_q5_panel_rows_are_alike_whatever_the_batch(typ, isa):
         )
 
 
-@pytest.mark.parametrize("typ", [*FIVE_BIT, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("typ", [*FIVE_BIT, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("isa", PANEL_ISAS, ids=isa_ids)
 def test_panels_largest_codes_do_not_saturate(typ, isa):
-    """Every code 31 (Q5: fifth bits all set) or 63 (Q6_K) against x rounded to +-127: AVX2 sums
+    """Every code 31 (Q5_x, Q5_K: fifth bits all set) or 63 (Q6_K) against x rounded to +-127: AVX2 sums
     maddubs products in int16, which must widen before 2^15 (a saturated sum would be off by
     thousands)."""
     skip_missing(isa)
@@ -155,6 +156,11 @@ def test_panels_largest_codes_do_not_saturate(typ, isa):
         raw[:, :, :192] = 0xFF  # codes 63
         raw[:, :, 192:208] = 1  # scales
         raw[:, :, 208:] = one
+    elif typ == T.Q5_K:
+        raw[:, :, :2] = one  # d 1, dmin 0
+        raw[:, :, 4:8] = 1  # scales 0-3: 1, mins 0-3: 0
+        raw[:, :, 12:16] = 1  # scales 4-7: 1, mins 4-7: 0
+        raw[:, :, 16:] = 0xFF  # fifth bits and codes: 31
     else:
         raw[:, :, :2] = one
         raw[:, :, 4 if typ == T.Q5_1 else 2 :] = 0xFF  # Q5_1's m stays 0
@@ -164,7 +170,7 @@ def test_panels_largest_codes_do_not_saturate(typ, isa):
     x[2, ::2] = -2.0
     out = ext.gguf_matmul_panels(x, ext.gguf_pack_panels(raw, int(typ), k), int(typ), n, isa)
     w = dequantized(raw.numpy(), typ)
-    assert torch.all(w == {T.Q5_0: 15.0, T.Q5_1: 31.0, T.Q6_K: 31.0}[typ])
+    assert torch.all(w == {T.Q5_0: 15.0, T.Q5_1: 31.0, T.Q5_K: 31.0, T.Q6_K: 31.0}[typ])
     assert within_rounding(out, rounded_x(x), w, k)
 
 
@@ -177,7 +183,7 @@ def test_q5_pack_refuses_rows_of_the_wrong_size_in_one_line():
         ext.gguf_matmul_panels(torch.randn(2, 64), packed, int(T.Q5_1), 4)
     with pytest.raises(RuntimeError, match="K must be a positive multiple of 256, got 288"):
         ext.gguf_pack_panels(torch.zeros(4, 162, dtype=torch.uint8), int(T.Q4_K), 288)
-    with pytest.raises(RuntimeError, match="K must be a multiple of 256 for Q4_K / Q6_K, got 64"):
+    with pytest.raises(RuntimeError, match="K must be a multiple of 256 for the K-quants, got 64"):
         ext.gguf_matmul_panels(torch.randn(2, 64), packed, int(T.Q4_K), 4)
 
 
@@ -269,10 +275,10 @@ def test_a_layer_keeps_only_panels_and_multiplies_every_batch_by_them(typ):
     layer.set_blocks(int(typ), raw.clone())
     assert layer.ggml_type == int(typ) and layer.segment_panels == [n] and layer.weight.numel() == 0
     ((t, packed),) = layer.segments
-    # The file's bytes, re-laid (Q4_K: 148 bytes a super-block row for 144).
-    assert resident_weight_bytes(layer) == (
-        raw.nbytes // 144 * 148 if typ == T.Q4_K else raw.nbytes
-    )  # Q6_K: exact
+    # The file's bytes, re-laid (Q4_K / Q5_K: 148 / 180 bytes a super-block row for 144 / 176).
+    size = GGML_QUANT_SIZES[typ][1]
+    want = raw.nbytes // size * PANEL_SUPER_BYTES[typ] if typ in KQUANTS else raw.nbytes
+    assert resident_weight_bytes(layer) == want
     for m in (1, 7, 64):
         x = torch.randn(m, k)
         out = layer(x)
@@ -285,21 +291,21 @@ def test_a_layer_keeps_only_panels_and_multiplies_every_batch_by_them(typ):
 
 def test_a_mixed_layer_takes_panels_for_its_panel_types_and_kq_for_the_k_quants():
     """SmolLM2's Q4_K_M qkv: Q5_0 q and k, a Q8_0 v (llama-quantize's fallbacks), here with Q4_K,
-    Q6_K and Q5_K parts too: all but Q5_K (its blocks, kq) as panels; the rows of the types that
+    Q6_K and Q3_K parts too: all but Q3_K (its blocks, kq) as panels; the rows of the types that
     take the panels at 64 rows alike in any batch."""
     from lmstack.testing.gguf_quants import quantize
 
     rng = np.random.default_rng(5)
     k, sizes = 256, (32, 16, 16, 16, 16, 16)
     w = [rng.standard_normal((s, k)).astype(np.float32) for s in sizes]
-    types = (T.Q5_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_K)
+    types = (T.Q5_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q3_K)
     raws = [quantize(a, t) if t != T.Q8_0 else quants.quantize(a, t) for a, t in zip(w, types)]
     dense = torch.cat([dequantized(r, t) for r, t in zip(raws, types)])
     spec = LinearSpec(k, sum(sizes), False, "qkv", output_sizes=sizes)
     layer = _panel_layer(spec)
     layer._parts = {i: (int(t), torch.from_numpy(r)) for i, (r, t) in enumerate(zip(raws, types))}
     layer.finalize()
-    assert [t for t, _ in layer.segments] == [int(t) for t in (T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_K)]
+    assert [t for t, _ in layer.segments] == [int(t) for t in (T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q3_K)]
     assert layer.segment_panels == [48, 16, 16, 16, None] and layer.ggml_type is None
     x = torch.randn(64, k)
     out = layer(x)
@@ -347,9 +353,9 @@ def _serve(path, quant: dict, **stack):
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["q5_0", "q5_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
 def test_a_model_served_through_the_panels(kind, tmp_path):
-    """A tiny qwen3 written as Q5_0 / Q5_1 / Q4_K / Q6_K: the default stack (int8 activations,
+    """A tiny qwen3 written as Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K: the default stack (int8 activations,
     `prefill: panels`; the K-quants with `kquant_batches: int8`, so that the prompt takes the
     panels too) holds every
     layer as panels within 5 % of the file's tensor bytes; the first greedy token is the
@@ -363,7 +369,7 @@ def test_a_model_served_through_the_panels(kind, tmp_path):
     gguf_quant = {
         "weights": "gguf",
         "kv_cache": "none",
-        **({"kquant_batches": "int8"} if kind in ("q4_k", "q6_k") else {}),
+        **({"kquant_batches": "int8"} if kind.endswith("_k") else {}),
     }
     tokens, ours, model, resident = _serve(path, gguf_quant)
     layers = [m for m in model.modules() if isinstance(m, GGUFLinear) and m is not model.lm_head]

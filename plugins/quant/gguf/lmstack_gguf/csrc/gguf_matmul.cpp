@@ -48,7 +48,7 @@ namespace gguf_matmul {
 
 enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 // GGML type ids (ggml.h).
-enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14, Q4_1G = 1000 };  // Q5_x, Q4_K, Q6_K: panels only
+enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_1G = 1000 };  // Q5_x, K: panels only
 constexpr int QK = 32;  // values per block, every type here
 constexpr int MAX_GSHIFT = 3;  // Q4_1G's groups: at most 8 blocks (256 columns)
 
@@ -268,7 +268,10 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 constexpr int PANEL = 16;
 
 template <int TYPE>
-constexpr bool FIVE_BIT = TYPE == Q5_0 || TYPE == Q5_1;
+constexpr bool FIVE_BIT = TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K;
+// Q4_K and Q5_K (Q4_K with Q5's fifth bits): the same panel super-block but for the code bytes.
+template <int TYPE>
+constexpr bool K4 = TYPE == Q4_K || TYPE == Q5_K;
 // Types whose panels hold an m per block (Q4_1G's panels are Q4_1's).
 template <int TYPE>
 constexpr bool PANEL_M = TYPE == Q4_1 || TYPE == Q5_1;
@@ -276,13 +279,13 @@ constexpr bool PANEL_M = TYPE == Q4_1 || TYPE == Q5_1;
 // (PANEL_M) the 16 m (Q4_0's and Q5_0's offsets, -8 d and -16 d, are made in the kernel).
 template <int TYPE>
 constexpr int64_t PANEL_CODES = TYPE == Q8_0 ? 512 : FIVE_BIT<TYPE> ? 320 : 256;
-// (Q4_K, Q6_K: a super-block's bytes per block, Q4K_PANEL_SUPER / 8, Q6K_PANEL_SUPER / 8.)
+// (the K-quants: a super-block's bytes per block, K4_SUPER / 8, Q6K_PANEL_SUPER / 8.)
 template <int TYPE>
-constexpr int64_t PANEL_BLOCK = TYPE == Q4_K ? 296 : TYPE == Q6_K ? 420 : PANEL_CODES<TYPE> + (PANEL_M<TYPE> ? 64 : 32);
+constexpr int64_t PANEL_BLOCK = TYPE == Q4_K ? 296 : TYPE == Q5_K ? 360 : TYPE == Q6_K ? 420 : PANEL_CODES<TYPE> + (PANEL_M<TYPE> ? 64 : 32);
 inline int64_t panel_code_bytes(int64_t type) { return type == Q8_0 ? 512 : type == Q5_0 || type == Q5_1 ? 320 : 256; }
 inline bool panel_has_m(int64_t type) { return type != Q4_0 && type != Q5_0 && type != Q8_0; }  // Q4_1G too
 inline int64_t panel_block_bytes(int64_t type) {
-  return type == Q4_K ? 296 : type == Q6_K ? 420 : panel_code_bytes(type) + (panel_has_m(type) ? 64 : 32);
+  return type == Q4_K ? 296 : type == Q5_K ? 360 : type == Q6_K ? 420 : panel_code_bytes(type) + (panel_has_m(type) ? 64 : 32);
 }
 // The bias c of value = d * (q - c) for the types without an m (0: Q8_0, and the types with one).
 template <int TYPE>
@@ -295,7 +298,14 @@ constexpr float PANEL_BIAS = TYPE == Q4_0 ? 8.f : TYPE == Q5_0 ? 16.f : 0.f;
 // 148 a row where the file's super-block holds 144 (1.028x: the 6-bit pairs spread to bytes). The
 // kernels make a block's d * sc_t and -(dmin * mn_t) in fp32 (kquants.cpp's operations) and go
 // on as for Q4_1.
-constexpr int64_t Q4K_PANEL_SUPER = 2048 + 256 + 64;
+// Q5_K: as Q4_K with each block's codes followed by their fifth bits as Q5_0's (64 bytes): 2880
+// bytes, 180 a row per super-block where the file's holds 176 (1.023x). K4_* give either's offsets.
+template <int TYPE>
+constexpr int64_t K4_CODES = TYPE == Q5_K ? 320 : 256;  // bytes of a block's codes
+template <int TYPE>
+constexpr int64_t K4_SCALES = 8 * K4_CODES<TYPE>;  // then mins at + 128, d at + 256, dmin at + 288
+template <int TYPE>
+constexpr int64_t K4_SUPER = K4_SCALES<TYPE> + 320;
 // Q6_K (256-value super-blocks: 4 low + 2 high bits of q, 16 int8 scales per 16 values, fp16 d;
 // value = d * sc_g * (q - 32)): a panel super-block is per block t (384 bytes) Q4's 256 bytes of
 // the codes' low 4 bits, then their bits 4 and 5 as masks (as Q5's fifth bits: 32 bytes per panel
@@ -307,8 +317,8 @@ constexpr int64_t Q4K_PANEL_SUPER = 2048 + 256 + 64;
 constexpr int64_t Q6K_PANEL_SUPER = 8 * 384 + 256 + 32;
 template <int TYPE>
 inline int64_t panel_codes_at(int64_t b) {
-  if constexpr (TYPE == Q4_K)
-    return (b >> 3) * Q4K_PANEL_SUPER + 256 * (b & 7);
+  if constexpr (K4<TYPE>)
+    return (b >> 3) * K4_SUPER<TYPE> + K4_CODES<TYPE> * (b & 7);
   else if constexpr (TYPE == Q6_K)
     return (b >> 3) * Q6K_PANEL_SUPER + 384 * (b & 7);
   else
@@ -727,7 +737,7 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j));
         __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
         if constexpr (FIVE_BIT<TYPE>) {  // this half's 32 bits of masks 2j and 2j + 1
-          const uint8_t* fifth = w + b * PB + 256 + 16 * j + 4 * half;
+          const uint8_t* fifth = w + panel_codes_at<TYPE>(b) + 256 + 16 * j + 4 * half;
           lo = _mm256_or_si256(lo, sixteens(fifth));
           hi = _mm256_or_si256(hi, sixteens(fifth + 8));
         }
@@ -750,16 +760,16 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
         for (int r = 0; r < MR; ++r) dot[r] = _mm256_madd_epi16(s16[r], ones);
     }
     __m256 d, m = _mm256_setzero_ps();
-    if constexpr (TYPE == Q4_K) {  // d * sc_t and -(dmin * mn_t), 8 rows
-      const uint8_t* sup = w + (b >> 3) * Q4K_PANEL_SUPER;
+    if constexpr (K4<TYPE>) {  // d * sc_t and -(dmin * mn_t), 8 rows
+      const uint8_t* sup = w + (b >> 3) * K4_SUPER<TYPE> + K4_SCALES<TYPE>;
       const int64_t t = b & 7;
       auto bytes8 = [](const uint8_t* p) {
         return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
       };
-      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 2304 + 16 * half)));
-      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 2336 + 16 * half)));
-      d = _mm256_mul_ps(dd, bytes8(sup + 2048 + 16 * t + 8 * half));
-      m = _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmin, bytes8(sup + 2176 + 16 * t + 8 * half)));
+      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 256 + 16 * half)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 288 + 16 * half)));
+      d = _mm256_mul_ps(dd, bytes8(sup + 16 * t + 8 * half));
+      m = _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmin, bytes8(sup + 128 + 16 * t + 8 * half)));
     } else {
       const uint8_t* head = w + b * PB + CODES + 16 * half;
       d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
@@ -1080,16 +1090,16 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
     __m512 d[NR], m[NR];
     for (int c = 0; c < NR; ++c) {
       const uint8_t* blk = w + c * panel_bytes + b * PB + CODES;
-      if constexpr (TYPE == Q4_K) {  // d * sc_t and -(dmin * mn_t), 16 rows
-        const uint8_t* sup = w + c * panel_bytes + (b >> 3) * Q4K_PANEL_SUPER;
+      if constexpr (K4<TYPE>) {  // d * sc_t and -(dmin * mn_t), 16 rows
+        const uint8_t* sup = w + c * panel_bytes + (b >> 3) * K4_SUPER<TYPE> + K4_SCALES<TYPE>;
         const int64_t t = b & 7;
         auto bytes16 = [](const uint8_t* p) {
           return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
         };
-        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 2304)));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 2336)));
-        d[c] = _mm512_mul_ps(dd, bytes16(sup + 2048 + 16 * t));
-        m[c] = _mm512_xor_ps(_mm512_set1_ps(-0.f), _mm512_mul_ps(dmin, bytes16(sup + 2176 + 16 * t)));
+        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 256)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 288)));
+        d[c] = _mm512_mul_ps(dd, bytes16(sup + 16 * t));
+        m[c] = _mm512_xor_ps(_mm512_set1_ps(-0.f), _mm512_mul_ps(dmin, bytes16(sup + 128 + 16 * t)));
         continue;
       }
       d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
@@ -1430,31 +1440,42 @@ inline void pack_scales_k4(const uint8_t sc[8], const uint8_t mn[8], uint8_t* q)
 // Super-block sb of a Q4_K row (144 bytes: fp16 d, dmin, 12 bytes of scales, 128 of codes: value
 // 64h + l (l < 32) in the low nibble of byte 32h + l, value 64h + 32 + l in its high one) into
 // row c of a panel super-block (layout above), or back (to_panel false).
-void q4_k_row_panel(uint8_t* blk, uint8_t* sup, int c, bool to_panel) {
+// Q5_K (176 bytes): the same with 32 bytes of fifth bits (value j: byte j % 32, bit j / 32) before
+// the codes, which go to Q5_0's masks after each block's panel codes (`five`).
+void k4_row_panel(uint8_t* blk, uint8_t* sup, int c, bool to_panel, bool five) {
+  const int64_t codes = five ? 320 : 256, at = 8 * codes;  // the scales' offset in the super-block
+  const int qs = five ? 48 : 16;
   uint8_t sc[8], mn[8];
   if (to_panel) {
-    std::memcpy(sup + 2304 + 2 * c, blk, 2);
-    std::memcpy(sup + 2336 + 2 * c, blk + 2, 2);
+    std::memcpy(sup + at + 256 + 2 * c, blk, 2);
+    std::memcpy(sup + at + 288 + 2 * c, blk + 2, 2);
     unpack_scales_k4(blk + 4, sc, mn);
-    for (int t = 0; t < 8; ++t) sup[2048 + 16 * t + c] = sc[t], sup[2176 + 16 * t + c] = mn[t];
+    for (int t = 0; t < 8; ++t) sup[at + 16 * t + c] = sc[t], sup[at + 128 + 16 * t + c] = mn[t];
   } else {
-    std::memcpy(blk, sup + 2304 + 2 * c, 2);
-    std::memcpy(blk + 2, sup + 2336 + 2 * c, 2);
-    for (int t = 0; t < 8; ++t) sc[t] = sup[2048 + 16 * t + c], mn[t] = sup[2176 + 16 * t + c];
+    std::memcpy(blk, sup + at + 256 + 2 * c, 2);
+    std::memcpy(blk + 2, sup + at + 288 + 2 * c, 2);
+    for (int t = 0; t < 8; ++t) sc[t] = sup[at + 16 * t + c], mn[t] = sup[at + 128 + 16 * t + c];
     pack_scales_k4(sc, mn, blk + 4);
   }
-  // Block t's value v (0..31) sits in Q4's panel byte 64 (v % 16 / 4) + 4c + v % 4, nibble v / 16.
+  // Block t's value v (0..31) sits in Q4's panel byte 64 (v % 16 / 4) + 4c + v % 4, nibble v / 16;
+  // its fifth bit in mask 2 (v % 16 / 4) + v / 16 at bit 4c + v % 4.
   for (int t = 0; t < 8; ++t)
     for (int v = 0; v < 32; ++v) {
       const int j = 32 * t + v;  // value in the super-block
-      uint8_t& file = blk[16 + 32 * (j / 64) + j % 32];
+      uint8_t& file = blk[qs + 32 * (j / 64) + j % 32];
       const int file_shift = 4 * ((j / 32) % 2);
-      uint8_t& panel = sup[256 * t + 64 * (v % 16 / 4) + 4 * c + v % 4];
-      const int panel_shift = 4 * (v / 16);
-      if (to_panel)
+      uint8_t* panel_block = sup + codes * t;
+      uint8_t& panel = panel_block[64 * (v % 16 / 4) + 4 * c + v % 4];
+      const int panel_shift = 4 * (v / 16), pos = 4 * c + v % 4;
+      uint8_t& mask = panel_block[256 + 16 * (v % 16 / 4) + 8 * (v / 16) + pos / 8];
+      uint8_t& high = blk[16 + j % 32];
+      if (to_panel) {
         panel = uint8_t(panel | (((file >> file_shift) & 15) << panel_shift));
-      else
+        if (five && ((high >> (j / 32)) & 1)) mask |= uint8_t(1u << (pos % 8));
+      } else {
         file = uint8_t((file & ~(15 << file_shift)) | (((panel >> panel_shift) & 15) << file_shift));
+        if (five && ((mask >> (pos % 8)) & 1)) high |= uint8_t(1u << (j / 32));
+      }
     }
 }
 
@@ -1498,18 +1519,21 @@ void q6_k_row_panel(uint8_t* blk, uint8_t* sup, int c, bool to_panel) {
 
 // The panel kind of a type id (Q4_1G's panels are Q4_1's), or a one-line error.
 int64_t panel_kind(int64_t type) {
-  if (five_bit(type) || type == Q4_K || type == Q6_K) return type;
+  if (five_bit(type) || type == Q4_K || type == Q5_K || type == Q6_K) return type;
   const Layout L = layout_of(type);
   return L.kind == Q4_1G ? Q4_1 : L.kind;
 }
 
 void check_panel_weight(const torch::Tensor& w, int64_t type, int64_t k) {
-  if (!five_bit(type) && type != Q4_K && type != Q6_K) return check_weight(w, type, k);
+  if (!five_bit(type) && type != Q4_K && type != Q5_K && type != Q6_K) return check_weight(w, type, k);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
               "w must be a contiguous CPU uint8 tensor [N, bytes per row]");
-  const int64_t values = type == Q4_K || type == Q6_K ? 256 : QK;
+  const int64_t values = type == Q4_K || type == Q5_K || type == Q6_K ? 256 : QK;
   TORCH_CHECK(k > 0 && k % values == 0, "K must be a positive multiple of ", values, ", got ", k);
-  const int64_t want = type == Q4_K ? k / 256 * 144 : type == Q6_K ? k / 256 * 210 : k / QK * five_bit_block_bytes(type);
+  const int64_t want = type == Q4_K   ? k / 256 * 144
+                       : type == Q5_K ? k / 256 * 176
+                       : type == Q6_K ? k / 256 * 210
+                                      : k / QK * five_bit_block_bytes(type);
   TORCH_CHECK(w.size(1) == want, "w rows hold ", w.size(1), " bytes; K = ", k, " needs ", want);
 }
 
@@ -1517,7 +1541,8 @@ void check_panel_weight(const torch::Tensor& w, int64_t type, int64_t k) {
 torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) {
   check_panel_weight(w, type, k);
   const bool five = five_bit(type);
-  const Layout L = five || type == Q4_K || type == Q6_K ? Layout{type, 0, 0, 0, 0} : layout_of(type);
+  const bool k_quant = type == Q4_K || type == Q5_K || type == Q6_K;
+  const Layout L = five || k_quant ? Layout{type, 0, 0, 0, 0} : layout_of(type);
   const int64_t bb = five ? five_bit_block_bytes(type) : 0, head = type == Q5_1 ? 4 : 2;
   const int64_t N = w.size(0), nb = k / QK;
   const int64_t panels = (N + PANEL - 1) / PANEL, pbb = panel_block_bytes(type);
@@ -1527,17 +1552,17 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     float q[QK];
-    if (type == Q4_K || type == Q6_K) {
-      const bool q4 = type == Q4_K;
+    if (k_quant) {
+      const int64_t file_super = type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
       for (int64_t pn = p0; pn < p1; ++pn)
         for (int64_t sb = 0; sb < nb / 8; ++sb)
           for (int c = 0; c < PANEL && pn * PANEL + c < N; ++c) {
-            uint8_t* blk = const_cast<uint8_t*>(src) + (pn * PANEL + c) * w.size(1) + sb * (q4 ? 144 : 210);
-            uint8_t* sup = dst + pn * nb * pbb + sb * (q4 ? Q4K_PANEL_SUPER : Q6K_PANEL_SUPER);
-            if (q4)
-              q4_k_row_panel(blk, sup, c, true);
-            else
+            uint8_t* blk = const_cast<uint8_t*>(src) + (pn * PANEL + c) * w.size(1) + sb * file_super;
+            uint8_t* sup = dst + pn * nb * pbb + sb * 8 * pbb;
+            if (type == Q6_K)
               q6_k_row_panel(blk, sup, c, true);
+            else
+              k4_row_panel(blk, sup, c, true, type == Q5_K);
           }
       return;
     }
@@ -1588,7 +1613,7 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
 torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64_t k, const torch::Tensor& rows) {
   TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of ", QK, ", got ", k);
   const int64_t kind = panel_kind(type);
-  TORCH_CHECK((kind != Q4_K && kind != Q6_K) || k % 256 == 0, "K must be a multiple of 256 for Q4_K / Q6_K, got ", k);
+  TORCH_CHECK((kind != Q4_K && kind != Q5_K && kind != Q6_K) || k % 256 == 0, "K must be a multiple of 256 for the K-quants, got ", k);
   const int64_t nb = k / QK, pbb = panel_block_bytes(type), codes = panel_code_bytes(type);
   TORCH_CHECK(best_isa() >= ISA_AVX2, "gguf_panel_blocks needs F16C (AVX2 CPUs have it)");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
@@ -1598,7 +1623,7 @@ torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64
   const auto ids = rows.contiguous();
   const int64_t R = ids.size(0), n_max = packed.size(0) * PANEL;
   // Bytes of an output row: blocks (32 values) or, for the K-quants, super-blocks (256).
-  const int64_t super_bytes = kind == Q4_K ? 144 : kind == Q6_K ? 210 : 0;
+  const int64_t super_bytes = kind == Q4_K ? 144 : kind == Q5_K ? 176 : kind == Q6_K ? 210 : 0;
   const int64_t bb = super_bytes ? 0 : five_bit(kind) ? five_bit_block_bytes(kind) : block_bytes(kind);
   const int64_t out_row = super_bytes ? nb / 8 * super_bytes : nb * bb;
   auto out = torch::empty({R, out_row}, packed.options());
@@ -1614,10 +1639,10 @@ torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64
           uint8_t* blk = dst + r * out_row + sb * super_bytes;
           std::memset(blk, 0, super_bytes);
           uint8_t* sup = const_cast<uint8_t*>(src) + pn * nb * pbb;
-          if (kind == Q4_K)
-            q4_k_row_panel(blk, sup + sb * Q4K_PANEL_SUPER, int(c), false);
+          if (kind == Q6_K)
+            q6_k_row_panel(blk, sup + sb * 8 * pbb, int(c), false);
           else
-            q6_k_row_panel(blk, sup + sb * Q6K_PANEL_SUPER, int(c), false);
+            k4_row_panel(blk, sup + sb * 8 * pbb, int(c), false, kind == Q5_K);
         }
         continue;
       }
@@ -1667,7 +1692,7 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   TORCH_CHECK(K > 0 && K % QK == 0, "K must be a positive multiple of ", QK, ", got ", K);
   const int64_t panels = (n + PANEL - 1) / PANEL, kind = panel_kind(type);
-  TORCH_CHECK((kind != Q4_K && kind != Q6_K) || K % 256 == 0, "K must be a multiple of 256 for Q4_K / Q6_K, got ", K);
+  TORCH_CHECK((kind != Q4_K && kind != Q5_K && kind != Q6_K) || K % 256 == 0, "K must be a multiple of 256 for the K-quants, got ", K);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(0) == panels && packed.size(1) == nb * panel_block_bytes(type),
               "packed must be gguf_pack_panels' output for N = ", n, ", K = ", K);
@@ -1695,6 +1720,7 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
         case Q5_0: avx2::panels_q8<Q5_0>(p, w, nullptr, u0, u1); break;
         case Q5_1: avx2::panels_q8<Q5_1>(p, w, nullptr, u0, u1); break;
         case Q4_K: avx2::panels_q8<Q4_K>(p, w, nullptr, u0, u1); break;
+        case Q5_K: avx2::panels_q8<Q5_K>(p, w, nullptr, u0, u1); break;
         case Q6_K: avx2::panels_q8<Q6_K>(p, w, c32.data(), u0, u1); break;
         default: avx2::panels_q8<Q8_0>(p, w, nullptr, u0, u1); break;
       }
@@ -1717,6 +1743,7 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
       case Q5_0: avx512::panels_q8<Q5_0>(p, w, nullptr, t0, t1); break;
       case Q5_1: avx512::panels_q8<Q5_1>(p, w, nullptr, t0, t1); break;
       case Q4_K: avx512::panels_q8<Q4_K>(p, w, nullptr, t0, t1); break;
+      case Q5_K: avx512::panels_q8<Q5_K>(p, w, nullptr, t0, t1); break;
       case Q6_K: avx512::panels_q8<Q6_K>(p, w, c32.data(), t0, t1); break;
       default: avx512::panels_q8<Q8_0>(p, w, c128.data(), t0, t1); break;
     }
@@ -1783,7 +1810,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("type"), py::arg("isa") = -1);
   m.def("quantize_q8", &gguf_matmul::quantize_q8, "x fp32 [M, K] -> (int8 q, scale dx, dx * sum(q)) per 32-block",
         py::arg("x"), py::arg("isa") = -1);
-  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] (Q4_0, Q4_1, Q4_1G, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) -> 16-row panels (AVX-512 VNNI or AVX2)",
+  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] (Q4_0, Q4_1, Q4_1G, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) -> 16-row panels (AVX-512 VNNI or AVX2)",
         py::arg("w"), py::arg("type"), py::arg("k"));
   m.def("gguf_matmul_panels", &gguf_matmul::gguf_matmul_panels,
         "x fp32 [M, K] @ W^T from gguf_pack_panels(W), x rounded to int8 per 32-block", py::arg("x"), py::arg("packed"),
@@ -1803,7 +1830,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kq_dequantize", &kquants::kq_dequantize, "packed rows [N, bytes] -> float32 [N, K] (or into fp32 / bf16)",
         py::arg("w"), py::arg("type"), py::arg("k"), py::arg("into") = py::none(), py::arg("isa") = -1);
   m.def("kq_panel_dequantize", &kquants::kq_panel_dequantize,
-        "rows [r0, r1) of a Q4_K / Q6_K layer kept as panels -> into (fp32 / bf16), kq_dequantize's values", py::arg("packed"),
+        "rows [r0, r1) of a Q4_K / Q5_K / Q6_K layer kept as panels -> into (fp32 / bf16), kq_dequantize's values", py::arg("packed"),
         py::arg("type"), py::arg("k"), py::arg("r0"), py::arg("r1"), py::arg("into"));
   m.def("kq_matmul_q8", &kquants::kq_matmul_q8,
         "x fp32 [M, K] @ W^T, W packed, x rounded to int8 per 32-block (integer dot products)", py::arg("x"),
