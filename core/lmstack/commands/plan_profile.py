@@ -30,7 +30,7 @@ PROFILE_VERSION = 1
 @dataclass
 class DecodePoint:
     batch: int
-    step_s: float  # median wall time of one decode-only engine step
+    step_s: float  # mean wall time of a decode-only engine step (median over rounds)
     tokens_per_step: float  # tokens each sequence gained per step (1 without speculation)
 
 
@@ -150,16 +150,14 @@ def measure_prefill(engine: Any, length: int, repeats: int, rng: random.Random) 
 
 def measure_decode(
     engine: Any, batch: int, prompt_len: int, steps: int, warmup: int, rng: random.Random
-) -> DecodePoint:
-    """`batch` requests prefilled, then `warmup` decode steps untimed and `steps` timed one by
-    one; the median step time and the tokens each sequence gained per step."""
+) -> tuple[float, float]:
+    """`batch` requests prefilled, then `warmup` decode steps untimed and `steps` timed: the mean
+    step time (what throughput follows) and the tokens each sequence gained per step."""
     from lmstack.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 4, ignore_eos=True)
-    reqs = [
-        engine.make_request(p, params)
-        for p in _prompts(engine.model_config.vocab_size, batch, prompt_len, rng)
-    ]
+    vocab = engine.model_config.vocab_size
+    reqs = [engine.make_request(p, params) for p in _prompts(vocab, batch, prompt_len, rng)]
     for req in reqs:
         engine.enqueue(req)
     seqs = [req.seqs[0] for req in reqs]
@@ -168,14 +166,13 @@ def measure_decode(
     for _ in range(warmup):
         engine.step()
     before = sum(s.num_output_tokens for s in seqs)
-    times = []
+    start = time.perf_counter()
     for _ in range(steps):
-        start = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
     gained = sum(s.num_output_tokens for s in seqs) - before
     _drain(engine, reqs)
-    return DecodePoint(batch, statistics.median(times), gained / (steps * batch))
+    return elapsed / steps, gained / (steps * batch)
 
 
 def run_profile(
@@ -185,11 +182,14 @@ def run_profile(
     *,
     prompt_len: int = 64,
     prefill_len: int = 512,
-    steps: int = 12,
+    steps: int = 16,
     warmup: int = 3,
+    rounds: int = 3,
     progress: Any = None,
 ) -> Profile:
-    """Measure `engine` (built from the stack `key` names) at each of `batches`."""
+    """Measure `engine` (built from the stack `key` names) at each of `batches`: `rounds` rounds
+    over all the batch sizes (a burst of other load spreads over them instead of hitting one),
+    the median of each batch's round means."""
     from lmstack.kernels.hardware import usable_cpus
 
     rng = random.Random(0)
@@ -198,12 +198,17 @@ def run_profile(
     prompt_len = max(1, min(prompt_len, limit - warmup - steps - 4))
     if progress:
         progress(f"prefill: {prefill_len}-token prompts")
-    prefill = measure_prefill(engine, prefill_len, 3, rng)
-    points = []
-    for b in batches:
+    prefill = measure_prefill(engine, prefill_len, rounds, rng)
+    runs: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
+    for r in range(rounds):
         if progress:
-            progress(f"decode: batch {b}")
-        points.append(measure_decode(engine, b, prompt_len, steps, warmup, rng))
+            progress(f"decode: batch {', '.join(map(str, batches))} (round {r + 1} of {rounds})")
+        for b in batches:
+            runs[b].append(measure_decode(engine, b, prompt_len, steps, warmup, rng))
+    points = [
+        DecodePoint(b, statistics.median(t for t, _ in runs[b]), statistics.fmean(g for _, g in runs[b]))
+        for b in batches
+    ]
     return Profile(
         key=key,
         processor=processor_name(engine.stack.device),
