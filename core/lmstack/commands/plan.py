@@ -125,7 +125,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "linear_summary_s": {"a": a, "b": b},
         "predicted": [
             {"batch": n, "step_s": model.step_s(n), "tpot_s": model.tpot_s(n)}
-            for n in PREDICT_BATCHES
+            for n in sorted({*PREDICT_BATCHES, *(d.batch for d in profile.decode)})
             if n <= memory.max_num_seqs
         ],
     }
