@@ -13,6 +13,7 @@ from lmstack import cli
 from lmstack.commands.plan_profile import DecodePoint, Profile, StepModel, profile_batches
 from lmstack.commands.plan_queue import Slo, Workload, erlang_c, parse_slo, parse_workload, plan_replicas
 from lmstack.errors import LmstackError
+from lmstack.model.memory import resident_weight_bytes
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -88,6 +89,40 @@ def test_sequences_that_fit_are_what_the_allocator_admits(capsys, tiny_model_pat
         assert m["num_blocks"] == engine.allocator.num_blocks
         assert m["max_model_len"] == engine.max_model_len
         assert m["sequences_fit"] == admitted(engine, context) > 0
+        assert m["weights_bytes"] == resident_weight_bytes(engine.executor.runner.model)
+    finally:
+        engine.shutdown()
+
+
+def test_the_default_stack_auto_kv_cache_fits_what_the_allocator_admits(capsys, monkeypatch, tiny_model_path):
+    """`kv_cache_memory: auto` (the default stack: a model alone) through the allocator's own rule;
+    its 1 GiB CPU cap lowered so that the cap binds here as on a roomy machine, and the cache is small."""
+    from lmstack.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr("lmstack.kernels.hardware.CPU_KV_CAP", 3 * 2**20)
+    plan = plan_json(capsys, str(tiny_model_path), "--context", "700")
+    m = plan["memory"]
+    assert "auto" in m["kv_budget_how"]
+    engine = LLMEngine(str(tiny_model_path))
+    try:
+        assert m["num_blocks"] == engine.allocator.num_blocks
+        assert m["sequences_fit"] == admitted(engine, 700) > 0
+    finally:
+        engine.shutdown()
+
+
+def test_quantized_weights_are_measured_as_the_engine_holds_them(capsys, tmp_path, tiny_model_path):
+    from lmstack.engine.llm_engine import LLMEngine
+    from lmstack.testing.gguf_writer import write_gguf
+
+    gguf = str(write_gguf(tiny_model_path, tmp_path / "tiny-q8_0.gguf", tensor_type="q8_0"))
+    sets = ["--set", "allocator.kv_cache_memory=1MiB"]
+    m = plan_json(capsys, gguf, *sets)["memory"]
+    assert "loaded" in m["weights_how"]
+    engine = LLMEngine({"model": gguf, "allocator": {"kv_cache_memory": "1MiB"}})
+    try:
+        assert m["weights_bytes"] == resident_weight_bytes(engine.executor.runner.model)
+        assert m["sequences_fit"] == admitted(engine, m["context"]) > 0
     finally:
         engine.shutdown()
 

@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--measure-weights",
         action="store_true",
-        help="load the weights in this process to measure their resident bytes (default: counted on the "
-        "meta device, no weights read)",
+        help="load the weights in this process to measure their resident bytes (the default under a "
+        "quantizer; unquantized weights are counted on the meta device, none read)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -87,7 +87,11 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     prepared = prepare_stack(stack_from_args(args))
     r, mc = prepared.resolved, prepared.model_config
     built = check_build(r, mc, prepared.models)
-    measured = _measure_weights(prepared, built["quantizer"]) if args.measure_weights else None
+    # Unquantized weights are counted exactly on the meta device; a quantizer's resident
+    # layout (re-packed, re-laid copies) is only known once it has processed the loaded weights.
+    measured = None
+    if args.measure_weights or r.quantizer.name != "none":
+        measured = _measure_weights(prepared, built["quantizer"])
     memory = plan_memory(prepared, built, args.context, measured)
 
     key = profile_key(prepared)

@@ -179,12 +179,11 @@ def plan_memory(
     r, mc = prepared.resolved, prepared.model_config
     max_positions = table_positions(mc.max_position_embeddings, r.config.max_model_len)
     if measured_weights is not None:
-        weights, weights_how = measured_weights.resident_bytes, "loaded and measured (--measure-weights)"
+        weights = measured_weights.resident_bytes
+        weights_how = f"loaded here with quantizer {r.quantizer.name} and measured"
     else:
         weights = weights_on_meta(prepared, built["quantizer"], max_positions)
-        weights_how = "counted on the meta device with the stack's quantizer (no weights loaded)"
-        if r.quantizer.name != "none":
-            weights_how += "; a quantizer that packs at load may differ: --measure-weights loads them"
+        weights_how = "counted on the meta device (no weights loaded)"
 
     total, available = device_memory(r.device)
     block_size = getattr(r.allocator.options, "block_size", getattr(built["allocator"], "block_size", 16))
