@@ -271,8 +271,9 @@ def _render_replicas(rep: dict[str, Any]) -> list[str]:
         for k, v in (("ttft", slo["ttft_s"]), ("tpot", slo["tpot_s"]))
         if v is not None
     )
+    rate = f"{rep['rate']:g} requests/s" if rep["rate"] else "no --rate (one replica's capacity)"
     lines = [
-        f"load      {rep['rate']:g} requests/s of {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens"
+        f"load      {rate} of {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens"
         + (f"; SLO {targets}" if targets else "")
     ]
     if not rep["feasible"]:
