@@ -95,9 +95,13 @@ def main() -> int:
     p.add_argument("--fresh-profile", action="store_true", help="measure the profile again first")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (the profile's context)")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="result folder (default benchmarks/results/plan_check-...)")
     args = p.parse_args()
+    if args.new_tokens < 3 or args.prompt_tokens < 1 or args.repeats < 1:
+        p.error(
+            "--new-tokens must be at least 3 (two decode steps), --prompt-tokens and --repeats at least 1"
+        )
 
     from lmstack.engine.llm_engine import LLMEngine
     from lmstack.stack.config import load_stack

@@ -184,7 +184,7 @@ def run_profile(
     prefill_len: int = 512,
     steps: int = 16,
     warmup: int = 3,
-    rounds: int = 3,
+    rounds: int = 5,
     progress: Any = None,
 ) -> Profile:
     """Measure `engine` (built from the stack `key` names) at each of `batches`: `rounds` rounds
