@@ -111,6 +111,8 @@ def build_parser(prog: str = "lmstack tune") -> argparse.ArgumentParser:
     )
     work.add_argument("--tokenizer", metavar="MODEL",
                       help="model whose tokenizer sizes the prompts (default: the stack's model)")  # fmt: skip
+    work.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                      help="for a stack whose server asks for one (default: $OPENAI_API_KEY)")  # fmt: skip
     work.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
                       help="fields merged into every request body")  # fmt: skip
     work.add_argument("--seed", type=int, default=0)
@@ -181,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         duration_s=args.duration,
         warmup=args.warmup,
         extra_body=args.extra_body,
+        api_key=args.api_key,
         work_dir=work_dir,
         progress=args.progress,
     )
@@ -410,6 +413,7 @@ class ServerMeasure:
     warmup: int
     extra_body: dict[str, Any]
     work_dir: Path
+    api_key: str | None = None
     progress: bool = True
     count: int = 0
 
@@ -421,10 +425,12 @@ class ServerMeasure:
 
         self.count += 1
         name = f"candidate-{self.count:02d}"
-        with served(stack, self.work_dir / name, deadline) as (base_url, model):
+        with served(stack, self.work_dir / name, deadline, self.api_key) as (base_url, model):
             opts = RequestOptions(model=model, extra_body=self.extra_body)
             left = deadline - time.monotonic()
-            runner = Runner(base_url, opts, timeout_s=max(left, 1.0), progress=self.progress)
+            runner = Runner(
+                base_url, opts, api_key=self.api_key, timeout_s=max(left, 1.0), progress=self.progress
+            )
             if self.warmup > 0:
                 warm = sessions(
                     dataclasses.replace(self.spec, seed=self.spec.seed + 1_000_003), self.tokenizer
@@ -473,7 +479,9 @@ _END_WITH_PARENT = (
 
 
 @contextlib.contextmanager
-def served(stack: dict[str, Any], folder: Path, deadline: float) -> Iterator[tuple[str, str]]:
+def served(
+    stack: dict[str, Any], folder: Path, deadline: float, api_key: str | None = None
+) -> Iterator[tuple[str, str]]:
     """`lmstack serve` of `stack` on 127.0.0.1 and a free port, its stack and log in `folder`;
     yields (base URL, served model name) once /health answers. The server is stopped on the
     way out, and at `deadline` at the latest (its requests then fail, and the run ends)."""
@@ -514,7 +522,8 @@ def served(stack: dict[str, Any], folder: Path, deadline: float) -> Iterator[tup
                     raise CandidateFailed(f"the server was not healthy after {waited:.0f} s; see {log_path}")
                 time.sleep(0.3)
             try:
-                model = httpx.get(base + "/v1/models", timeout=10.0).json()["data"][0]["id"]
+                headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+                model = httpx.get(base + "/v1/models", headers=headers, timeout=10.0).json()["data"][0]["id"]
             except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
                 raise CandidateFailed(f"/v1/models did not name the model: {exc}") from None
             yield base, model
@@ -619,27 +628,29 @@ def summary_text(result: SearchResult) -> str:
 
 
 def plot_trials(result: SearchResult, path: Path, title: str) -> None:
-    """One bar per candidate, in the order tried: goodput at the SLO, with its output tok/s
-    written beside; the best in another colour, those not measured marked with their reason."""
+    """The candidates in the order tried, two panels: goodput at the SLO, and output tok/s;
+    the best in green, those not measured in grey with their reason."""
     from lmstack_bench.toolbox import pyplot
 
     plt = pyplot()
     trials = result.trials
-    fig, ax = plt.subplots(figsize=(8, 0.4 * len(trials) + 1.4))
+    fig, (ax_g, ax_t) = plt.subplots(1, 2, sharey=True, figsize=(10, 0.4 * len(trials) + 1.5))
     names = [f"{t.index}: {t.label}"[:60] for t in trials]
-    good = [t.measurement.goodput if t.measurement else 0.0 for t in trials]
     colors = ["tab:green" if t is result.best else ("tab:blue" if t.ok else "lightgrey") for t in trials]
-    ax.barh(names, good, color=colors)
-    for i, t in enumerate(trials):
-        text = (
-            f" {t.measurement.output_throughput:.1f} tok/s"
-            if t.measurement
-            else f" not measured: {t.error}"[:70]
-        )
-        ax.text(good[i], i, text, va="center", fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("goodput (requests/s meeting the SLO)")
-    ax.set_title(title, fontsize=9)
+    for ax, key, label in (
+        (ax_g, "goodput", "goodput (requests/s meeting the SLO)"),
+        (ax_t, "output_throughput", "output tok/s"),
+    ):
+        values = [getattr(t.measurement, key) if t.measurement else 0.0 for t in trials]
+        ax.barh(names, values, color=colors)
+        top = max(values, default=0.0) or 1.0
+        ax.set_xlim(0, top * 1.25)
+        for i, (t, v) in enumerate(zip(trials, values)):
+            text = f" {v:.3g}" if t.measurement else (" not measured" if ax is ax_t else f" {t.error}"[:48])
+            ax.text(v, i, text, va="center", fontsize=7)
+        ax.set_xlabel(label)
+    ax_g.invert_yaxis()
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
