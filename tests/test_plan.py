@@ -287,3 +287,15 @@ def test_slo_and_workload_parsing():
     assert parse_workload("prompt=1000") == Workload(1000, 128)
     with pytest.raises(LmstackError):
         parse_slo("ttft=-1s")
+
+
+def test_a_plan_beyond_the_memory_available_says_so(capsys, monkeypatch, tiny_model_path):
+    monkeypatch.setattr("lmstack.kernels.hardware.host_available_memory", lambda: 2**20)
+    argv = [str(tiny_model_path), "--set", "allocator.kv_cache_memory=4MiB"]
+    m = plan_json(capsys, *argv)["memory"]
+    assert m["device_available_bytes"] == 2**20
+    # This process's runtime is already out of what is available: the rest must fit beside it.
+    assert m["headroom_bytes"] == 2**20 - (m["weights_bytes"] + m["kv_cache_bytes"] + m["activation_bytes"])
+    code, out, err = run(capsys, "plan", *argv)
+    assert code == 0, err
+    assert "warning: the plan needs" in out

@@ -215,13 +215,12 @@ def render(plan: dict[str, Any]) -> str:
         ["total planned", _size(m["planned_bytes"]), ""],
     ]
     lines += _table(["MEMORY", "SIZE", "HOW"], rows)
-    headroom = (
-        None if m["device_available_bytes"] is None else m["device_available_bytes"] - m["planned_bytes"]
-    )
-    if m["device"].startswith("cpu") and headroom is not None:
-        # The runtime is already part of what is in use now: only the rest is new.
-        headroom += m["runtime_bytes"]
-        lines.append(f"{'headroom':<22} {_size(headroom)} of what is available now")
+    headroom = m["headroom_bytes"]
+    if headroom is not None:
+        where = "the device's memory" if m["device"].startswith("cuda") else "what is available now"
+        lines.append(f"{'headroom':<22} {_size(headroom)} of {where}")
+        if headroom < 0:
+            lines.append(f"warning: the plan needs {_size(-headroom)} more than {where}")
     lines += [
         "",
         f"KV        {m['kv_bytes_per_token']} B a token ({m['kv_dtype']}), {_size(m['kv_bytes_per_block'])} a "

@@ -59,8 +59,23 @@ class MemoryPlan:
     def planned_bytes(self) -> int:
         return self.weights_bytes + self.kv_cache_bytes + self.activation_bytes + self.runtime_bytes
 
+    @property
+    def headroom_bytes(self) -> int | None:
+        """What is left once everything planned is resident: on a CPU of the memory available now
+        (this process's runtime is already out of it), on a GPU of the device's memory."""
+        if self.device.startswith("cuda"):
+            return None if self.device_total_bytes is None else self.device_total_bytes - self.planned_bytes
+        if self.device_available_bytes is None:
+            return None
+        return self.device_available_bytes + self.runtime_bytes - self.planned_bytes
+
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "concurrent": self.concurrent, "planned_bytes": self.planned_bytes}
+        return {
+            **asdict(self),
+            "concurrent": self.concurrent,
+            "planned_bytes": self.planned_bytes,
+            "headroom_bytes": self.headroom_bytes,
+        }
 
 
 def weights_on_meta(prepared: Any, quantizer: Any, max_positions: int) -> int:
@@ -212,7 +227,8 @@ def plan_memory(
     else:
         runtime = process_rss() or 0
         runtime_how = (
-            "this process's resident memory with torch and the plugins imported (a server adds its own)"
+            "this process's resident memory: torch, the plugins, the components built (the allocator's "
+            "block tables); a server adds its own"
         )
 
     return MemoryPlan(

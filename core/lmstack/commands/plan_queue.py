@@ -22,7 +22,7 @@ ASSUMPTIONS = (
     "each replica decodes at batch B, the largest batch (up to max_num_seqs, the sequences that "
     "fit at prompt+output tokens and the largest profiled batch) whose time per output token, "
     "t(B) interpolated between the profiled batches, meets the tpot SLO",
-    "a request costs its replica prompt/prefill_tok_s seconds of prefill (the batch waits) plus "
+    "a request costs its replica prompt/prefill_tok_s seconds of prefill (the profiled rate; the batch waits) plus "
     "output/tokens_per_step steps shared by B sequences: capacity mu = 1/(prefill + output*t(B)/B)",
     f"replicas: the fewest n with utilisation rate/(n*mu) <= {MAX_UTILISATION} whose TTFT meets the "
     "ttft SLO, TTFT = queueing wait (M/M/n, Erlang C, service rate mu) + the request's prefill",
