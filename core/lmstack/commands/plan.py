@@ -161,6 +161,11 @@ def _record_profile(prepared: Any, key: str) -> Any:
     try:
         per_seq = -(-128 // engine.allocator.block_size)  # the decode runs' context, rounded up
         max_batch = min(engine.limits.max_num_seqs, engine.allocator.num_blocks // per_seq)
+        if max_batch < 1:
+            raise LmstackError(
+                f"the KV cache ({engine.allocator.num_blocks} blocks of {engine.allocator.block_size} tokens) "
+                "holds no 128-token sequence to profile decoding with: give it more memory"
+            )
         profile = run_profile(engine, key, profile_batches(max_batch), progress=_progress)
     finally:
         engine.shutdown()
