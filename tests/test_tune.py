@@ -237,3 +237,15 @@ def test_tune_two_candidates_end_to_end(tiny_model_path, smollm2_path, tmp_path)
     assert stack.scheduler.get("max_num_seqs") == (1 if record["best"] == 1 else None)
     assert out.with_suffix(".png").stat().st_size > 0
     assert "start stack: goodput" in out.read_text()
+
+
+def test_lmstack_tune_passes_every_argument_to_the_tuner():
+    from lmstack import cli
+    from lmstack.stack.plugins import make_plugin_manager
+
+    parser = cli.build_parser(make_plugin_manager(autoload=False, extra_plugins=["lmstack_bench.plugin"]))
+    assert "tune" in cli._commands(parser)
+    args = parser.parse_args(["tune", "--help"])
+    assert args.tune_args == ["--help"]
+    args = parser.parse_args(["tune", "m", "--slo", "ttft=2s", "--budget", "10m"])
+    assert args.tune_args == ["m", "--slo", "ttft=2s", "--budget", "10m"]
