@@ -90,22 +90,58 @@ def test_search_walks_each_knob_and_keeps_the_best():
     assert not ngram.ok and ngram.error == "the server exited with status 1: no ngram"
     assert "\n" not in awq.line() and "\n" not in ngram.line()
     assert len(rejected) == 1 and awq.stack not in measure.calls  # rejected: never started
-    # Every stack measured once; the best one measured has the highest goodput of them all.
+    # Every stack measured once, then the rematch: the winner and the start stack once more.
     keys = [json.dumps(s, sort_keys=True) for s in measure.calls]
-    assert len(keys) == len(set(keys))
+    assert len(keys[:-2]) == len(set(keys[:-2])) and measure.calls[-2:] == [result.best.stack, {"model": "m"}]
+    assert len(result.best.runs) == 2 and len(result.trials[0].runs) == 2
+    assert result.stopped.endswith("rematch: the winner held")
     assert result.best.measurement.goodput == max(t.measurement.goodput for t in result.trials if t.ok)
     assert result.stopped.startswith("converged")
+
+
+def test_the_rematch_can_give_the_start_stack_back():
+    """A winner by luck: 4 sequences measured 2.0 once, then 0.0; the start stack 1.0, then 1.2.
+    On the mean of two runs each (1.0 against 1.1) the start stack wins."""
+    clock = FakeClock()
+    runs = {8: [1.0, 1.2], 4: [2.0, 0.0], 2: [0.5]}
+
+    def measure(stack, deadline):
+        clock.now += 10
+        goodput = runs[stack.get("scheduler", {}).get("max_num_seqs", 8)].pop(0)
+        return Measurement(goodput=goodput, output_throughput=10 * goodput)
+
+    knobs = [Knob("scheduler.max_num_seqs", (1, 2, 4, 8), 8, ordered=True)]
+    result = search({"model": "m"}, knobs, measure, budget_s=1000, clock=clock)
+    assert result.best is result.trials[0] and result.best.stack == {"model": "m"}
+    assert result.best.measurement.goodput == pytest.approx(1.1)
+    assert result.trials[1].measurement.goodput == pytest.approx(1.0)
+    assert result.trials[1].runs[0].goodput == 2.0 and "mean of 2 runs" in result.trials[1].line()
+    assert result.stopped.endswith("rematch: the start stack won")
+    assert all(not v for v in runs.values())  # each stack measured exactly as often as planned
 
 
 def test_search_stops_within_its_budget():
     clock = FakeClock()
     measure = fake_measure({(4, "auto"): 2.0, (2, "auto"): 3.0, (1, "auto"): 4.0}, clock, cost=30.0)
     began = clock.now
-    result = search({"model": "m"}, KNOBS, measure, budget_s=100, clock=clock)
+    result = search({"model": "m"}, KNOBS, measure, budget_s=100, clock=clock, rematch=False)
     # 30 s each: at 0, 30 and 60 s; at 90 s the 10 s left do not cover another 30 s candidate.
     assert len(measure.calls) == 3 and clock.now - began == 90
     assert result.stopped == "budget: 10 s left, the latest candidate took 30 s"
     assert result.best.stack == {"model": "m", "scheduler": {"max_num_seqs": 2}}
+
+    # With the rematch, the descent keeps two candidates' time for it once the best is not the
+    # start: after 4 sequences win at 60 s, the 40 s left go to the rematch, which fits one run.
+    clock = FakeClock()
+    began = clock.now
+    measure = fake_measure({(4, "auto"): 2.0, (2, "auto"): 3.0}, clock, cost=30.0)
+    result = search({"model": "m"}, KNOBS, measure, budget_s=100, clock=clock)
+    assert [t.label for t in result.trials] == ["start stack", "scheduler.max_num_seqs=4"]
+    assert len(measure.calls) == 3 and clock.now - began <= 100
+    assert result.stopped == (
+        "budget: 40 s left, the latest candidate took 30 s (and 60 s kept for the rematch); "
+        "no time left for the rematch"
+    )
 
 
 def test_search_with_no_measurable_candidate_has_no_best():
@@ -217,7 +253,7 @@ def test_tune_two_candidates_end_to_end(tiny_model_path, smollm2_path, tmp_path)
            str(tiny_model_path), "--tokenizer", str(smollm2_path), "--slo", "ttft=20s,tpot=5s",
            "--budget", "3m", "--duration", "2", "--warmup", "1", "--concurrency", "2", "--input-len", "16",
            "--output-len", "4", "--try", "scheduler.max_num_seqs=1", "--out", str(out), "--json",
-           "--no-progress"]  # fmt: skip
+           "--no-progress", "--no-rematch"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout)

@@ -129,6 +129,8 @@ def build_parser(prog: str = "lmstack tune") -> argparse.ArgumentParser:
     )
     space.add_argument("--tie", type=float, default=0.03, metavar="F",
                        help="goodputs within this fraction of each other tie; a tie goes to more tok/s (default 0.03)")  # fmt: skip
+    space.add_argument("--no-rematch", dest="rematch", action="store_false",
+                       help="skip measuring the winner and the start stack once more at the end")  # fmt: skip
     space.add_argument("--no-plot", dest="plot", action="store_false")
     space.add_argument("--no-progress", dest="progress", action="store_false")
     return p
@@ -200,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             validate=lambda stack: _check(stack, pm),
             tie=args.tie,
             on_trial=bar.trial,
+            rematch=args.rematch,
         )
     finally:
         bar.close()
@@ -612,8 +615,9 @@ def write_stack(path: Path, stack: dict[str, Any], record: dict[str, Any]) -> No
         if t["goodput"] is None:
             lines.append(f"{mark} {t['index']:2d} {t['label']}: {t['error']}")
         else:
+            runs = f" (mean of {len(t['runs'])} runs)" if len(t["runs"]) > 1 else ""
             lines.append(f"{mark} {t['index']:2d} {t['label']}: goodput {t['goodput']:.3f}, "
-                         f"{t['output_throughput']:.1f} tok/s")  # fmt: skip
+                         f"{t['output_throughput']:.1f} tok/s{runs}")  # fmt: skip
     lines.append(f"stopped: {record['stopped']}")
     header = "".join("# " + ln.replace("\n", " ") + "\n" for ln in lines)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -65,9 +65,21 @@ class Trial:
     index: int
     changes: dict[str, Any]
     stack: dict[str, Any]
-    measurement: Measurement | None = None
+    measurement: Measurement | None = None  # the mean of `runs`
     error: str | None = None
     seconds: float = 0.0
+    runs: list[Measurement] = field(default_factory=list)  # one, or two after the rematch
+
+    def add_run(self, m: Measurement) -> None:
+        self.runs.append(m)
+        n = len(self.runs)
+        self.measurement = Measurement(
+            goodput=sum(r.goodput for r in self.runs) / n,
+            output_throughput=sum(r.output_throughput for r in self.runs) / n,
+            details={**m.details, "runs": [[r.goodput, r.output_throughput] for r in self.runs]}
+            if n > 1
+            else m.details,
+        )
 
     @property
     def ok(self) -> bool:
@@ -84,7 +96,8 @@ class Trial:
         if self.measurement is None:
             return f"{self.label}: {self.error}"
         m = self.measurement
-        return f"{self.label}: goodput {m.goodput:.3f} req/s, {m.output_throughput:.1f} output tok/s"
+        runs = f" (mean of {len(self.runs)} runs)" if len(self.runs) > 1 else ""
+        return f"{self.label}: goodput {m.goodput:.3f} req/s, {m.output_throughput:.1f} output tok/s{runs}"
 
     def to_json(self) -> dict[str, Any]:
         m = self.measurement
@@ -97,6 +110,7 @@ class Trial:
             "details": None if m is None else m.details,
             "error": self.error,
             "seconds": round(self.seconds, 1),
+            "runs": [[r.goodput, r.output_throughput] for r in self.runs],
         }
 
 
@@ -138,16 +152,23 @@ def search(
     max_passes: int = 3,
     clock: Callable[[], float] = time.monotonic,
     on_trial: Callable[[Trial], None] | None = None,
+    rematch: bool = True,
 ) -> SearchResult:
     """Coordinate descent over `knobs` from `start` (module docstring), measuring each candidate
     once, within `budget_s` seconds of `clock`. A candidate is started only while the time left
     covers what the latest one took (not the longest: the first start may compile kernels);
-    `measure` itself is given the deadline and must return by it."""
+    `measure` itself is given the deadline and must return by it.
+
+    `rematch`: once the search ends, the winner and the start stack (when they differ) are each
+    measured once more, back to back, and compared on the mean of their two runs: the winner of
+    one short run on a noisy machine may have won by luck, and the start stack is what it must
+    beat. While the best so far is not the start stack, the descent keeps the time for that."""
     deadline = clock() + budget_s
     trials: list[Trial] = []
     seen: dict[str, Trial] = {}
     latest = 0.0  # seconds the latest measured candidate took: what the next one is expected to take
     stopped = ""
+    first: Trial | None = None  # the start stack's trial
 
     def attempt(keys: dict[str, Any]) -> Trial | None:
         """The trial of the stack with `keys` set (measured now, or earlier); None when the budget
@@ -158,8 +179,10 @@ def search(
         if key in seen:
             return seen[key]
         left = deadline - clock()
-        if left <= 0 or left < latest:
-            stopped = f"budget: {max(left, 0):.0f} s left, the latest candidate took {latest:.0f} s"
+        reserve = 2 * latest if rematch and best is not first else 0.0
+        if left <= 0 or left < latest + reserve:
+            kept = f" (and {reserve:.0f} s kept for the rematch)" if reserve else ""
+            stopped = f"budget: {max(left, 0):.0f} s left, the latest candidate took {latest:.0f} s{kept}"
             return None
         trial = Trial(index=len(trials), changes=dict(keys), stack=stack)
         began = clock()
@@ -168,7 +191,7 @@ def search(
             trial.error = f"rejected by check: {reason}"
         else:
             try:
-                trial.measurement = measure(stack, deadline)
+                trial.add_run(measure(stack, deadline))
             except CandidateFailed as exc:
                 trial.error = str(exc)
             trial.seconds = clock() - began
@@ -179,7 +202,8 @@ def search(
             on_trial(trial)
         return trial
 
-    best = attempt({})
+    best: Trial | None = None
+    best = first = attempt({})
     changes: dict[str, Any] = {}  # the best trial's keys over the start stack
     values = {k.path: k.current for k in knobs}  # the best trial's value of each knob
 
@@ -216,10 +240,31 @@ def search(
                 break
         if stopped or not improved:
             break
-    if best is not None and not best.ok:
-        best = None
     if not stopped:
         stopped = "converged: a full pass over the knobs improved nothing" if trials else "nothing to measure"
+    if rematch and best is not None and first is not None and best is not first and best.ok and first.ok:
+        done = 0
+        for trial in (best, first):  # the start stack last: the later run gets no warmer machine
+            if deadline - clock() < trial.seconds:
+                break
+            try:
+                trial.add_run(measure(trial.stack, deadline))
+            except CandidateFailed as exc:
+                # A second run that fails counts as nothing met: the mean halves.
+                trial.add_run(Measurement(0.0, 0.0, {"error": str(exc)}))
+            done += 1
+            if on_trial is not None:
+                on_trial(trial)
+        if done == 2:
+            stopped += "; rematch: " + (
+                "the start stack won" if beats(first, best, tie) else "the winner held"
+            )
+            if beats(first, best, tie):
+                best = first
+        else:
+            stopped += "; no time left for the rematch"
+    if best is not None and not best.ok:
+        best = None
     return SearchResult(trials=trials, best=best, stopped=stopped)
 
 
