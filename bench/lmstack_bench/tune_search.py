@@ -15,7 +15,8 @@ most. Passes repeat while a pass improved something and the budget lasts.
 Winning: more goodput at the SLO. Goodputs within `tie` of each other (relative) are a tie, on a
 machine whose runs differ by a few per cent from noise alone; a tie goes to more output tok/s.
 A candidate that could not be measured (rejected by `lmstack check`, failed to start, every
-request failed) never wins and is kept as one line of the record.
+request failed) never wins and is kept as one line of the record. At the end a rematch measures
+the winner and the start stack once more and decides on the means (`search`).
 """
 
 from __future__ import annotations
