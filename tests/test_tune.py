@@ -215,7 +215,8 @@ def test_default_space_from_the_installed_plugins(smollm2_path):
     assert quant.values[0] == "auto" and set(quant.values[1:]) == installed - {"gguf"}
     assert knobs["speculator"].values == ({"name": "none"}, {"name": "ngram"})
     kv = knobs["quant.kv_cache"].values
-    assert kv[0] == "auto" and "bfloat16" not in kv  # auto is bfloat16 here: not tried twice
+    # auto is bfloat16 here and none float32 (gguf computes in float32): neither is tried twice.
+    assert kv[0] == "auto" and "bfloat16" not in kv and "float32" not in kv
     assert {"none", "float8_e4m3fn"} <= set(kv)
 
 

@@ -311,7 +311,13 @@ def default_knobs(resolved: Any, registry: Any, start: dict[str, Any], concurren
     kv_now = (quant or {}).get("kv_cache", "auto") if not isinstance(quant, str) else "auto"
     kv_resolved = described.get("kv_cache_dtype")
     kv_allowed = _kv_dtypes(components)
-    kv_values = [kv_now] + [d for d in kv_allowed if d not in (kv_now, kv_resolved)]
+    # Each value once by the dtype it stores: `none` is the model's dtype, `auto` what resolved.
+    stored = {"none": described.get("dtype"), "auto": kv_resolved}
+    kv_values, seen = [kv_now], {stored.get(kv_now, kv_now)}
+    for d in kv_allowed:
+        if stored.get(d, d) not in seen:
+            kv_values.append(d)
+            seen.add(stored.get(d, d))
     if len(kv_values) > 1:
         knobs.append(Knob("quant.kv_cache", tuple(kv_values), kv_now))
     return knobs

@@ -137,6 +137,9 @@ def main() -> int:
         "compare_duration_s": args.duration,
         "tune": {"command": shlex.join(tune_cmd), "seconds": round(tune_s, 1), "record": tune_record},
         "tuned_stack": stacks["tuned"],
+        # The tuner may keep the start stack (nothing beat it): both sides then serve one stack,
+        # and their difference is the machine's noise.
+        "tuned_is_default": stacks["tuned"] == stacks["default"],
         "rounds": rounds,
         "median": summary,
         "acceptance": {
