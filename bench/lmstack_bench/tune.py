@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -222,6 +223,10 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # the YAML is written; a plot must not lose it
             print(f"warning: could not draw {png}: {type(exc).__name__}: {exc}", file=sys.stderr)
     record["written"] = [str(p) for p in written]
+    # The servers' stacks and logs stay only where a server failed: they say why.
+    if not any(t.error and not t.error.startswith("rejected by check") for t in result.trials):
+        shutil.rmtree(work_dir, ignore_errors=True)
+        record["logs"] = None
     if args.json:
         print(json.dumps(record, indent=1))
     else:

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -150,6 +151,10 @@ def main() -> int:
         },
     }
     write_json(out / "tune_check.json", report)
+    if any("error" in x for x in rounds):
+        log(f"kept the servers' logs in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     if g_default and g_tuned is not None:
         ratios = {"goodput": g_tuned / g_default}
         t_default, t_tuned = summary["default"]["output_throughput"], summary["tuned"]["output_throughput"]
