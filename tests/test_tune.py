@@ -161,6 +161,8 @@ def test_ties_go_to_throughput():
     assert beats(trial(1.02, 90.0), trial(1.0, 80.0), tie=0.03)  # a tie on goodput: more tok/s wins
     assert not beats(trial(1.02, 70.0), trial(1.0, 80.0), tie=0.03)
     assert beats(trial(1.10, 70.0), trial(1.0, 80.0), tie=0.03)  # beyond the tie: goodput wins
+    assert not beats(trial(1.01, 80.5), trial(1.0, 80.0), tie=0.03)  # a tie on both: the incumbent stays
+    assert not beats(trial(1.0, 80.0), trial(1.01, 80.5), tie=0.03)
     assert beats(trial(0.0, 5.0), Trial(0, {}, {}, error="failed"))
     assert not beats(Trial(0, {}, {}, error="failed"), trial(0.0, 5.0))
 

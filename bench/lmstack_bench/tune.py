@@ -129,7 +129,8 @@ def build_parser(prog: str = "lmstack tune") -> argparse.ArgumentParser:
         "--try scheduler.max_num_seqs=4,8 --try speculator={name: ngram}",
     )
     space.add_argument("--tie", type=float, default=0.03, metavar="F",
-                       help="goodputs within this fraction of each other tie; a tie goes to more tok/s (default 0.03)")  # fmt: skip
+                       help="goodputs within this fraction of each other tie; a tie goes to more tok/s beyond the same "
+                       "fraction, else to the stack already held (default 0.03)")  # fmt: skip
     space.add_argument("--no-rematch", dest="rematch", action="store_false",
                        help="skip measuring the winner and the start stack once more at the end")  # fmt: skip
     space.add_argument("--no-plot", dest="plot", action="store_false")

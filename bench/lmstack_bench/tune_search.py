@@ -13,7 +13,8 @@ Knobs come most promising first, so a budget that ends early has spent itself wh
 most. Passes repeat while a pass improved something and the budget lasts.
 
 Winning: more goodput at the SLO. Goodputs within `tie` of each other (relative) are a tie, on a
-machine whose runs differ by a few per cent from noise alone; a tie goes to more output tok/s.
+machine whose runs differ by a few per cent from noise alone; a tie goes to more output tok/s
+(beyond the same margin; a tie on both keeps the incumbent, the stack the candidate would change).
 A candidate that could not be measured (rejected by `lmstack check`, failed to start, every
 request failed) never wins and is kept as one line of the record. At the end a rematch measures
 the winner and the start stack once more and decides on the means (`search`).
@@ -117,15 +118,17 @@ class Trial:
 
 def beats(a: Trial, b: Trial | None, tie: float = 0.03) -> bool:
     """Whether `a` is better than `b`: measured where `b` is not; else more goodput beyond a
-    relative `tie`; within it, more output tok/s."""
+    relative `tie`; within it, more output tok/s beyond the same margin. Within both, `a` is
+    not better: a change must show itself above the noise to replace what it would change."""
     if a.measurement is None:
         return False
     if b is None or b.measurement is None:
         return True
-    ga, gb = a.measurement.goodput, b.measurement.goodput
-    if abs(ga - gb) > tie * max(ga, gb):
-        return ga > gb
-    return a.measurement.output_throughput > b.measurement.output_throughput
+    for key in ("goodput", "output_throughput"):
+        x, y = getattr(a.measurement, key), getattr(b.measurement, key)
+        if abs(x - y) > tie * max(x, y):
+            return x > y
+    return False
 
 
 @dataclass
