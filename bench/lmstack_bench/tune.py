@@ -24,6 +24,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -243,11 +244,10 @@ def start_mapping(text: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The stack as given: a stack file's mapping, or `{model: TEXT}` for a model alone, with
     `--set` keys applied. Candidates are this mapping with keys set, so the tuned file keeps
     everything the user wrote (the comments aside)."""
-    from lmstack.stack.config import _model_only, _read_stack_file
+    from lmstack.stack.config import stack_mapping
     from lmstack.stack.overrides import apply_overrides
 
-    model = _model_only(text)
-    data = {"model": model} if model is not None else dict(_read_stack_file(Path(text)))
+    data = dict(stack_mapping(text))
     return apply_overrides(data, overrides) if overrides else data
 
 
@@ -503,10 +503,9 @@ def served(
     import httpx
 
     from lmstack.stack.overrides import apply_overrides
-    from lmstack_api.testing import free_port
 
     folder.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = _free_port()
     stack_path = folder / "stack.yaml"
     stack_path.write_text(
         yaml.safe_dump(apply_overrides(stack, {"server.host": "127.0.0.1", "server.port": port}))
@@ -713,3 +712,10 @@ def _duration(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"the budget must be positive, got {text!r}")
     return value
+
+
+def _free_port() -> int:
+    """A port free on 127.0.0.1 now (the server binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
