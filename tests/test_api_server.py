@@ -395,7 +395,7 @@ def test_metrics_and_health(server, client):
         "lmstack:num_preemptions_total",
         "lmstack:prompt_tokens_total",
         "lmstack:generation_tokens_total",
-        'lmstack:request_finished_total{finished_reason="stop"}',
+        f'lmstack:request_finished_total{{finished_reason="stop",model_name="{MODEL}"}}',
         "lmstack:time_to_first_token_seconds_bucket",
         "lmstack:inter_token_latency_seconds_bucket",
         "lmstack:e2e_request_latency_seconds_bucket",
@@ -406,6 +406,10 @@ def test_metrics_and_health(server, client):
     ):
         assert name in text, name
     assert server.metric("lmstack:generation_tokens_total") > 0
+    # Every lmstack sample names the served model, as /v1/models reports it.
+    served = json.loads(server.get("/v1/models")[1])["data"][0]["id"]
+    samples = [line for line in text.splitlines() if line.startswith("lmstack:")]
+    assert samples and all(f'model_name="{served}"' in line for line in samples), samples
     log = server.log()
     finished = [json.loads(line) for line in log.splitlines() if '"request finished"' in line]
     assert finished and {

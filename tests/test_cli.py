@@ -322,6 +322,7 @@ def test_serve_bench_quantize_and_eval_come_from_their_distributions():
         "check",
         "plugins",
         "generate",
+        "plan",
         "new-plugin",
     }
     args = parser.parse_args(["bench", "serve", "--help"])

@@ -15,6 +15,7 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from lmstack.errors import EngineDeadError, LmstackError
+from lmstack.exec.rendezvous import STEP_TIMEOUT_S, default_step_timeout
 from lmstack.stack.resolve import ResolvedStack
 from lmstack_api import params as P
 from lmstack_api import tools as T
@@ -615,6 +616,46 @@ async def health(request: Request) -> Response:
     return _json({"status": "ok"})
 
 
+def _not_ready(state: ServerState) -> tuple[str, str] | None:
+    """(status, reason) when this server should get no traffic, else None. The reasons are
+    fixed sentences: the probe is unauthenticated, so no load error or plugin text goes out."""
+    if state.engine_error is not None or (state.engine is not None and state.engine.dead is not None):
+        return "failed", "the engine stopped; the server is exiting"
+    if state.load_error:
+        return "failed", "the model failed to load"
+    if state.engine is None:
+        return "loading", "the model is still loading"
+    if state.draining:
+        return "draining", "the server is shutting down and admits no new requests"
+    age = state.engine.loop_age()
+    if age is None:
+        return "failed", "the engine loop has ended"
+    # The bound the multi-process step watchdog kills a stalled rank at; in one process nothing
+    # kills a step stuck past it, so readiness takes the server out of rotation instead.
+    try:
+        bound = default_step_timeout()
+    except LmstackError:  # a malformed LMSTACK_STEP_TIMEOUT_S: its own default
+        bound = STEP_TIMEOUT_S
+    if bound is not None and age > bound:
+        return (
+            "stalled",
+            f"the engine has been in one step for {age:.0f} s (LMSTACK_STEP_TIMEOUT_S: {bound:g})",
+        )
+    return None
+
+
+@get("/ready")
+async def ready(request: Request) -> Response:
+    """Readiness (a Kubernetes readinessProbe): 200 when the model is loaded, the engine loop is
+    coming round (idle, or within a step's time bound) and the server is not draining; else 503
+    with the reason. /health is liveness: it stays 200 through a slow step."""
+    problem = _not_ready(_state(request))
+    if problem is None:
+        return _json({"status": "ready"})
+    status, reason = problem
+    return _json({"status": status, "reason": reason}, 503, {"Retry-After": "5"})
+
+
 @get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(
@@ -701,6 +742,7 @@ def create_app(stack: ResolvedStack, state: ServerState | None = None) -> Litest
             model_card,
             stack_info,
             health,
+            ready,
             metrics,
             *batch_routes(state),
         ],

@@ -42,7 +42,7 @@ def lmstack_register_commands(subparsers):
         "serve",
         help="serve a model or a stack over an OpenAI-compatible HTTP API",
         description="Resolve the stack (or take a model alone with every default), load the model "
-        "and serve /v1/chat/completions, /v1/completions, /v1/models, /v1/stack, /health and /metrics.",
+        "and serve /v1/chat/completions, /v1/completions, /v1/models, /v1/stack, /health, /ready and /metrics.",
     )
     add_stack_arguments(serve)
     serve.add_argument("--host", default=None, help="address to bind (default: the stack's server.host)")

@@ -82,7 +82,9 @@ class ServerState:
         self._idle.set()
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_queued_tokens)
         self.limiter = RateLimiter(self.config.rate_limit)
-        self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
+        self.metrics = Metrics(
+            lambda: self.engine.stats() if self.engine is not None else None, self.model_name
+        )
         cfg = self.config
         self.grammar_guard = CompileGuard(cfg.grammar_compile_timeout_s, cfg.grammar_compile_memory_mib << 20)
         self.grammar_cache_limited = False

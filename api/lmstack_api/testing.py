@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -106,12 +107,15 @@ class ServerProcess:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"null"), dict(e.headers)
 
-    def metric(self, name: str) -> float:
-        """The value of one unlabelled sample in /metrics."""
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of the sample `name` in /metrics whose labels, besides `model_name` (which
+        every lmstack metric carries), are `labels`."""
         _, text = self.get("/metrics")
-        for line in text.decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+        for family in text_string_to_metric_families(text.decode()):
+            for sample in family.samples:
+                rest = {k: v for k, v in sample.labels.items() if k != "model_name"}
+                if sample.name == name and rest == labels:
+                    return sample.value
         raise KeyError(name)
 
     def log(self) -> str:

@@ -1,5 +1,6 @@
-"""lmstack-bench as a plugin of the core: it adds `lmstack bench` (entry point `bench` in group
-`lmstack`). The benchmark parses its own arguments (`lmstack bench serve --help`)."""
+"""lmstack-bench as a plugin of the core: it adds `lmstack bench` and `lmstack tune` (entry point
+`bench` in group `lmstack`). Each parses its own arguments (`lmstack bench serve --help`,
+`lmstack tune --help`)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,24 @@ def lmstack_register_commands(subparsers):
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=_cmd_bench)
 
+    tune = subparsers.add_parser(
+        "tune",
+        help="search scheduler knobs, quantizer, KV dtype and speculation for the most goodput at an SLO",
+        description="Tune a stack against a latency SLO: `lmstack tune --help`.",
+        add_help=False,
+        prefix_chars="+",  # as `bench` above: every argument goes to the tuner's own parser
+    )
+    tune.add_argument("tune_args", nargs=argparse.REMAINDER)
+    tune.set_defaults(handler=_cmd_tune)
+
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from lmstack_bench.cli import main as bench_main
 
     return bench_main(args.bench_args or ["--help"])
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from lmstack_bench.tune import main as tune_main
+
+    return tune_main(args.tune_args or ["--help"])

@@ -199,6 +199,19 @@ def build_parser(pm: pluggy.PluginManager | None = None) -> argparse.ArgumentPar
     generate.add_argument("prompt", metavar="PROMPT")
     generate.set_defaults(handler=_cmd_generate)
 
+    plan = sub.add_parser(
+        "plan",
+        help="plan capacity: memory, sequences that fit, step times, replicas for a request rate",
+        description="Break down the stack's memory as it will run (weights, KV per token and per "
+        "sequence, activations, runtime) against the device's memory and count the sequences that "
+        "fit; with --profile measure this machine's prefill and decode step times (cached), and with "
+        "--rate / --slo plan the replicas a load needs, printing the queueing model's assumptions.",
+    )
+    from lmstack.commands.plan import add_arguments as add_plan_arguments
+
+    add_plan_arguments(plan)
+    plan.set_defaults(handler=_cmd_plan)
+
     if pm is not None:
         from lmstack.stack.plugins import register_commands
 
@@ -314,6 +327,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     stack_text(args)  # the old --stack spelling too, as args.stack
     return int(cli_generate.run(args) or 0)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from lmstack.commands import plan
+
+    return plan.run(args)
 
 
 # `auto_reasons` keys that are not roles: how `lmstack check` names them.

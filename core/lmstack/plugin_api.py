@@ -39,7 +39,7 @@ Everything else in lmstack is internal and may change in any release.
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.8"  # 1.8: modules grouped by concern (old paths alias), `lmstack.kernels`, front ends
+PLUGIN_API_VERSION = "1.9"  # 1.9: stack_mapping, apply_overrides, the step bound; 1.8: modules by concern
 """The plugin API this lmstack provides; see the module docstring for when it changes."""
 
 PUBLIC_API: dict[str, tuple[str, ...]] = {
@@ -197,10 +197,12 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.engine.llm": ("LLM",),
     "lmstack.engine.async_engine": ("AsyncEngine",),
     "lmstack.engine.llm_engine": ("LLMEngine",),
-    "lmstack.stack.config": ("load_stack",),
+    "lmstack.stack.config": ("load_stack", "stack_mapping", "KV_CACHE_DTYPES"),  # 1.9: the last two
     # 1.8: every command takes its stack the same way (MODEL_OR_STACK, --set) (issue 53).
     "lmstack.commands.stack_args": ("add_stack_arguments", "stack_from_args", "stack_text", "positive_int"),
-    "lmstack.stack.overrides": ("parse_overrides",),  # 1.8: `--set KEY.PATH=VALUE`
+    "lmstack.stack.overrides": ("parse_overrides", "apply_overrides"),  # 1.8: `--set`; 1.9: apply_overrides
+    # 1.9: the bound on one engine step (the /ready probe's "stalled")
+    "lmstack.exec.rendezvous": ("STEP_TIMEOUT_S", "default_step_timeout"),
     "lmstack.stack.resolve": ("ResolvedStack", "resolve", "check_model", "DTYPE_NAMES"),
     "lmstack.stack.plugins": ("make_plugin_manager", "build_registry"),
     "lmstack.stack.prepare": ("PreparedStack", "StackSource", "prepare_stack", "resolve_stack"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -45,6 +46,9 @@ class AsyncEngine:
         # The latest metrics snapshot, published by the engine thread (readers never see the
         # live object the engine keeps mutating).
         self._stats: EngineStats | None = None
+        # When the loop last came round (monotonic): an idle loop does every 0.5 s, a busy one
+        # once per step; `loop_age` reads it for readiness probes.
+        self._beat = time.monotonic()
         build = None if isinstance(stack, LLMEngine) else (stack, kw)
         self._thread = threading.Thread(target=self._main, args=(build,), name="lmstack-engine", daemon=True)
         self._thread.start()
@@ -129,6 +133,13 @@ class AsyncEngine:
         assert snap is not None, "the engine thread publishes a snapshot before the constructor returns"
         return snap.snapshot()
 
+    def loop_age(self) -> float | None:
+        """Seconds since the engine loop last came round: at most ~0.5 s when idle, the running
+        step's time when busy. None once the loop has ended (stopped, dead, or crashed)."""
+        if not self._thread.is_alive():
+            return None
+        return time.monotonic() - self._beat
+
     def get_stats(self) -> EngineStats:
         return self.stats()
 
@@ -185,6 +196,7 @@ class AsyncEngine:
     def _run(self) -> None:
         eng = self.engine
         while not self._stopped:
+            self._beat = time.monotonic()
             with self._lock:
                 inbox, self._inbox = self._inbox, []
                 self._wake.clear()

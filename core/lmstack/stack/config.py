@@ -125,17 +125,20 @@ def load_stack(
             return source
         source = msgspec.to_builtins(source)
         source.update(source.pop(EXTRA))  # `server:` back at the top, where an override names it
-    if isinstance(source, Mapping):
-        data: Any = source
-    elif (model := _model_only(source)) is not None:
-        data = {"model": model}
-    else:
-        data = _read_stack_file(Path(source))
+    data: Any = source if isinstance(source, Mapping) else stack_mapping(source)
     if overrides:
         from lmstack.stack.overrides import apply_overrides
 
         data = apply_overrides(data, overrides)
     return stack_from_mapping(data)
+
+
+def stack_mapping(source: str | os.PathLike[str]) -> Any:
+    """The stack as written, before any default: a stack file's parsed YAML, or `{model: SOURCE}`
+    when `source` names a model (a tool that rewrites a stack, `lmstack tune`, keeps what the
+    user wrote)."""
+    model = _model_only(source)
+    return {"model": model} if model is not None else _read_stack_file(Path(source))
 
 
 def _model_only(source: str | os.PathLike[str]) -> str | None:

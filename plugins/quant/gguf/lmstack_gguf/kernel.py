@@ -34,6 +34,27 @@ QK = 32  # values per block, every KEPT_TYPES type
 KQ_TYPES = frozenset(
     int(GGMLQuantizationType[n]) for n in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 )
+# The types `gguf_pack_panels` re-lays in 16-row panels (`prefill: panels`): the legacy ones, and
+# Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K (kept as `kq_*` blocks where the panels do not run).
+PANEL_TYPES = frozenset(
+    int(GGMLQuantizationType[n]) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+)
+# The K-quants among them: as their blocks' `kquant_batches` rule says, batches over the layer's
+# `kq_max_rows` multiply by slabs (dequantized from the panels, `kq_panel_dequantize`), x
+# unrounded; the other panel types take the panels for every batch.
+PANEL_KQUANTS = frozenset(int(GGMLQuantizationType[n]) for n in ("Q4_K", "Q5_K", "Q6_K"))
+# Q6_K's panels only where AVX-512 VNNI runs: its AVX2 code (two dot products per block, the
+# sixth bits spread to bytes, ~20 vector registers a tile) was slower than the kq kernel on the
+# same CPU (Zen 4, AVX2 code, one thread, a 576 x 1536 layer: one row 46.8 vs 42.1 us, 32 rows
+# 997 vs 657), where the AVX-512 code beats it (21.5 vs 34.4, 286 vs 509; README).
+AVX512_PANELS_ONLY = frozenset({int(GGMLQuantizationType.Q6_K)})
+
+
+def panel_types(isa: int) -> frozenset[int]:
+    """The types a layer keeps as panels (`prefill: panels`) where the best code is `isa`."""
+    return PANEL_TYPES if isa >= 2 else PANEL_TYPES - AVX512_PANELS_ONLY
+
+
 F16, BF16 = int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)
 FLOAT_TYPES = {F16: torch.float16, BF16: torch.bfloat16}
 # Batches of at most this many rows multiply a K-quant layer by `kq_matmul_q8` (int8

@@ -6,7 +6,11 @@ kernel, panels, dense copies: `GGUFOptions.prefill`). The K-quants and Q5_0 / Q5
 and F16 / BF16 matrices (kept in their own dtype, [out, in]) are held as `segments`: runs of
 output rows of one type each (Q4_K_M's fused qkv is Q4_K q and k rows, then Q6_K v rows), each
 multiplied on its own — decode batches by `kq_matmul_q8`, larger ones dequantized a slab at a
-time into a reused buffer — with no dense copy and no panels, whatever `prefill` says. A part in
+time into a reused buffer — with no dense copy. With panels (`prefill: panels`), a Q5_0 / Q5_1 /
+Q4_K / Q5_K / Q6_K segment, and a legacy one beside other types, is held only as 16-row panels
+of its blocks' bytes and multiplies every batch by them (`segment_panels`) — the K-quants up to
+`kq_max_rows` rows, then slabs rebuilt from the panels, as their blocks would be; Q2_K / Q3_K
+(and Q6_K where AVX2 is the widest code: `panel_types`) keep their blocks. A part in
 any other encoding (IQ*, TQ*, ..., or a tensor-parallel cut inside a block) is dequantized at load
 into fp32 rows (`dequantized` records the type and the bytes it costs; the quantizer logs it),
 which is what `quant.weights: none` would serve; F32 parts stay fp32.
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmstack.interfaces import LinearSpec
+from lmstack.kernels.scratch import reused_buffer
 from lmstack.model.checkpoint import CheckpointTensor, GGUFTensor, to_dense
 from lmstack.model.quantized_linear import QuantizedLinear
 from lmstack_gguf.kernel import (
@@ -34,6 +39,8 @@ from lmstack_gguf.kernel import (
     KQ_MAX_ROWS,
     KQ_TYPES,
     NATIVE_MAX_ROWS,
+    PANEL_KQUANTS,
+    SLAB_BYTES,
     block_bytes,
     block_matmul,
     block_values,
@@ -44,6 +51,7 @@ from lmstack_gguf.kernel import (
     kq_kernels,
     kq_matmul_q8,
     native_kernel,
+    panel_types,
     type_name,
 )
 
@@ -109,6 +117,9 @@ class GGUFLinear(QuantizedLinear):
         # (ggml type or None for fp32 rows, rows in the type's layout) per run of output rows of
         # one type: every kept layer that is not a legacy one (module docstring).
         self.segments: list[tuple[int | None, torch.Tensor]] | None = None
+        # Per segment: its rows where it is held as 16-row panels (`panels`: Q5_0 / Q5_1 / Q4_K /
+        # Q5_K / Q6_K, and a legacy type beside other types), else None (rows in the type's layout).
+        self.segment_panels: list[int | None] = []
         # GGML type name -> bytes the parts of that type dequantized at load cost over the file's.
         self.dequantized: dict[str, int] = {}
         self._dense_from: dict[int, tuple[str, int]] = {}  # part -> (type name, file bytes), until finalize
@@ -205,9 +216,26 @@ class GGUFLinear(QuantizedLinear):
             else:
                 runs.append((t, [rows]))
         self.segments = [(t, torch.cat(rows) if len(rows) > 1 else rows[0]) for t, rows in runs]
+        # With panels (int8 activations, AVX2 / AVX-512 VNNI), a segment of a panel type keeps only
+        # its panels (the blocks' bytes re-laid) and multiplies every batch by them: one-row
+        # decode and prefill alike, every row computed alike whatever the batch.
+        self.segment_panels = [None] * len(self.segments)
+        ext = native_kernel()
+        if self.use_panels and self.use_native and ext is not None and ext.best_isa() >= 1:
+            kinds = panel_types(ext.best_isa())
+            for i, (t, w) in enumerate(self.segments):
+                if t in kinds:
+                    self.segments[i] = (t, ext.gguf_pack_panels(w, t, self.in_features))
+                    self.segment_panels[i] = w.shape[0]
         if len(self.segments) == 1:
-            self.ggml_type, self.weight.data = self.segments[0]
-            t = self.ggml_type
+            t, w = self.segments[0]
+            self.ggml_type = t
+            if self.segment_panels[0] is not None:
+                self.weight.data = torch.empty(self.out_features, 0, dtype=torch.uint8)
+                most = self.kq_max_rows if t in PANEL_KQUANTS else sys.maxsize
+                self._fast = (ext.gguf_matmul_panels, (w, t, self.out_features), most)
+                return
+            self.weight.data = w
             if t in KQ_TYPES and self.int8_activations and self.use_native:
                 ext = kq_kernels()
                 op = ext.kq_matmul_q8 if ext is not None else kq_matmul_q8
@@ -215,10 +243,19 @@ class GGUFLinear(QuantizedLinear):
         else:
             self.weight.data = torch.empty(self.out_features, 0, dtype=torch.uint8)
 
-    def _segment_matmul(self, x: torch.Tensor, t: int | None, w: torch.Tensor) -> torch.Tensor:
-        """fp32 x [M, in] times one segment's rows -> fp32 [M, rows]."""
+    def _segment_matmul(
+        self, x: torch.Tensor, t: int | None, w: torch.Tensor, panel_rows: int | None = None
+    ) -> torch.Tensor:
+        """fp32 x [M, in] times one segment's rows -> fp32 [M, rows] (`panel_rows`: w is the
+        panels of that many rows)."""
         if t is None:
             return F.linear(x, w)
+        if panel_rows is not None:
+            if t in PANEL_KQUANTS and x.shape[0] > self.kq_max_rows:
+                return self._panel_slabs(x, t, w, panel_rows)
+            return native_kernel().gguf_matmul_panels(
+                x if x.stride(-1) == 1 else x.contiguous(), w, t, panel_rows
+            )
         k = self.in_features
         if t in LEGACY_TYPES:
             return block_matmul(
@@ -231,6 +268,19 @@ class GGUFLinear(QuantizedLinear):
         # F16 is widened to fp32 (bfloat16 would round its mantissa).
         dtype = torch.float32 if t == F16 else self.slab_dtype
         return dequant_matmul(x.to(dtype), w, t, k).float()
+
+    def _panel_slabs(self, x: torch.Tensor, t: int, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """x @ W^T for a K-quant kept as panels, `SLAB_BYTES` of fp32 rows at a time rebuilt in
+        `slab_dtype` (the blocks' values bit for bit, as `dequant_matmul` rebuilds blocks)."""
+        k, ext = self.in_features, native_kernel()
+        xs = x.to(self.slab_dtype)
+        step = min(n, max(1, SLAB_BYTES // (4 * k)))
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for r in range(0, n, step):
+            rows = min(step, n - r)
+            slab = ext.kq_panel_dequantize(packed, t, k, r, r + rows, reused_buffer(rows, k, self.slab_dtype))
+            out[:, r : r + rows] = F.linear(xs, slab)
+        return out
 
     def _bind_fast(self) -> None:
         """The decode path, bound once: a module's parameter and buffer lookups and the checks of
@@ -274,7 +324,9 @@ class GGUFLinear(QuantizedLinear):
         x2 = x.reshape(-1, self.in_features)
         if self.segments is not None:
             x32 = x2.float()
-            outs = [self._segment_matmul(x32, t, w) for t, w in self.segments]
+            outs = [
+                self._segment_matmul(x32, t, w, n) for (t, w), n in zip(self.segments, self.segment_panels)
+            ]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
             if self.bias is not None:
                 out = out + self.bias
@@ -314,10 +366,13 @@ class GGUFLinear(QuantizedLinear):
     def _segment_rows(self, ids: torch.Tensor) -> torch.Tensor:
         k, first = self.in_features, 0
         out = torch.empty(ids.numel(), k, dtype=torch.float32)
-        for t, w in self.segments:
-            n = w.shape[0]
+        for (t, w), panel_rows in zip(self.segments, self.segment_panels):
+            n = w.shape[0] if panel_rows is None else panel_rows
             sel = (ids >= first) & (ids < first + n)
-            picked = w[ids[sel] - first].contiguous()
+            if panel_rows is not None:  # the blocks back from the panels, byte for byte
+                picked = native_kernel().gguf_panel_blocks(w, t, k, ids[sel] - first)
+            else:
+                picked = w[ids[sel] - first].contiguous()
             out[sel] = picked if t is None else dequantize_blocks(picked, t, k)
             first += n
         return out
@@ -325,9 +380,12 @@ class GGUFLinear(QuantizedLinear):
     def extra_repr(self) -> str:
         if self.segments is not None:
             runs = ", ".join(
-                f"{w.shape[0]} rows {'fp32' if t is None else type_name(t)}" for t, w in self.segments
+                f"{n} rows {type_name(t)} in 16-row panels"
+                if n is not None
+                else f"{w.shape[0]} rows {'fp32' if t is None else type_name(t)}"
+                for (t, w), n in zip(self.segments, self.segment_panels)
             )
-            return f"in={self.in_features}, out={self.out_features}, {runs} (no copy, no panels)"
+            return f"in={self.in_features}, out={self.out_features}, {runs} (no copy)"
         kind = "dense fp32" if self.ggml_type is None else f"GGML type {self.ggml_type} blocks"
         if self.panels is not None:
             over = f"batches over {self.kernel_max_rows} rows" if self.kernel_max_rows else "every batch"

@@ -48,7 +48,7 @@ namespace gguf_matmul {
 
 enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 // GGML type ids (ggml.h).
-enum Type { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_1G = 1000 };
+enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_1G = 1000 };  // Q5_x, K: panels only
 constexpr int QK = 32;  // values per block, every type here
 constexpr int MAX_GSHIFT = 3;  // Q4_1G's groups: at most 8 blocks (256 columns)
 
@@ -249,12 +249,16 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 // into 16 outputs, with no horizontal sum at all.
 //
 // Layout (`gguf_pack_panels`): panel p holds weight rows [16p, 16p + 16) (zero rows pad N), block
-// by block; a panel block is the codes then the 16 rows' d then (Q4_1, Q4_1G) their 16 m, each the
-// fp16 bits the row's block header holds (so the panels take exactly the blocks' bytes, 0.625 a
-// weight for Q4_1, and the kernels widen them with F16C):
+// by block; a panel block is the codes then the 16 rows' d then (Q4_1, Q4_1G, Q5_1) their 16 m,
+// each the fp16 bits the row's block header holds (so the panels take exactly the blocks' bytes,
+// 0.625 a weight for Q4_1, and the kernels widen them with F16C):
 //   Q4_0 / Q4_1: 4 vectors of 64 bytes; byte 4c + i of vector j holds row c's value 4j + i in its
 //                low nibble and value 16 + 4j + i in its high nibble (codes 0..15); Q4_0's m = -8d,
 //                made in fp32 by the kernels
+//   Q5_0 / Q5_1: Q4's 4 vectors of the codes' low 4 bits, then their fifth bits as 8 64-bit masks:
+//                mask 2j holds vector j's low-nibble values, mask 2j + 1 its high-nibble ones, bit
+//                4c + i for byte 4c + i (one AVX-512 mask register each: a masked add of 16 makes
+//                the codes 0..31); Q5_0's m = -16d. 0.6875 / 0.75 bytes a weight, as the blocks
 //   Q8_0:        8 vectors of 64 bytes; byte 4c + i of vector t holds row c's value 4t + i + 128
 //                (unsigned): VNNI's sums then carry 128 * sum(q_x), taken off in integers; AVX2
 //                flips the bit back and multiplies signed (maddubs would saturate on 255 x 127)
@@ -263,15 +267,62 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 
 constexpr int PANEL = 16;
 
-// After a block's codes: the 16 rows' d as the fp16 bits their blocks hold, then (Q4_1, Q4_1G) the
-// 16 m (Q4_0's offset, -8 d, is made in the kernel): the panels hold exactly the blocks' bytes.
 template <int TYPE>
-constexpr int64_t PANEL_CODES = TYPE == Q8_0 ? 512 : 256;
+constexpr bool FIVE_BIT = TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K;
+// Q4_K and Q5_K (Q4_K with Q5's fifth bits): the same panel super-block but for the code bytes.
 template <int TYPE>
-constexpr int64_t PANEL_BLOCK = PANEL_CODES<TYPE> + (TYPE == Q8_0 || TYPE == Q4_0 ? 32 : 64);
-inline int64_t panel_code_bytes(int64_t type) { return type == Q8_0 ? 512 : 256; }
+constexpr bool K4 = TYPE == Q4_K || TYPE == Q5_K;
+// Types whose panels hold an m per block (Q4_1G's panels are Q4_1's).
+template <int TYPE>
+constexpr bool PANEL_M = TYPE == Q4_1 || TYPE == Q5_1;
+// After a block's codes (and fifth bits): the 16 rows' d as the fp16 bits their blocks hold, then
+// (PANEL_M) the 16 m (Q4_0's and Q5_0's offsets, -8 d and -16 d, are made in the kernel).
+template <int TYPE>
+constexpr int64_t PANEL_CODES = TYPE == Q8_0 ? 512 : FIVE_BIT<TYPE> ? 320 : 256;
+// (the K-quants: a super-block's bytes per block, K4_SUPER / 8, Q6K_PANEL_SUPER / 8.)
+template <int TYPE>
+constexpr int64_t PANEL_BLOCK = TYPE == Q4_K ? 296 : TYPE == Q5_K ? 360 : TYPE == Q6_K ? 420 : PANEL_CODES<TYPE> + (PANEL_M<TYPE> ? 64 : 32);
+inline int64_t panel_code_bytes(int64_t type) { return type == Q8_0 ? 512 : type == Q5_0 || type == Q5_1 ? 320 : 256; }
+inline bool panel_has_m(int64_t type) { return type != Q4_0 && type != Q5_0 && type != Q8_0; }  // Q4_1G too
 inline int64_t panel_block_bytes(int64_t type) {
-  return panel_code_bytes(type) + (type == Q8_0 || type == Q4_0 ? 32 : 64);
+  return type == Q4_K ? 296 : type == Q5_K ? 360 : type == Q6_K ? 420 : panel_code_bytes(type) + (panel_has_m(type) ? 64 : 32);
+}
+// The bias c of value = d * (q - c) for the types without an m (0: Q8_0, and the types with one).
+template <int TYPE>
+constexpr float PANEL_BIAS = TYPE == Q4_0 ? 8.f : TYPE == Q5_0 ? 16.f : 0.f;
+
+// Q4_K (256-value super-blocks: fp16 d, dmin, 8 x 6-bit (scale, min), 4-bit q; value of block t
+// = d * sc_t * q - dmin * mn_t): a panel super-block is its 8 blocks' codes in Q4's panel layout
+// (256 bytes each), then the 16 rows' 6-bit scales as bytes (16 per block t: row c at 16t + c),
+// their mins likewise, then d and dmin as fp16 bits (16 each): 2368 bytes for 16 x 256 values,
+// 148 a row where the file's super-block holds 144 (1.028x: the 6-bit pairs spread to bytes). The
+// kernels make a block's d * sc_t and -(dmin * mn_t) in fp32 (kquants.cpp's operations) and go
+// on as for Q4_1.
+// Q5_K: as Q4_K with each block's codes followed by their fifth bits as Q5_0's (64 bytes): 2880
+// bytes, 180 a row per super-block where the file's holds 176 (1.023x). K4_* give either's offsets.
+template <int TYPE>
+constexpr int64_t K4_CODES = TYPE == Q5_K ? 320 : 256;  // bytes of a block's codes
+template <int TYPE>
+constexpr int64_t K4_SCALES = 8 * K4_CODES<TYPE>;  // then mins at + 128, d at + 256, dmin at + 288
+template <int TYPE>
+constexpr int64_t K4_SUPER = K4_SCALES<TYPE> + 320;
+// Q6_K (256-value super-blocks: 4 low + 2 high bits of q, 16 int8 scales per 16 values, fp16 d;
+// value = d * sc_g * (q - 32)): a panel super-block is per block t (384 bytes) Q4's 256 bytes of
+// the codes' low 4 bits, then their bits 4 and 5 as masks (as Q5's fifth bits: 32 bytes per panel
+// vector j: the low-nibble values' bit 4, bit 5, then the high-nibble values' bit 4, bit 5); then
+// the 16 rows' scales (group g of 16 values: 16 bytes, row c at 16g + c) and d as fp16 bits:
+// 3360 bytes for 16 x 256 values, exactly the blocks' 210 a row. A block's low-nibble values are
+// group 2t, its high-nibble ones 2t + 1: two integer dot products, each less 32 * sum(q_x) of its
+// 16 values (exact), then times d * sc_g * dx.
+constexpr int64_t Q6K_PANEL_SUPER = 8 * 384 + 256 + 32;
+template <int TYPE>
+inline int64_t panel_codes_at(int64_t b) {
+  if constexpr (K4<TYPE>)
+    return (b >> 3) * K4_SUPER<TYPE> + K4_CODES<TYPE> * (b & 7);
+  else if constexpr (TYPE == Q6_K)
+    return (b >> 3) * Q6K_PANEL_SUPER + 384 * (b & 7);
+  else
+    return b * PANEL_BLOCK<TYPE>;
 }
 
 // Activation rows [r0, r1) in tiles of 4 and one tile of the rest: tile(MR, r) for each, MR a
@@ -591,13 +642,26 @@ void rows_q8(const Q8Problem& p, int64_t n0, int64_t n1) {
 }
 
 
+// 32 mask bits (a panel's fifth / sixth code bits for one half-vector) as bytes: `value` where
+// set, else 0.
+inline __m256i sixteens(const uint8_t* bits4, char value = 16) {
+  int32_t m;
+  std::memcpy(&m, bits4, 4);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                          3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
+  const __m256i picked = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(m), spread), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(picked, bit), _mm256_set1_epi8(value));
+}
+
 // Panels (layout above) with AVX2: each 64-byte panel vector is two halves of 8 weight rows;
 // maddubs multiplies 4 x values by 4 positions of 8 rows into pairs of int16. For Q4 codes (0..15)
 // the int16 sums of a whole block stay below 2^15 (16 x 15 x 127), so they are widened once per
-// block; Q8_0's are widened per maddubs. MR activation rows x one half.
+// block, Q5's (0..31: the fifth bits or-ed in as 16) once per half block; Q8_0's are widened per
+// maddubs. MR activation rows x one half.
 template <int TYPE, int MR>
 inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, const float* dx, const float* sx,
-                       float* out, int64_t ldo, int valid) {
+                       const int32_t* c32, float* out, int64_t ldo, int valid) {
   constexpr int64_t PB = PANEL_BLOCK<TYPE>, CODES = PANEL_CODES<TYPE>;
   const int64_t nb = K / QK;
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
@@ -606,10 +670,53 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
   for (int64_t b = 0; b < nb; ++b) {
     // The panel's stream PREFETCH_BYTES ahead (as the AVX-512 panel tile; the second half's pass
     // finds these lines in cache already).
-    const char* next = reinterpret_cast<const char*>(w + b * PB) + PREFETCH_BYTES;
+    const char* next = reinterpret_cast<const char*>(w + panel_codes_at<TYPE>(b)) + PREFETCH_BYTES;
     for (int64_t o = 0; o < PB; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
-    const uint8_t* blk = w + b * PB + 32 * half;
+    const uint8_t* blk = w + panel_codes_at<TYPE>(b) + 32 * half;
     const int8_t* xb = qx + b * QK;
+    if constexpr (TYPE == Q6_K) {  // codes 0..63: two maddubs sums at most in int16
+      __m256i dl[MR], dh[MR], sl[MR], sh[MR];
+      for (int r = 0; r < MR; ++r)
+        dl[r] = dh[r] = sl[r] = sh[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j));
+        const uint8_t* bits = w + panel_codes_at<TYPE>(b) + 256 + 32 * j + 4 * half;
+        const __m256i lo = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(raw, mask), sixteens(bits)),
+                                           sixteens(bits + 8, 32));
+        const __m256i hi = _mm256_or_si256(
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), sixteens(bits + 16)),
+            sixteens(bits + 24, 32));
+        for (int r = 0; r < MR; ++r) {
+          int32_t xl, xh;
+          std::memcpy(&xl, xb + r * K + 4 * j, 4);
+          std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
+          sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+          sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+          if (j % 2 == 1) {
+            dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(sl[r], ones));
+            dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(sh[r], ones));
+            sl[r] = sh[r] = _mm256_setzero_si256();
+          }
+        }
+      }
+      const uint8_t* sup = w + (b >> 3) * Q6K_PANEL_SUPER;
+      const int64_t t = b & 7;
+      auto bytes8 = [](const uint8_t* p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      };
+      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 3328 + 16 * half)));
+      const __m256 s_lo = _mm256_mul_ps(dd, bytes8(sup + 3072 + 32 * t + 8 * half));
+      const __m256 s_hi = _mm256_mul_ps(dd, bytes8(sup + 3072 + 32 * t + 16 + 8 * half));
+      for (int r = 0; r < MR; ++r) {
+        const __m256 dxr = _mm256_set1_ps(dx[r * nb + b]);
+        const int32_t* c = c32 + r * 2 * nb + 2 * b;
+        const __m256i il = _mm256_sub_epi32(dl[r], _mm256_set1_epi32(c[0]));
+        const __m256i ih = _mm256_sub_epi32(dh[r], _mm256_set1_epi32(c[1]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_mul_ps(s_lo, dxr), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_mul_ps(s_hi, dxr), acc[r]);
+      }
+      continue;
+    }
     __m256i dot[MR];
     if constexpr (TYPE == Q8_0) {
       for (int r = 0; r < MR; ++r) dot[r] = _mm256_setzero_si256();
@@ -625,10 +732,15 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
       }
     } else {
       __m256i s16[MR];
-      for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256();
+      for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256(), dot[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j));
-        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        if constexpr (FIVE_BIT<TYPE>) {  // this half's 32 bits of masks 2j and 2j + 1
+          const uint8_t* fifth = w + panel_codes_at<TYPE>(b) + 256 + 16 * j + 4 * half;
+          lo = _mm256_or_si256(lo, sixteens(fifth));
+          hi = _mm256_or_si256(hi, sixteens(fifth + 8));
+        }
         for (int r = 0; r < MR; ++r) {
           int32_t xl, xh;
           std::memcpy(&xl, xb + r * K + 4 * j, 4);
@@ -636,16 +748,36 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
           s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
           s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
         }
+        // 5-bit codes (0..31): 4 maddubs sums (4 x 2 x 31 x 127 < 2^15) at most in int16.
+        if constexpr (FIVE_BIT<TYPE>)
+          if (j % 2 == 1)
+            for (int r = 0; r < MR; ++r) {
+              dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(s16[r], ones));
+              s16[r] = _mm256_setzero_si256();
+            }
       }
-      for (int r = 0; r < MR; ++r) dot[r] = _mm256_madd_epi16(s16[r], ones);
+      if constexpr (!FIVE_BIT<TYPE>)
+        for (int r = 0; r < MR; ++r) dot[r] = _mm256_madd_epi16(s16[r], ones);
     }
-    const uint8_t* head = w + b * PB + CODES + 16 * half;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
-    __m256 m = _mm256_setzero_ps();
-    if constexpr (TYPE == Q4_0)
-      m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-    else if constexpr (TYPE != Q8_0)
-      m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 32)));
+    __m256 d, m = _mm256_setzero_ps();
+    if constexpr (K4<TYPE>) {  // d * sc_t and -(dmin * mn_t), 8 rows
+      const uint8_t* sup = w + (b >> 3) * K4_SUPER<TYPE> + K4_SCALES<TYPE>;
+      const int64_t t = b & 7;
+      auto bytes8 = [](const uint8_t* p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      };
+      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 256 + 16 * half)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 288 + 16 * half)));
+      d = _mm256_mul_ps(dd, bytes8(sup + 16 * t + 8 * half));
+      m = _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmin, bytes8(sup + 128 + 16 * t + 8 * half)));
+    } else {
+      const uint8_t* head = w + b * PB + CODES + 16 * half;
+      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
+      if constexpr (PANEL_BIAS<TYPE> != 0.f)
+        m = _mm256_mul_ps(d, _mm256_set1_ps(-PANEL_BIAS<TYPE>));
+      else if constexpr (TYPE != Q8_0)
+        m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 32)));
+    }
     for (int r = 0; r < MR; ++r) {
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
       if constexpr (TYPE != Q8_0) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
@@ -658,7 +790,7 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
 // Halves [u0, u1) of the output (half u: weight rows [8u, 8u + 8)), every activation row, in
 // chunks of rows that stay in cache while the thread's halves pass over them.
 template <int TYPE>
-void panels_q8(const Q8Problem& p, const uint8_t* packed, int64_t u0, int64_t u1) {
+void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c32, int64_t u0, int64_t u1) {
   const int64_t nb = p.K / QK, panel_bytes = nb * panel_block_bytes(TYPE);
   constexpr int64_t ROW_CHUNK = 64;
   for (int64_t rc = 0; rc < p.M; rc += ROW_CHUNK) {
@@ -671,7 +803,7 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, int64_t u0, int64_t u1
       const int half = int(u % 2);
       for_row_tiles(rc, rc1, [&](auto mr, int64_t r) {
         panel_half<TYPE, decltype(mr)::value>(w, half, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
-                                              p.out + r * p.N + col, p.N, valid);
+                                              c32 ? c32 + r * 2 * nb : nullptr, p.out + r * p.N + col, p.N, valid);
       });
     }
   }
@@ -851,19 +983,71 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
-  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i mask = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   for (int64_t b = 0; b < nb; ++b) {
     // Each panel is its own stream of PB-byte blocks: every line of a block PREFETCH_BYTES ahead
     // of it (a hint: no fault past the end). Without it a decode row read the panels at ~37 GB/s
     // on a Zen 5, where the block kernel's software prefetch streams its rows at ~50.
     for (int c = 0; c < NR; ++c) {
-      const char* next = reinterpret_cast<const char*>(w + c * panel_bytes + b * PB) + PREFETCH_BYTES;
+      const char* next = reinterpret_cast<const char*>(w + c * panel_bytes + panel_codes_at<TYPE>(b)) + PREFETCH_BYTES;
       for (int64_t o = 0; o < PB; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+    }
+    const int8_t* xb = qx + b * QK;
+    if constexpr (TYPE == Q6_K) {  // groups 2t (low nibbles) and 2t + 1 (high), codes 0..63
+      __m512i dl[MR][NR], dh[MR][NR];
+      for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < NR; ++c) dl[r][c] = dh[r][c] = _mm512_setzero_si512();
+      const __m512i thirty_two = _mm512_set1_epi8(32);
+      for (int j = 0; j < 4; ++j) {
+        __m512i lo[NR], hi[NR];
+        for (int c = 0; c < NR; ++c) {
+          const uint8_t* blk = w + c * panel_bytes + panel_codes_at<TYPE>(b);
+          const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
+          uint64_t m4[4];
+          std::memcpy(m4, blk + 256 + 32 * j, 32);
+          lo[c] = _mm512_and_si512(raw, mask);
+          hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+          lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(m4[0]), lo[c], sixteen);
+          lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(m4[1]), lo[c], thirty_two);
+          hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(m4[2]), hi[c], sixteen);
+          hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(m4[3]), hi[c], thirty_two);
+        }
+        for (int r = 0; r < MR; ++r) {
+          int32_t xl, xh;
+          std::memcpy(&xl, xb + r * K + 4 * j, 4);
+          std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
+          const __m512i xlv = _mm512_set1_epi32(xl), xhv = _mm512_set1_epi32(xh);
+          for (int c = 0; c < NR; ++c) {
+            dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], lo[c], xlv);
+            dh[r][c] = _mm512_dpbusd_epi32(dh[r][c], hi[c], xhv);
+          }
+        }
+      }
+      __m512 s_lo[NR], s_hi[NR];
+      for (int c = 0; c < NR; ++c) {
+        const uint8_t* sup = w + c * panel_bytes + (b >> 3) * Q6K_PANEL_SUPER;
+        const int64_t t = b & 7;
+        auto bytes16 = [](const uint8_t* p) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        };
+        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 3328)));
+        s_lo[c] = _mm512_mul_ps(dd, bytes16(sup + 3072 + 32 * t));
+        s_hi[c] = _mm512_mul_ps(dd, bytes16(sup + 3072 + 32 * t + 16));
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m512 dxr = _mm512_set1_ps(dx[r * nb + b]);
+        const __m512i cl = _mm512_set1_epi32(c128[r * 2 * nb + 2 * b]), ch = _mm512_set1_epi32(c128[r * 2 * nb + 2 * b + 1]);
+        for (int c = 0; c < NR; ++c) {
+          const __m512i il = _mm512_sub_epi32(dl[r][c], cl), ih = _mm512_sub_epi32(dh[r][c], ch);
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_mul_ps(s_lo[c], dxr), acc[r][c]);
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(s_hi[c], dxr), acc[r][c]);
+        }
+      }
+      continue;
     }
     __m512i dot[MR][NR];
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NR; ++c) dot[r][c] = _mm512_setzero_si512();
-    const int8_t* xb = qx + b * QK;
     if constexpr (TYPE == Q8_0) {
       for (int t = 0; t < 8; ++t) {
         __m512i wv[NR];
@@ -879,9 +1063,17 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NR], hi[NR];
         for (int c = 0; c < NR; ++c) {
-          const __m512i raw = _mm512_loadu_si512(w + c * panel_bytes + b * PB + 64 * j);
+          const uint8_t* blk = w + c * panel_bytes + panel_codes_at<TYPE>(b);
+          const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
           lo[c] = _mm512_and_si512(raw, mask);
           hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+          if constexpr (FIVE_BIT<TYPE>) {  // codes 0..31: + 16 where the fifth bit is set
+            uint64_t l, h;
+            std::memcpy(&l, blk + 256 + 16 * j, 8);
+            std::memcpy(&h, blk + 256 + 16 * j + 8, 8);
+            lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(l), lo[c], sixteen);
+            hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(h), hi[c], sixteen);
+          }
         }
         for (int r = 0; r < MR; ++r) {
           int32_t xl, xh;
@@ -898,9 +1090,21 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
     __m512 d[NR], m[NR];
     for (int c = 0; c < NR; ++c) {
       const uint8_t* blk = w + c * panel_bytes + b * PB + CODES;
+      if constexpr (K4<TYPE>) {  // d * sc_t and -(dmin * mn_t), 16 rows
+        const uint8_t* sup = w + c * panel_bytes + (b >> 3) * K4_SUPER<TYPE> + K4_SCALES<TYPE>;
+        const int64_t t = b & 7;
+        auto bytes16 = [](const uint8_t* p) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        };
+        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 256)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 288)));
+        d[c] = _mm512_mul_ps(dd, bytes16(sup + 16 * t));
+        m[c] = _mm512_xor_ps(_mm512_set1_ps(-0.f), _mm512_mul_ps(dmin, bytes16(sup + 128 + 16 * t)));
+        continue;
+      }
       d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-      if constexpr (TYPE == Q4_0)
-        m[c] = _mm512_mul_ps(d[c], _mm512_set1_ps(-8.f));
+      if constexpr (PANEL_BIAS<TYPE> != 0.f)
+        m[c] = _mm512_mul_ps(d[c], _mm512_set1_ps(-PANEL_BIAS<TYPE>));
       else if constexpr (TYPE != Q8_0)
         m[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
     }
@@ -927,7 +1131,8 @@ inline void panel_rows(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p
   const int64_t nb = p.K / QK;
   for_row_tiles(r0, r1, [&](auto mr, int64_t r) {
     panel_tile<TYPE, decltype(mr)::value, NR>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
-                                              c128 ? c128 + r * nb : nullptr, p.out + r * p.N + col, p.N, valid_last);
+                                              c128 ? c128 + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
+                                              p.out + r * p.N + col, p.N, valid_last);
   });
 }
 
@@ -1210,10 +1415,135 @@ torch::Tensor gguf_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int
   return out;
 }
 
+// Q5_0 / Q5_1 rows (kept packed by kquants.cpp; the panels are this file's): fp16 d, (Q5_1) fp16 m,
+// 4 bytes of fifth bits (bit j: value j), 16 bytes of low nibbles as Q4's.
+inline bool five_bit(int64_t type) { return type == Q5_0 || type == Q5_1; }
+inline int64_t five_bit_block_bytes(int64_t type) { return type == Q5_0 ? 22 : 24; }
+
+// Q4_K: the 8 six-bit scales and mins of a super-block from its 12 packed bytes, and back.
+inline void unpack_scales_k4(const uint8_t* q, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = q[j] & 63;
+    mn[j] = q[j + 4] & 63;
+    sc[j + 4] = (q[j + 8] & 15) | ((q[j] >> 6) << 4);
+    mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+  }
+}
+inline void pack_scales_k4(const uint8_t sc[8], const uint8_t mn[8], uint8_t* q) {
+  for (int j = 0; j < 4; ++j) {
+    q[j] = uint8_t(sc[j] | ((sc[j + 4] >> 4) << 6));
+    q[j + 4] = uint8_t(mn[j] | ((mn[j + 4] >> 4) << 6));
+    q[j + 8] = uint8_t((sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4));
+  }
+}
+
+// Super-block sb of a Q4_K row (144 bytes: fp16 d, dmin, 12 bytes of scales, 128 of codes: value
+// 64h + l (l < 32) in the low nibble of byte 32h + l, value 64h + 32 + l in its high one) into
+// row c of a panel super-block (layout above), or back (to_panel false).
+// Q5_K (176 bytes): the same with 32 bytes of fifth bits (value j: byte j % 32, bit j / 32) before
+// the codes, which go to Q5_0's masks after each block's panel codes (`five`).
+void k4_row_panel(uint8_t* blk, uint8_t* sup, int c, bool to_panel, bool five) {
+  const int64_t codes = five ? 320 : 256, at = 8 * codes;  // the scales' offset in the super-block
+  const int qs = five ? 48 : 16;
+  uint8_t sc[8], mn[8];
+  if (to_panel) {
+    std::memcpy(sup + at + 256 + 2 * c, blk, 2);
+    std::memcpy(sup + at + 288 + 2 * c, blk + 2, 2);
+    unpack_scales_k4(blk + 4, sc, mn);
+    for (int t = 0; t < 8; ++t) sup[at + 16 * t + c] = sc[t], sup[at + 128 + 16 * t + c] = mn[t];
+  } else {
+    std::memcpy(blk, sup + at + 256 + 2 * c, 2);
+    std::memcpy(blk + 2, sup + at + 288 + 2 * c, 2);
+    for (int t = 0; t < 8; ++t) sc[t] = sup[at + 16 * t + c], mn[t] = sup[at + 128 + 16 * t + c];
+    pack_scales_k4(sc, mn, blk + 4);
+  }
+  // Block t's value v (0..31) sits in Q4's panel byte 64 (v % 16 / 4) + 4c + v % 4, nibble v / 16;
+  // its fifth bit in mask 2 (v % 16 / 4) + v / 16 at bit 4c + v % 4.
+  for (int t = 0; t < 8; ++t)
+    for (int v = 0; v < 32; ++v) {
+      const int j = 32 * t + v;  // value in the super-block
+      uint8_t& file = blk[qs + 32 * (j / 64) + j % 32];
+      const int file_shift = 4 * ((j / 32) % 2);
+      uint8_t* panel_block = sup + codes * t;
+      uint8_t& panel = panel_block[64 * (v % 16 / 4) + 4 * c + v % 4];
+      const int panel_shift = 4 * (v / 16), pos = 4 * c + v % 4;
+      uint8_t& mask = panel_block[256 + 16 * (v % 16 / 4) + 8 * (v / 16) + pos / 8];
+      uint8_t& high = blk[16 + j % 32];
+      if (to_panel) {
+        panel = uint8_t(panel | (((file >> file_shift) & 15) << panel_shift));
+        if (five && ((high >> (j / 32)) & 1)) mask |= uint8_t(1u << (pos % 8));
+      } else {
+        file = uint8_t((file & ~(15 << file_shift)) | (((panel >> panel_shift) & 15) << file_shift));
+        if (five && ((mask >> (pos % 8)) & 1)) high |= uint8_t(1u << (j / 32));
+      }
+    }
+}
+
+// Super-block sb of a Q6_K row (210 bytes: ql[128] the low 4 bits, value 128h + r (r < 128) in
+// byte 64h + r % 64, nibble r / 64; qh[64] the high 2 bits, value 128h + r in byte 32h + r % 32 at
+// bit 2 (r / 32); 16 int8 scales; fp16 d) into row c of a panel super-block (layout above), or back.
+void q6_k_row_panel(uint8_t* blk, uint8_t* sup, int c, bool to_panel) {
+  if (to_panel) {
+    std::memcpy(sup + 3328 + 2 * c, blk + 208, 2);
+    for (int g = 0; g < 16; ++g) sup[3072 + 16 * g + c] = blk[192 + g];
+  } else {
+    std::memcpy(blk + 208, sup + 3328 + 2 * c, 2);
+    for (int g = 0; g < 16; ++g) blk[192 + g] = sup[3072 + 16 * g + c];
+  }
+  for (int t = 0; t < 8; ++t)
+    for (int v = 0; v < 32; ++v) {
+      const int j = 32 * t + v, h = j / 128, rr = j % 128;
+      uint8_t& low = blk[64 * h + rr % 64];
+      const int low_shift = 4 * (rr / 64);
+      uint8_t& high = blk[128 + 32 * h + rr % 32];
+      const int high_shift = 2 * (rr / 32);
+      // Panel: codes byte 64 (v % 16 / 4) + 4c + v % 4, nibble v / 16; bits 4 and 5 in the masks
+      // of vector j' = v % 16 / 4 (32 bytes from 256: low-nibble bit 4, bit 5, high-nibble ...).
+      uint8_t* blk_t = sup + 384 * t;
+      uint8_t& code = blk_t[64 * (v % 16 / 4) + 4 * c + v % 4];
+      const int code_shift = 4 * (v / 16), pos = 4 * c + v % 4;
+      uint8_t* mask = blk_t + 256 + 32 * (v % 16 / 4) + 16 * (v / 16);
+      if (to_panel) {
+        const int q = ((low >> low_shift) & 15) | (((high >> high_shift) & 3) << 4);
+        code = uint8_t(code | ((q & 15) << code_shift));
+        for (int bit = 0; bit < 2; ++bit)
+          if ((q >> (4 + bit)) & 1) mask[8 * bit + pos / 8] |= uint8_t(1u << (pos % 8));
+      } else {
+        int q = (code >> code_shift) & 15;
+        for (int bit = 0; bit < 2; ++bit) q |= ((mask[8 * bit + pos / 8] >> (pos % 8)) & 1) << (4 + bit);
+        low = uint8_t(low | ((q & 15) << low_shift));
+        high = uint8_t(high | ((q >> 4) << high_shift));
+      }
+    }
+}
+
+// The panel kind of a type id (Q4_1G's panels are Q4_1's), or a one-line error.
+int64_t panel_kind(int64_t type) {
+  if (five_bit(type) || type == Q4_K || type == Q5_K || type == Q6_K) return type;
+  const Layout L = layout_of(type);
+  return L.kind == Q4_1G ? Q4_1 : L.kind;
+}
+
+void check_panel_weight(const torch::Tensor& w, int64_t type, int64_t k) {
+  if (!five_bit(type) && type != Q4_K && type != Q5_K && type != Q6_K) return check_weight(w, type, k);
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
+              "w must be a contiguous CPU uint8 tensor [N, bytes per row]");
+  const int64_t values = type == Q4_K || type == Q5_K || type == Q6_K ? 256 : QK;
+  TORCH_CHECK(k > 0 && k % values == 0, "K must be a positive multiple of ", values, ", got ", k);
+  const int64_t want = type == Q4_K   ? k / 256 * 144
+                       : type == Q5_K ? k / 256 * 176
+                       : type == Q6_K ? k / 256 * 210
+                                      : k / QK * five_bit_block_bytes(type);
+  TORCH_CHECK(w.size(1) == want, "w rows hold ", w.size(1), " bytes; K = ", k, " needs ", want);
+}
+
 // W's GGUF blocks [N, bytes] -> panels [ceil(N / 16), K / 32 * panel block bytes] (layout above).
 torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) {
-  check_weight(w, type, k);
-  const Layout L = layout_of(type);
+  check_panel_weight(w, type, k);
+  const bool five = five_bit(type);
+  const bool k_quant = type == Q4_K || type == Q5_K || type == Q6_K;
+  const Layout L = five || k_quant ? Layout{type, 0, 0, 0, 0} : layout_of(type);
+  const int64_t bb = five ? five_bit_block_bytes(type) : 0, head = type == Q5_1 ? 4 : 2;
   const int64_t N = w.size(0), nb = k / QK;
   const int64_t panels = (N + PANEL - 1) / PANEL, pbb = panel_block_bytes(type);
   const int64_t codes = panel_code_bytes(type);
@@ -1222,6 +1552,20 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     float q[QK];
+    if (k_quant) {
+      const int64_t file_super = type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
+      for (int64_t pn = p0; pn < p1; ++pn)
+        for (int64_t sb = 0; sb < nb / 8; ++sb)
+          for (int c = 0; c < PANEL && pn * PANEL + c < N; ++c) {
+            uint8_t* blk = const_cast<uint8_t*>(src) + (pn * PANEL + c) * w.size(1) + sb * file_super;
+            uint8_t* sup = dst + pn * nb * pbb + sb * 8 * pbb;
+            if (type == Q6_K)
+              q6_k_row_panel(blk, sup, c, true);
+            else
+              k4_row_panel(blk, sup, c, true, type == Q5_K);
+          }
+      return;
+    }
     for (int64_t pn = p0; pn < p1; ++pn)
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* pb = dst + (pn * nb + b) * pbb;
@@ -1230,6 +1574,21 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
           const int64_t n = pn * PANEL + c;
           if (n >= N) break;  // zero rows: codes 0, d = m = 0
           const uint8_t* row = src + n * w.size(1);
+          if (five) {
+            const uint8_t* blk = row + b * bb;
+            std::memcpy(heads + 2 * c, blk, 2);  // d's fp16 bits
+            if (type == Q5_1) std::memcpy(heads + 2 * PANEL + 2 * c, blk + 2, 2);
+            uint32_t qh;
+            std::memcpy(&qh, blk + head, 4);
+            // Block byte 4j + i holds values 4j + i and 16 + 4j + i, as a Q4 panel byte.
+            for (int j = 0; j < 4; ++j)
+              for (int i = 0; i < 4; ++i) {
+                pb[64 * j + 4 * c + i] = blk[head + 4 + 4 * j + i];
+                for (int h = 0; h < 2; ++h)
+                  if ((qh >> (16 * h + 4 * j + i)) & 1) pb[256 + 16 * j + 8 * h + (4 * c + i) / 8] |= uint8_t(1u << ((4 * c + i) % 8));
+              }
+            continue;
+          }
           block_q(L, row, b, q);  // as stored: 0..15, or -128..127
           std::memcpy(heads + 2 * c, row + L.head_at(b), 2);  // d's fp16 bits
           if (L.kind != Q8_0 && L.kind != Q4_0) std::memcpy(heads + 2 * PANEL + 2 * c, row + L.head_at(b) + 2, 2);
@@ -1248,21 +1607,26 @@ torch::Tensor gguf_pack_panels(const torch::Tensor& w, int64_t type, int64_t k) 
 }
 
 // Rows `rows` of W back from its panels, as GGML blocks [len(rows), K / 32 * block bytes]: Q4_0,
-// Q8_0, or Q4_1 for Q4_1 and Q4_1G panels (which hold a d and an m per block). d and m were fp16
+// Q5_0, Q5_1, Q8_0, or Q4_1 for Q4_1 and Q4_1G panels (which hold a d and an m per block). d and m were fp16
 // values, so the blocks are the ones packed (Q4_1G's as the Q4_1 blocks of its groups). What a
 // layer that keeps only its panels reads for its rare other uses: rows of the embedding, codes.
 torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64_t k, const torch::Tensor& rows) {
   TORCH_CHECK(k > 0 && k % QK == 0, "K must be a positive multiple of ", QK, ", got ", k);
+  const int64_t kind = panel_kind(type);
+  TORCH_CHECK((kind != Q4_K && kind != Q5_K && kind != Q6_K) || k % 256 == 0, "K must be a multiple of 256 for the K-quants, got ", k);
   const int64_t nb = k / QK, pbb = panel_block_bytes(type), codes = panel_code_bytes(type);
-  const int64_t kind = layout_of(type).kind == Q4_1G ? Q4_1 : type;
   TORCH_CHECK(best_isa() >= ISA_AVX2, "gguf_panel_blocks needs F16C (AVX2 CPUs have it)");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(1) == nb * pbb,
               "packed must be gguf_pack_panels' output for K = ", k);
   TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1, "rows must be a 1-D int64 tensor");
   const auto ids = rows.contiguous();
-  const int64_t R = ids.size(0), bb = block_bytes(kind), n_max = packed.size(0) * PANEL;
-  auto out = torch::empty({R, nb * bb}, packed.options());
+  const int64_t R = ids.size(0), n_max = packed.size(0) * PANEL;
+  // Bytes of an output row: blocks (32 values) or, for the K-quants, super-blocks (256).
+  const int64_t super_bytes = kind == Q4_K ? 144 : kind == Q5_K ? 176 : kind == Q6_K ? 210 : 0;
+  const int64_t bb = super_bytes ? 0 : five_bit(kind) ? five_bit_block_bytes(kind) : block_bytes(kind);
+  const int64_t out_row = super_bytes ? nb / 8 * super_bytes : nb * bb;
+  auto out = torch::empty({R, out_row}, packed.options());
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < R; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n_max, "row ", id[i], " is not in the panels");
   const uint8_t* src = packed.data_ptr<uint8_t>();
@@ -1270,10 +1634,22 @@ torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t pn = id[r] / PANEL, c = id[r] % PANEL;
+      if (super_bytes) {
+        for (int64_t sb = 0; sb < nb / 8; ++sb) {
+          uint8_t* blk = dst + r * out_row + sb * super_bytes;
+          std::memset(blk, 0, super_bytes);
+          uint8_t* sup = const_cast<uint8_t*>(src) + pn * nb * pbb;
+          if (kind == Q6_K)
+            q6_k_row_panel(blk, sup + sb * 8 * pbb, int(c), false);
+          else
+            k4_row_panel(blk, sup + sb * 8 * pbb, int(c), false, kind == Q5_K);
+        }
+        continue;
+      }
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* pb = src + (pn * nb + b) * pbb;
         const uint8_t* heads = pb + codes;
-        uint8_t* blk = dst + r * nb * bb + b * bb;
+        uint8_t* blk = dst + r * out_row + b * bb;
         std::memcpy(blk, heads + 2 * c, 2);
         if (kind == Q8_0) {
           for (int t = 0; t < 8; ++t)
@@ -1281,9 +1657,19 @@ torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64
           continue;
         }
         uint8_t* q = blk + 2;
-        if (kind == Q4_1) {
+        if (kind == Q4_1 || kind == Q5_1) {
           std::memcpy(blk + 2, heads + 2 * PANEL + 2 * c, 2);
           q = blk + 4;
+        }
+        if (five_bit(kind)) {  // the fifth bits back: value 16h + 4j + i from mask 2j + h, bit 4c + i
+          uint32_t qh = 0;
+          for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < 4; ++i)
+              for (int h = 0; h < 2; ++h)
+                qh |= uint32_t((pb[256 + 16 * j + 8 * h + (4 * c + i) / 8] >> ((4 * c + i) % 8)) & 1)
+                      << (16 * h + 4 * j + i);
+          std::memcpy(q, &qh, 4);
+          q += 4;
         }
         // Panel byte 64j + 4c + i holds values 4j + i (low) and 16 + 4j + i (high): exactly
         // block byte 4j + i's two nibbles.
@@ -1305,24 +1691,38 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
               "x must be a CPU float32 tensor [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   TORCH_CHECK(K > 0 && K % QK == 0, "K must be a positive multiple of ", QK, ", got ", K);
-  const int64_t panels = (n + PANEL - 1) / PANEL;
+  const int64_t panels = (n + PANEL - 1) / PANEL, kind = panel_kind(type);
+  TORCH_CHECK((kind != Q4_K && kind != Q5_K && kind != Q6_K) || K % 256 == 0, "K must be a multiple of 256 for the K-quants, got ", K);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(0) == panels && packed.size(1) == nb * panel_block_bytes(type),
               "packed must be gguf_pack_panels' output for N = ", n, ", K = ", K);
   auto out = torch::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
   const auto qx = quantize_q8(x, ISA_AVX2);
+  // (The panel kernels read no Layout: the panels hold a d, and an m where the kind has one.)
   Q8Problem p{qx[0].data_ptr<int8_t>(), qx[1].data_ptr<float>(), qx[2].data_ptr<float>(), nullptr, 0,
-              layout_of(type), out.data_ptr<float>(), M, n, K};
+              Layout{kind, 0, 0, 0, 0}, out.data_ptr<float>(), M, n, K};
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  // Panels hold a d and an m per block whatever the blocks' layout: Q4_1G's are Q4_1's.
-  const int64_t kind = p.L.kind == Q4_1G ? Q4_1 : p.L.kind;
+  std::vector<int32_t> c32;
+  if (kind == Q6_K) {  // 32 * sum(q_x) per row and 16 values: what the codes' bias 32 adds
+    c32.resize(M * nb * 2);
+    for (int64_t i = 0; i < M * nb * 2; ++i) {
+      int32_t sum = 0;
+      for (int j = 0; j < 16; ++j) sum += p.qx[i * 16 + j];
+      c32[i] = 32 * sum;
+    }
+  }
   if (isa < ISA_AVX512) {
     at::parallel_for(0, 2 * panels, 1, [&](int64_t u0, int64_t u1) {
       switch (kind) {
-        case Q4_0: avx2::panels_q8<Q4_0>(p, w, u0, u1); break;
-        case Q4_1: avx2::panels_q8<Q4_1>(p, w, u0, u1); break;
-        default: avx2::panels_q8<Q8_0>(p, w, u0, u1); break;
+        case Q4_0: avx2::panels_q8<Q4_0>(p, w, nullptr, u0, u1); break;
+        case Q4_1: avx2::panels_q8<Q4_1>(p, w, nullptr, u0, u1); break;
+        case Q5_0: avx2::panels_q8<Q5_0>(p, w, nullptr, u0, u1); break;
+        case Q5_1: avx2::panels_q8<Q5_1>(p, w, nullptr, u0, u1); break;
+        case Q4_K: avx2::panels_q8<Q4_K>(p, w, nullptr, u0, u1); break;
+        case Q5_K: avx2::panels_q8<Q5_K>(p, w, nullptr, u0, u1); break;
+        case Q6_K: avx2::panels_q8<Q6_K>(p, w, c32.data(), u0, u1); break;
+        default: avx2::panels_q8<Q8_0>(p, w, nullptr, u0, u1); break;
       }
     });
     return out;
@@ -1340,6 +1740,11 @@ torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& pa
     switch (kind) {
       case Q4_0: avx512::panels_q8<Q4_0>(p, w, nullptr, t0, t1); break;
       case Q4_1: avx512::panels_q8<Q4_1>(p, w, nullptr, t0, t1); break;
+      case Q5_0: avx512::panels_q8<Q5_0>(p, w, nullptr, t0, t1); break;
+      case Q5_1: avx512::panels_q8<Q5_1>(p, w, nullptr, t0, t1); break;
+      case Q4_K: avx512::panels_q8<Q4_K>(p, w, nullptr, t0, t1); break;
+      case Q5_K: avx512::panels_q8<Q5_K>(p, w, nullptr, t0, t1); break;
+      case Q6_K: avx512::panels_q8<Q6_K>(p, w, c32.data(), t0, t1); break;
       default: avx512::panels_q8<Q8_0>(p, w, c128.data(), t0, t1); break;
     }
   });
@@ -1405,7 +1810,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("type"), py::arg("isa") = -1);
   m.def("quantize_q8", &gguf_matmul::quantize_q8, "x fp32 [M, K] -> (int8 q, scale dx, dx * sum(q)) per 32-block",
         py::arg("x"), py::arg("isa") = -1);
-  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] -> 16-row panels (batches: AVX-512 VNNI or AVX2)",
+  m.def("gguf_pack_panels", &gguf_matmul::gguf_pack_panels, "GGUF block rows [N, bytes] (Q4_0, Q4_1, Q4_1G, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) -> 16-row panels (AVX-512 VNNI or AVX2)",
         py::arg("w"), py::arg("type"), py::arg("k"));
   m.def("gguf_matmul_panels", &gguf_matmul::gguf_matmul_panels,
         "x fp32 [M, K] @ W^T from gguf_pack_panels(W), x rounded to int8 per 32-block", py::arg("x"), py::arg("packed"),
@@ -1424,6 +1829,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kq_row_bytes", &kquants::kq_row_bytes, "bytes per weight row of K values", py::arg("type"), py::arg("k"));
   m.def("kq_dequantize", &kquants::kq_dequantize, "packed rows [N, bytes] -> float32 [N, K] (or into fp32 / bf16)",
         py::arg("w"), py::arg("type"), py::arg("k"), py::arg("into") = py::none(), py::arg("isa") = -1);
+  m.def("kq_panel_dequantize", &kquants::kq_panel_dequantize,
+        "rows [r0, r1) of a Q4_K / Q5_K / Q6_K layer kept as panels -> into (fp32 / bf16), kq_dequantize's values", py::arg("packed"),
+        py::arg("type"), py::arg("k"), py::arg("r0"), py::arg("r1"), py::arg("into"));
   m.def("kq_matmul_q8", &kquants::kq_matmul_q8,
         "x fp32 [M, K] @ W^T, W packed, x rounded to int8 per 32-block (integer dot products)", py::arg("x"),
         py::arg("w"), py::arg("type"), py::arg("isa") = -1);

@@ -862,6 +862,157 @@ torch::Tensor kq_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int64
   return out;
 }
 
+// Q4_K panels (gguf_pack_panels, gguf_matmul.cpp's layout: per 16 rows and super-block, 8 blocks
+// of codes in Q4's panel layout, 256 bytes each, then the rows' scales as bytes (block t: 16
+// bytes, row c at 16t + c), their mins likewise, d and dmin as fp16 bits, 2368 bytes): rows
+// [r0, r1) dequantized into `into` (fp32 or bf16 [r1 - r0, k]) with exactly kq_dequantize's
+// operations, so the values are the blocks' bit for bit (the slabs of a layer kept as panels).
+// Q5_K panels: the same with each block's codes followed by their fifth bits as 8 64-bit masks
+// (Q5_0's: mask 2j + h for panel vector j's low (h 0) or high nibbles, bit 4c + i): 320 bytes a
+// block, the scales from 2560, 2880 bytes.
+// Q6_K panels likewise (gguf_matmul.cpp): per block t 384 bytes (Q4's 256 bytes of the codes' low
+// 4 bits, then bits 4 and 5 as masks: 32 bytes per panel vector j, the low-nibble values' bit 4,
+// bit 5, the high-nibble values' bit 4, bit 5, bit 4c + i for row c), then the rows' int8 scales
+// (group g: 16 bytes, row c at 16g + c), then d as fp16 bits: 3360 bytes.
+namespace q6k_panel {
+constexpr int64_t SUPER = 3360, SCALES = 3072, D = 3328;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+// 32 bits (value order) as bytes: `value` where set.
+inline __m256i bit_bytes(uint32_t bits, char value) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                          3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
+  const __m256i picked = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), spread), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(picked, bit), _mm256_set1_epi8(value));
+}
+
+// 32 codes (values 0-31 of a block, bytes in value order) -> (s_lo or s_hi) * float(u - bias) + o into
+// dst (values 0-15 with s_lo, 16-31 with s_hi), kq_dequantize's operations; all in registers (a
+// store of the codes and narrower loads back stalled the store forwarding).
+template <class OUT>
+inline void write32(__m256i codes, int bias, float s_lo, float s_hi, float o, OUT* dst) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
+  const __m256i b = _mm256_set1_epi32(bias);
+  for (int j = 0; j < 4; ++j) {
+    const __m128i bytes = j % 2 ? _mm_srli_si128(halves[j / 2], 8) : halves[j / 2];
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), b));
+    const __m256 value = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(j < 2 ? s_lo : s_hi), q), _mm256_set1_ps(o));
+    if constexpr (std::is_same_v<OUT, float>)
+      _mm256_storeu_ps(dst + 8 * j, value);
+    else
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * j), to_bf16(value));
+  }
+}
+
+template <bool FIVE, class OUT>
+void panel_rows_q4_k(const uint8_t* packed, int64_t panel_bytes, int64_t k, int64_t r0, int64_t r1, OUT* out) {
+  constexpr int64_t CODES = FIVE ? 320 : 256, SCALES = 8 * CODES, MINS = SCALES + 128, D = SCALES + 256,
+                    DMIN = SCALES + 288, SUPER = SCALES + 320;
+  const int64_t nsb = k / SB;
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  for (int64_t n = r0; n < r1; ++n) {
+    const int64_t c = n % 16;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* sup = packed + (n / 16) * panel_bytes + sb * SUPER;
+      const float d = half_f16c(sup + D + 2 * c), dmin = half_f16c(sup + DMIN + 2 * c);
+      for (int t = 0; t < 8; ++t) {
+        const float s = d * float(sup[SCALES + 16 * t + c]), o = -(dmin * float(sup[MINS + 16 * t + c]));
+        // Row c's 4 bytes of each of the block's 4 panel vectors: values 4j..4j+3 (low nibbles)
+        // and 16 + 4j.. (high), so the 16 bytes' low nibbles are values 0-15 in order.
+        const uint8_t* v = sup + CODES * t + 4 * c;
+        const __m128i raw = _mm_setr_epi32(int(load_u32(v)), int(load_u32(v + 64)), int(load_u32(v + 128)),
+                                           int(load_u32(v + 192)));
+        __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+        if constexpr (FIVE) {  // row c's nibble of each mask 2j + h: values 16h + 4j.. 's fifth bits
+          const uint8_t* masks = sup + CODES * t + 256;
+          const __m256i at = _mm256_set1_epi64x(4 * c), nib = _mm256_set1_epi64x(15);
+          const __m256i w0 = _mm256_and_si256(_mm256_srlv_epi64(load32(masks), at), nib);
+          const __m256i w1 = _mm256_and_si256(_mm256_srlv_epi64(load32(masks + 32), at), nib);
+          const __m256i both = _mm256_or_si256(_mm256_sllv_epi64(w0, _mm256_setr_epi64x(0, 16, 4, 20)),
+                                               _mm256_sllv_epi64(w1, _mm256_setr_epi64x(8, 24, 12, 28)));
+          const __m128i half2 = _mm_or_si128(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+          const uint32_t b5 = uint32_t(_mm_cvtsi128_si64(_mm_or_si128(half2, _mm_unpackhi_epi64(half2, half2))));
+          codes = _mm256_or_si256(codes, bit_bytes(b5, 16));
+        }
+        write32(codes, 0, s, s, o, out + (n - r0) * k + sb * SB + 32 * t);
+      }
+    }
+  }
+}
+
+template <class OUT>
+void panel_rows_q6_k(const uint8_t* packed, int64_t panel_bytes, int64_t k, int64_t r0, int64_t r1, OUT* out) {
+  using namespace q6k_panel;
+  const int64_t nsb = k / SB;
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  for (int64_t n = r0; n < r1; ++n) {
+    const int64_t c = n % 16;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* sup = packed + (n / 16) * panel_bytes + sb * SUPER;
+      const float d = half_f16c(sup + D + 2 * c);
+      for (int t = 0; t < 8; ++t) {
+        const uint8_t* blk = sup + 384 * t;
+        const uint8_t* v = blk + 4 * c;
+        const __m128i raw = _mm_setr_epi32(int(load_u32(v)), int(load_u32(v + 64)), int(load_u32(v + 128)),
+                                           int(load_u32(v + 192)));
+        // Bits 4 and 5 of values 0-31: row c's nibble (bits 4c..4c+3) of each mask, value
+        // 16h + 4j + i from vector j's masks (bit 4, bit 5 of the low nibbles, then the high's).
+        const __m256i at = _mm256_set1_epi64x(4 * c), nib = _mm256_set1_epi64x(15);
+        __m256i acc = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+          const __m256i w = _mm256_and_si256(_mm256_srlv_epi64(load32(blk + 256 + 32 * j), at), nib);
+          acc = _mm256_or_si256(acc, _mm256_sllv_epi64(w, _mm256_setr_epi64x(4 * j, 4 * j, 16 + 4 * j, 16 + 4 * j)));
+        }
+        const __m128i pair = _mm_or_si128(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+        const uint32_t b4 = uint32_t(_mm_cvtsi128_si64(pair)), b5 = uint32_t(_mm_extract_epi64(pair, 1));
+        const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+        const __m256i codes = _mm256_or_si256(low, _mm256_or_si256(bit_bytes(b4, 16), bit_bytes(b5, 32)));
+        const float s_lo = d * float(int8_t(sup[SCALES + 16 * (2 * t) + c]));
+        const float s_hi = d * float(int8_t(sup[SCALES + 16 * (2 * t + 1) + c]));
+        write32(codes, 32, s_lo, s_hi, -0.f, out + (n - r0) * k + sb * SB + 32 * t);
+      }
+    }
+  }
+}
+}  // namespace avx2
+#pragma GCC pop_options
+
+torch::Tensor kq_panel_dequantize(const torch::Tensor& packed, int64_t type, int64_t k, int64_t r0, int64_t r1,
+                                  torch::Tensor into) {
+  TORCH_CHECK(type == Q4_K || type == Q5_K || type == Q6_K,
+              "kq_panel_dequantize reads Q4_K (12), Q5_K (13) or Q6_K (14) panels, got type ", type);
+  TORCH_CHECK(k > 0 && k % SB == 0, "K must be a positive multiple of 256 for the K-quants, got ", k);
+  TORCH_CHECK(gguf_matmul::best_isa() >= ISA_AVX2, "kq_panel_dequantize needs AVX2 (as the panels)");
+  const int64_t panel_bytes = k / SB * (type == Q4_K ? 2368 : type == Q5_K ? 2880 : q6k_panel::SUPER);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.dim() == 2 && packed.size(1) == panel_bytes,
+              "packed must be gguf_pack_panels' output for K = ", k);
+  TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= packed.size(0) * 16, "rows [", r0, ", ", r1, ") are not in the panels");
+  TORCH_CHECK(into.device().is_cpu() &&
+                  (into.scalar_type() == torch::kFloat32 || into.scalar_type() == torch::kBFloat16) &&
+                  into.is_contiguous() && into.dim() == 2 && into.size(0) == r1 - r0 && into.size(1) == k,
+              "into must be a contiguous CPU float32 or bfloat16 tensor [", r1 - r0, ", ", k, "]");
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  const bool bf16 = into.scalar_type() == torch::kBFloat16;
+  at::parallel_for(r0, r1, 16, [&](int64_t n0, int64_t n1) {
+    uint16_t* o16 = bf16 ? reinterpret_cast<uint16_t*>(into.data_ptr<at::BFloat16>()) + (n0 - r0) * k : nullptr;
+    float* o32 = bf16 ? nullptr : into.data_ptr<float>() + (n0 - r0) * k;
+    if (type == Q4_K)
+      bf16 ? avx2::panel_rows_q4_k<false>(src, panel_bytes, k, n0, n1, o16)
+           : avx2::panel_rows_q4_k<false>(src, panel_bytes, k, n0, n1, o32);
+    else if (type == Q5_K)
+      bf16 ? avx2::panel_rows_q4_k<true>(src, panel_bytes, k, n0, n1, o16)
+           : avx2::panel_rows_q4_k<true>(src, panel_bytes, k, n0, n1, o32);
+    else
+      bf16 ? avx2::panel_rows_q6_k(src, panel_bytes, k, n0, n1, o16) : avx2::panel_rows_q6_k(src, panel_bytes, k, n0, n1, o32);
+  });
+  return into;
+}
+
 torch::Tensor kq_dequantize(const torch::Tensor& w, int64_t type, int64_t k, std::optional<torch::Tensor> into,
                             int64_t isa) {
   check_weight(w, type, k);

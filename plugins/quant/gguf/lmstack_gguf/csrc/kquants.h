@@ -1,4 +1,4 @@
-// GGUF K-quants (Q2_K-Q6_K) and Q5_0 / Q5_1 kept packed (kquants.cpp); bound to Python in
+// GGUF K-quants (Q2_K-Q6_K) and Q5_0 / Q5_1 kept packed (kquants.cpp; Q4_K panels' slabs too); bound to Python in
 // gguf_matmul.cpp's module, which also provides the two helpers declared first.
 #pragma once
 
@@ -20,4 +20,6 @@ int64_t kq_row_bytes(int64_t type, int64_t k);
 torch::Tensor kq_dequantize(const torch::Tensor& w, int64_t type, int64_t k, std::optional<torch::Tensor> into,
                             int64_t isa);
 torch::Tensor kq_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t isa);
+torch::Tensor kq_panel_dequantize(const torch::Tensor& packed, int64_t type, int64_t k, int64_t r0, int64_t r1,
+                                  torch::Tensor into);
 }  // namespace kquants
