@@ -73,7 +73,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     ),
     "lmstack.batch": ("AttentionMetadata", "SeqPlan", "StepPlan", "ModelInput", "ModelOutput"),
     "lmstack.sequence": ("Sequence", "SequenceStatus", "FinishReason", "Request"),
-    "lmstack.sampling_params": ("SamplingParams",),
+    "lmstack.sampling_params": ("SamplingParams", "BATCH_PRIORITY"),  # 1.9: BATCH_PRIORITY,
     "lmstack.spec.drafts": ("DraftBook",),
     "lmstack.sample.verification": ("Draft", "Verification"),
     "lmstack.outputs": ("CompletionOutput", "RequestMetrics", "RequestOutput", "EngineStats"),
@@ -199,7 +199,13 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
     "lmstack.engine.llm_engine": ("LLMEngine",),
     "lmstack.stack.config": ("load_stack", "stack_mapping", "KV_CACHE_DTYPES"),  # 1.9: the last two
     # 1.8: every command takes its stack the same way (MODEL_OR_STACK, --set) (issue 53).
-    "lmstack.commands.stack_args": ("add_stack_arguments", "stack_from_args", "stack_text", "positive_int"),
+    "lmstack.commands.stack_args": (
+        "add_stack_arguments",
+        "stack_from_args",
+        "stack_text",
+        "positive_int",
+        "STACK_HELP",
+    ),
     "lmstack.stack.overrides": ("parse_overrides", "apply_overrides"),  # 1.8: `--set`; 1.9: apply_overrides
     # 1.9: the bound on one engine step (the /ready probe's "stalled")
     "lmstack.exec.rendezvous": ("STEP_TIMEOUT_S", "default_step_timeout"),

@@ -180,7 +180,7 @@ def batch_routes(state: ServerState) -> list[Any]:
         except ValueError as exc:
             raise invalid(str(exc), param="file", code="invalid_file") from None
         name = (upload.filename or "upload.jsonl")[:255]
-        row = await asyncio.to_thread(service.store.add_file, tenant, "batch", name, data)
+        row = await service.store.run(service.store.add_file, tenant, "batch", name, data)
         return _json(file_object(row))
 
     return [
@@ -208,7 +208,7 @@ def _too_large(limit: int) -> APIError:
 @get("/v1/files")
 async def list_files(request: Request) -> Response:
     service, tenant, _ = _service(request)
-    rows, more = await asyncio.to_thread(
+    rows, more = await service.store.run(
         service.store.list_files,
         tenant,
         request.query_params.get("purpose"),
@@ -221,7 +221,7 @@ async def list_files(request: Request) -> Response:
 async def _own_file(request: Request) -> tuple[BatchService, str, dict[str, Any]]:
     service, tenant, _ = _service(request)
     file_id = str(request.path_params["file_id"])
-    row = await asyncio.to_thread(service.store.get_file, tenant, file_id)
+    row = await service.store.run(service.store.get_file, tenant, file_id)
     if row is None:
         raise _not_found("file", file_id)
     return service, tenant, row
@@ -236,19 +236,19 @@ async def retrieve_file(request: Request) -> Response:
 @get("/v1/files/{file_id:str}/content")
 async def file_content(request: Request) -> Response:
     service, _, row = await _own_file(request)
-    data = await asyncio.to_thread(service.store.file_path(row["id"]).read_bytes)
+    data = await service.store.run(service.store.file_path(row["id"]).read_bytes)
     return Response(content=data, status_code=200, media_type="application/jsonl")
 
 
 @delete("/v1/files/{file_id:str}", status_code=200)
 async def delete_file(request: Request) -> Response:
     service, tenant, row = await _own_file(request)
-    using = await asyncio.to_thread(service.store.batch_using, row["id"])
+    using = await service.store.run(service.store.batch_using, row["id"])
     if using is not None:
         raise invalid(
             f"file {row['id']!r} is the input of batch {using!r}, which has not finished", param="file_id"
         )
-    await asyncio.to_thread(service.store.delete_file, tenant, row["id"])
+    await service.store.run(service.store.delete_file, tenant, row["id"])
     return _json({"id": row["id"], "object": "file", "deleted": True})
 
 
@@ -273,14 +273,14 @@ async def create_batch(request: Request) -> Response:
         raise invalid(
             "metadata holds at most 16 pairs, keys up to 64 and values up to 512 characters", param="metadata"
         )
-    row = await asyncio.to_thread(service.store.get_file, tenant, req.input_file_id)
+    row = await service.store.run(service.store.get_file, tenant, req.input_file_id)
     if row is None:
         raise _not_found("file", req.input_file_id)
     if row["purpose"] != "batch":
         raise invalid(
             f"file {row['id']!r} has purpose {row['purpose']!r}, not 'batch'", param="input_file_id"
         )
-    batch = await asyncio.to_thread(
+    batch = await service.store.run(
         service.store.create_batch,
         tenant,
         key_hash(key),
@@ -297,7 +297,7 @@ async def create_batch(request: Request) -> Response:
 async def _own_batch(request: Request) -> tuple[BatchService, str, dict[str, Any]]:
     service, tenant, _ = _service(request)
     batch_id = str(request.path_params["batch_id"])
-    row = await asyncio.to_thread(service.store.get_batch, tenant, batch_id)
+    row = await service.store.run(service.store.get_batch, tenant, batch_id)
     if row is None:
         raise _not_found("batch", batch_id)
     return service, tenant, row
@@ -306,7 +306,7 @@ async def _own_batch(request: Request) -> tuple[BatchService, str, dict[str, Any
 @get("/v1/batches")
 async def list_batches(request: Request) -> Response:
     service, tenant, _ = _service(request)
-    rows, more = await asyncio.to_thread(
+    rows, more = await service.store.run(
         service.store.list_batches, tenant, _limit(request, 20, 100), request.query_params.get("after")
     )
     return _json(_page([batch_object(r) for r in rows], more))
@@ -322,7 +322,7 @@ async def retrieve_batch(request: Request) -> Response:
 async def cancel_batch(request: Request) -> Response:
     service, tenant, row = await _own_batch(request)
     if row["status"] in ("validating", "in_progress"):
-        await asyncio.to_thread(
+        await service.store.run(
             service.store.set_status, row["id"], "cancelling", when=("validating", "in_progress")
         )
         service.runner.wake(row["id"])
@@ -332,5 +332,5 @@ async def cancel_batch(request: Request) -> Response:
             f"batch {row['id']!r} is {row['status']} and can no longer be cancelled",
             code="batch_not_cancellable",
         )
-    row = await asyncio.to_thread(service.store.get_batch, tenant, row["id"])
+    row = await service.store.run(service.store.get_batch, tenant, row["id"])
     return _json(batch_object(row))

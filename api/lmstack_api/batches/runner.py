@@ -72,7 +72,7 @@ class BatchRunner:
             if self.state.engine is None or self.state.draining:
                 await asyncio.sleep(POLL_S)
                 continue
-            active = await asyncio.to_thread(self.store.active_batches)
+            active = await self.store.run(self.store.active_batches)
             if not active:
                 self._wake.clear()
                 try:
@@ -92,14 +92,14 @@ class BatchRunner:
 
     async def _run(self, batch_id: str) -> None:
         store = self.store
-        batch = await asyncio.to_thread(store.get_batch, None, batch_id)
+        batch = await store.run(store.get_batch, None, batch_id)
         assert batch is not None
         status = batch["status"]
         if status == "cancelling":
-            await asyncio.to_thread(store.finalize, batch_id, "cancelled")
+            await store.run(store.finalize, batch_id, "cancelled")
             return
         if status == "finalizing":
-            await asyncio.to_thread(store.finalize, batch_id, "completed")
+            await store.run(store.finalize, batch_id, "completed")
             return
         lines = await self._read(batch)
         if lines is None:
@@ -108,8 +108,8 @@ class BatchRunner:
             # Lines that cannot run are finished now; a repeat after a crash changes nothing.
             bad = [(ln.number, *invalid_record(ln)) for ln in lines if ln.error is not None]
             if bad:
-                await asyncio.to_thread(store.record, batch_id, bad)
-            ok = await asyncio.to_thread(
+                await store.run(store.record, batch_id, bad)
+            ok = await store.run(
                 store.set_status, batch_id, "in_progress", when=("validating",), total=len(lines)
             )
             if not ok:  # cancelled meanwhile: the next pass finalizes it
@@ -121,7 +121,7 @@ class BatchRunner:
                 batch_id, "api_key_removed", "the API key that created this batch is not configured"
             )
             return
-        done = await asyncio.to_thread(store.done_lines, batch_id)
+        done = await store.run(store.done_lines, batch_id)
         todo = [ln for ln in lines if ln.error is None and ln.number not in done]
         stop, expired = asyncio.Event(), asyncio.Event()
         if time.time() >= batch["expires_at"]:  # e.g. resumed after a long outage: run nothing
@@ -160,7 +160,7 @@ class BatchRunner:
         """Stop the batch's lines on a cancel, a drain, the runner stopping or the deadline."""
         while not stop.is_set():
             await asyncio.sleep(POLL_S)
-            status = await asyncio.to_thread(self.store.status, batch["id"])
+            status = await self.store.run(self.store.status, batch["id"])
             if time.time() >= batch["expires_at"]:
                 expired.set()
             if self._paused or expired.is_set() or status != "in_progress":
@@ -181,7 +181,7 @@ class BatchRunner:
                         if not stop.is_set():
                             await _sleep_or(stop, reply.retry_after())
                         continue
-                    await asyncio.to_thread(
+                    await self.store.run(
                         self.store.record, batch_id, [(line.number, *record_of(line, reply))]
                     )
                     break
@@ -195,34 +195,34 @@ class BatchRunner:
     async def _settle(self, batch_id: str, lines: list[Line], expired: bool) -> None:
         """After the lines ran or stopped: finalize the batch if it is over, else leave it."""
         store = self.store
-        batch = await asyncio.to_thread(store.get_batch, None, batch_id)
+        batch = await store.run(store.get_batch, None, batch_id)
         assert batch is not None
         if batch["status"] == "cancelling":
-            await asyncio.to_thread(store.finalize, batch_id, "cancelled")
+            await store.run(store.finalize, batch_id, "cancelled")
             log.info("batch cancelled", batch_id=batch_id)
             return
-        done = await asyncio.to_thread(store.done_lines, batch_id)
+        done = await store.run(store.done_lines, batch_id)
         left = [ln for ln in lines if ln.number not in done]
         if left and expired:
             rows = [
                 (ln.number, False, error_record(ln.custom_id, "batch_expired", "the batch's window ran out"))
                 for ln in left
             ]
-            await asyncio.to_thread(store.record, batch_id, rows)
-            await asyncio.to_thread(store.finalize, batch_id, "expired")
+            await store.run(store.record, batch_id, rows)
+            await store.run(store.finalize, batch_id, "expired")
             log.info("batch expired", batch_id=batch_id, unfinished=len(left))
             return
         if left:  # stopped by a drain or shutdown: resumed later
             return
-        if await asyncio.to_thread(store.set_status, batch_id, "finalizing", when=("in_progress",)):
-            await asyncio.to_thread(store.finalize, batch_id, "completed")
+        if await store.run(store.set_status, batch_id, "finalizing", when=("in_progress",)):
+            await store.run(store.finalize, batch_id, "completed")
             log.info("batch completed", batch_id=batch_id, lines=len(lines))
 
     async def _fail(self, batch_id: str, code: str, message: str) -> None:
         errors = json.dumps(
             {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
         )
-        await asyncio.to_thread(
+        await self.store.run(
             self.store.set_status,
             batch_id,
             "failed",

@@ -8,22 +8,30 @@ the index does not name (a crash between the two) is removed when the store open
 
 SQLite runs in WAL mode with `synchronous=FULL`: a committed row survives the process being
 killed and the machine losing power. One connection, guarded by a lock: callers on the event
-loop run these methods in a thread (`asyncio.to_thread`), as each commit waits for the disk.
+loop run these methods through `run`, on the store's own thread, as each commit waits for the
+disk. Not the loop's default executor: a batch's commits queued there delayed the interactive
+requests' tokenization, which shares it (P99 TTFT 3.3x of interactive traffic alone).
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
+import functools
 import json
 import os
 import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from lmstack.errors import LmstackError
+
+T = TypeVar("T")
 
 # A batch in one of these still has work for the runner.
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -113,6 +121,7 @@ class BatchStore:
                 f"server.batch_dir {str(self.root)!r} is in use by another server; give each its own"
             ) from None
         self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-store")
         self._db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -120,7 +129,13 @@ class BatchStore:
         self._db.executescript(_SCHEMA)
         self._remove_orphans()
 
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` (a store method, a file read) on the store's thread."""
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, call)
+
     def close(self) -> None:
+        self._thread.shutdown(wait=True)
         with self._lock:
             self._db.close()
         self._lock_file.close()

@@ -27,35 +27,8 @@ sequences of the owner holding the most are preempted, down to an equal share of
 chunk. Echoed prompt logprobs, the costliest prompt tokens, run at most
 `PROMPT_LOGPROB_TOKENS` a step. A small request waits about a step for a slot, whatever runs.
 
-Priority classes (`Request.priority`, lower runs first): waiting sequences are admitted class
-by class, fair share and FCFS within a class. When the most urgent waiting sequence has no slot
-or no KV room for its first chunk, the least urgent running sequences of a less urgent class are
-preempted (newest first, by recompute; a tiered KV cache keeps their blocks through its normal
-free path), and prompts of a less urgent class in progress leave its first chunk room in the
-step. With one priority in play (all 0) the order and every step are plain FCFS + fair share.
-
-Aging bounds starvation: a sequence's effective priority improves by one per
-`priority_aging_s` seconds since it arrived, down to the most urgent priority among the
-sequences present (waiting or running), where it is served by the fair share and FCFS like the
-rest. So a request at priority p waits at most (p - p_top) x `priority_aging_s` before it
-competes on arrival order with the most urgent class p_top. Background sequences (below) age
-among themselves but never below `BATCH_PRIORITY`: they stay background. 0 disables aging.
-
-Background work (priority >= `BATCH_PRIORITY`, the Batch API's) fills only the capacity that
-interactive work (priority below it) leaves:
-(a) no background prompt chunk shares a step with an interactive sequence that waits or is in
-    its prompt; (b) while interactive work is present, background sequences take only the
-    tokens that keep the step's predicted time (`step_cost`, t(T) = a + b * T) within
-    (1 + `background_slack`) x the interactive-only step: T_bg <= slack * t(T_int) / b, where
-    t is the measured line around T_int and b the steeper of its slope and a decode step's
-    (`background_allowance`); without a measured cost model, none. Background sequences past
-    that are paused for the step (oldest run first) and keep their KV; they are preempted,
-    newest first, when an interactive sequence needs their slot or blocks; (c) with no
-    interactive work for `background_grace_s`, background is scheduled like any traffic (the
-    full batch), except that a step carrying its prompt chunks is predicted to take at most
-    `background_max_step_ms` (an interactive request arriving meanwhile waits for the step
-    under way). Within the grace, (b) holds with no interactive tokens: a closed-loop client's
-    next request arrives a moment after its last one ends.
+Priority classes, aging and background work (priority >= `BATCH_PRIORITY`, the Batch API's):
+`lmstack.components.priority_classes`, whose rules the scheduler mixes in.
 """
 
 from __future__ import annotations
@@ -64,12 +37,10 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from typing import Annotated
 
-import msgspec
-
+from lmstack.components.continuous_options import ContinuousOptions
+from lmstack.components.priority_classes import PriorityClasses
 from lmstack.engine.step_cost import StepCostModel
-from lmstack.errors import ConfigError
 from lmstack.interfaces import (
     BuildContext,
     EngineLimits,
@@ -94,91 +65,10 @@ MIN_PREFILL_TOKENS = 16
 PROMPT_LOGPROB_TOKENS = 64
 
 
-class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
-    max_num_seqs: Annotated[int, msgspec.Meta(description="the most sequences running at once")] = 64
-    max_num_batched_tokens: Annotated[
-        int, msgspec.Meta(description="the most tokens one step computes, prompt chunks and decodes together")
-    ] = 2048
-    # Split long prompts into chunks that share steps with running decodes.
-    chunked_prefill: Annotated[
-        bool, msgspec.Meta(description="split long prompts into chunks that share steps with running decodes")
-    ] = True
-    # Cap one prompt's chunk so a single long prompt cannot take the whole budget (0: no cap).
-    max_prefill_chunk: Annotated[
-        int, msgspec.Meta(description="the most tokens of one prompt per step (0: no cap)")
-    ] = 0
-    # While streams decode, a step carrying prefill is predicted to take at most this many
-    # times the decode-only step (measured step cost; 0: no limit). Bounds the gap between a
-    # stream's tokens (ITL P99) at the price of more steps per prompt (TTFT).
-    max_step_ratio: Annotated[
-        float, msgspec.Meta(description="a step with prefill over a decode-only one, at most (0: no limit)")
-    ] = 2.5
-    # An absolute bound on such a step, in milliseconds (0: none).
-    max_step_ms: Annotated[
-        float, msgspec.Meta(description="the longest such step, in milliseconds (0: no bound)")
-    ] = 0.0
-    # Starvation bound for priority classes (module docstring).
-    priority_aging_s: Annotated[
-        float,
-        msgspec.Meta(
-            description="a waiting request's priority improves by one per this many seconds since it "
-            "arrived, up to the most urgent class present (0: no aging)"
-        ),
-    ] = 60.0
-    # Background work (priority >= BATCH_PRIORITY) beside interactive work (module docstring).
-    background_slack: Annotated[
-        float,
-        msgspec.Meta(
-            description="background requests may lengthen an interactive step by at most this "
-            "fraction of its predicted time (0: they wait until no interactive work runs)"
-        ),
-    ] = 0.1
-    # (c) without interactive work: how long a background step may be, so that an interactive
-    # request arriving meanwhile waits at most about this long for its first step.
-    background_max_step_ms: Annotated[
-        float,
-        msgspec.Meta(
-            description="with only background work, a step carrying prompt chunks is predicted to "
-            "take at most this many milliseconds (0: no bound)"
-        ),
-    ] = 250.0
-    # A closed-loop client sends its next request a moment after its last one ends: without
-    # this, every such gap would let a full background batch in, which the next request then
-    # waits behind (and preempts by recompute).
-    background_grace_s: Annotated[
-        float,
-        msgspec.Meta(
-            description="background work keeps to the slack this many seconds after interactive "
-            "work was last present (0: gets the full batch at once)"
-        ),
-    ] = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"must be >= 1, got {getattr(self, name)}", f"scheduler.{name}")
-        if self.max_prefill_chunk < 0:
-            raise ConfigError("must be >= 0", "scheduler.max_prefill_chunk")
-        if self.max_step_ratio != 0 and self.max_step_ratio < 1:
-            raise ConfigError(
-                f"must be 0 (off) or >= 1, got {self.max_step_ratio}", "scheduler.max_step_ratio"
-            )
-        if self.max_step_ms < 0:
-            raise ConfigError("must be >= 0", "scheduler.max_step_ms")
-        if self.priority_aging_s < 0:
-            raise ConfigError("must be >= 0 (0: no aging)", "scheduler.priority_aging_s")
-        if self.background_slack < 0:
-            raise ConfigError("must be >= 0", "scheduler.background_slack")
-        if self.background_max_step_ms < 0:
-            raise ConfigError("must be >= 0 (0: no bound)", "scheduler.background_max_step_ms")
-        if self.background_grace_s < 0:
-            raise ConfigError("must be >= 0", "scheduler.background_grace_s")
-
-
-class ContinuousScheduler(Scheduler):
+class ContinuousScheduler(PriorityClasses, Scheduler):
     # Share slots between owners (module docstring); a subclass may turn it off.
     fair_share: bool = True
-    # Priority classes (module docstring). None: on unless a subclass orders by its own
+    # Priority classes (`lmstack.components.priority_classes`). None: on unless a subclass orders by its own
     # `waiting_order_key`, whose order then stays whole (one class, as before classes).
     priority_classes: bool | None = None
 
@@ -215,20 +105,6 @@ class ContinuousScheduler(Scheduler):
 
     # --- ordering (override in subclasses) -------------------------------------------------
 
-    def effective_priority(self, seq: Sequence) -> int:
-        """The request's priority, improved by aging (module docstring) as of this step."""
-        p = seq.request.priority
-        aging = self.options.priority_aging_s
-        if aging <= 0 or p <= self._top:
-            return p
-        floor = max(self._top, BATCH_PRIORITY) if p >= BATCH_PRIORITY else self._top
-        steps = int(max(0.0, self._now - seq.arrival_time) // aging)
-        return max(p - steps, floor)
-
-    @staticmethod
-    def is_background(seq: Sequence) -> bool:
-        return seq.request.priority >= BATCH_PRIORITY
-
     def waiting_order_key(self, seq: Sequence) -> tuple:
         """Lower is admitted first and preempted last: effective priority, then arrival time
         (FCFS), then id."""
@@ -263,17 +139,6 @@ class ContinuousScheduler(Scheduler):
                 queue.remove(seq)
                 self._priorities[seq.request.priority] -= 1
         self.allocator.free(seq)
-
-    def _priority_range(self) -> tuple[int, int]:
-        """(most, least urgent) base priority among the sequences present; (0, 0) for none.
-        Counted as sequences come and go (a scan of a long queue each step costs ~1 ms); counted
-        again should the queues have been changed behind `add` and `finish`."""
-        counts = self._priorities
-        if counts.total() != len(self.waiting) + len(self.running):
-            counts.clear()
-            counts.update(s.request.priority for q in (self.waiting, self.running) for s in q)
-        present = [p for p, n in counts.items() if n > 0]
-        return (min(present), max(present)) if present else (0, 0)
 
     def running_seqs(self) -> list[Sequence]:
         return list(self.running)
@@ -337,28 +202,6 @@ class ContinuousScheduler(Scheduler):
         tokens = int((min(limits) - a) / b) - decodes
         return max(MIN_PREFILL_TOKENS, min(tokens, self.token_budget))
 
-    def background_allowance(self, interactive_tokens: int) -> int | float:
-        """Background tokens a step of `interactive_tokens` interactive tokens may carry: the
-        most that keep its predicted time within (1 + background_slack) x the interactive-only
-        step. None measured yet: 0; tokens measured free: unbounded.
-
-        t(T_int) comes from the line through the measured sizes around the step
-        (`StepCostModel.fit_near`); a background token is priced at the steeper of that line's
-        slope and the slope around a decode step of every running sequence: a decode token
-        (attention over its context, sampling) costs several times a long prompt's, so a
-        prompt step's slope alone would let too many background decodes ride along."""
-        if self.step_cost is None:
-            return 0
-        near = self.step_cost.fit_near(interactive_tokens)
-        decode = self.step_cost.fit_near(max(1, len(self.running)))
-        if near is None or decode is None:
-            return 0
-        a, b = near
-        per_token = max(b, decode[1])
-        if per_token <= 0:
-            return math.inf
-        return int(self.options.background_slack * (a + b * interactive_tokens) / per_token)
-
     def background_prefill_allowance(self) -> int | float:
         """With only background work: the prompt tokens that keep the step within
         `background_max_step_ms` beside the running decodes (at least MIN_PREFILL_TOKENS;
@@ -370,28 +213,6 @@ class ContinuousScheduler(Scheduler):
         a, b = fit
         decodes = sum(1 + len(s.draft_token_ids) for s in self.running if not s.is_prefill)
         return max(MIN_PREFILL_TOKENS, int((bound - a) / b) - decodes)
-
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """Preempt the least urgent running sequences (newest first) while sequences more
-        urgent than them wait without a slot, or the first of those without KV room for its
-        first chunk. Needs `self.waiting` sorted by `waiting_order_key`."""
-        first = self.waiting[0]
-        first_chunk = self._first_chunk(first)
-        while self.running:
-            victim = max(self.running, key=self._rank)
-            worst = self.effective_priority(victim)
-            slots = 0
-            for seq in self.waiting:  # the waiting sequences more urgent than the victim
-                if self.effective_priority(seq) >= worst:
-                    break
-                slots += self._seq_slots(seq)
-            if not slots:
-                return  # nothing less urgent than the waiting runs: they wait their turn
-            if len(self.running) + slots <= self.max_num_seqs and self.allocator.can_allocate(
-                first, first_chunk
-            ):
-                return
-            self._preempt(victim, out)
 
     def _make_room_for_newcomer(self, out: SchedulerOutput) -> int:
         """Preempt the largest owner's newest sequences (never below an equal share of
@@ -500,7 +321,7 @@ class ContinuousScheduler(Scheduler):
         self._now = self.clock()
         lo, hi = self._priority_range()
         self._top, self._uniform = lo, lo == hi or not self._classes
-        # Background rules (module docstring) apply only with interactive work present;
+        # Background rules (`priority_classes`) apply only with interactive work present;
         # otherwise background is scheduled like any traffic.
         if lo < BATCH_PRIORITY:
             self._interactive_seen = self._now

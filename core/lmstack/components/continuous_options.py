@@ -1,0 +1,91 @@
+"""The options of `continuous` (`lmstack.components.continuous`): budgets, chunking, the step-time
+target, and the priority classes' aging and background rules (`priority_classes`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from lmstack.errors import ConfigError
+
+
+class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
+    max_num_seqs: Annotated[int, msgspec.Meta(description="the most sequences running at once")] = 64
+    max_num_batched_tokens: Annotated[
+        int, msgspec.Meta(description="the most tokens one step computes, prompt chunks and decodes together")
+    ] = 2048
+    # Split long prompts into chunks that share steps with running decodes.
+    chunked_prefill: Annotated[
+        bool, msgspec.Meta(description="split long prompts into chunks that share steps with running decodes")
+    ] = True
+    # Cap one prompt's chunk so a single long prompt cannot take the whole budget (0: no cap).
+    max_prefill_chunk: Annotated[
+        int, msgspec.Meta(description="the most tokens of one prompt per step (0: no cap)")
+    ] = 0
+    # While streams decode, a step carrying prefill is predicted to take at most this many
+    # times the decode-only step (measured step cost; 0: no limit). Bounds the gap between a
+    # stream's tokens (ITL P99) at the price of more steps per prompt (TTFT).
+    max_step_ratio: Annotated[
+        float, msgspec.Meta(description="a step with prefill over a decode-only one, at most (0: no limit)")
+    ] = 2.5
+    # An absolute bound on such a step, in milliseconds (0: none).
+    max_step_ms: Annotated[
+        float, msgspec.Meta(description="the longest such step, in milliseconds (0: no bound)")
+    ] = 0.0
+    # Starvation bound for priority classes (`lmstack.components.priority_classes`).
+    priority_aging_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="a waiting request's priority improves by one per this many seconds since it "
+            "arrived, up to the most urgent class present (0: no aging)"
+        ),
+    ] = 60.0
+    # Background work (priority >= BATCH_PRIORITY) beside interactive work (`priority_classes`).
+    background_slack: Annotated[
+        float,
+        msgspec.Meta(
+            description="background requests may lengthen an interactive step by at most this "
+            "fraction of its predicted time (0: they wait until no interactive work runs)"
+        ),
+    ] = 0.1
+    # (c) without interactive work: how long a background step may be, so that an interactive
+    # request arriving meanwhile waits at most about this long for its first step.
+    background_max_step_ms: Annotated[
+        float,
+        msgspec.Meta(
+            description="with only background work, a step carrying prompt chunks is predicted to "
+            "take at most this many milliseconds (0: no bound)"
+        ),
+    ] = 250.0
+    # A closed-loop client sends its next request a moment after its last one ends: without
+    # this, every such gap would let a full background batch in, which the next request then
+    # waits behind (and preempts by recompute).
+    background_grace_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="background work keeps to the slack this many seconds after interactive "
+            "work was last present (0: gets the full batch at once)"
+        ),
+    ] = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"must be >= 1, got {getattr(self, name)}", f"scheduler.{name}")
+        if self.max_prefill_chunk < 0:
+            raise ConfigError("must be >= 0", "scheduler.max_prefill_chunk")
+        if self.max_step_ratio != 0 and self.max_step_ratio < 1:
+            raise ConfigError(
+                f"must be 0 (off) or >= 1, got {self.max_step_ratio}", "scheduler.max_step_ratio"
+            )
+        if self.max_step_ms < 0:
+            raise ConfigError("must be >= 0", "scheduler.max_step_ms")
+        if self.priority_aging_s < 0:
+            raise ConfigError("must be >= 0 (0: no aging)", "scheduler.priority_aging_s")
+        if self.background_slack < 0:
+            raise ConfigError("must be >= 0", "scheduler.background_slack")
+        if self.background_max_step_ms < 0:
+            raise ConfigError("must be >= 0 (0: no bound)", "scheduler.background_max_step_ms")
+        if self.background_grace_s < 0:
+            raise ConfigError("must be >= 0", "scheduler.background_grace_s")
