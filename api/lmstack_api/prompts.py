@@ -49,6 +49,8 @@ def check_text_fits(text: str, limit: int, max_piece: int | None, param: str) ->
 async def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Token ids of each text, as `Tokenizer.encode` (no special tokens added) would give them,
     computed in a thread that releases the GIL."""
+    if not texts:  # token-id prompts: no trip through the default executor, which text ones share
+        return []
     backend = tokenizer.backend
 
     def run() -> list[list[int]]:

@@ -19,8 +19,8 @@ interactive work (priority below it) leaves:
 (a) no background prompt chunk shares a step with an interactive sequence that waits or is in
     its prompt; (b) while interactive work is present, background sequences take only the
     tokens that keep the step's predicted time (`step_cost`, t(T) = a + b * T) within
-    (1 + `background_slack`) x the interactive-only step: T_bg <= slack * t(T_int) / b, where
-    t is the measured line around T_int and b the steeper of its slope and a decode step's
+    (1 + `background_slack`) x the interactive-only step: t(T_int + T_bg) on the measured
+    curve, and T_bg <= slack * t(T_int) / b with b a decode step's slope
     (`background_allowance`); without a measured cost model, none. Background sequences past
     that are paused for the step (oldest run first) and keep their KV; they are preempted,
     newest first, when an interactive sequence needs their slot or blocks; (c) with no
@@ -33,7 +33,6 @@ interactive work (priority below it) leaves:
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 from lmstack.components.continuous_options import ContinuousOptions
@@ -54,6 +53,7 @@ class PriorityClasses:
     waiting: list[Sequence]
     running: list[Sequence]
     max_num_seqs: int
+    token_budget: int
     _now: float  # this step's clock
     _top: int  # the most urgent base priority present this step
     _priorities: Counter  # base priority -> sequences waiting or running
@@ -86,24 +86,52 @@ class PriorityClasses:
     def background_allowance(self, interactive_tokens: int) -> int | float:
         """Background tokens a step of `interactive_tokens` interactive tokens may carry: the
         most that keep its predicted time within (1 + background_slack) x the interactive-only
-        step. None measured yet: 0; tokens measured free: unbounded.
+        step. None measured yet, or slack 0: 0.
 
-        t(T_int) comes from the line through the measured sizes around the step
-        (`StepCostModel.fit_near`); a background token is priced at the steeper of that line's
-        slope and the slope around a decode step of every running sequence: a decode token
-        (attention over its context, sampling) costs several times a long prompt's, so a
-        prompt step's slope alone would let too many background decodes ride along."""
-        if self.step_cost is None:
+        Two bounds, the smaller wins. (1) The measured cost curve itself (`StepCostModel.
+        fit_near`, piecewise through the measured sizes): t(T_int + T_bg) <= (1 + slack) x
+        t(T_int). A line through the sizes around the step alone is not enough: small steps are
+        memory-bound, so that line is nearly flat (exactly flat where noise made a larger size
+        measure faster and the model pooled them), and slack x t / slope then allowed up to the
+        whole token budget of background prompts (~1 s a step on 2 cores), in the grace too, just
+        when a closed-loop client's next requests arrive: they wait for all of that step.
+        (2) Each background token priced at the slope around a decode step of every running
+        sequence: a decode token (attention over its context, sampling) costs several times a
+        long prompt's, so the curve around a prompt step would let too many ride along."""
+        slack = self.options.background_slack
+        if self.step_cost is None or slack <= 0:
             return 0
         near = self.step_cost.fit_near(interactive_tokens)
         decode = self.step_cost.fit_near(max(1, len(self.running)))
         if near is None or decode is None:
             return 0
         a, b = near
-        per_token = max(b, decode[1])
-        if per_token <= 0:
-            return math.inf
-        return int(self.options.background_slack * (a + b * interactive_tokens) / per_token)
+        base = a + b * interactive_tokens
+        target = (1 + slack) * base * (1 + 1e-9)  # the tolerance: float rounding, not time
+        allowed = self._tokens_within(interactive_tokens, target, self.token_budget)
+        if decode[1] > 0:
+            allowed = min(allowed, int(slack * base / decode[1]))
+        return allowed
+
+    def _tokens_within(self, start: int, seconds: float, most: int) -> int:
+        """The most tokens (up to `most`) that a step of `start` tokens may add with the measured
+        curve predicting at most `seconds` for it (bisection: the curve never falls)."""
+        assert self.step_cost is not None
+
+        def fits(extra: int) -> bool:
+            a, b = self.step_cost.fit_near(start + extra)  # type: ignore[misc]
+            return a + b * (start + extra) <= seconds
+
+        if fits(most):
+            return most
+        lo, hi = 0, most  # fits(lo) or lo == 0; not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Preempt the least urgent running sequences (newest first) while sequences more
