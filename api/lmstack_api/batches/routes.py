@@ -21,7 +21,7 @@ from litestar.exceptions import HTTPException
 from lmstack_api import params as P
 from lmstack_api.batches.lines import ENDPOINTS, check_upload
 from lmstack_api.batches.runner import BatchRunner, key_hash
-from lmstack_api.batches.store import BatchStore
+from lmstack_api.batches.store import TIMESTAMPS, BatchStore
 from lmstack_api.errors import APIError, clip, invalid
 from lmstack_api.render import to_json
 from lmstack_api.state import ServerState
@@ -124,15 +124,7 @@ def batch_object(row: dict[str, Any]) -> dict[str, Any]:
         "request_counts": {"total": row["total"], "completed": row["completed"], "failed": row["failed"]},
         "metadata": json.loads(row["metadata"]) if row["metadata"] else None,
     }
-    for name in (
-        "in_progress_at",
-        "finalizing_at",
-        "completed_at",
-        "failed_at",
-        "expired_at",
-        "cancelling_at",
-        "cancelled_at",
-    ):
+    for name in TIMESTAMPS:
         out[name] = row[name]
     return out
 
