@@ -37,16 +37,14 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
     priority_aging_s: Annotated[
         float,
         msgspec.Meta(
-            description="a waiting request's priority improves by one per this many seconds since it "
-            "arrived, up to the most urgent class present (0: no aging)"
+            description="seconds of waiting per one-class priority gain, up to the most urgent present (0: off)"
         ),
     ] = 60.0
     # Background work (priority >= BATCH_PRIORITY) beside interactive work (`priority_classes`).
     background_slack: Annotated[
         float,
         msgspec.Meta(
-            description="background requests may lengthen an interactive step by at most this "
-            "fraction of its predicted time (0: they wait until no interactive work runs)"
+            description="how much background work may lengthen an interactive step, as a fraction (0: none)"
         ),
     ] = 0.1
     # (c) without interactive work: how long a background step may be, so that an interactive
@@ -54,8 +52,7 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
     background_max_step_ms: Annotated[
         float,
         msgspec.Meta(
-            description="with only background work, a step carrying prompt chunks is predicted to "
-            "take at most this many milliseconds (0: no bound)"
+            description="background-only steps with prompt chunks take at most this many ms (0: no bound)"
         ),
     ] = 250.0
     # A closed-loop client sends its next request a moment after its last one ends: without
@@ -64,8 +61,7 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
     background_grace_s: Annotated[
         float,
         msgspec.Meta(
-            description="background work keeps to the slack this many seconds after interactive "
-            "work was last present (0: gets the full batch at once)"
+            description="seconds after the last interactive work that background keeps to the slack"
         ),
     ] = 1.0
 
