@@ -86,6 +86,30 @@ def measure(engine: Any, batch: int, prompt_tokens: int, new_tokens: int, rng: r
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
 
+def plot(report: dict, out: Path) -> None:
+    """Predicted and measured decode step time by batch size, the +/-25 % band around the measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    batches = [r["batch"] for r in rows]
+    measured = [r["measured_step_s"] * 1e3 for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.fill_between(batches, [m * (1 - report["target"]) for m in measured],
+                    [m * (1 + report["target"]) for m in measured], alpha=0.2, label="measured +/- target")  # fmt: skip
+    ax.plot(batches, measured, "o-", label="measured (median)")
+    ax.plot(batches, [r["predicted_step_s"] * 1e3 for r in rows], "s--", label="lmstack plan's prediction")
+    ax.set_xlabel("decode batch (sequences)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(f"plan_check: {report['model']} on {report['cpu']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -159,6 +183,7 @@ def main() -> int:
         "all_within_target": all(r["within_target"] for r in rows),
     }
     path = write_result(result_dir("plan_check", args.out), "plan_check", report)
+    plot(report, Path(path).with_suffix(".png"))
     print(
         json.dumps(
             {
