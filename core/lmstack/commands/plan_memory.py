@@ -152,15 +152,16 @@ def kv_blocks(
     available: int | None,
 ) -> tuple[int, str]:
     """The block count the allocator will have once the weights are loaded, and how it follows
-    from the stack (`components.paged.build`'s arithmetic)."""
-    from lmstack.components.paged import KV_MEMORY_AUTO, parse_bytes
+    from the stack. A fixed size is what the allocator built here already holds; only
+    `kv_cache_memory: auto` depends on the weights (measured again once they are loaded), so
+    it is derived with the weights taken off what is free now."""
+    from lmstack.components.paged import KV_MEMORY_AUTO
     from lmstack.kernels.hardware import kv_budget_from
 
     opts = allocator_sel.options
-    if getattr(opts, "num_blocks", None) is not None:
-        return opts.num_blocks, f"allocator.num_blocks = {opts.num_blocks}"
+    fixed = getattr(opts, "num_blocks", None)
     memory = getattr(opts, "kv_cache_memory", None)
-    if memory == KV_MEMORY_AUTO:
+    if fixed is None and memory == KV_MEMORY_AUTO:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             budget = kv_budget_from("cuda", max(0, free - weights), total)
@@ -171,14 +172,15 @@ def kv_blocks(
             budget.bytes // per_block,
             f"kv_cache_memory {budget.reason} (the weights taken off what is free)",
         )
-    if memory is not None:
-        return parse_bytes(memory) // per_block, f"kv_cache_memory = {memory}"
-    # Another allocator: what its factory built here, from the same context.
     n = getattr(built_allocator, "num_blocks", None)
     if not isinstance(n, int):
         raise LmstackError(
             f"allocator {allocator_sel.component.name!r} reports no num_blocks: plan cannot size its KV cache"
         )
+    if fixed is not None:
+        return n, f"allocator.num_blocks = {fixed}"
+    if memory is not None:
+        return n, f"kv_cache_memory = {memory}"
     return n, f"allocator {allocator_sel.component.name!r} as built for this stack"
 
 
