@@ -11,11 +11,11 @@ from lmstack.engine.step_cost import StepCostModel
 from lmstack.errors import ConfigError
 from lmstack.interfaces import EngineLimits
 from lmstack.sampling_params import BATCH_PRIORITY
-from lmstack.sequence import FinishReason, SequenceStatus
+from lmstack.sequence import SequenceStatus
 from lmstack.testing.allocator import check_invariants
 from lmstack.testing.components import build_component
 from lmstack.testing.fakes import make_seq
-from lmstack.testing.scheduler import simulate
+from lmstack.testing.scheduler import advance, simulate
 
 A, B = 0.05, 0.001  # a fake measured step cost: 50 ms a step plus 1 ms a query token
 
@@ -50,17 +50,9 @@ def step(sched: ContinuousScheduler, finished: list | None = None):
     """One engine step without a model (as `simulate` plays it): advance what was scheduled,
     append a token when a sequence reaches its newest one, finish at max_tokens."""
     out = sched.schedule()
-    for item in out.scheduled:
-        seq = item.seq
-        seq.num_computed_tokens += item.num_tokens
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(1 + seq.num_output_tokens)
-            if seq.num_output_tokens >= seq.request.params.max_tokens:
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = FinishReason.LENGTH
-                sched.finish(seq)
-                if finished is not None:
-                    finished.append(seq)
+    done = advance(sched, out)
+    if finished is not None:
+        finished.extend(done)
     return out
 
 

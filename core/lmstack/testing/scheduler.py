@@ -10,13 +10,31 @@ from typing import ClassVar
 
 import pytest
 
-from lmstack.interfaces import EngineLimits, KVAllocator, Scheduler
+from lmstack.interfaces import EngineLimits, KVAllocator, Scheduler, SchedulerOutput
 from lmstack.registry import Component
 from lmstack.sequence import FinishReason, Sequence, SequenceStatus
 from lmstack.testing.allocator import check_invariants
 from lmstack.testing.components import build_component
 from lmstack.testing.fakes import make_seq
 from lmstack.testing.kit import ComponentKit
+
+
+def advance(sched: Scheduler, out: SchedulerOutput) -> list[Sequence]:
+    """Play one step without a model: the scheduled tokens computed, a token appended where a
+    sequence reached its newest one, finished (and handed back to `sched`) at max_tokens.
+    Returns the sequences that finished."""
+    done = []
+    for item in out.scheduled:
+        seq = item.seq
+        seq.num_computed_tokens += item.num_tokens
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(1 + seq.num_output_tokens)
+            if seq.num_output_tokens >= seq.request.params.max_tokens:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = FinishReason.LENGTH
+                sched.finish(seq)
+                done.append(seq)
+    return done
 
 
 def simulate(
@@ -65,17 +83,9 @@ def simulate(
         for s in out.preempted:
             assert s.num_computed_tokens == 0 and not alloc.block_table(s)
         check_invariants(alloc, [s for s in live if s.status is SequenceStatus.RUNNING])
-        for item in out.scheduled:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_tokens
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(1 + seq.num_output_tokens)
-                if seq.num_output_tokens >= seq.request.params.max_tokens:
-                    seq.status = SequenceStatus.FINISHED
-                    seq.finish_reason = FinishReason.LENGTH
-                    sched.finish(seq)
-                    live.remove(seq)
-                    finished.append(seq)
+        for seq in advance(sched, out):
+            live.remove(seq)
+            finished.append(seq)
     else:
         raise AssertionError(f"not finished after {max_steps} steps: scheduler stalled")
     assert not live, f"{len(live)} sequences never finished"
