@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from lmstack_bench.cli import _json_object, _positive_float, _positive_int, _slo
+from lmstack_bench.cli import UsageError, _json_object, _positive_float, _positive_int, _slo
 from lmstack_bench.metrics import SLO
 from lmstack_bench.tune_search import CandidateFailed, Knob, Measurement, SearchResult, Trial, search
 from lmstack_bench.workloads import WORKLOADS, LengthRange, WorkloadSpec
@@ -53,10 +53,6 @@ QUANTIZER_ORDER = ("gguf", "int8", "rtn-int4", "none", "awq", "fp8", "nvfp4")
 SPECULATORS = ("ngram",)  # speculation "on": the draft-free speculator, where installed
 START_TIMEOUT_S = 240.0  # a server that is not healthy by then fails to start
 STOP_GRACE_S = 10.0  # SIGTERM's drain, then SIGKILL
-
-
-class UsageError(Exception):
-    """A problem with the command line that the user can fix."""
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "lmstack tune") -> int:
