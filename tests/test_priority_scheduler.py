@@ -267,7 +267,7 @@ def test_a_flat_small_step_cost_does_not_let_background_prompts_fill_the_step():
     for t, secs in ((1, 0.015), (8, 0.015), (32, 0.015), (256, 0.3)):
         for _ in range(2):
             cost.record(t, secs)
-    sched, alloc, limits = make(max_num_seqs=16, cost=cost, background_grace_s=2.0)
+    sched, alloc, limits = make(max_num_seqs=16, cost=cost, background_slack=0.1, background_grace_s=2.0)
     clock = Clock()
     sched.clock = clock
     chat = [make_seq(6, 4, priority=0, arrival=clock.now) for _ in range(2)]
@@ -359,7 +359,7 @@ def test_background_keeps_to_the_slack_for_the_grace_after_interactive_work():
     """Interactive work ends; for background_grace_s (2 s on a fake clock, 0.5 s a step) the
     background still takes only the slack of an empty step, 0.1 x 50 ms / 1 ms = 5 tokens
     (a closed-loop client's next request is about to come); after it, the full batch."""
-    sched, alloc, limits = make(max_num_seqs=16, cost=fitted(), background_grace_s=2.0)
+    sched, alloc, limits = make(max_num_seqs=16, cost=fitted(), background_slack=0.1, background_grace_s=2.0)
     clock = Clock()
     sched.clock = clock
     chat = make_seq(6, 2, priority=0, arrival=clock.now)
@@ -380,6 +380,77 @@ def test_background_keeps_to_the_slack_for_the_grace_after_interactive_work():
     while sched.has_unfinished():
         step(sched)
     assert alloc.num_free_blocks() == alloc.num_blocks
+
+
+def test_by_default_background_runs_only_without_interactive_work():
+    """The defaults (slack 0, grace 0.1 s, background steps of at most 100 ms): no background
+    token beside an interactive sequence or in the 0.1 s after the last one; then background
+    steps sized to the bound (fake cost 50 ms + 1 ms a token: at most 50 tokens)."""
+    sched, alloc, limits = make(max_num_seqs=16, cost=fitted())
+    assert sched.options.background_slack == 0.0
+    clock = Clock()
+    sched.clock = clock
+    chat = make_seq(6, 3, priority=0, arrival=clock.now)
+    batch = [make_seq(40, 4, priority=BATCH_PRIORITY, arrival=clock.now + i) for i in range(6)]
+    for s in (chat, *batch):
+        sched.add(s)
+    while chat.status is not SequenceStatus.FINISHED:
+        out = step(sched)
+        assert all(it.seq is chat for it in out.scheduled)
+        clock.now += 0.03
+    ended = clock.now - 0.03
+    sizes = []
+    while sched.has_unfinished():
+        out = step(sched)
+        sizes.append((clock.now - ended, out.num_batched_tokens))
+        clock.now += 0.03
+    assert all(n == 0 for t, n in sizes if t < 0.1), sizes
+    later = [n for t, n in sizes if t >= 0.1]
+    assert later and max(later) == 50 and all(fitted().predict(n) <= 0.100 + 1e-9 for n in later)
+    assert alloc.num_free_blocks() == alloc.num_blocks
+
+
+def test_the_engine_loop_waits_while_background_is_held_back(tiny_model_path):
+    """After interactive work, background waits out the grace with nothing to schedule: the
+    engine loop waits (for a moment, or a request) instead of spinning through empty steps."""
+    import asyncio
+
+    from lmstack.engine.async_engine import AsyncEngine
+    from lmstack.engine.llm import LLM
+    from lmstack.sampling_params import SamplingParams
+    from lmstack.testing.kit import tiny_stack
+
+    grace = 1.0
+    stack = tiny_stack(
+        tiny_model_path,
+        scheduler={
+            "name": "continuous",
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 128,
+            "background_grace_s": grace,
+        },  # fmt: skip
+    )
+    llm = LLM(stack)
+    calls = []
+    real_step = llm.engine.step
+    llm.engine.step = lambda: (calls.append(llm.engine.stats.num_steps), real_step())[1]
+    engine = AsyncEngine(llm.engine)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+
+    async def run() -> None:
+        async for _ in engine.stream(engine.make_request([5, 6, 7], params)):
+            pass
+        bg = engine.make_request([5, 6, 8], params, priority=BATCH_PRIORITY)
+        async for _ in engine.stream(bg):
+            pass
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    held = len(calls) - len(set(calls))  # calls that ran no step
+    # ~grace / HELD_BACK_WAIT_S of them; a spinning loop makes tens of thousands.
+    assert 0 < held < 2 * grace / 0.005, held
 
 
 @pytest.mark.parametrize("bound_ms", [150.0, 0.0])

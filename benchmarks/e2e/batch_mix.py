@@ -4,9 +4,14 @@ while a large batch runs at batch priority, and the batch's own throughput vs th
 One server (`lmstack serve`, the default stack `examples/stacks/cpu.yaml` or --stack, with
 `server.batch_dir` set), three phases:
 
-1. **Interactive alone**: `lmstack bench serve`, closed loop at --concurrency streams (8),
-   ~200-token prompts, --output-len tokens each, greedy, streamed `/v1/completions`; run again
-   after phase 2 (A B A), the baseline being the mean of the two.
+0. **The interactive rate**: --concurrency (8) closed-loop streams for a moment; the interactive
+   load is then open loop, Poisson arrivals at --load (0.5) x their requests/s with at most
+   --concurrency in flight (or --request-rate R). Interactive traffic arrives on its own clock
+   and leaves idle time, which is what a batch is to fill; closed-loop streams (--closed-loop)
+   leave none, and fall into lock-step rounds whose phase alone moves TPOT by ~40 %.
+1. **Interactive alone**: `lmstack bench serve`, that load, ~200-token prompts, --output-len
+   tokens each, greedy, streamed `/v1/completions`; run again after phase 2 (A B A), the
+   baseline being the mean of the two.
 2. **Interactive + batch**: the same load (another seed: the prefix cache must not help) while
    --batch-requests completions (2,000) run as one Batch API batch (`/v1/files` +
    `/v1/batches`; its lines run at priority BATCH_PRIORITY). Without the Batch API
@@ -95,10 +100,17 @@ def completion_body(prompt: list[int], args: argparse.Namespace) -> dict[str, An
 
 
 def interactive(
-    base: str, args: argparse.Namespace, out: Path, seed: int
+    base: str, args: argparse.Namespace, out: Path, seed: int, requests: int | None = None
 ) -> tuple[dict[str, float], list[str]]:
+    """One interactive phase: open loop (Poisson arrivals at --request-rate, at most
+    --concurrency in flight) or, with --closed-loop, --concurrency closed-loop streams."""
+    if args.closed_loop:
+        load = ["--concurrency", str(args.concurrency)]
+    else:
+        load = ["--request-rate", f"{args.request_rate:.4g}", "--arrivals", "poisson",
+                "--max-concurrency", str(args.concurrency)]  # fmt: skip
     cmd = [LMSTACK, "bench", "serve", "--base-url", base, "--model", MODEL, "--tokenizer", MODEL,
-           "--concurrency", str(args.concurrency), "--num-requests", str(args.interactive_requests),
+           *load, "--num-requests", str(requests or args.interactive_requests),
            "--warmup", "2", "--seed", str(seed), "--input-len", str(args.input_len),
            "--input-len-spread", "0.1", "--output-len", str(args.output_len), "--out", str(out),
            "--no-plot", "--no-progress"]  # fmt: skip
@@ -111,6 +123,7 @@ def interactive(
         "tpot_p99_ms": s.tpot.p99,
         "itl_p99_ms": s.itl.p99,
         "output_tok_s": s.output_throughput,
+        "request_s": s.request_throughput,
         "failed": s.failed,
     }
     return summary, cmd
@@ -293,7 +306,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
                         label="target >= 80 %")  # fmt: skip
         axes[2].legend(fontsize=8)
     axes[2].set_title("batch alone: output tok/s")
-    fig.suptitle(f"{report['machine'].get('cpu_model')}: {report['concurrency']} streams, "
+    load = (f"{report['concurrency']} closed-loop streams" if report["interactive_loop"] == "closed"
+            else f"{report['request_rate']:.2f} req/s Poisson, <= {report['concurrency']} in flight")  # fmt: skip
+    fig.suptitle(f"{report['machine'].get('cpu_model')}: interactive {load}, "
                  f"{report['batch_requests']}-request batch via {report['batch_via']}", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -307,8 +322,15 @@ def verdict(value: float, limit: float, at_most: bool) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stack", type=Path, default=REPO / "examples/stacks/cpu.yaml")
-    ap.add_argument("--concurrency", type=int, default=8, help="interactive streams (closed loop)")
-    ap.add_argument("--interactive-requests", type=int, default=64, help="per interactive phase")
+    ap.add_argument("--concurrency", type=int, default=8,
+                    help="interactive streams: the most in flight (open loop) or the clients (--closed-loop)")  # fmt: skip
+    ap.add_argument("--request-rate", type=float, default=0.0,
+                    help="interactive requests/s, Poisson (default: --load x the closed-loop capacity, measured)")  # fmt: skip
+    ap.add_argument("--load", type=float, default=0.5,
+                    help="without --request-rate: the rate as a fraction of --concurrency streams' capacity")  # fmt: skip
+    ap.add_argument("--closed-loop", action="store_true",
+                    help="interactive load as --concurrency closed-loop clients (no idle time between requests)")  # fmt: skip
+    ap.add_argument("--interactive-requests", type=int, default=192, help="per interactive phase")
     ap.add_argument("--input-len", type=int, default=200, help="interactive prompt tokens")
     ap.add_argument("--output-len", type=int, default=64, help="interactive output tokens")
     ap.add_argument("--batch-requests", type=int, default=2000, help="requests in each batch")
@@ -335,7 +357,7 @@ def main() -> int:
         offline_worker(args)
         return 0
     if args.quick:
-        args.interactive_requests, args.input_len, args.output_len = 16, 64, 16
+        args.interactive_requests, args.input_len, args.output_len = 24, 64, 16
         args.batch_requests, args.batch_input_len, args.batch_output_len = 256, 32, 16
     # A SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so no server is left running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -365,6 +387,16 @@ def main() -> int:
     argv = [LMSTACK, "serve", str(stack_path), "--port", str(port), "--log-level", "warning"]
     report: dict[str, Any] = {}
     with started(Server(name="lmstack", argv=argv, port=port), work / "server.log", timeout_s=600.0) as base:
+        capacity: dict[str, float] = {}
+        if not args.closed_loop and args.request_rate <= 0:
+            # The rate: a share of what --concurrency closed-loop streams get through, so that the
+            # interactive load leaves the idle capacity a batch is meant to fill.
+            rate_args = argparse.Namespace(**{**vars(args), "closed_loop": True})
+            capacity, _ = interactive(base, rate_args, work / "capacity.json", seed=10,
+                                      requests=max(16, 3 * args.concurrency))  # fmt: skip
+            args.request_rate = args.load * capacity["request_s"]
+            log(f"phase 0: {args.concurrency} closed-loop streams: {capacity['request_s']:.2f} req/s; "
+                f"interactive rate {args.request_rate:.2f} req/s")  # fmt: skip
         log("phase 1: interactive load alone")
         alone, bench_cmd = interactive(base, args, work / "alone.json", seed=11)
         log(f"  {json.dumps(alone)}")
@@ -428,6 +460,12 @@ def main() -> int:
         "stack": str(args.stack.relative_to(REPO) if args.stack.is_relative_to(REPO) else args.stack),
         "quick": args.quick,
         "concurrency": args.concurrency,
+        # "open": Poisson arrivals at request_rate, at most `concurrency` in flight; "closed":
+        # `concurrency` clients, each sending its next request when the last one ends.
+        "interactive_loop": "closed" if args.closed_loop else "open",
+        "request_rate": None if args.closed_loop else args.request_rate,
+        "closed_loop_capacity": capacity or None,  # what set request_rate (--load x its req/s)
+        "load_fraction": None if args.closed_loop or not capacity else args.load,
         "interactive_requests": args.interactive_requests,
         "interactive_input_len": args.input_len,
         "interactive_output_len": args.output_len,

@@ -15,14 +15,20 @@ competes on arrival order with the most urgent class p_top. Background sequences
 among themselves but never below `BATCH_PRIORITY`: they stay background. 0 disables aging.
 
 Background work (priority >= `BATCH_PRIORITY`, the Batch API's) fills only the capacity that
-interactive work (priority below it) leaves:
+interactive work (priority below it) leaves. With the defaults (slack 0) it runs only once no
+interactive work has been present for `background_grace_s`, in steps bounded by
+`background_max_step_ms`, and waits, paused with its KV, while interactive work runs: on a CPU a
+step is compute-bound from a few dozen tokens, so any background token beside interactive ones
+lengthens their step. In full:
 (a) no background prompt chunk shares a step with an interactive sequence that waits or is in
     its prompt; (b) while interactive work is present, background sequences take only the
     tokens that keep the step's predicted time (`step_cost`, t(T) = a + b * T) within
     (1 + `background_slack`) x the interactive-only step: t(T_int + T_bg) on the measured
     curve, and T_bg <= slack * t(T_int) / b with b a decode step's slope
-    (`background_allowance`); without a measured cost model, none. Background sequences past
-    that are paused for the step (oldest run first) and keep their KV; they are preempted,
+    (`background_allowance`); with slack 0 or without a measured cost model, none (in the
+    grace the scheduler then returns an empty step, and the engine loop waits a moment,
+    `lmstack.engine.async_engine.HELD_BACK_WAIT_S`, instead of spinning). Background sequences
+    past that are paused for the step (oldest run first) and keep their KV; they are preempted,
     newest first, when an interactive sequence needs their slot or blocks; (c) with no
     interactive work for `background_grace_s`, background is scheduled like any traffic (the
     full batch), except that a step carrying its prompt chunks is predicted to take at most

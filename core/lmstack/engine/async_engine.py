@@ -16,6 +16,10 @@ from lmstack.sample.grammar import GrammarCompiler
 from lmstack.sampling_params import SamplingParams
 from lmstack.sequence import Request
 
+# How long the loop waits (or until a request arrives) after a step in which the scheduler
+# held its work back; short against background_grace_s, long against a spin.
+HELD_BACK_WAIT_S = 0.005
+
 
 class AsyncEngine:
     """One thread owns the engine and runs steps; the event loop only exchanges messages
@@ -210,6 +214,7 @@ class AsyncEngine:
             if not eng.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 continue
+            steps = eng.stats.num_steps
             try:
                 outputs = eng.step()
             except BaseException as exc:  # a failed step must not hang the clients
@@ -225,6 +230,10 @@ class AsyncEngine:
             self._publish_stats()
             for out in outputs:
                 self._deliver(out.request_id, out)
+            if not outputs and eng.stats.num_steps == steps:
+                # The scheduler held its work back this step (background work in the grace
+                # after interactive work): wait a moment, or for a request, instead of spinning.
+                self._wake.wait(timeout=HELD_BACK_WAIT_S)
 
     def _die(self, exc: EngineDeadError) -> None:
         with self._lock:
