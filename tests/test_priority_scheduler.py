@@ -355,26 +355,35 @@ def test_background_waits_without_a_cost_model_or_slack_and_then_gets_everything
         assert len(finished) == 10 and alloc.num_free_blocks() == alloc.num_blocks
 
 
+def _background_after_chat(sched, chat, batch, dt, go_on, alone=False):
+    """On a fake clock (`dt` a step): `chat` and `batch` arrive, the chat request runs to its end
+    (with `alone`, in steps of its own), then steps go on while `go_on(seconds since the chat's
+    last step)`. Returns (those seconds, tokens scheduled) for each step after the chat's."""
+    clock = Clock()
+    sched.clock = clock
+    for s in (chat, *batch):
+        sched.add(s)
+    while chat.status is not SequenceStatus.FINISHED:
+        out = step(sched)
+        assert not alone or all(it.seq is chat for it in out.scheduled)
+        clock.now += dt
+    ended = clock.now - dt  # the last step that saw it
+    sizes = []
+    while go_on(clock.now - ended):
+        out = step(sched)
+        sizes.append((clock.now - ended, out.num_batched_tokens))
+        clock.now += dt
+    return sizes
+
+
 def test_background_keeps_to_the_slack_for_the_grace_after_interactive_work():
     """Interactive work ends; for background_grace_s (2 s on a fake clock, 0.5 s a step) the
     background still takes only the slack of an empty step, 0.1 x 50 ms / 1 ms = 5 tokens
     (a closed-loop client's next request is about to come); after it, the full batch."""
     sched, alloc, limits = make(max_num_seqs=16, cost=fitted(), background_slack=0.1, background_grace_s=2.0)
-    clock = Clock()
-    sched.clock = clock
-    chat = make_seq(6, 2, priority=0, arrival=clock.now)
-    batch = [make_seq(6, 50, priority=BATCH_PRIORITY, arrival=clock.now + i) for i in range(12)]
-    for s in (chat, *batch):
-        sched.add(s)
-    while chat.status is not SequenceStatus.FINISHED:
-        step(sched)
-        clock.now += 0.5
-    ended = clock.now - 0.5  # the last step that saw it
-    sizes = []
-    while clock.now - ended < 4.0:
-        out = step(sched)
-        sizes.append((clock.now - ended, sum(it.num_tokens for it in out.scheduled)))
-        clock.now += 0.5
+    chat = make_seq(6, 2, priority=0, arrival=1000.0)
+    batch = [make_seq(6, 50, priority=BATCH_PRIORITY, arrival=1000.0 + i) for i in range(12)]
+    sizes = _background_after_chat(sched, chat, batch, 0.5, lambda since: since < 4.0)
     assert all(n <= 5 for t, n in sizes if t < 2.0), sizes
     assert any(n > 5 for t, n in sizes if t >= 2.0), sizes
     while sched.has_unfinished():
@@ -388,22 +397,9 @@ def test_by_default_background_runs_only_without_interactive_work():
     steps sized to the bound (fake cost 50 ms + 1 ms a token: at most 50 tokens)."""
     sched, alloc, limits = make(max_num_seqs=16, cost=fitted())
     assert sched.options.background_slack == 0.0
-    clock = Clock()
-    sched.clock = clock
-    chat = make_seq(6, 3, priority=0, arrival=clock.now)
-    batch = [make_seq(40, 4, priority=BATCH_PRIORITY, arrival=clock.now + i) for i in range(6)]
-    for s in (chat, *batch):
-        sched.add(s)
-    while chat.status is not SequenceStatus.FINISHED:
-        out = step(sched)
-        assert all(it.seq is chat for it in out.scheduled)
-        clock.now += 0.03
-    ended = clock.now - 0.03
-    sizes = []
-    while sched.has_unfinished():
-        out = step(sched)
-        sizes.append((clock.now - ended, out.num_batched_tokens))
-        clock.now += 0.03
+    chat = make_seq(6, 3, priority=0, arrival=1000.0)
+    batch = [make_seq(40, 4, priority=BATCH_PRIORITY, arrival=1000.0 + i) for i in range(6)]
+    sizes = _background_after_chat(sched, chat, batch, 0.03, lambda since: sched.has_unfinished(), alone=True)
     assert all(n == 0 for t, n in sizes if t < 0.1), sizes
     later = [n for t, n in sizes if t >= 0.1]
     assert later and max(later) == 50 and all(fitted().predict(n) <= 0.100 + 1e-9 for n in later)
