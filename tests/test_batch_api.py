@@ -374,3 +374,51 @@ def test_batch_lines_reach_the_engine_at_batch_priority_or_lower(tiny_model_path
         "p-lower": BATCH_PRIORITY + 50,
         "live": 0,
     }
+
+
+def test_tenants_batches_run_side_by_side(tiny_model_path, tmp_path):
+    """In process, two lines in flight: tenant A's long batch is running when tenant B creates a
+    short one; B's lines get their share of the slots at once, so B completes while A still
+    runs (one batch at a time, oldest first, would finish all of A first). Both answer every
+    line."""
+    from litestar.testing import TestClient
+
+    from lmstack.engine.async_engine import AsyncEngine
+    from lmstack.engine.llm import LLM
+    from lmstack_api.app import create_app
+    from lmstack_api.state import ServerState
+
+    llm = LLM(_stack(tiny_model_path, tmp_path / "batches", batch_max_inflight=2))
+    app = create_app(llm.engine.stack, ServerState(llm.engine.stack, AsyncEngine(llm.engine)))
+    body = {"prompt": "count", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    auth = {name: {"Authorization": f"Bearer {key}"} for name, key in (("a", KEY_A), ("b", KEY_B))}
+
+    def create(c, tenant: str, n: int) -> str:
+        data = "\n".join(_line(f"{tenant}{i}", body, "/v1/completions") for i in range(n)).encode()
+        f = c.post(
+            "/v1/files", files={"file": ("x.jsonl", data)}, data={"purpose": "batch"}, headers=auth[tenant]
+        )
+        req = {"input_file_id": f.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+        return c.post("/v1/batches", json=req, headers=auth[tenant]).json()["id"]
+
+    def get(c, tenant: str, batch_id: str) -> dict:
+        return c.get(f"/v1/batches/{batch_id}", headers=auth[tenant]).json()
+
+    with TestClient(app) as c:
+        a = create(c, "a", 60)
+        deadline = time.monotonic() + 60
+        while (got := get(c, "a", a))["request_counts"]["completed"] < 2:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.05)
+        b = create(c, "b", 3)
+        while (got_b := get(c, "b", b))["status"] != "completed":
+            assert time.monotonic() < deadline, got_b
+            time.sleep(0.05)
+        got_a = get(c, "a", a)
+        assert got_a["status"] == "in_progress", got_a
+        assert got_a["request_counts"]["completed"] < 60
+        while (got_a := get(c, "a", a))["status"] != "completed":
+            assert time.monotonic() < deadline + 60, got_a
+            time.sleep(0.1)
+    assert got_b["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert got_a["request_counts"] == {"total": 60, "completed": 60, "failed": 0}

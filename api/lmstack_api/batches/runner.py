@@ -1,6 +1,8 @@
-"""The server's batch worker: runs batches one at a time, oldest first, each line through the
-HTTP handlers (`dispatch`) at batch priority with at most `server.batch_max_inflight` lines in
-flight, so the engine's queue never holds more batch work than one scheduler step can take.
+"""The server's batch worker: runs each tenant's batches one at a time, oldest first, and the
+tenants' side by side, each line through the HTTP handlers (`dispatch`) at batch priority with
+at most `server.batch_max_inflight` lines in flight over all batches, so the engine's queue never
+holds more batch work than one scheduler step can take; the slots are shared fairly between the
+tenants (`slots.FairSlots`).
 
 Every state change is in the store first, so the worker may die anywhere: on restart it picks up
 each unfinished batch where its committed lines left it (`validating` checks the file again,
@@ -19,6 +21,7 @@ from typing import Any
 
 from lmstack_api.batches.dispatch import RETRY_STATUSES, Reply, invalid_record, record_of, run_line
 from lmstack_api.batches.lines import Line, error_record, read_lines
+from lmstack_api.batches.slots import FairSlots
 from lmstack_api.batches.store import BatchStore
 from lmstack_api.logs import get_logger
 from lmstack_api.state import ServerState
@@ -40,7 +43,9 @@ class BatchRunner:
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._stopping = False
-        self._current: tuple[str, asyncio.Event] | None = None  # (batch id, its lines' stop)
+        self._running: dict[str, tuple[str, asyncio.Task]] = {}  # batch id -> (tenant, its task)
+        self._stops: dict[str, asyncio.Event] = {}  # batch id -> its lines' stop, while they run
+        self._slots: FairSlots | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -52,45 +57,55 @@ class BatchRunner:
         """Stop between lines: running ones are aborted (they run again after a restart)."""
         self._stopping = True
         self._wake.set()
-        if self._current is not None:
-            self._current[1].set()
+        for stop in self._stops.values():
+            stop.set()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def wake(self, batch_id: str | None = None) -> None:
         """A batch was created or cancelled: look now rather than at the next poll."""
         self._wake.set()
-        if batch_id is not None and self._current is not None and self._current[0] == batch_id:
-            self._current[1].set()
+        if batch_id in self._stops:
+            self._stops[batch_id].set()
 
     @property
     def _paused(self) -> bool:
         return self._stopping or self.state.draining or self.state.failed
 
     async def _main(self) -> None:
-        while not self._stopping and not self.state.failed:
-            if self.state.engine is None or self.state.draining:
-                await asyncio.sleep(POLL_S)
-                continue
-            active = await self.store.run(self.store.active_batches)
-            if not active:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), 5.0)
-                except TimeoutError:
-                    pass
-                continue
-            try:
-                await self._run(active[0])
-            except Exception as exc:  # a bug must not wedge every later batch behind this one
-                log.error(
-                    "batch failed", batch_id=active[0], error=f"{type(exc).__name__}: {exc}", exc_info=exc
-                )
-                await self._fail(active[0], "internal_error", "the server could not run this batch")
+        try:
+            while not self._stopping and not self.state.failed:
+                if self.state.engine is None or self.state.draining:
+                    await asyncio.sleep(POLL_S)
+                    continue
+                self._wake.clear()  # before looking: a wake from here on is seen below
+                busy = {tenant for tenant, _ in self._running.values()}
+                for batch_id, tenant in await self.store.run(self.store.active_batches):
+                    if tenant not in busy and batch_id not in self._running:  # its oldest
+                        busy.add(tenant)
+                        self._running[batch_id] = (
+                            tenant,
+                            asyncio.create_task(self._guarded(batch_id, tenant)),
+                        )
+                woken = asyncio.create_task(self._wake.wait())
+                tasks = [task for _, task in self._running.values()]
+                await asyncio.wait([woken, *tasks], timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+                for batch_id in [b for b, (_, task) in self._running.items() if task.done()]:
+                    del self._running[batch_id]
+        finally:
+            await asyncio.gather(*(task for _, task in self._running.values()), return_exceptions=True)
+
+    async def _guarded(self, batch_id: str, tenant: str) -> None:
+        try:
+            await self._run(batch_id, tenant)
+        except Exception as exc:  # a bug must not wedge every later batch behind this one
+            log.error("batch failed", batch_id=batch_id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+            await self._fail(batch_id, "internal_error", "the server could not run this batch")
 
     # --- one batch ----------------------------------------------------------------------------
 
-    async def _run(self, batch_id: str) -> None:
+    async def _run(self, batch_id: str, tenant: str) -> None:
         store = self.store
         batch = await store.run(store.get_batch, None, batch_id)
         assert batch is not None
@@ -127,13 +142,15 @@ class BatchRunner:
         if time.time() >= batch["expires_at"]:  # e.g. resumed after a long outage: run nothing
             expired.set()
             todo = []
-        self._current = (batch_id, stop)
+        self._stops[batch_id] = stop
+        if self._stopping:
+            stop.set()
         watch = asyncio.create_task(self._watch(batch, stop, expired))
         try:
-            await self._run_lines(batch_id, todo, headers, stop)
+            await self._run_lines(batch_id, tenant, todo, headers, stop)
         finally:
             watch.cancel()
-            self._current = None
+            del self._stops[batch_id]
         await self._settle(batch_id, lines, expired.is_set())
 
     async def _read(self, batch: dict[str, Any]) -> list[Line] | None:
@@ -167,24 +184,32 @@ class BatchRunner:
                 stop.set()
 
     async def _run_lines(
-        self, batch_id: str, todo: list[Line], headers: dict[str, str], stop: asyncio.Event
+        self, batch_id: str, tenant: str, todo: list[Line], headers: dict[str, str], stop: asyncio.Event
     ) -> None:
         cfg, engine = self.state.config, self.state.engine
         width = cfg.batch_max_inflight or (engine.limits.max_num_seqs if engine is not None else 8)
+        if self._slots is None or self._slots.width != width:
+            self._slots = FairSlots(width)  # every batch running now sees the same one
+        slots = self._slots
         queue = iter(todo)
+
+        async def run(line: Line) -> None:
+            while not stop.is_set():
+                reply: Reply = await run_line(self.app, line, headers, stop)
+                if reply.status in RETRY_STATUSES or (reply.status >= 500 and self._paused):
+                    if not stop.is_set():
+                        await _sleep_or(stop, reply.retry_after())
+                    continue
+                await self.store.run(self.store.record, batch_id, [(line.number, *record_of(line, reply))])
+                return
 
         async def worker() -> None:
             for line in queue:  # shared: each line goes to one worker
-                while not stop.is_set():
-                    reply: Reply = await run_line(self.app, line, headers, stop)
-                    if reply.status in RETRY_STATUSES or (reply.status >= 500 and self._paused):
-                        if not stop.is_set():
-                            await _sleep_or(stop, reply.retry_after())
-                        continue
-                    await self.store.run(
-                        self.store.record, batch_id, [(line.number, *record_of(line, reply))]
-                    )
-                    break
+                await slots.acquire(tenant)
+                try:
+                    await run(line)
+                finally:
+                    slots.release(tenant)
                 if stop.is_set():
                     return
 

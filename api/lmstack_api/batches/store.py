@@ -275,12 +275,14 @@ class BatchStore:
             rows = self._db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
         return [dict(r) for r in rows[:limit]], len(rows) > limit
 
-    def active_batches(self) -> list[str]:
-        """Ids of batches with work left, oldest first."""
+    def active_batches(self) -> list[tuple[str, str]]:
+        """(id, tenant) of the batches with work left, oldest first."""
         marks = ",".join("?" * len(ACTIVE))
         with self._lock:
-            rows = self._db.execute(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY seq", ACTIVE)
-            return [r["id"] for r in rows]
+            rows = self._db.execute(
+                f"SELECT id, tenant FROM batches WHERE status IN ({marks}) ORDER BY seq", ACTIVE
+            )
+            return [(r["id"], r["tenant"]) for r in rows]
 
     def set_status(self, batch_id: str, status: str, *, when: tuple[str, ...], **fields: Any) -> bool:
         """Move the batch to `status` (stamping `<status>_at`) if its status is one of `when`."""
