@@ -91,6 +91,8 @@ def test_a_step_of_more_tokens_is_never_priced_cheaper():
 def scheduler(cost: StepCostModel | None, **options) -> ContinuousScheduler:
     limits = EngineLimits(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=2048)
     alloc = build_component("paged", "allocator", {"num_blocks": 2048, "block_size": 16})
+    # The step ratio alone unless a test asks for the TTFT target (its own tests below).
+    options.setdefault("ttft_target_ms", 0)
     opts = ContinuousOptions(max_num_seqs=64, max_num_batched_tokens=2048, **options)
     return ContinuousScheduler(opts, alloc, limits, cost)
 
@@ -180,7 +182,7 @@ def test_every_request_finishes_and_every_mixed_step_keeps_to_the_target():
     cost = fitted()
     limits = EngineLimits(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=2048)
     alloc = build_component("paged", "allocator", {"num_blocks": 2048, "block_size": 16})
-    sched = ContinuousScheduler(ContinuousOptions(), alloc, limits, cost)
+    sched = ContinuousScheduler(ContinuousOptions(ttft_target_ms=0), alloc, limits, cost)
     worst: list[float] = []
     original = sched.schedule
 
@@ -205,6 +207,55 @@ def test_option_values_are_checked():
         ContinuousOptions(max_step_ratio=0.5)
     with pytest.raises(ConfigError, match="max_step_ms"):
         ContinuousOptions(max_step_ms=-1)
+    with pytest.raises(ConfigError, match="ttft_target_ms"):
+        ContinuousOptions(ttft_target_ms=-1)
+
+
+NOW = 500.0
+# Beside one decode the step ratio lets 76 prompt tokens into a 0.127 s step (fitted()).
+PACE = int((2.5 * (A + B) - A) / B) - 1
+RATE = PACE / (A + B * (1 + PACE))  # prompt tokens a second at that pace: ~598
+
+
+def prompt_tokens_with(prompts: list, target_ms: float = 1000.0) -> int:
+    """Prompt tokens of the next step beside one decoding stream, with `prompts` waiting, on a
+    clock stopped at NOW."""
+    sched = scheduler(fitted(), ttft_target_ms=target_ms)
+    sched.clock = lambda: NOW
+    (stream,) = decoding(sched, 1)
+    for p in prompts:
+        sched.add(p)
+    out = sched.schedule()
+    assert any(it.seq is stream and it.num_tokens == 1 for it in out.scheduled), "the stream decodes"
+    return out.num_batched_tokens - 1
+
+
+def test_a_burst_the_ratio_cannot_clear_in_time_gets_what_keeps_the_ttft_target():
+    """Three fresh 500-token prompts beside one stream: at the ratio's pace (~598 tokens a
+    second) the last would wait ~2.5 s, so this step carries the 1500 - 598 tokens that let the
+    pace finish it within 1 s of its arrival; the ratio alone would give 76."""
+    assert PACE == 76
+    burst = [make_seq(500, 4, arrival=NOW) for _ in range(3)]
+    assert prompt_tokens_with(burst) == 1500 - int(RATE * 1.0) == 902
+    assert prompt_tokens_with([make_seq(500, 4, arrival=NOW) for _ in range(3)], target_ms=0) == PACE
+
+
+def test_a_request_past_its_target_gets_all_of_its_prompt_and_the_rest_keep_the_pace():
+    """The first prompt arrived 1.5 s ago (past a 1 s target): all of it runs now; the second,
+    fresh, may wait for the pace (0 tokens of it needed now), so the step is the first's 700."""
+    late = make_seq(700, 4, arrival=NOW - 1.5)
+    fresh = make_seq(300, 4, arrival=NOW)
+    assert prompt_tokens_with([late, fresh]) == 700
+
+
+def test_a_backlog_the_pace_clears_in_time_keeps_the_ratio():
+    """One fresh 300-token prompt: the pace finishes it in ~0.5 s, within the target; and
+    background prompts (Batch API work) have no target."""
+    from lmstack.sampling_params import BATCH_PRIORITY
+
+    assert prompt_tokens_with([make_seq(300, 4, arrival=NOW)]) == PACE
+    background = [make_seq(900, 4, arrival=NOW - 60, priority=BATCH_PRIORITY) for _ in range(3)]
+    assert prompt_tokens_with([make_seq(300, 4, arrival=NOW), *background]) == PACE
 
 
 def test_the_scheduler_shares_the_engines_cost_model_the_draft_policy_keeps_its_own(tiny_model_path):

@@ -29,6 +29,14 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
     max_step_ratio: Annotated[
         float, msgspec.Meta(description="a step with prefill over a decode-only one, at most (0: no limit)")
     ] = 2.5
+    # Unless a request waiting for its first token would miss this target at that pace: then the
+    # step takes the prompt tokens that keep every waiting request within it (up to the budget).
+    ttft_target_ms: Annotated[
+        float,
+        msgspec.Meta(
+            description="time to first token that overrides max_step_ratio when it would be missed (0: never)"
+        ),
+    ] = 1000.0
     # An absolute bound on such a step, in milliseconds (0: none).
     max_step_ms: Annotated[
         float, msgspec.Meta(description="the longest such step, in milliseconds (0: no bound)")
@@ -83,6 +91,8 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
             raise ConfigError("must be >= 0", "scheduler.max_step_ms")
         if self.priority_aging_s < 0:
             raise ConfigError("must be >= 0 (0: no aging)", "scheduler.priority_aging_s")
+        if self.ttft_target_ms < 0:
+            raise ConfigError("must be >= 0 (0: never)", "scheduler.ttft_target_ms")
         if self.background_slack < 0:
             raise ConfigError("must be >= 0", "scheduler.background_slack")
         if self.background_max_step_ms < 0:
