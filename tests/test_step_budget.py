@@ -3,6 +3,7 @@ step-time target (`max_step_ratio`, `max_step_ms`)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -231,20 +232,27 @@ def prompt_tokens_with(prompts: list, target_ms: float = 1000.0) -> int:
 
 
 def test_a_burst_the_ratio_cannot_clear_in_time_gets_what_keeps_the_ttft_target():
-    """Three fresh 500-token prompts beside one stream: at the ratio's pace (~598 tokens a
-    second) the last would wait ~2.5 s, so this step carries the 1500 - 598 tokens that let the
-    pace finish it within 1 s of its arrival; the ratio alone would give 76."""
+    """Two fresh 400-token prompts beside one stream (the step's decode: 51 ms; 1 ms a prompt
+    token): at the ratio's pace (~598 prompt tokens a second) the second would wait ~1.4 s, so
+    this step carries the P tokens after which the pace still finishes it within 1 s of its
+    arrival, this step's own time included: 800 - P = 598 (1 - 0.051 - 0.001 P); the ratio alone
+    would give 76. Checked by playing the plan out."""
     assert PACE == 76
-    burst = [make_seq(500, 4, arrival=NOW) for _ in range(3)]
-    assert prompt_tokens_with(burst) == 1500 - int(RATE * 1.0) == 902
-    assert prompt_tokens_with([make_seq(500, 4, arrival=NOW) for _ in range(3)], target_ms=0) == PACE
+    p = prompt_tokens_with([make_seq(400, 4, arrival=NOW) for _ in range(2)])
+    assert p == math.ceil((800 - RATE * (1.0 - A - B)) / (1 - RATE * B))
+    this_step = A + B * (1 + p)
+    assert this_step + (800 - p) / RATE <= 1.0 + 1e-9 < this_step + (800 - p + 1) / RATE
+    assert PACE < p < 800
+    assert prompt_tokens_with([make_seq(400, 4, arrival=NOW) for _ in range(2)], target_ms=0) == PACE
+    # Past what even the whole budget can do in time: all of the backlog now (within the budget).
+    assert prompt_tokens_with([make_seq(500, 4, arrival=NOW) for _ in range(3)]) == 1500
 
 
 def test_a_request_past_its_target_gets_all_of_its_prompt_and_the_rest_keep_the_pace():
     """The first prompt arrived 1.5 s ago (past a 1 s target): all of it runs now; the second,
-    fresh, may wait for the pace (0 tokens of it needed now), so the step is the first's 700."""
+    fresh and short, may wait for the pace, so the step is the first's 700."""
     late = make_seq(700, 4, arrival=NOW - 1.5)
-    fresh = make_seq(300, 4, arrival=NOW)
+    fresh = make_seq(60, 4, arrival=NOW)
     assert prompt_tokens_with([late, fresh]) == 700
 
 

@@ -217,21 +217,23 @@ class ContinuousScheduler(PriorityClasses, Scheduler):
     def _tokens_for_ttft(
         self, running: Iterable[Sequence] | None, t_decode: float, b: float, pace: int
     ) -> int:
-        """The prompt tokens this step must carry for every interactive request before its first
-        token to get it within `ttft_target_ms` of its arrival, if later steps prefill `pace`
-        tokens each (the max_step_ratio's, beside the decodes of t_decode seconds): in order
-        (prompts in progress, then the waiting ones as admitted), the tokens up to a request
-        less what the pace prefills before its deadline; an overdue request needs all of them."""
+        """The prompt tokens P this step must carry for every interactive request before its
+        first token to get it within `ttft_target_ms` of its arrival, if later steps prefill
+        `pace` tokens each (the max_step_ratio's, beside the decodes of t_decode seconds, at
+        r tokens a second). In order (prompts in progress, then the waiting ones as admitted),
+        the tokens T up to a request with L seconds left must be done by then, this step taking
+        t_decode + b P of them: T - P <= r (L - t_decode - b P), so P >= (T - r (L - t_decode)) /
+        (1 - r b). An overdue request needs all of its tokens and those before it."""
         target = self.options.ttft_target_ms / 1000.0
         rate = pace / (t_decode + b * pace)  # prompt tokens a second at that pace
         pending = [s for s in (self.running if running is None else running) if s.is_prefill]
         pending += [s for s in self.waiting if not self.is_background(s)]
-        need = total = 0
+        need, total = 0.0, 0
         for seq in pending:
             total += seq.num_uncomputed_tokens
-            left = seq.arrival_time + target - self._now
-            need = max(need, total - int(rate * max(0.0, left)))
-        return need
+            left = seq.arrival_time + target - self._now - t_decode
+            need = max(need, total if left <= 0 else (total - rate * left) / (1.0 - rate * b))
+        return math.ceil(need)
 
     def background_prefill_allowance(self) -> int | float:
         """With only background work: the prompt tokens that keep the step within
