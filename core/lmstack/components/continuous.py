@@ -15,12 +15,10 @@ A chunk never drops below `MIN_PREFILL_TOKENS`, so new requests always progress.
 Unless that pace would make a request wait past `ttft_target_ms` (1 s) for its first token: a
 burst of arrivals beside few decoding streams (each step then carries ~20 prompt tokens) took
 seconds to prefill. The step then carries the prompt tokens that let the pace finish every
-waiting interactive request within the target of its arrival, in admission order; all of an
-overdue request's (`_tokens_for_ttft`). Measured at 8 / 16 / 32 closed-loop streams on 2 Zen 4
-cores (one run, 4 rounds): P99 TTFT 1036 / 1776 / 3334 ms against 1131 / 2068 / 4470 without it,
-output tok/s +5 % at 16 and 32 and -5 % at 8, ITL P99 / median 1.9x against 2.6x at 32; the share
-of requests within a 2 s TTFT fell from 82 to 67 % at 32 (prompts finished together in the
-catch-up steps come back together), rose from 89 to 100 % at 16.
+waiting interactive request within the target of its arrival, in admission order, this step's
+own time counted; all of an overdue request's (`_tokens_for_ttft`). What it changed at 8 / 16 /
+32 closed-loop streams, and what it costs (prompts caught up together come back together in a
+closed loop): benchmarks/results/compare_servers-2026-12-06-zen4-vllm/NOTE.md.
 
 Order is by priority class, then FCFS (below); subclasses change it by overriding
 `waiting_order_key` (the example priority plugin does), and everything else — budgets,
