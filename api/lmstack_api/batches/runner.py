@@ -81,7 +81,7 @@ class BatchRunner:
                 self._wake.clear()  # before looking: a wake from here on is seen below
                 busy = {tenant for tenant, _ in self._running.values()}
                 for batch_id, tenant in await self.store.run(self.store.active_batches):
-                    if tenant not in busy and batch_id not in self._running:  # its oldest
+                    if tenant not in busy:  # the tenant's oldest (a running one's tenant is busy)
                         busy.add(tenant)
                         self._running[batch_id] = (
                             tenant,
@@ -188,8 +188,8 @@ class BatchRunner:
     ) -> None:
         cfg, engine = self.state.config, self.state.engine
         width = cfg.batch_max_inflight or (engine.limits.max_num_seqs if engine is not None else 8)
-        if self._slots is None or self._slots.width != width:
-            self._slots = FairSlots(width)  # every batch running now sees the same one
+        if self._slots is None:  # one for every batch: the width is the server's, fixed
+            self._slots = FairSlots(width)
         slots = self._slots
         queue = iter(todo)
 
