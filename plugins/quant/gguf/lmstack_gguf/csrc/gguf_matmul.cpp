@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -215,6 +216,9 @@ struct Q8Problem {
   Layout L;
   float* out;
   int64_t M, N, K;
+  // out's row stride: N, except in the panel paths' segments of a wider output
+  // (gguf_matmul_panel_segments).
+  int64_t ldo;
 };
 
 void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
@@ -803,7 +807,7 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c32, in
       const int half = int(u % 2);
       for_row_tiles(rc, rc1, [&](auto mr, int64_t r) {
         panel_half<TYPE, decltype(mr)::value>(w, half, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
-                                              c32 ? c32 + r * 2 * nb : nullptr, p.out + r * p.N + col, p.N, valid);
+                                              c32 ? c32 + r * 2 * nb : nullptr, p.out + r * p.ldo + col, p.ldo, valid);
       });
     }
   }
@@ -1132,7 +1136,7 @@ inline void panel_rows(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p
   for_row_tiles(r0, r1, [&](auto mr, int64_t r) {
     panel_tile<TYPE, decltype(mr)::value, NR>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
                                               c128 ? c128 + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
-                                              p.out + r * p.N + col, p.N, valid_last);
+                                              p.out + r * p.ldo + col, p.ldo, valid_last);
   });
 }
 
@@ -1390,7 +1394,7 @@ torch::Tensor gguf_matmul_q8(const torch::Tensor& x, const torch::Tensor& w, int
   if (M == 0 || N == 0) return out;
   const auto qx = quantize_q8(x, isa);
   Q8Problem p{qx[0].data_ptr<int8_t>(), qx[1].data_ptr<float>(), qx[2].data_ptr<float>(), w.data_ptr<uint8_t>(),
-              w.size(1), layout_of(type), out.data_ptr<float>(), M, N, K};
+              w.size(1), layout_of(type), out.data_ptr<float>(), M, N, K, N};
   // AVX-512: x's side of the tiles, laid out once (small: 48 + 128 bytes per 64 values of x).
   avx512::XPairs xp{nullptr, nullptr, nullptr, (K / QK + 1) / 2};
   torch::Tensor xq2, xs2;
@@ -1681,74 +1685,141 @@ torch::Tensor gguf_panel_blocks(const torch::Tensor& packed, int64_t type, int64
   return out;
 }
 
-// x [M, K] @ W^T from panels (gguf_pack_panels of W [N, K]): x rounded to int8 per 32-block as
-// gguf_matmul_q8 does. AVX-512 VNNI or AVX2 (the caller keeps the blocks for other CPUs).
-torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& packed, int64_t type, int64_t n,
-                                 int64_t isa) {
+// One weight of a panel product (`panel_product`): its panels, their kind, the problem that
+// writes its columns of the shared output, and its work units' place among the call's.
+struct PanelSegment {
+  const uint8_t* w;
+  int64_t kind;
+  Q8Problem p;
+  int64_t first, units;  // units [first, first + units) of the call: AVX-512 panel pairs, AVX2 halves
+};
+
+// Units [u0, u1) of one segment (numbered within it) by its kind's kernel. c32 (Q6_K) and c128
+// (Q8_0 with AVX-512) depend only on x: one copy serves every segment of those kinds.
+void panel_units(const PanelSegment& s, int64_t isa, const int32_t* c32, const int32_t* c128, int64_t u0,
+                 int64_t u1) {
+  const Q8Problem& p = s.p;
+  if (isa < ISA_AVX512) {
+    switch (s.kind) {
+      case Q4_0: avx2::panels_q8<Q4_0>(p, s.w, nullptr, u0, u1); break;
+      case Q4_1: avx2::panels_q8<Q4_1>(p, s.w, nullptr, u0, u1); break;
+      case Q5_0: avx2::panels_q8<Q5_0>(p, s.w, nullptr, u0, u1); break;
+      case Q5_1: avx2::panels_q8<Q5_1>(p, s.w, nullptr, u0, u1); break;
+      case Q4_K: avx2::panels_q8<Q4_K>(p, s.w, nullptr, u0, u1); break;
+      case Q5_K: avx2::panels_q8<Q5_K>(p, s.w, nullptr, u0, u1); break;
+      case Q6_K: avx2::panels_q8<Q6_K>(p, s.w, c32, u0, u1); break;
+      default: avx2::panels_q8<Q8_0>(p, s.w, nullptr, u0, u1); break;
+    }
+    return;
+  }
+  switch (s.kind) {
+    case Q4_0: avx512::panels_q8<Q4_0>(p, s.w, nullptr, u0, u1); break;
+    case Q4_1: avx512::panels_q8<Q4_1>(p, s.w, nullptr, u0, u1); break;
+    case Q5_0: avx512::panels_q8<Q5_0>(p, s.w, nullptr, u0, u1); break;
+    case Q5_1: avx512::panels_q8<Q5_1>(p, s.w, nullptr, u0, u1); break;
+    case Q4_K: avx512::panels_q8<Q4_K>(p, s.w, nullptr, u0, u1); break;
+    case Q5_K: avx512::panels_q8<Q5_K>(p, s.w, nullptr, u0, u1); break;
+    case Q6_K: avx512::panels_q8<Q6_K>(p, s.w, c32, u0, u1); break;
+    default: avx512::panels_q8<Q8_0>(p, s.w, c128, u0, u1); break;
+  }
+}
+
+// x [M, K] @ the rows of each packed weight in turn -> fp32 [M, sum(rows)]: x rounded to int8 once
+// (as gguf_matmul_q8 does), then one parallel region over every weight's work units, each unit
+// writing its weight's columns of the one output. Every output is the same arithmetic whatever
+// the other weights, so one weight alone is gguf_matmul_panels. `name` and `segment_names` word the
+// errors (the segments' index where there are several).
+torch::Tensor panel_product(const torch::Tensor& x, const std::vector<torch::Tensor>& packed,
+                            const std::vector<int64_t>& types, const std::vector<int64_t>& rows, int64_t isa,
+                            const char* name, bool segment_names) {
   if (isa < 0) isa = best_isa();
-  TORCH_CHECK(isa >= ISA_AVX2 && isa <= best_isa(), "gguf_matmul_panels needs AVX2 (or AVX-512 VNNI) on this CPU");
+  TORCH_CHECK(isa >= ISA_AVX2 && isa <= best_isa(), name, " needs AVX2 (or AVX-512 VNNI) on this CPU");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
               "x must be a CPU float32 tensor [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   TORCH_CHECK(K > 0 && K % QK == 0, "K must be a positive multiple of ", QK, ", got ", K);
-  const int64_t panels = (n + PANEL - 1) / PANEL, kind = panel_kind(type);
-  TORCH_CHECK((kind != Q4_K && kind != Q5_K && kind != Q6_K) || K % 256 == 0, "K must be a multiple of 256 for the K-quants, got ", K);
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
-                  packed.size(0) == panels && packed.size(1) == nb * panel_block_bytes(type),
-              "packed must be gguf_pack_panels' output for N = ", n, ", K = ", K);
-  auto out = torch::empty({M, n}, x.options());
-  if (M == 0 || n == 0) return out;
+  TORCH_CHECK(!packed.empty() && types.size() == packed.size() && rows.size() == packed.size(), name,
+              " takes one type and one row count per packed weight (at least one), got ", packed.size(),
+              " packed, ", types.size(), " types, ", rows.size(), " row counts");
+  std::vector<PanelSegment> segments;
+  int64_t N = 0, units = 0;
+  bool q6 = false, q8 = false;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    const std::string at = segment_names ? "segment " + std::to_string(i) + ": " : "";
+    const int64_t type = types[i], n = rows[i];
+    TORCH_CHECK(n >= 0, at, "row count ", n, " is negative");
+    int64_t kind = -1;
+    try {
+      kind = panel_kind(type);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, at, e.what_without_backtrace());
+    }
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    TORCH_CHECK((kind != Q4_K && kind != Q5_K && kind != Q6_K) || K % 256 == 0, at,
+                "K must be a multiple of 256 for the K-quants, got ", K);
+    const torch::Tensor& w = packed[i];
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 &&
+                    w.size(0) == panels && w.size(1) == nb * panel_block_bytes(type),
+                at, "packed must be gguf_pack_panels' output for N = ", n, ", K = ", K);
+    q6 = q6 || kind == Q6_K;
+    q8 = q8 || kind == Q8_0;
+    const int64_t mine = isa >= ISA_AVX512 ? (panels + 1) / 2 : 2 * panels;
+    // (The panel kernels read no Layout: the panels hold a d, and an m where the kind has one.)
+    segments.push_back({w.data_ptr<uint8_t>(), kind,
+                        Q8Problem{nullptr, nullptr, nullptr, nullptr, 0, Layout{kind, 0, 0, 0, 0}, nullptr, M, n, K, 0},
+                        units, mine});
+    N += n;
+    units += mine;
+  }
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
   const auto qx = quantize_q8(x, ISA_AVX2);
-  // (The panel kernels read no Layout: the panels hold a d, and an m where the kind has one.)
-  Q8Problem p{qx[0].data_ptr<int8_t>(), qx[1].data_ptr<float>(), qx[2].data_ptr<float>(), nullptr, 0,
-              Layout{kind, 0, 0, 0, 0}, out.data_ptr<float>(), M, n, K};
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  std::vector<int32_t> c32;
-  if (kind == Q6_K) {  // 32 * sum(q_x) per row and 16 values: what the codes' bias 32 adds
+  const int8_t* q = qx[0].data_ptr<int8_t>();
+  int64_t col = 0;
+  for (auto& s : segments) {
+    s.p.qx = q, s.p.dx = qx[1].data_ptr<float>(), s.p.sx = qx[2].data_ptr<float>();
+    s.p.out = out.data_ptr<float>() + col, s.p.ldo = N;
+    col += s.p.N;
+  }
+  std::vector<int32_t> c32, c128;
+  if (q6) {  // 32 * sum(q_x) per row and 16 values: what Q6_K's codes' bias 32 adds
     c32.resize(M * nb * 2);
     for (int64_t i = 0; i < M * nb * 2; ++i) {
       int32_t sum = 0;
-      for (int j = 0; j < 16; ++j) sum += p.qx[i * 16 + j];
+      for (int j = 0; j < 16; ++j) sum += q[i * 16 + j];
       c32[i] = 32 * sum;
     }
   }
-  if (isa < ISA_AVX512) {
-    at::parallel_for(0, 2 * panels, 1, [&](int64_t u0, int64_t u1) {
-      switch (kind) {
-        case Q4_0: avx2::panels_q8<Q4_0>(p, w, nullptr, u0, u1); break;
-        case Q4_1: avx2::panels_q8<Q4_1>(p, w, nullptr, u0, u1); break;
-        case Q5_0: avx2::panels_q8<Q5_0>(p, w, nullptr, u0, u1); break;
-        case Q5_1: avx2::panels_q8<Q5_1>(p, w, nullptr, u0, u1); break;
-        case Q4_K: avx2::panels_q8<Q4_K>(p, w, nullptr, u0, u1); break;
-        case Q5_K: avx2::panels_q8<Q5_K>(p, w, nullptr, u0, u1); break;
-        case Q6_K: avx2::panels_q8<Q6_K>(p, w, c32.data(), u0, u1); break;
-        default: avx2::panels_q8<Q8_0>(p, w, nullptr, u0, u1); break;
-      }
-    });
-    return out;
-  }
-  std::vector<int32_t> c128;
-  if (kind == Q8_0) {  // 128 * sum(q_x) per row and block: what the +128 codes add
+  if (q8 && isa >= ISA_AVX512) {  // 128 * sum(q_x) per row and block: what Q8_0's +128 codes add
     c128.resize(M * nb);
     for (int64_t i = 0; i < M * nb; ++i) {
       int32_t sum = 0;
-      for (int j = 0; j < QK; ++j) sum += p.qx[i * QK + j];
+      for (int j = 0; j < QK; ++j) sum += q[i * QK + j];
       c128[i] = 128 * sum;
     }
   }
-  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
-    switch (kind) {
-      case Q4_0: avx512::panels_q8<Q4_0>(p, w, nullptr, t0, t1); break;
-      case Q4_1: avx512::panels_q8<Q4_1>(p, w, nullptr, t0, t1); break;
-      case Q5_0: avx512::panels_q8<Q5_0>(p, w, nullptr, t0, t1); break;
-      case Q5_1: avx512::panels_q8<Q5_1>(p, w, nullptr, t0, t1); break;
-      case Q4_K: avx512::panels_q8<Q4_K>(p, w, nullptr, t0, t1); break;
-      case Q5_K: avx512::panels_q8<Q5_K>(p, w, nullptr, t0, t1); break;
-      case Q6_K: avx512::panels_q8<Q6_K>(p, w, c32.data(), t0, t1); break;
-      default: avx512::panels_q8<Q8_0>(p, w, c128.data(), t0, t1); break;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    for (const auto& s : segments) {
+      const int64_t lo = std::max(u0, s.first), hi = std::min(u1, s.first + s.units);
+      if (lo < hi) panel_units(s, isa, c32.data(), c128.data(), lo - s.first, hi - s.first);
     }
   });
   return out;
+}
+
+// x [M, K] @ W^T from panels (gguf_pack_panels of W [N, K]): x rounded to int8 per 32-block as
+// gguf_matmul_q8 does. AVX-512 VNNI or AVX2 (the caller keeps the blocks for other CPUs).
+torch::Tensor gguf_matmul_panels(const torch::Tensor& x, const torch::Tensor& packed, int64_t type, int64_t n,
+                                 int64_t isa) {
+  return panel_product(x, {packed}, {type}, {n}, isa, "gguf_matmul_panels", false);
+}
+
+// A fused layer's segments of different types, each its own panels: x @ [W_0; W_1; ...]^T in one
+// call, bit for bit the columns of gguf_matmul_panels per segment joined.
+torch::Tensor gguf_matmul_panel_segments(const torch::Tensor& x, const std::vector<torch::Tensor>& packed,
+                                         const std::vector<int64_t>& types, const std::vector<int64_t>& rows,
+                                         int64_t isa) {
+  return panel_product(x, packed, types, rows, isa, "gguf_matmul_panel_segments", true);
 }
 
 torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t k, std::optional<torch::Tensor> into) {
@@ -1815,6 +1886,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_matmul_panels", &gguf_matmul::gguf_matmul_panels,
         "x fp32 [M, K] @ W^T from gguf_pack_panels(W), x rounded to int8 per 32-block", py::arg("x"), py::arg("packed"),
         py::arg("type"), py::arg("n"), py::arg("isa") = -1);
+  m.def("gguf_matmul_panel_segments", &gguf_matmul::gguf_matmul_panel_segments,
+        "x fp32 [M, K] @ [W_0; W_1; ...]^T from each W_i's panels (types[i], rows[i] rows), x rounded to int8 once: "
+        "gguf_matmul_panels per segment, joined, in one call",
+        py::arg("x"), py::arg("packed"), py::arg("types"), py::arg("rows"), py::arg("isa") = -1);
   m.def("gguf_panel_blocks", &gguf_matmul::gguf_panel_blocks,
         "rows of W back from gguf_pack_panels(W) as GGML blocks (Q4_1 for Q4_1G)", py::arg("packed"), py::arg("type"),
         py::arg("k"), py::arg("rows"));
