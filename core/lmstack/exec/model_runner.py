@@ -40,8 +40,12 @@ class ForwardContext:
         self.num_decode = nd
         self.decode_meta = meta.select(0, nd) if 0 < nd < meta.num_seqs else meta
         self.prefill_meta = meta.select(nd, meta.num_seqs) if 0 < nd < meta.num_seqs else meta
+        # A step of decodes only: the backend's per-step bound call, where it offers one.
+        self.decode_call = decode.bind_decode(meta) if 0 < nd == meta.num_seqs else None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.decode_call is not None:
+            return self.decode_call(q, k, v, *self.kv_caches[layer], *self.layer_kwargs[layer])
         k_cache, v_cache = self.kv_caches[layer]
         meta, nd = self.meta, self.num_decode
         write_kw, kw = self.layer_kwargs[layer]
@@ -90,6 +94,9 @@ class ModelRunner:
             prepare(model)
         model.load_weights(weights)
         quantizer.process_model(model)
+        bind = getattr(model, "bind_fast_layers", None)
+        if bind is not None:  # the weights are final: bind the decoder's fast path (llama.py)
+            bind()
         self.model = model.eval()
         # A tensor-parallel rank caches only its KV heads.
         self.num_kv_heads: int = getattr(model, "local_num_kv_heads", config.num_kv_heads)

@@ -96,6 +96,13 @@ def _half_tables(
     return last
 
 
+def half_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The half tables the native `rope_` / `qkv_rope_` read, of full tables from
+    `RotaryEmbedding.tables_full` (sliced once per step)."""
+    halves = _half_tables(cos, sin)
+    return halves[2], halves[3]
+
+
 def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`lmstack.model.rope.rotate_`, natively where it can: x [T, H, D], tables from
     `RotaryEmbedding.tables_full` ([T, 1, 2, D/2]: (cos, cos) and (-sin, sin))."""

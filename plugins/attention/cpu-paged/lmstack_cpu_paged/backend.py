@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lmstack.batch import AttentionMetadata
-from lmstack.interfaces import AttentionBackend
+from lmstack.interfaces import AttentionBackend, DecodeCall
 from lmstack_cpu_paged.build import load
 
 ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
@@ -82,6 +82,51 @@ class CpuPagedAttention(AttentionBackend):
             q, k_cache, v_cache, meta, rows, scale, sliding_window, logit_softcap, k_scale, v_scale
         )
 
+    def bind_decode(self, meta: AttentionMetadata) -> DecodeCall:
+        """`write_kv` then `decode` for one layer of a decode-only step, the step's query rows
+        derived here once and the two native calls made directly (what those methods call)."""
+        ext, isa, min_part = self._ext, self.isa, self.min_part
+        tables, slots = meta.block_tables, meta.slot_mapping
+        starts, contexts = self._decode_rows(meta, meta.num_seqs)
+
+        def call(q, k, v, k_cache, v_cache, write_kw, kw) -> torch.Tensor:
+            if write_kw:  # a scaled float8 cache
+                self.write_kv(k, v, k_cache, v_cache, slots, **write_kw)
+            elif k.dtype in _NATIVE_SOURCE and k_cache.dtype in _NATIVE_SOURCE:
+                ext.write_kv(k, v, k_cache, v_cache, slots, None, None)
+            else:
+                AttentionBackend.write_kv(self, k, v, k_cache, v_cache, slots)
+            window, softcap = kw["sliding_window"], kw.get("logit_softcap")
+            return ext.paged_attention(
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                tables,
+                starts,
+                contexts,
+                float(kw["scale"]),
+                0 if window is None else int(window),
+                kw.get("k_scale"),
+                kw.get("v_scale"),
+                isa,
+                min_part,
+                float(softcap) if softcap else 0.0,
+            )
+
+        return call
+
+    @staticmethod
+    def _decode_rows(meta: AttentionMetadata, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One query per sequence at position seq_len - 1: the kernel's query_start 0..B and
+        context seq_len - 1, derived once per step and shared by every layer."""
+        rows = meta.scratch.get("cpu-paged.decode")
+        if rows is None:
+            rows = meta.scratch["cpu-paged.decode"] = (
+                torch.arange(b + 1, dtype=torch.int32),
+                (meta.seq_lens[:b] - 1).to(torch.int32),
+            )
+        return rows
+
     def decode(
         self,
         q,
@@ -95,15 +140,7 @@ class CpuPagedAttention(AttentionBackend):
         k_scale=None,
         v_scale=None,
     ) -> torch.Tensor:
-        # One query per sequence at position seq_len - 1: the same kernel with query_start
-        # 0..B and context seq_len - 1, derived once per step and shared by every layer.
-        rows = meta.scratch.get("cpu-paged.decode")
-        if rows is None:
-            b = q.shape[0]
-            rows = meta.scratch["cpu-paged.decode"] = (
-                torch.arange(b + 1, dtype=torch.int32),
-                (meta.seq_lens[:b] - 1).to(torch.int32),
-            )
+        rows = self._decode_rows(meta, q.shape[0])
         return self._run(
             q, k_cache, v_cache, meta, rows, scale, sliding_window, logit_softcap, k_scale, v_scale
         )

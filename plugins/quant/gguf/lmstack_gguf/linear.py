@@ -325,6 +325,15 @@ class GGUFLinear(QuantizedLinear):
             return dequantize_blocks(blocks, self.ggml_type, self.in_features)
         return dequantize_blocks(self.weight.data[ids].contiguous(), self.ggml_type, self.in_features)
 
+    def fast_op(self) -> tuple | None:
+        """(op, most rows): the bound kernel `forward` calls for fp32 rows [M, in] with a
+        contiguous last dim, up to that many rows (a decoder's fast path calls it directly,
+        `lmstack.model.llama.DecoderLayer.fast_forward`); None where forward has no such path."""
+        if self._fast is None or self.bias is not None:
+            return None
+        op, args, most = self._fast
+        return (lambda x: op(x, *args)), most
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fast, limit = self._fast, self.kernel_max_rows
         if (
