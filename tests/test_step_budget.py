@@ -218,10 +218,10 @@ PACE = int((2.5 * (A + B) - A) / B) - 1
 RATE = PACE / (A + B * (1 + PACE))  # prompt tokens a second at that pace: ~598
 
 
-def prompt_tokens_with(prompts: list, target_ms: float = 1000.0) -> int:
+def prompt_tokens_with(prompts: list, target_ms: float = 1000.0, cap: float = 0) -> int:
     """Prompt tokens of the next step beside one decoding stream, with `prompts` waiting, on a
-    clock stopped at NOW."""
-    sched = scheduler(fitted(), ttft_target_ms=target_ms)
+    clock stopped at NOW (`cap`: ttft_max_step_ratio; off unless a test asks for it)."""
+    sched = scheduler(fitted(), ttft_target_ms=target_ms, ttft_max_step_ratio=cap)
     sched.clock = lambda: NOW
     (stream,) = decoding(sched, 1)
     for p in prompts:
@@ -254,6 +254,23 @@ def test_a_request_past_its_target_gets_all_of_its_prompt_and_the_rest_keep_the_
     late = make_seq(700, 4, arrival=NOW - 1.5)
     fresh = make_seq(60, 4, arrival=NOW)
     assert prompt_tokens_with([late, fresh]) == 700
+
+
+def test_catch_up_steps_are_bounded_by_their_own_ratio():
+    """With `ttft_max_step_ratio` 4 a catch-up step is predicted to take at most 4x the
+    decode-only step (beside one stream: 4 * 51 ms, 153 prompt tokens); what it leaves goes to
+    the next steps. A backlog the bound already covers is unchanged, as is the ratio's pace."""
+    capped = int((4 * (A + B) - A) / B) - 1
+    assert capped == 153
+    late = [make_seq(500, 4, arrival=NOW - 1.5) for _ in range(3)]
+    assert prompt_tokens_with(late, cap=4) == capped
+    assert prompt_tokens_with(late) == 1500  # off: the whole budget
+    burst = [make_seq(400, 4, arrival=NOW) for _ in range(2)]
+    assert prompt_tokens_with(burst, cap=4) == capped < prompt_tokens_with(burst)
+    assert prompt_tokens_with(burst, cap=20) == prompt_tokens_with(burst)
+    assert prompt_tokens_with([make_seq(300, 4, arrival=NOW)], cap=4) == PACE
+    with pytest.raises(ConfigError, match="ttft_max_step_ratio"):
+        ContinuousOptions(ttft_max_step_ratio=0.5)
 
 
 def test_a_backlog_the_pace_clears_in_time_keeps_the_ratio():

@@ -18,7 +18,9 @@ seconds to prefill. The step then carries the prompt tokens that let the pace fi
 waiting interactive request within the target of its arrival, in admission order, this step's
 own time counted; all of an overdue request's (`_tokens_for_ttft`). What it changed at 8 / 16 /
 32 closed-loop streams, and what it costs (prompts caught up together come back together in a
-closed loop): benchmarks/results/compare_servers-2026-12-06-zen4-vllm/NOTE.md.
+closed loop): benchmarks/results/compare_servers-2026-12-06-zen4-vllm/NOTE.md. Such a step is
+still bounded, at `ttft_max_step_ratio` (4) times the decode-only step: an overloaded server
+(requests always overdue) otherwise ran steps of the whole budget, each stalling every stream.
 
 Order is by priority class, then FCFS (below); subclasses change it by overriding
 `waiting_order_key` (the example priority plugin does), and everything else — budgets,
@@ -209,7 +211,10 @@ class ContinuousScheduler(PriorityClasses, Scheduler):
             limits.append(o.max_step_ms / 1000.0)
         tokens = max(MIN_PREFILL_TOKENS, min(int((min(limits) - a) / b) - decodes, self.token_budget))
         if o.ttft_target_ms:
-            tokens = max(tokens, self._tokens_for_ttft(running, a + b * decodes, b, tokens))
+            catch_up = self._tokens_for_ttft(running, a + b * decodes, b, tokens)
+            if o.ttft_max_step_ratio:  # the rest of the backlog in the next steps
+                catch_up = min(catch_up, int((o.ttft_max_step_ratio * (a + b * decodes) - a) / b) - decodes)
+            tokens = max(tokens, catch_up)
         return min(tokens, self.token_budget)
 
     def _tokens_for_ttft(
