@@ -271,6 +271,7 @@ def test_catch_up_steps_are_bounded_by_their_own_ratio():
     assert prompt_tokens_with([make_seq(300, 4, arrival=NOW)], cap=4) == PACE
     with pytest.raises(ConfigError, match="ttft_max_step_ratio"):
         ContinuousOptions(ttft_max_step_ratio=0.5)
+    assert ContinuousOptions().ttft_max_step_ratio == 0  # off by default (its option says why)
 
 
 def test_a_backlog_the_pace_clears_in_time_keeps_the_ratio():

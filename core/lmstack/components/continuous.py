@@ -18,9 +18,11 @@ seconds to prefill. The step then carries the prompt tokens that let the pace fi
 waiting interactive request within the target of its arrival, in admission order, this step's
 own time counted; all of an overdue request's (`_tokens_for_ttft`). What it changed at 8 / 16 /
 32 closed-loop streams, and what it costs (prompts caught up together come back together in a
-closed loop): benchmarks/results/compare_servers-2026-12-06-zen4-vllm/NOTE.md. Such a step is
-still bounded, at `ttft_max_step_ratio` (4) times the decode-only step: an overloaded server
-(requests always overdue) otherwise ran steps of the whole budget, each stalling every stream.
+closed loop): benchmarks/results/compare_servers-2026-12-06-zen4-vllm/NOTE.md. An overloaded
+server (requests always overdue) then runs steps of the whole budget, each stalling every stream
+(ITL P99 920 ms, 15.7x the median, at 32 streams of a Q4_K_M file); `ttft_max_step_ratio` bounds
+such steps at that many times the decode-only step, at a price in throughput and TTFT P99 (its
+option says what was measured), so it is off by default.
 
 Order is by priority class, then FCFS (below); subclasses change it by overriding
 `waiting_order_key` (the example priority plugin does), and everything else — budgets,

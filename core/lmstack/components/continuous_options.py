@@ -37,14 +37,18 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
             description="time to first token that overrides max_step_ratio when it would be missed (0: never)"
         ),
     ] = 1000.0
-    # ... but such a catch-up step is predicted to take at most this many times the decode-only
-    # step (0: up to the budget): past it the backlog is spread over the next steps. A step of
-    # the whole budget (~1 s of prompts on a 2-core CPU) stalls every running stream for as long
-    # (measured: ITL P99 920 ms, 15.7x the median, at 32 streams of a Q4_K_M file).
+    # ... and such a catch-up step is predicted to take at most this many times the decode-only
+    # step (0: up to the budget), the rest of the backlog spread over the next steps. Off by
+    # default: a trade, not a gain (A/B, 2-core Zen 4, 32 streams of a Q4_K_M file at 4: ITL P99
+    # 224 vs 400 ms, TTFT P50 1.7 vs 2.6 s, but TTFT P99 5.1 vs 4.1 s and 9 % fewer tokens a
+    # second; the default SmolLM2 stack at 8 / 16 / 32 streams: TTFT P99 worse at each, ITL P99
+    # no better). For a server that must bound the gap between a stream's tokens.
     ttft_max_step_ratio: Annotated[
         float,
-        msgspec.Meta(description="a step ttft_target_ms enlarges over a decode-only one, at most (0: no limit)"),
-    ] = 4.0
+        msgspec.Meta(
+            description="a step ttft_target_ms enlarges over a decode-only one, at most (0: no limit)"
+        ),
+    ] = 0.0
     # An absolute bound on such a step, in milliseconds (0: none).
     max_step_ms: Annotated[
         float, msgspec.Meta(description="the longest such step, in milliseconds (0: no bound)")
