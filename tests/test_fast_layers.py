@@ -1,5 +1,5 @@
-"""The decoder's fast path (`DecoderLayer.fast_forward`, bound by `LlamaModel.bind_fast_layers`)
-and the attention backends' per-step decode call (`AttentionBackend.bind_decode`) compute exactly
+"""The decoder's fast path (`lmstack.model.fast_layers`, bound by `LlamaModel.bind_fast_layers`)
+and the attention backends' optional per-step decode call (`bind_decode`) compute exactly
 what the generic path computes: the oracle is the same engine with both turned off, compared on
 greedy tokens and on every prompt and sampled token's log-probability, bit for bit."""
 
@@ -36,12 +36,12 @@ def _generic(llm, monkeypatch) -> None:
     """Turn both fast paths off for this engine."""
     _runner(llm).model._fast_layers = None
     backend = type(_runner(llm).decode_backend)
-    monkeypatch.setattr(backend, "bind_decode", lambda self, meta: None)
+    monkeypatch.setattr(backend, "bind_decode", lambda self, meta: None, raising=False)
 
 
 def _counting(model) -> list[int]:
     """Wrap the bound fast layers so that their calls are counted (proof the path ran)."""
-    calls, most, hooks = model._fast_layers
+    fast = model._fast_layers
     count = [0]
 
     def wrap(fn):
@@ -51,7 +51,7 @@ def _counting(model) -> list[int]:
 
         return run
 
-    model._fast_layers = (tuple(wrap(f) for f in calls), most, hooks)
+    fast.calls = tuple(wrap(f) for f in fast.calls)
     return count
 
 
@@ -82,23 +82,22 @@ def test_a_hook_turns_the_fast_path_off_while_it_is_registered(tiny_model_path) 
         model = _runner(llm).model
         x = torch.zeros(1, model.config.hidden_size)
         with torch.inference_mode():
-            assert model._fast_calls(x) is not None
+            assert model._fast_layers.for_step(x) is not None
             seen = []
             handle = model.layers[1].gate_up_proj.register_forward_hook(
                 lambda mod, args, out: seen.append(out.shape)
             )
-            assert model._fast_calls(x) is None
+            assert model._fast_layers.for_step(x) is None
             with one_thread():
                 llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
             assert seen  # the generic path ran the hook
             handle.remove()
-            assert model._fast_calls(x) is not None
+            assert model._fast_layers.for_step(x) is not None
             # Outside inference mode (a tool tuning scales with autograd), and over the row limit.
-        assert model._fast_calls(x) is None
-        calls, _, hooks = model._fast_layers
-        model._fast_layers = (calls, 0, hooks)
+        assert model._fast_layers.for_step(x) is None
+        model._fast_layers.most_rows = 0
         with torch.inference_mode():
-            assert model._fast_calls(x) is None
+            assert model._fast_layers.for_step(x) is None
     finally:
         llm.engine.shutdown()
 

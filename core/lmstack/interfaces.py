@@ -266,13 +266,6 @@ class Scheduler(ABC):
 # ---------------------------------------------------------------------------------------------
 
 
-# What `AttentionBackend.bind_decode` returns: (q, k, v, k_cache, v_cache, write_kwargs, kwargs) -> out.
-DecodeCall = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]],
-    torch.Tensor,
-]
-
-
 class AttentionBackend(ABC):
     """Attention over the paged KV cache.
 
@@ -343,15 +336,6 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """One query token per sequence attending to its `seq_lens` cached tokens.
         q: [B, Hq, D]. Returns [B, Hq, D]."""
-
-    def bind_decode(self, meta: AttentionMetadata) -> DecodeCall | None:
-        """Optional, for a step in which every sequence decodes one token: a function doing what
-        `write_kv` then `decode` do for one layer, called as fn(q, k, v, k_cache, v_cache,
-        write_kwargs, kwargs) with that layer's keyword dicts (see the class docstring), the
-        step's derived metadata made here once rather than per layer. None (the default): the
-        model runner calls `write_kv` and `decode`. Batch-1 decode on a CPU runs ~30 layers a
-        step at ~30 us of kernel each, so a few Python frames per layer are worth saving."""
-        return None
 
 
 # ---------------------------------------------------------------------------------------------

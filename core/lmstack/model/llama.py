@@ -17,7 +17,6 @@ carries a weight loader, and `load_weights` feeds them checkpoint tensors as sto
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any
@@ -39,19 +38,10 @@ from lmstack.model.architecture import (
 from lmstack.model.bounds import table_positions
 from lmstack.model.checkpoint import CheckpointTensor, to_dense
 from lmstack.model.config import ModelConfig
+from lmstack.model.fast_layers import FastLayers, plain_layer
 from lmstack.model.gguf_loader import gguf_support
-from lmstack.model.hf_loader import (
-    parse_llama_config,
-)
-from lmstack.model.layer_ops import (
-    GATED_ACTIVATIONS,
-    half_tables,
-    native,
-    qkv_rope_,
-    rms_norm,
-    rotate_,
-    silu_mul,
-)
+from lmstack.model.hf_loader import parse_llama_config
+from lmstack.model.layer_ops import GATED_ACTIVATIONS, qkv_rope_, rms_norm, rotate_, silu_mul
 from lmstack.model.linear import default_linear, dense_parameter
 from lmstack.model.rope import RotaryEmbedding
 from lmstack.model.stages import StageLayers
@@ -79,15 +69,6 @@ def _callables(*modules: nn.Module) -> Sequence[Callable[..., Any]]:
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return modules
     return [m if m._forward_hooks or m._forward_pre_hooks else m.forward for m in modules]
-
-
-def _fast_op(linear: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
-    """A linear's bare op for fp32 CPU rows [T, in] with a contiguous last dim, and the most
-    rows it takes: the quantizer's `fast_op()` where the linear has one (lmstack-gguf's bound
-    kernel), else its `forward`, for any number of rows."""
-    fast = getattr(linear, "fast_op", None)
-    op = fast() if fast is not None else None
-    return op if op is not None else (linear.forward, sys.maxsize)
 
 
 class RMSNorm(nn.Module):
@@ -246,45 +227,14 @@ class DecoderLayer(nn.Module):
         return self.mlp(h).add_(x)
 
     def fast_forward(self) -> tuple[Callable[..., torch.Tensor], int, tuple[dict, ...]] | None:
-        """`forward` with every per-call check made once, for a layer whose switches are all off
-        (the Llama ops) on an fp32 CPU model with the native layer ops and one tp rank: a
-        function of (x, rope, attn) computing exactly what `forward` computes for x fp32 [T,
-        hidden] with T at most the returned row limit (each linear's `fast_op`, where it has
-        one), and the hook dicts of its modules (the caller uses it only while they are empty).
-        None where it does not apply. At batch-1 decode the ~10 kernels of a SmolLM2 layer take
-        ~8 us each, and the generic path's frames and checks ~1 ms of an ~8 ms step."""
-        ops = native()
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        if (
-            ops is None
-            or any(
-                getattr(type(self), f) is not getattr(DecoderLayer, f)
-                for f in ("forward", "attention", "mlp")
-            )
-            or "forward" in self.__dict__  # sandwich norms
-            or self.split_qkv is not qkv_rope_
-            or self.act is not silu_mul
-            or self.ranks.tp != 1
-            or any(n.weight.dtype != torch.float32 or not n.weight.is_cpu for n in norms)
+        """`forward` bound once (`lmstack.model.fast_layers`) where every switch is off."""
+        own = ("forward", "attention", "mlp")  # not a subclass's (MoE), nor Gemma's sandwich norms
+        if any(getattr(type(self), f) is not getattr(DecoderLayer, f) for f in own) or "forward" in vars(
+            self
         ):
             return None
-        linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-        fast = [_fast_op(m) for m in linears]
-        (qkv, q_max), (o_proj, o_max), (gate_up, gu_max), (down, d_max) = fast
-        rms, rope_, silu = ops.rms_norm, ops.qkv_rope_, ops.silu_mul_
-        w_in, eps_in = self.input_layernorm.weight, self.input_layernorm.eps
-        w_post, eps_post = self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
-        index, heads, kv_heads, q_size = self.index, self.num_heads, self.num_kv_heads, self.q_size
-
-        def run(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionFn) -> torch.Tensor:
-            cos, sin = half_tables(*rope)
-            q, k, v = rope_(qkv(rms(x, w_in, eps_in, None)), cos, sin, heads, kv_heads)
-            o = o_proj(attn.attend(index, q, k, v).reshape(x.shape[0], q_size))
-            h = rms(o, w_post, eps_post, x)  # o += x in place: the residual stream
-            return down(silu(gate_up(h))).add_(o)
-
-        hooks = tuple(d for m in (self, *norms, *linears) for d in (m._forward_hooks, m._forward_pre_hooks))
-        return run, min(q_max, o_max, gu_max, d_max), hooks
+        plain = self.split_qkv is qkv_rope_ and self.act is silu_mul and self.ranks.tp == 1
+        return plain_layer(self) if plain else None
 
     def forward_sandwich(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionFn
@@ -384,8 +334,7 @@ class LlamaModel(nn.Module):
             self.local_rope = RotaryEmbedding(cfg.rotary_dim, positions, cfg.rope_local_theta, None)
             self.rope_slots = tuple(int(cfg.layer_window(i) is not None) for i in range(cfg.num_layers))
         self.final_logit_softcap = cfg.final_logit_softcap
-        # (layer calls, most rows, hook dicts), once `bind_fast_layers` found every layer eligible.
-        self._fast_layers: tuple | None = None
+        self._fast_layers: FastLayers | None = None  # `bind_fast_layers`
 
     def forward(
         self,
@@ -417,7 +366,7 @@ class LlamaModel(nn.Module):
         # islice, not `self.layers[start:end]`: slicing a ModuleList builds a new one (~130 us).
         layers = tuple(islice(self.layers, stage.start, stage.end))
         slots = self.rope_slots[stage.start : stage.end]
-        calls = self._fast_calls(x) or _callables(*layers)
+        calls = (self._fast_layers and self._fast_layers.for_step(x)) or _callables(*layers)
         for layer, call, slot in zip(layers, calls, slots):
             x = call(x, ropes[slot], attn)
             if layer.index in want:
@@ -434,35 +383,9 @@ class LlamaModel(nn.Module):
         return self.logits(x), hidden
 
     def bind_fast_layers(self) -> bool:
-        """Bind each decoder layer's `fast_forward` once the weights are final (the model runner
-        calls this after the quantizer's `process_model`); `forward` then runs them for fp32 CPU
-        batches within their row limit, under inference mode, while no module has a hook. True
-        where every layer of this stage has one (else the generic path runs every step)."""
-        layers = tuple(islice(self.layers, self.stage.start, self.stage.end))
-        fast = [layer.fast_forward() for layer in layers]
-        self._fast_layers = None
-        if layers and all(f is not None for f in fast):
-            calls = tuple(f[0] for f in fast)
-            hooks = tuple(d for f in fast for d in f[2])
-            self._fast_layers = (calls, min(f[1] for f in fast), hooks)
+        """Bind the layers' fast path (the runner calls this after `process_model`): True if all have one."""
+        self._fast_layers = FastLayers.bind(islice(self.layers, self.stage.start, self.stage.end))
         return self._fast_layers is not None
-
-    def _fast_calls(self, x: torch.Tensor) -> Sequence[Callable[..., torch.Tensor]] | None:
-        """The bound fast layers where they apply to this step's x, else None."""
-        fast = self._fast_layers
-        if (
-            fast is None
-            or x.shape[0] > fast[1]
-            or x.dtype is not torch.float32
-            or not x.is_cpu
-            or not x.is_contiguous()
-            or not torch.is_inference_mode_enabled()
-            or torch_module._global_forward_hooks
-            or torch_module._global_forward_pre_hooks
-            or any(fast[2])
-        ):
-            return None
-        return fast[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings [T, hidden] that enter the first layer (times the embedding

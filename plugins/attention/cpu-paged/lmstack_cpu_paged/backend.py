@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lmstack.batch import AttentionMetadata
-from lmstack.interfaces import AttentionBackend, DecodeCall
+from lmstack.interfaces import AttentionBackend
 from lmstack_cpu_paged.build import load
 
 ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
@@ -82,7 +84,7 @@ class CpuPagedAttention(AttentionBackend):
             q, k_cache, v_cache, meta, rows, scale, sliding_window, logit_softcap, k_scale, v_scale
         )
 
-    def bind_decode(self, meta: AttentionMetadata) -> DecodeCall:
+    def bind_decode(self, meta: AttentionMetadata) -> Callable[..., torch.Tensor]:
         """`write_kv` then `decode` for one layer of a decode-only step, the step's query rows
         derived here once and the two native calls made directly (what those methods call)."""
         ext, isa, min_part = self._ext, self.isa, self.min_part

@@ -328,7 +328,7 @@ class GGUFLinear(QuantizedLinear):
     def fast_op(self) -> tuple | None:
         """(op, most rows): the bound kernel `forward` calls for fp32 rows [M, in] with a
         contiguous last dim, up to that many rows (a decoder's fast path calls it directly,
-        `lmstack.model.llama.DecoderLayer.fast_forward`); None where forward has no such path."""
+        `lmstack.model.fast_layers`); None where forward has no such path."""
         if self._fast is None or self.bias is not None:
             return None
         op, args, most = self._fast
