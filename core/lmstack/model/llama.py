@@ -228,12 +228,10 @@ class DecoderLayer(nn.Module):
 
     def fast_forward(self) -> tuple[Callable[..., torch.Tensor], int, tuple[dict, ...]] | None:
         """`forward` bound once (`lmstack.model.fast_layers`) where every switch is off."""
-        own = ("forward", "attention", "mlp")  # not a subclass's (MoE), nor Gemma's sandwich norms
-        if any(getattr(type(self), f) is not getattr(DecoderLayer, f) for f in own) or "forward" in vars(
-            self
-        ):
-            return None
-        plain = self.split_qkv is qkv_rope_ and self.act is silu_mul and self.ranks.tp == 1
+        own = ("forward", "attention", "mlp")  # not a subclass's (MoE)
+        inherited = all(getattr(type(self), f) is getattr(DecoderLayer, f) for f in own)
+        switches = self.split_qkv is qkv_rope_ and self.act is silu_mul and "forward" not in vars(self)
+        plain = inherited and switches and self.ranks.tp == 1  # vars: Gemma's sandwich forward
         return plain_layer(self) if plain else None
 
     def forward_sandwich(

@@ -86,18 +86,13 @@ class CpuPagedAttention(AttentionBackend):
 
     def bind_decode(self, meta: AttentionMetadata) -> Callable[..., torch.Tensor]:
         """`write_kv` then `decode` for one layer of a decode-only step, the step's query rows
-        derived here once and the two native calls made directly (what those methods call)."""
+        derived here once and the attention kernel called directly (what `decode` calls)."""
         ext, isa, min_part = self._ext, self.isa, self.min_part
         tables, slots = meta.block_tables, meta.slot_mapping
         starts, contexts = self._decode_rows(meta, meta.num_seqs)
 
         def call(q, k, v, k_cache, v_cache, write_kw, kw) -> torch.Tensor:
-            if write_kw:  # a scaled float8 cache
-                self.write_kv(k, v, k_cache, v_cache, slots, **write_kw)
-            elif k.dtype in _NATIVE_SOURCE and k_cache.dtype in _NATIVE_SOURCE:
-                ext.write_kv(k, v, k_cache, v_cache, slots, None, None)
-            else:
-                AttentionBackend.write_kv(self, k, v, k_cache, v_cache, slots)
+            self.write_kv(k, v, k_cache, v_cache, slots, **write_kw)
             window, softcap = kw["sliding_window"], kw.get("logit_softcap")
             return ext.paged_attention(
                 q.contiguous(),

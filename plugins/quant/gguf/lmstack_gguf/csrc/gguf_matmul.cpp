@@ -1694,34 +1694,32 @@ struct PanelSegment {
   int64_t first, units;  // units [first, first + units) of the call: AVX-512 panel pairs, AVX2 halves
 };
 
+// f(std::integral_constant<int, kind>) for a panel kind (`panel_kind`), as `with_kind` for layouts.
+template <class F>
+inline void with_panel_kind(int64_t kind, F&& f) {
+  switch (kind) {
+    case Q4_0: f(std::integral_constant<int, Q4_0>()); break;
+    case Q4_1: f(std::integral_constant<int, Q4_1>()); break;
+    case Q5_0: f(std::integral_constant<int, Q5_0>()); break;
+    case Q5_1: f(std::integral_constant<int, Q5_1>()); break;
+    case Q4_K: f(std::integral_constant<int, Q4_K>()); break;
+    case Q5_K: f(std::integral_constant<int, Q5_K>()); break;
+    case Q6_K: f(std::integral_constant<int, Q6_K>()); break;
+    default: f(std::integral_constant<int, Q8_0>()); break;
+  }
+}
+
 // Units [u0, u1) of one segment (numbered within it) by its kind's kernel. c32 (Q6_K) and c128
 // (Q8_0 with AVX-512) depend only on x: one copy serves every segment of those kinds.
 void panel_units(const PanelSegment& s, int64_t isa, const int32_t* c32, const int32_t* c128, int64_t u0,
                  int64_t u1) {
-  const Q8Problem& p = s.p;
-  if (isa < ISA_AVX512) {
-    switch (s.kind) {
-      case Q4_0: avx2::panels_q8<Q4_0>(p, s.w, nullptr, u0, u1); break;
-      case Q4_1: avx2::panels_q8<Q4_1>(p, s.w, nullptr, u0, u1); break;
-      case Q5_0: avx2::panels_q8<Q5_0>(p, s.w, nullptr, u0, u1); break;
-      case Q5_1: avx2::panels_q8<Q5_1>(p, s.w, nullptr, u0, u1); break;
-      case Q4_K: avx2::panels_q8<Q4_K>(p, s.w, nullptr, u0, u1); break;
-      case Q5_K: avx2::panels_q8<Q5_K>(p, s.w, nullptr, u0, u1); break;
-      case Q6_K: avx2::panels_q8<Q6_K>(p, s.w, c32, u0, u1); break;
-      default: avx2::panels_q8<Q8_0>(p, s.w, nullptr, u0, u1); break;
-    }
-    return;
-  }
-  switch (s.kind) {
-    case Q4_0: avx512::panels_q8<Q4_0>(p, s.w, nullptr, u0, u1); break;
-    case Q4_1: avx512::panels_q8<Q4_1>(p, s.w, nullptr, u0, u1); break;
-    case Q5_0: avx512::panels_q8<Q5_0>(p, s.w, nullptr, u0, u1); break;
-    case Q5_1: avx512::panels_q8<Q5_1>(p, s.w, nullptr, u0, u1); break;
-    case Q4_K: avx512::panels_q8<Q4_K>(p, s.w, nullptr, u0, u1); break;
-    case Q5_K: avx512::panels_q8<Q5_K>(p, s.w, nullptr, u0, u1); break;
-    case Q6_K: avx512::panels_q8<Q6_K>(p, s.w, c32, u0, u1); break;
-    default: avx512::panels_q8<Q8_0>(p, s.w, c128, u0, u1); break;
-  }
+  with_panel_kind(s.kind, [&](auto t) {
+    constexpr int TYPE = decltype(t)::value;
+    if (isa < ISA_AVX512)
+      avx2::panels_q8<TYPE>(s.p, s.w, TYPE == Q6_K ? c32 : nullptr, u0, u1);
+    else
+      avx512::panels_q8<TYPE>(s.p, s.w, TYPE == Q6_K ? c32 : TYPE == Q8_0 ? c128 : nullptr, u0, u1);
+  });
 }
 
 // x [M, K] @ the rows of each packed weight in turn -> fp32 [M, sum(rows)]: x rounded to int8 once
