@@ -38,6 +38,9 @@ FP16_AT = {
     T.Q4_K: (0, 2),
     T.Q5_K: (0, 2),
     T.Q6_K: (208,),
+    T.Q4_0: (0,),
+    T.Q4_1: (0, 2),
+    T.Q8_0: (0,),
 }  # where a block keeps its fp16 scales
 # Panel bytes a row per super-block: Q4_K / Q5_K spread their 6-bit scale / min pairs to bytes.
 PANEL_SUPER_BYTES = {T.Q4_K: 148, T.Q5_K: 180, T.Q6_K: 210}
@@ -139,6 +142,28 @@ def test_q5_panel_rows_are_alike_whatever_the_batch(typ, isa):
         assert torch.equal(
             ext.gguf_matmul_panels(x[start:stop], packed, int(typ), n, isa), batched[start:stop]
         )
+
+
+@pytest.mark.parametrize("typ", [T.Q4_0, T.Q4_1, T.Q8_0, *TYPES], ids=lambda t: t.name)
+def test_batches_from_16_rows_widen_each_panel_pair_once_and_keep_every_rows_bits(typ):
+    """AVX-512 batches of 16 rows and more widen a panel pair's codes to bytes once and run every
+    row tile over them (`wide_pair`): each row gets the bits it gets alone (the per-tile path),
+    whatever the batch's size around the threshold, with a lone last panel and partial row tiles;
+    and the product stays within the rounding bound."""
+    skip_missing(2)
+    seed = random.randrange(2**32)
+    rng = np.random.default_rng(seed)
+    k = (256 if typ in KQUANTS else 32) * int(rng.integers(1, 5))
+    n = 16 * int(rng.integers(1, 4)) * 2 + int(rng.integers(1, 16))  # pairs, then a lone partial panel
+    raw = torch.from_numpy(random_blocks(typ, n, k, rng))
+    packed = ext.gguf_pack_panels(raw, int(typ), k)
+    x = torch.randn(41, k) * float(rng.choice((1e-3, 1.0, 50.0)))
+    alone = torch.cat([ext.gguf_matmul_panels(x[i : i + 1], packed, int(typ), n, 2) for i in range(41)])
+    for m in (15, 16, 17, 23, 41):
+        out = ext.gguf_matmul_panels(x[:m], packed, int(typ), n, 2)
+        assert torch.equal(out, alone[:m]), f"{typ.name} m={m} n={n} k={k} seed {seed}"
+    w = dequantized(raw.numpy(), typ)
+    assert within_rounding(alone, rounded_x(x), w, k), f"{typ.name} n={n} k={k} seed {seed}"
 
 
 @pytest.mark.parametrize("typ", [*FIVE_BIT, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
