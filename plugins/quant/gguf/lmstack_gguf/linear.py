@@ -73,6 +73,7 @@ class GGUFLinear(QuantizedLinear):
         copy_min_rows: int | None = None,
         kq_max_rows: int | None = KQ_MAX_ROWS,
         slab_dtype: torch.dtype = torch.float32,
+        kq_panels_every_batch: bool = False,
     ) -> None:
         """`int8_activations`: the kernel rounds x to int8 per 32-block (`block_matmul`).
         `kernel_max_rows`: the largest batch the kernel takes (None: any; larger ones multiply
@@ -85,7 +86,9 @@ class GGUFLinear(QuantizedLinear):
         faster than the int8 panels). `kq_max_rows`: the largest batch a K-quant / Q5_x segment
         multiplies by `kq_max_rows` (int8 activations; None: any); larger ones, and every batch
         with fp32 activations, dequantize it in slabs of `slab_dtype` (bfloat16 on a
-        native-bf16 CPU with int8 activations; a BF16 matrix is then multiplied as it is)."""
+        native-bf16 CPU with int8 activations; a BF16 matrix is then multiplied as it is).
+        `kq_panels_every_batch`: a Q4_K / Q5_K / Q6_K segment kept as panels takes them for
+        every batch whatever `kq_max_rows` (`kquant_batches: auto` where AVX-512 VNNI runs)."""
         super().__init__(spec)
         self.use_native = use_native
         self.int8_activations = int8_activations
@@ -114,6 +117,8 @@ class GGUFLinear(QuantizedLinear):
         # them back from the panels), so the layer holds 0.75 bytes a weight, not 1.3.
         self.panels_only = False
         self.kq_max_rows = sys.maxsize if kq_max_rows is None else kq_max_rows
+        # The same limit for the K-quant segments kept as panels.
+        self.kq_panel_max_rows = sys.maxsize if kq_panels_every_batch else self.kq_max_rows
         self.slab_dtype = slab_dtype
         # (ggml type or None for fp32 rows, rows in the type's layout) per run of output rows of
         # one type: every kept layer that is not a legacy one (module docstring).
@@ -233,7 +238,7 @@ class GGUFLinear(QuantizedLinear):
             self.ggml_type = t
             if self.segment_panels[0] is not None:
                 self.weight.data = torch.empty(self.out_features, 0, dtype=torch.uint8)
-                most = self.kq_max_rows if t in PANEL_KQUANTS else sys.maxsize
+                most = self.kq_panel_max_rows if t in PANEL_KQUANTS else sys.maxsize
                 self._fast = (ext.gguf_matmul_panels, (w, t, self.out_features), most)
                 return
             self.weight.data = w
@@ -255,7 +260,7 @@ class GGUFLinear(QuantizedLinear):
         if ext is None or None in held or not hasattr(ext, "gguf_matmul_panel_segments"):
             return  # a segment keeps its blocks, or an extension built before the op
         types = [t for t, _ in self.segments]
-        most = min(self.kq_max_rows if t in PANEL_KQUANTS else sys.maxsize for t in types)
+        most = min(self.kq_panel_max_rows if t in PANEL_KQUANTS else sys.maxsize for t in types)
         packed = [w for _, w in self.segments]
         self._fast = (ext.gguf_matmul_panel_segments, (packed, types, list(held)), most)
 
@@ -267,7 +272,7 @@ class GGUFLinear(QuantizedLinear):
         if t is None:
             return F.linear(x, w)
         if panel_rows is not None:
-            if t in PANEL_KQUANTS and x.shape[0] > self.kq_max_rows:
+            if t in PANEL_KQUANTS and x.shape[0] > self.kq_panel_max_rows:
                 return self._panel_slabs(x, t, w, panel_rows)
             return native_kernel().gguf_matmul_panels(
                 x if x.stride(-1) == 1 else x.contiguous(), w, t, panel_rows

@@ -63,13 +63,18 @@ class GGUFOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ] = "int8"
     # K-quant / Q5_x layers (no panels, no copy) with int8 activations: batches over 32 rows
     # (prefill) are "slabs", rebuilt a slab at a time in bfloat16 (native-bf16 CPU) or fp32 and
-    # multiplied with x unrounded (prefill ~2x faster than the kernel on a 2-core Zen 4), or
-    # "int8": the kq kernel for every batch, x rounded to int8 as llama.cpp rounds it for every
-    # batch (its perplexity, and every row computed alike in any batch: README).
+    # multiplied with x unrounded (prefill ~2x faster than the kq kernel on a 2-core Zen 4), or
+    # "int8": the kq kernel (or the panels) for every batch, x rounded to int8 as llama.cpp
+    # rounds it for every batch (its perplexity, and every row computed alike in any batch:
+    # README). "auto": "int8" for the Q4_K / Q5_K / Q6_K layers kept as panels where AVX-512 VNNI
+    # runs them (their batched code beats bfloat16 slabs there: a 1536 x 576 Q6_K / Q4_K layer at
+    # 256 rows 0.86 vs 1.38 ms, Zen 4), "slabs" for the rest.
     kquant_batches: Annotated[
-        Literal["slabs", "int8"],
-        msgspec.Meta(description="K-quant layers' batches over 32 rows: bf16/fp32 slabs, or the int8 kernel"),
-    ] = "slabs"
+        Literal["auto", "slabs", "int8"],
+        msgspec.Meta(
+            description="K-quant layers' batches over 32 rows: bf16/fp32 slabs, the int8 kernel, or auto"
+        ),
+    ] = "auto"
 
 
 def build(options: GGUFOptions, ctx: BuildContext):

@@ -68,6 +68,13 @@ def panels_cpu() -> bool:
     return ext is not None and ext.best_isa() >= 1
 
 
+def wide_panels_cpu() -> bool:
+    """Whether the panels run with AVX-512 VNNI here, whose batches from 16 rows widen each panel
+    pair once (`wide_pair`): the K-quants' panels then beat bfloat16 slabs at every batch."""
+    ext = native_kernel()
+    return ext is not None and ext.best_isa() >= 2
+
+
 def prefill_mode(prefill: str, int8_activations: bool) -> str:
     """`GGUFOptions.prefill` resolved: "auto" becomes "panels" where activations are int8 and the
     kernels run (AVX2 or AVX-512, AMX CPUs too: the panels compute a row alike in any batch, so
@@ -140,6 +147,8 @@ class GGUFQuantizer(Quantizer):
         if self.options.kquant_batches == "int8":
             kq_max_rows = None  # the kq kernel at every batch size
         extra.update(kq_max_rows=kq_max_rows, slab_dtype=self.slab_dtype)
+        if self.options.kquant_batches == "auto" and self.panels and wide_panels_cpu():
+            extra.update(kq_panels_every_batch=True)
 
         def make(spec: LinearSpec) -> nn.Module:
             return GGUFLinear(

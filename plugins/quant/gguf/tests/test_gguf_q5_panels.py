@@ -21,8 +21,9 @@ from gguf import GGMLQuantizationType as T
 from lmstack.interfaces import LinearSpec
 from lmstack.model.memory import resident_weight_bytes
 from lmstack_gguf import native
-from lmstack_gguf.kernel import panel_types
+from lmstack_gguf.kernel import KQ_MAX_ROWS, panel_types
 from lmstack_gguf.linear import GGUFLinear
+from lmstack_gguf.plugin import GGUFOptions
 
 ext = None if native.load_error() else native.load()
 pytestmark = pytest.mark.skipif(
@@ -235,7 +236,7 @@ def test_k_quant_panels_dequantize_to_the_blocks_values_bit_for_bit(typ):
 
 @pytest.mark.parametrize("typ", KQUANTS, ids=lambda t: t.name)
 def test_k_quant_panels_take_decode_batches_and_slabs_take_larger_ones_as_before(typ):
-    """`kquant_batches: slabs` (the default): a Q4_K / Q6_K layer kept as panels multiplies batches up to
+    """`kquant_batches: slabs` (the default without AVX-512): a Q4_K / Q6_K layer kept as panels multiplies batches up to
     `kq_max_rows` by the panels, larger ones by slabs rebuilt from them — the bits the blocks'
     slabs gave (x unrounded); with `kq_max_rows` None (`kquant_batches: int8`) panels take all."""
     from lmstack_gguf.kernel import dequant_matmul
@@ -344,6 +345,52 @@ def test_a_mixed_layer_takes_panels_for_its_panel_types_and_kq_for_the_k_quants(
     assert torch.equal(layer.rows(ids), dense[ids])
 
 
+def test_kq_panels_every_batch_sends_the_k_quant_panels_every_batch_and_leaves_kq_blocks_their_limit():
+    """`kq_panels_every_batch` (`kquant_batches: auto` with AVX-512 VNNI): the mixed layer above at
+    64 rows multiplies its Q4_K / Q6_K panels with x rounded, every row's bits as alone; its Q3_K
+    blocks (no panels) keep `kq_max_rows` and their slabs (x unrounded)."""
+    from lmstack.testing.gguf_quants import quantize
+
+    rng = np.random.default_rng(6)
+    k, sizes = 256, (16, 16, 16, 16)
+    types = (T.Q5_0, T.Q4_K, T.Q6_K, T.Q3_K)
+    raws = [quantize(rng.standard_normal((s, k)).astype(np.float32), t) for s, t in zip(sizes, types)]
+    dense = torch.cat([dequantized(r, t) for r, t in zip(raws, types)])
+    layer = _panel_layer(
+        LinearSpec(k, sum(sizes), False, "qkv", output_sizes=sizes), kq_panels_every_batch=True
+    )
+    layer._parts = {i: (int(t), torch.from_numpy(r)) for i, (r, t) in enumerate(zip(raws, types))}
+    layer.finalize()
+    assert layer.segment_panels == [16, 16, 16, None]
+    assert layer.kq_max_rows == KQ_MAX_ROWS and layer.kq_panel_max_rows > 64
+    x = torch.randn(64, k)
+    out = layer(x)
+    assert within_rounding(out[:, :48], rounded_x(x), dense[:48], k)
+    assert within_rounding(out[:, 48:], x, dense[48:], k)  # the Q3_K blocks' slabs: x unrounded
+    picked = [0, 17, 63]
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in picked])[:, :48], out[picked, :48])
+
+
+def test_kquant_batches_auto_resolves_to_the_panels_for_every_batch_only_with_avx512(monkeypatch):
+    """`kquant_batches: auto` (the default): the layers' K-quant panels take every batch where the
+    panels run with AVX-512 VNNI, their `kq_max_rows` elsewhere; `slabs` keeps the limit anywhere."""
+    from lmstack_gguf import quantizer as q
+
+    def layer_of(options: dict, wide: bool) -> GGUFLinear:
+        monkeypatch.setattr(q, "wide_panels_cpu", lambda: wide)
+        quant = object.__new__(q.GGUFQuantizer)
+        quant.options = GGUFOptions(**options)
+        quant.use_native, quant.int8_activations, quant.prefill = True, True, "panels"
+        quant.panels, quant.dense_copy, quant.slab_dtype = True, False, torch.bfloat16
+        return quant.linear_factory()(LinearSpec(256, 16, False, "x"))
+
+    assert layer_of({}, True).kq_panel_max_rows > 10**6
+    assert layer_of({}, False).kq_panel_max_rows == KQ_MAX_ROWS
+    assert layer_of({"kquant_batches": "slabs"}, True).kq_panel_max_rows == KQ_MAX_ROWS
+    assert layer_of({"kquant_batches": "int8"}, False).kq_panel_max_rows > 10**6
+    assert layer_of({}, True).kq_max_rows == KQ_MAX_ROWS  # blocks (no panels) keep their slabs
+
+
 PROMPT = list(range(3, 43))  # above KQ_MAX_ROWS: a Q4_K prompt takes the slabs by default
 
 
@@ -414,7 +461,7 @@ def test_a_model_served_through_the_panels(kind, tmp_path):
 
 
 def test_a_q4_k_m_model_prompt_is_unchanged_by_the_panels(tmp_path):
-    """A tiny llama written as Q4_K_M (Q4_K, Q6_K for v / down) with the default stack: its Q4_K
+    """A tiny llama written as Q4_K_M (Q4_K, Q6_K for v / down), `kquant_batches: slabs`: its Q4_K
     and Q6_K layers are panels, and the 40-token prompt's log-probabilities are bit for bit what the blocks
     give (`prefill: dense-copy`: no panels, the Q4_K blocks through kq and slabs, as before the
     panels), since prefill above KQ_MAX_ROWS multiplies slabs rebuilt from the panels; the greedy
@@ -423,7 +470,8 @@ def test_a_q4_k_m_model_prompt_is_unchanged_by_the_panels(tmp_path):
     kq before: the same products summed in another order.)"""
     pytest.importorskip("transformers")
     path = _tiny_file("llama3", "q4_k_m", tmp_path)
-    quant = {"weights": "gguf", "kv_cache": "none", "lm_head": "dense"}
+    # (`kquant_batches: slabs`: the default's `auto` sends prefill through the panels with AVX-512.)
+    quant = {"weights": "gguf", "kv_cache": "none", "lm_head": "dense", "kquant_batches": "slabs"}
     before_tokens, before, old_model, _ = _serve(path, {**quant, "prefill": "dense-copy"})
     assert not any(n for m in old_model.modules() if isinstance(m, GGUFLinear) for n in m.segment_panels if n)
     tokens, ours, model, _ = _serve(path, quant)
