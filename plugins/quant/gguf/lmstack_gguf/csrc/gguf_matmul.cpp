@@ -791,11 +791,168 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
   for (int r = 0; r < MR; ++r) _mm256_maskstore_ps(out + r * ldo, keep, acc[r]);
 }
 
+// Batches from WIDE_MIN_ROWS rows (as the AVX-512 `wide_pair`): a half's codes widened to bytes
+// once over the whole K (per block 8 x 32 bytes: vectors j = 0..3 the low-nibble values 4j ..
+// 4j + 3 of its 8 rows, 4 + j the high-nibble ones; Q5's fifth and Q6_K's fifth and sixth bits
+// or-ed in) and its scales made in fp32 as `panel_half` makes them, then every row tile runs over
+// the buffer: `panel_half` widens a block once per 4-row tile. The integer sums are exact and the
+// fp32 operations those of `panel_half`, in its order: a row's bits whatever the batch. Q8_0's
+// panels hold bytes already: it keeps `panel_half`. Development timings (this AVX2 code on a
+// 2-core Zen 4, SmolLM2 Q4_K_M's 120 layer linears, alternating runs): 256 rows 203-209 vs
+// 255-257 ms, 32 rows 28.6-30.4 vs 32.0-36.6, 16 rows even (16.5-18.6 vs 17.0-19.0).
+constexpr int64_t WIDE_MIN_ROWS = 16;
+
+template <int TYPE>
+void widen_half(const uint8_t* w, int half, int64_t nb, uint8_t* codes, float* dv, float* mv) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + panel_codes_at<TYPE>(b) + 32 * half;
+    uint8_t* dst = codes + b * 256;
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j));
+      __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+      if constexpr (TYPE == Q6_K) {
+        const uint8_t* bits = w + panel_codes_at<TYPE>(b) + 256 + 32 * j + 4 * half;
+        lo = _mm256_or_si256(_mm256_or_si256(lo, sixteens(bits)), sixteens(bits + 8, 32));
+        hi = _mm256_or_si256(_mm256_or_si256(hi, sixteens(bits + 16)), sixteens(bits + 24, 32));
+      } else if constexpr (FIVE_BIT<TYPE>) {
+        const uint8_t* fifth = w + panel_codes_at<TYPE>(b) + 256 + 16 * j + 4 * half;
+        lo = _mm256_or_si256(lo, sixteens(fifth));
+        hi = _mm256_or_si256(hi, sixteens(fifth + 8));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * j), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * (4 + j)), hi);
+    }
+    // The scales as `panel_half` makes them (Q6_K: its s_lo in dv, s_hi in mv).
+    float* d = dv + b * 8;
+    float* m = mv + b * 8;
+    if constexpr (TYPE == Q6_K) {
+      const uint8_t* sup = w + (b >> 3) * Q6K_PANEL_SUPER;
+      const int64_t t = b & 7;
+      auto bytes8 = [](const uint8_t* q) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+      };
+      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 3328 + 16 * half)));
+      _mm256_storeu_ps(d, _mm256_mul_ps(dd, bytes8(sup + 3072 + 32 * t + 8 * half)));
+      _mm256_storeu_ps(m, _mm256_mul_ps(dd, bytes8(sup + 3072 + 32 * t + 16 + 8 * half)));
+    } else if constexpr (K4<TYPE>) {
+      const uint8_t* sup = w + (b >> 3) * K4_SUPER<TYPE> + K4_SCALES<TYPE>;
+      const int64_t t = b & 7;
+      auto bytes8 = [](const uint8_t* q) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+      };
+      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 256 + 16 * half)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 288 + 16 * half)));
+      _mm256_storeu_ps(d, _mm256_mul_ps(dd, bytes8(sup + 16 * t + 8 * half)));
+      _mm256_storeu_ps(m, _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmin, bytes8(sup + 128 + 16 * t + 8 * half))));
+    } else {
+      const uint8_t* head = w + b * PANEL_BLOCK<TYPE> + PANEL_CODES<TYPE> + 16 * half;
+      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
+      _mm256_storeu_ps(d, dd);
+      if constexpr (PANEL_BIAS<TYPE> != 0.f)
+        _mm256_storeu_ps(m, _mm256_mul_ps(dd, _mm256_set1_ps(-PANEL_BIAS<TYPE>)));
+      else
+        _mm256_storeu_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 32))));
+    }
+  }
+}
+
+// MR activation rows x one half widened by `widen_half`: `panel_half`'s sums from the buffer.
+template <int TYPE, int MR>
+inline void wide_half(const uint8_t* codes, const float* dv, const float* mv, const int8_t* qx, int64_t K,
+                      const float* dx, const float* sx, const int32_t* c32, float* out, int64_t ldo, int valid) {
+  const int64_t nb = K / QK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = codes + b * 256;
+    const int8_t* xb = qx + b * QK;
+    const __m256 d = _mm256_loadu_ps(dv + b * 8), m = _mm256_loadu_ps(mv + b * 8);
+    if constexpr (TYPE == Q6_K) {  // codes 0..63: two maddubs sums at most in int16
+      __m256i dl[MR], dh[MR], sl[MR], sh[MR];
+      for (int r = 0; r < MR; ++r) dl[r] = dh[r] = sl[r] = sh[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * (4 + j)));
+        for (int r = 0; r < MR; ++r) {
+          int32_t xl, xh;
+          std::memcpy(&xl, xb + r * K + 4 * j, 4);
+          std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
+          sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+          sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+          if (j % 2 == 1) {
+            dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(sl[r], ones));
+            dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(sh[r], ones));
+            sl[r] = sh[r] = _mm256_setzero_si256();
+          }
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m256 dxr = _mm256_set1_ps(dx[r * nb + b]);
+        const int32_t* c = c32 + r * 2 * nb + 2 * b;
+        const __m256i il = _mm256_sub_epi32(dl[r], _mm256_set1_epi32(c[0]));
+        const __m256i ih = _mm256_sub_epi32(dh[r], _mm256_set1_epi32(c[1]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_mul_ps(d, dxr), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_mul_ps(m, dxr), acc[r]);
+      }
+      continue;
+    }
+    __m256i s16[MR], dot[MR];
+    for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256(), dot[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * (4 + j)));
+      for (int r = 0; r < MR; ++r) {
+        int32_t xl, xh;
+        std::memcpy(&xl, xb + r * K + 4 * j, 4);
+        std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
+        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+      }
+      if constexpr (FIVE_BIT<TYPE>)  // 5-bit codes: 4 maddubs sums at most in int16
+        if (j % 2 == 1)
+          for (int r = 0; r < MR; ++r) {
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(s16[r], ones));
+            s16[r] = _mm256_setzero_si256();
+          }
+    }
+    if constexpr (!FIVE_BIT<TYPE>)
+      for (int r = 0; r < MR; ++r) dot[r] = _mm256_madd_epi16(s16[r], ones);
+    for (int r = 0; r < MR; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
+    }
+  }
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int r = 0; r < MR; ++r) _mm256_maskstore_ps(out + r * ldo, keep, acc[r]);
+}
+
 // Halves [u0, u1) of the output (half u: weight rows [8u, 8u + 8)), every activation row, in
-// chunks of rows that stay in cache while the thread's halves pass over them.
+// chunks of rows that stay in cache while the thread's halves pass over them (from
+// WIDE_MIN_ROWS rows, but for Q8_0: each half widened once, `wide_half`).
 template <int TYPE>
 void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c32, int64_t u0, int64_t u1) {
   const int64_t nb = p.K / QK, panel_bytes = nb * panel_block_bytes(TYPE);
+  if (TYPE != Q8_0 && p.M >= WIDE_MIN_ROWS) {
+    thread_local std::vector<uint8_t> codes;
+    thread_local std::vector<float> scales;
+    codes.resize(size_t(nb * 256));
+    scales.resize(size_t(2 * nb * 8));
+    float* dv = scales.data();
+    float* mv = dv + nb * 8;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t col = 8 * u;
+      const int valid = int(std::min<int64_t>(8, p.N - col));
+      if (valid <= 0) continue;
+      widen_half<TYPE>(packed + (u / 2) * panel_bytes, int(u % 2), nb, codes.data(), dv, mv);
+      for_row_tiles(0, p.M, [&](auto mr, int64_t r) {
+        wide_half<TYPE, decltype(mr)::value>(codes.data(), dv, mv, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
+                                             c32 ? c32 + r * 2 * nb : nullptr, p.out + r * p.ldo + col, p.ldo, valid);
+      });
+    }
+    return;
+  }
   constexpr int64_t ROW_CHUNK = 64;
   for (int64_t rc = 0; rc < p.M; rc += ROW_CHUNK) {
     const int64_t rc1 = std::min(p.M, rc + ROW_CHUNK);
