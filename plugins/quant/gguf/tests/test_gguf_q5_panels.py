@@ -147,21 +147,22 @@ def test_q5_panel_rows_are_alike_whatever_the_batch(typ, isa):
 
 @pytest.mark.parametrize("typ", [T.Q4_0, T.Q4_1, T.Q8_0, *TYPES], ids=lambda t: t.name)
 @pytest.mark.parametrize("isa", PANEL_ISAS, ids=isa_ids)
-def test_batches_from_16_rows_widen_each_panel_pair_once_and_keep_every_rows_bits(typ, isa):
-    """Batches of 16 rows and more widen a panel pair's (AVX2: a half's) codes to bytes once and
-    run every row tile over them (`wide_pair`, `wide_half`): each row gets the bits it gets alone
-    (the per-tile path), whatever the batch's size around the threshold, with a lone last panel
-    and partial row tiles; and the product stays within the rounding bound."""
+def test_large_batches_widen_each_panel_pair_once_and_keep_every_rows_bits(typ, isa):
+    """Batches of the 5- and 6-bit kinds from 32 rows (AVX2) or 64 (AVX-512) widen a panel pair's
+    (AVX2: a half's) codes to bytes once and run every row tile over them (`wide_pair`,
+    `wide_half`): each row gets the bits it gets alone (the per-tile path), whatever the batch's
+    size around the thresholds, with a lone last panel and partial row tiles; the other kinds keep
+    the per-tile path and the same rule; the product stays within the rounding bound."""
     skip_missing(isa)
     seed = random.randrange(2**32)
     rng = np.random.default_rng(seed)
-    k = (256 if typ in KQUANTS else 32) * int(rng.integers(1, 5))
-    n = 16 * int(rng.integers(1, 4)) * 2 + int(rng.integers(1, 16))  # pairs, then a lone partial panel
+    k = (256 if typ in KQUANTS else 32) * int(rng.integers(1, 4))
+    n = 16 * int(rng.integers(1, 3)) * 2 + int(rng.integers(1, 16))  # pairs, then a lone partial panel
     raw = torch.from_numpy(random_blocks(typ, n, k, rng))
     packed = ext.gguf_pack_panels(raw, int(typ), k)
-    x = torch.randn(41, k) * float(rng.choice((1e-3, 1.0, 50.0)))
-    alone = torch.cat([ext.gguf_matmul_panels(x[i : i + 1], packed, int(typ), n, isa) for i in range(41)])
-    for m in (15, 16, 17, 23, 41):
+    x = torch.randn(70, k) * float(rng.choice((1e-3, 1.0, 50.0)))
+    alone = torch.cat([ext.gguf_matmul_panels(x[i : i + 1], packed, int(typ), n, isa) for i in range(70)])
+    for m in (31, 32, 33, 63, 64, 65, 70):
         out = ext.gguf_matmul_panels(x[:m], packed, int(typ), n, isa)
         assert torch.equal(out, alone[:m]), f"{typ.name} m={m} n={n} k={k} seed {seed}"
     w = dequantized(raw.numpy(), typ)
@@ -200,9 +201,9 @@ def test_panels_largest_codes_do_not_saturate(typ, isa):
     w = dequantized(raw.numpy(), typ)
     assert torch.all(w == {T.Q5_0: 15.0, T.Q5_1: 31.0, T.Q5_K: 31.0, T.Q6_K: 31.0}[typ])
     assert within_rounding(out, rounded_x(x), w, k)
-    # The same rows in a batch of 18 (codes widened once per panel pair or half: `wide_pair`).
-    big = x.repeat(6, 1)
-    assert torch.equal(ext.gguf_matmul_panels(big, packed, int(typ), n, isa), out.repeat(6, 1))
+    # The same rows in a batch of 66 (codes widened once per panel pair or half: `wide_pair`).
+    big = x.repeat(22, 1)
+    assert torch.equal(ext.gguf_matmul_panels(big, packed, int(typ), n, isa), out.repeat(22, 1))
 
 
 def test_q5_pack_refuses_rows_of_the_wrong_size_in_one_line():

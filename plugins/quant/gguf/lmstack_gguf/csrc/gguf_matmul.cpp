@@ -273,6 +273,13 @@ constexpr int PANEL = 16;
 
 template <int TYPE>
 constexpr bool FIVE_BIT = TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K;
+// The panel kinds whose batches widen their codes once per call (`wide_pair`, `wide_half`): the
+// 5- and 6-bit ones, whose per-tile widening (mask adds, spread bits) costs most. For the 4-bit
+// kinds it was slower (one process, alternating, a 1536 x 1536 layer, 2-core Zen 4: Q4_0 / Q4_1 /
+// Q4_K 1.04-1.40x the per-tile time at 16-256 rows with AVX-512, 1.02-1.17x with AVX2; Q5_0 /
+// Q5_1 / Q5_K / Q6_K 0.72-0.93x at 64 rows and more with AVX-512, 0.51-0.90x from 32 with AVX2).
+template <int TYPE>
+constexpr bool WIDE = FIVE_BIT<TYPE> || TYPE == Q6_K;
 // Q4_K and Q5_K (Q4_K with Q5's fifth bits): the same panel super-block but for the code bytes.
 template <int TYPE>
 constexpr bool K4 = TYPE == Q4_K || TYPE == Q5_K;
@@ -796,11 +803,9 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
 // 4j + 3 of its 8 rows, 4 + j the high-nibble ones; Q5's fifth and Q6_K's fifth and sixth bits
 // or-ed in) and its scales made in fp32 as `panel_half` makes them, then every row tile runs over
 // the buffer: `panel_half` widens a block once per 4-row tile. The integer sums are exact and the
-// fp32 operations those of `panel_half`, in its order: a row's bits whatever the batch. Q8_0's
-// panels hold bytes already: it keeps `panel_half`. Development timings (this AVX2 code on a
-// 2-core Zen 4, SmolLM2 Q4_K_M's 120 layer linears, alternating runs): 256 rows 203-209 vs
-// 255-257 ms, 32 rows 28.6-30.4 vs 32.0-36.6, 16 rows even (16.5-18.6 vs 17.0-19.0).
-constexpr int64_t WIDE_MIN_ROWS = 16;
+// fp32 operations those of `panel_half`, in its order: a row's bits whatever the batch. The 5- and
+// 6-bit kinds only (`WIDE`), from 32 rows (Q5_1 at 16 rows: 1.03x the per-tile time, above).
+constexpr int64_t WIDE_MIN_ROWS = 32;
 
 template <int TYPE>
 void widen_half(const uint8_t* w, int half, int64_t nb, uint8_t* codes, float* dv, float* mv) {
@@ -929,12 +934,12 @@ inline void wide_half(const uint8_t* codes, const float* dv, const float* mv, co
 }
 
 // Halves [u0, u1) of the output (half u: weight rows [8u, 8u + 8)), every activation row, in
-// chunks of rows that stay in cache while the thread's halves pass over them (from
-// WIDE_MIN_ROWS rows, but for Q8_0: each half widened once, `wide_half`).
+// chunks of rows that stay in cache while the thread's halves pass over them (the `WIDE` kinds
+// from WIDE_MIN_ROWS rows: each half widened once, `wide_half`).
 template <int TYPE>
 void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c32, int64_t u0, int64_t u1) {
   const int64_t nb = p.K / QK, panel_bytes = nb * panel_block_bytes(TYPE);
-  if (TYPE != Q8_0 && p.M >= WIDE_MIN_ROWS) {
+  if (WIDE<TYPE> && p.M >= WIDE_MIN_ROWS) {
     thread_local std::vector<uint8_t> codes;
     thread_local std::vector<float> scales;
     codes.resize(size_t(nb * 256));
@@ -1299,19 +1304,16 @@ inline void panel_rows(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p
 
 // --- batches: a panel pair's codes widened to bytes once, then every row tile over them ----------
 //
-// `panel_tile` widens a block's 4-, 5- or 6-bit codes to bytes (and makes its scales) for each
-// tile of 4 rows, so at 32 rows a block's codes are widened 8 times: about as many vector
-// instructions as the tile's vpdpbusd (~370 GFLOP/s at 32 rows, a 2-core Zen 4, where int8
-// matmuls reach ~870). From WIDE_MIN_ROWS rows a thread first widens its panel pair over the whole
-// K into a buffer of Q8_0-like vectors (per block and panel 8 x 64 bytes: vector t holds the
-// values 4t .. 4t + 3 of the 16 rows, codes 0..15 / 0..31 / 0..63 as bytes) and each block's
-// scales into fp32 (the values `panel_tile` makes, by the same operations), and then runs its
-// row tiles over the buffer (K = 1536: 48 KB, in L2). SmolLM2 Q4_K_M's 30 layers, 2-core Zen 4,
-// development timings (alternating runs): 32 rows ~16 vs ~17.7-19.3 ms, 16 rows ~10.4 vs ~11.6;
-// at 8 rows the widening costs more than it saves (~7.0-7.7 vs ~6.0-6.9 ms), hence 16. Integer sums are exact and each output
+// `panel_tile` widens a block's 5- or 6-bit codes to bytes (and makes its scales) for each tile of
+// 4 rows, so at 64 rows a block's codes are widened 16 times: about as many vector instructions
+// as the tile's vpdpbusd. From WIDE_MIN_ROWS rows a thread of a `WIDE` kind first widens its panel
+// pair over the whole K into a buffer of Q8_0-like vectors (per block and panel 8 x 64 bytes:
+// vector t holds the values 4t .. 4t + 3 of the 16 rows, codes 0..31 / 0..63 as bytes) and each
+// block's scales into fp32 (the values `panel_tile` makes, by the same operations), and then runs
+// its row tiles over the buffer (K = 1536: 48 KB, in L2). Integer sums are exact and each output
 // takes the same fp32 operations in the same order as in `panel_tile`: the same bits for a row
-// whatever the batch. Q8_0's panels already hold bytes: it keeps `panel_tile`.
-constexpr int64_t WIDE_MIN_ROWS = 16;
+// whatever the batch. 64 rows: at 32 Q5_1 took 1.07x the per-tile time, Q6_K 0.89x (above).
+constexpr int64_t WIDE_MIN_ROWS = 64;
 
 template <int TYPE, int NR>
 void widen_pair(const uint8_t* w, int64_t panel_bytes, int64_t nb, uint8_t* codes, float* dv, float* mv) {
@@ -1449,11 +1451,11 @@ void wide_pair(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const 
 
 // Panel pairs [t0, t1) of the output (the last pair may be one panel), every activation row, in
 // chunks of rows so that a chunk of x stays in cache while the thread's panels pass over it
-// (from WIDE_MIN_ROWS rows, but for Q8_0: each pair widened once, `wide_pair`).
+// (the `WIDE` kinds from WIDE_MIN_ROWS rows: each pair widened once, `wide_pair`).
 template <int TYPE>
 void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, int64_t t0, int64_t t1) {
   const int64_t panels = (p.N + PANEL - 1) / PANEL, panel_bytes = p.K / QK * panel_block_bytes(TYPE);
-  if (TYPE != Q8_0 && p.M >= WIDE_MIN_ROWS) {
+  if (WIDE<TYPE> && p.M >= WIDE_MIN_ROWS) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t first = 2 * t;
       const uint8_t* w = packed + first * panel_bytes;
