@@ -69,8 +69,8 @@ def panels_cpu() -> bool:
 
 
 def wide_panels_cpu() -> bool:
-    """Whether the panels run with AVX-512 VNNI here, whose batches from 16 rows widen each panel
-    pair once (`wide_pair`): the K-quants' panels then beat bfloat16 slabs at every batch. (AVX2
+    """Whether the panels run with AVX-512 VNNI here (Q5_K / Q6_K batches from 64 rows widened
+    once per call, `wide_pair`): the K-quants' panels then beat bfloat16 slabs at every batch. (AVX2
     CPUs keep the slabs, fp32 there, under `auto`: panels against them not measured on one.)"""
     ext = native_kernel()
     return ext is not None and ext.best_isa() >= 2
