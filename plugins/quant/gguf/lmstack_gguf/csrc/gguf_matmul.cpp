@@ -669,13 +669,127 @@ inline __m256i sixteens(const uint8_t* bits4, char value = 16) {
 // maddubs multiplies 4 x values by 4 positions of 8 rows into pairs of int16. For Q4 codes (0..15)
 // the int16 sums of a whole block stay below 2^15 (16 x 15 x 127), so they are widened once per
 // block, Q5's (0..31: the fifth bits or-ed in as 16) once per half block; Q8_0's are widened per
-// maddubs. MR activation rows x one half.
+// maddubs. The pieces below serve both `panel_half` (codes widened per tile, in registers) and
+// `wide_half` (codes widened once per call into a buffer), so both compute the same way.
+
+// Vector j (0..3) of block b of a half, its codes as bytes: lo the values 4j .. 4j + 3 of the 8
+// rows, hi 16 + 4j .. 16 + 4j + 3 (Q5's fifth bits, Q6_K's fifth and sixth or-ed in).
+template <int TYPE>
+inline void half_codes(const uint8_t* w, int half, int64_t b, int j, __m256i& lo, __m256i& hi) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + panel_codes_at<TYPE>(b) + 32 * half + 64 * j));
+  lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  if constexpr (TYPE == Q6_K) {
+    const uint8_t* bits = w + panel_codes_at<TYPE>(b) + 256 + 32 * j + 4 * half;
+    lo = _mm256_or_si256(_mm256_or_si256(lo, sixteens(bits)), sixteens(bits + 8, 32));
+    hi = _mm256_or_si256(_mm256_or_si256(hi, sixteens(bits + 16)), sixteens(bits + 24, 32));
+  } else if constexpr (FIVE_BIT<TYPE>) {  // this half's 32 bits of masks 2j and 2j + 1
+    const uint8_t* fifth = w + panel_codes_at<TYPE>(b) + 256 + 16 * j + 4 * half;
+    lo = _mm256_or_si256(lo, sixteens(fifth));
+    hi = _mm256_or_si256(hi, sixteens(fifth + 8));
+  }
+}
+
+// Block b's scales for the 8 rows of a half: d and m (value = d * q + m; Q4_0 / Q5_0: m = -bias d;
+// Q8_0: m unused), or for Q6_K its two groups' d * sc in d (low nibbles) and m (high nibbles).
+template <int TYPE>
+inline void half_scales(const uint8_t* w, int half, int64_t b, __m256& d, __m256& m) {
+  m = _mm256_setzero_ps();
+  if constexpr (TYPE == Q6_K) {
+    const uint8_t* sup = w + (b >> 3) * Q6K_PANEL_SUPER;
+    const int64_t t = b & 7;
+    auto bytes8 = [](const uint8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 3328 + 16 * half)));
+    d = _mm256_mul_ps(dd, bytes8(sup + 3072 + 32 * t + 8 * half));
+    m = _mm256_mul_ps(dd, bytes8(sup + 3072 + 32 * t + 16 + 8 * half));
+  } else if constexpr (K4<TYPE>) {  // d * sc_t and -(dmin * mn_t), 8 rows
+    const uint8_t* sup = w + (b >> 3) * K4_SUPER<TYPE> + K4_SCALES<TYPE>;
+    const int64_t t = b & 7;
+    auto bytes8 = [](const uint8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 256 + 16 * half)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 288 + 16 * half)));
+    d = _mm256_mul_ps(dd, bytes8(sup + 16 * t + 8 * half));
+    m = _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmin, bytes8(sup + 128 + 16 * t + 8 * half)));
+  } else {
+    const uint8_t* head = w + b * PANEL_BLOCK<TYPE> + PANEL_CODES<TYPE> + 16 * half;
+    d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
+    if constexpr (PANEL_BIAS<TYPE> != 0.f)
+      m = _mm256_mul_ps(d, _mm256_set1_ps(-PANEL_BIAS<TYPE>));
+    else if constexpr (TYPE != Q8_0)
+      m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 32)));
+  }
+}
+
+// A block's integer sums for MR rows, one vector j (0..3) of codes at a time: the maddubs sums
+// of lo and hi in int16 (s_lo, s_hi), widened into the int32 sums (d_lo, d_hi) where the codes'
+// size requires. Q6_K (codes 0..63): lo and hi apart (two scale groups), widened every second j;
+// the others: one sum (s_lo, d_lo), widened every second j for 5-bit codes, at the end for 4-bit.
+template <int TYPE, int MR>
+inline void half_step(__m256i lo, __m256i hi, const int8_t* xb, int64_t K, int j, __m256i* s_lo, __m256i* s_hi,
+                      __m256i* d_lo, __m256i* d_hi) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < MR; ++r) {
+    int32_t xl, xh;
+    std::memcpy(&xl, xb + r * K + 4 * j, 4);
+    std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
+    if constexpr (TYPE == Q6_K) {
+      s_lo[r] = _mm256_add_epi16(s_lo[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+      s_hi[r] = _mm256_add_epi16(s_hi[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+      if (j % 2 == 1) {
+        d_lo[r] = _mm256_add_epi32(d_lo[r], _mm256_madd_epi16(s_lo[r], ones));
+        d_hi[r] = _mm256_add_epi32(d_hi[r], _mm256_madd_epi16(s_hi[r], ones));
+        s_lo[r] = s_hi[r] = _mm256_setzero_si256();
+      }
+    } else {
+      s_lo[r] = _mm256_add_epi16(s_lo[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+      s_lo[r] = _mm256_add_epi16(s_lo[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+    }
+  }
+  // 5-bit codes (0..31): 4 maddubs sums (4 x 2 x 31 x 127 < 2^15) at most in int16.
+  if constexpr (TYPE != Q6_K && FIVE_BIT<TYPE>)
+    if (j % 2 == 1)
+      for (int r = 0; r < MR; ++r) {
+        d_lo[r] = _mm256_add_epi32(d_lo[r], _mm256_madd_epi16(s_lo[r], ones));
+        s_lo[r] = _mm256_setzero_si256();
+      }
+}
+
+// A block's sums (after its four `half_step`s) into the rows' accumulators, times its scales
+// (`half_scales`) and each row's dx (and sx, or Q6_K's c32 bias sums).
+template <int TYPE, int MR>
+inline void half_finish(__m256* acc, __m256i* s_lo, __m256i* d_lo, __m256i* d_hi, __m256 d, __m256 m,
+                        const float* dx, const float* sx, const int32_t* c32, int64_t nb, int64_t b) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (TYPE == Q6_K) {
+    for (int r = 0; r < MR; ++r) {
+      const __m256 dxr = _mm256_set1_ps(dx[r * nb + b]);
+      const int32_t* c = c32 + r * 2 * nb + 2 * b;
+      const __m256i il = _mm256_sub_epi32(d_lo[r], _mm256_set1_epi32(c[0]));
+      const __m256i ih = _mm256_sub_epi32(d_hi[r], _mm256_set1_epi32(c[1]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_mul_ps(d, dxr), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_mul_ps(m, dxr), acc[r]);
+    }
+    return;
+  }
+  if constexpr (!FIVE_BIT<TYPE> && TYPE != Q8_0)
+    for (int r = 0; r < MR; ++r) d_lo[r] = _mm256_madd_epi16(s_lo[r], ones);
+  for (int r = 0; r < MR; ++r) {
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_lo[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+    if constexpr (TYPE != Q8_0) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
+  }
+}
+
+// MR activation rows x one half, the codes widened per block (`half_codes`) in registers.
 template <int TYPE, int MR>
 inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, const float* dx, const float* sx,
                        const int32_t* c32, float* out, int64_t ldo, int valid) {
-  constexpr int64_t PB = PANEL_BLOCK<TYPE>, CODES = PANEL_CODES<TYPE>;
+  constexpr int64_t PB = PANEL_BLOCK<TYPE>;
   const int64_t nb = K / QK;
-  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -683,54 +797,11 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
     // finds these lines in cache already).
     const char* next = reinterpret_cast<const char*>(w + panel_codes_at<TYPE>(b)) + PREFETCH_BYTES;
     for (int64_t o = 0; o < PB; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
-    const uint8_t* blk = w + panel_codes_at<TYPE>(b) + 32 * half;
     const int8_t* xb = qx + b * QK;
-    if constexpr (TYPE == Q6_K) {  // codes 0..63: two maddubs sums at most in int16
-      __m256i dl[MR], dh[MR], sl[MR], sh[MR];
-      for (int r = 0; r < MR; ++r)
-        dl[r] = dh[r] = sl[r] = sh[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j));
-        const uint8_t* bits = w + panel_codes_at<TYPE>(b) + 256 + 32 * j + 4 * half;
-        const __m256i lo = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(raw, mask), sixteens(bits)),
-                                           sixteens(bits + 8, 32));
-        const __m256i hi = _mm256_or_si256(
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), sixteens(bits + 16)),
-            sixteens(bits + 24, 32));
-        for (int r = 0; r < MR; ++r) {
-          int32_t xl, xh;
-          std::memcpy(&xl, xb + r * K + 4 * j, 4);
-          std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
-          sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
-          sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
-          if (j % 2 == 1) {
-            dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(sl[r], ones));
-            dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(sh[r], ones));
-            sl[r] = sh[r] = _mm256_setzero_si256();
-          }
-        }
-      }
-      const uint8_t* sup = w + (b >> 3) * Q6K_PANEL_SUPER;
-      const int64_t t = b & 7;
-      auto bytes8 = [](const uint8_t* p) {
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-      };
-      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 3328 + 16 * half)));
-      const __m256 s_lo = _mm256_mul_ps(dd, bytes8(sup + 3072 + 32 * t + 8 * half));
-      const __m256 s_hi = _mm256_mul_ps(dd, bytes8(sup + 3072 + 32 * t + 16 + 8 * half));
-      for (int r = 0; r < MR; ++r) {
-        const __m256 dxr = _mm256_set1_ps(dx[r * nb + b]);
-        const int32_t* c = c32 + r * 2 * nb + 2 * b;
-        const __m256i il = _mm256_sub_epi32(dl[r], _mm256_set1_epi32(c[0]));
-        const __m256i ih = _mm256_sub_epi32(dh[r], _mm256_set1_epi32(c[1]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_mul_ps(s_lo, dxr), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_mul_ps(s_hi, dxr), acc[r]);
-      }
-      continue;
-    }
-    __m256i dot[MR];
+    __m256i s_lo[MR], s_hi[MR], d_lo[MR], d_hi[MR];
+    for (int r = 0; r < MR; ++r) s_lo[r] = s_hi[r] = d_lo[r] = d_hi[r] = _mm256_setzero_si256();
     if constexpr (TYPE == Q8_0) {
-      for (int r = 0; r < MR; ++r) dot[r] = _mm256_setzero_si256();
+      const uint8_t* blk = w + panel_codes_at<TYPE>(b) + 32 * half;
       for (int t = 0; t < 8; ++t) {
         const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * t)), flip);
         const __m256i wa = _mm256_abs_epi8(ws);
@@ -738,61 +809,19 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
           int32_t x4;
           std::memcpy(&x4, xb + r * K + 4 * t, 4);
           const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x4), ws);  // w's sign moved onto x
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones));
+          d_lo[r] = _mm256_add_epi32(d_lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones));
         }
       }
     } else {
-      __m256i s16[MR];
-      for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256(), dot[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j));
-        __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-        if constexpr (FIVE_BIT<TYPE>) {  // this half's 32 bits of masks 2j and 2j + 1
-          const uint8_t* fifth = w + panel_codes_at<TYPE>(b) + 256 + 16 * j + 4 * half;
-          lo = _mm256_or_si256(lo, sixteens(fifth));
-          hi = _mm256_or_si256(hi, sixteens(fifth + 8));
-        }
-        for (int r = 0; r < MR; ++r) {
-          int32_t xl, xh;
-          std::memcpy(&xl, xb + r * K + 4 * j, 4);
-          std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
-          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
-          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
-        }
-        // 5-bit codes (0..31): 4 maddubs sums (4 x 2 x 31 x 127 < 2^15) at most in int16.
-        if constexpr (FIVE_BIT<TYPE>)
-          if (j % 2 == 1)
-            for (int r = 0; r < MR; ++r) {
-              dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(s16[r], ones));
-              s16[r] = _mm256_setzero_si256();
-            }
+        __m256i lo, hi;
+        half_codes<TYPE>(w, half, b, j, lo, hi);
+        half_step<TYPE, MR>(lo, hi, xb, K, j, s_lo, s_hi, d_lo, d_hi);
       }
-      if constexpr (!FIVE_BIT<TYPE>)
-        for (int r = 0; r < MR; ++r) dot[r] = _mm256_madd_epi16(s16[r], ones);
     }
-    __m256 d, m = _mm256_setzero_ps();
-    if constexpr (K4<TYPE>) {  // d * sc_t and -(dmin * mn_t), 8 rows
-      const uint8_t* sup = w + (b >> 3) * K4_SUPER<TYPE> + K4_SCALES<TYPE>;
-      const int64_t t = b & 7;
-      auto bytes8 = [](const uint8_t* p) {
-        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-      };
-      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 256 + 16 * half)));
-      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 288 + 16 * half)));
-      d = _mm256_mul_ps(dd, bytes8(sup + 16 * t + 8 * half));
-      m = _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmin, bytes8(sup + 128 + 16 * t + 8 * half)));
-    } else {
-      const uint8_t* head = w + b * PB + CODES + 16 * half;
-      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
-      if constexpr (PANEL_BIAS<TYPE> != 0.f)
-        m = _mm256_mul_ps(d, _mm256_set1_ps(-PANEL_BIAS<TYPE>));
-      else if constexpr (TYPE != Q8_0)
-        m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 32)));
-    }
-    for (int r = 0; r < MR; ++r) {
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
-      if constexpr (TYPE != Q8_0) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
-    }
+    __m256 d, m;
+    half_scales<TYPE>(w, half, b, d, m);
+    half_finish<TYPE, MR>(acc, s_lo, d_lo, d_hi, d, m, dx, sx, c32, nb, b);
   }
   const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   for (int r = 0; r < MR; ++r) _mm256_maskstore_ps(out + r * ldo, keep, acc[r]);
@@ -800,134 +829,46 @@ inline void panel_half(const uint8_t* w, int half, const int8_t* qx, int64_t K, 
 
 // Batches from WIDE_MIN_ROWS rows (as the AVX-512 `wide_pair`): a half's codes widened to bytes
 // once over the whole K (per block 8 x 32 bytes: vectors j = 0..3 the low-nibble values 4j ..
-// 4j + 3 of its 8 rows, 4 + j the high-nibble ones; Q5's fifth and Q6_K's fifth and sixth bits
-// or-ed in) and its scales made in fp32 as `panel_half` makes them, then every row tile runs over
-// the buffer: `panel_half` widens a block once per 4-row tile. The integer sums are exact and the
-// fp32 operations those of `panel_half`, in its order: a row's bits whatever the batch. The 5- and
-// 6-bit kinds only (`WIDE`), from 32 rows (Q5_1 at 16 rows: 1.03x the per-tile time, above).
+// 4j + 3 of its 8 rows, 4 + j the high-nibble ones: `half_codes`) and its scales (`half_scales`),
+// then every row tile runs over the buffer: `panel_half` widens a block once per 4-row tile.
+// The same pieces in the same order: a row's bits whatever the batch. The 5- and 6-bit kinds
+// only (`WIDE`), from 32 rows (Q5_1 at 16 rows: 1.03x the per-tile time, above).
 constexpr int64_t WIDE_MIN_ROWS = 32;
 
 template <int TYPE>
 void widen_half(const uint8_t* w, int half, int64_t nb, uint8_t* codes, float* dv, float* mv) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + panel_codes_at<TYPE>(b) + 32 * half;
-    uint8_t* dst = codes + b * 256;
     for (int j = 0; j < 4; ++j) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j));
-      __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-      if constexpr (TYPE == Q6_K) {
-        const uint8_t* bits = w + panel_codes_at<TYPE>(b) + 256 + 32 * j + 4 * half;
-        lo = _mm256_or_si256(_mm256_or_si256(lo, sixteens(bits)), sixteens(bits + 8, 32));
-        hi = _mm256_or_si256(_mm256_or_si256(hi, sixteens(bits + 16)), sixteens(bits + 24, 32));
-      } else if constexpr (FIVE_BIT<TYPE>) {
-        const uint8_t* fifth = w + panel_codes_at<TYPE>(b) + 256 + 16 * j + 4 * half;
-        lo = _mm256_or_si256(lo, sixteens(fifth));
-        hi = _mm256_or_si256(hi, sixteens(fifth + 8));
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * j), lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * (4 + j)), hi);
+      __m256i lo, hi;
+      half_codes<TYPE>(w, half, b, j, lo, hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * 256 + 32 * j), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * 256 + 32 * (4 + j)), hi);
     }
-    // The scales as `panel_half` makes them (Q6_K: its s_lo in dv, s_hi in mv).
-    float* d = dv + b * 8;
-    float* m = mv + b * 8;
-    if constexpr (TYPE == Q6_K) {
-      const uint8_t* sup = w + (b >> 3) * Q6K_PANEL_SUPER;
-      const int64_t t = b & 7;
-      auto bytes8 = [](const uint8_t* q) {
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-      };
-      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 3328 + 16 * half)));
-      _mm256_storeu_ps(d, _mm256_mul_ps(dd, bytes8(sup + 3072 + 32 * t + 8 * half)));
-      _mm256_storeu_ps(m, _mm256_mul_ps(dd, bytes8(sup + 3072 + 32 * t + 16 + 8 * half)));
-    } else if constexpr (K4<TYPE>) {
-      const uint8_t* sup = w + (b >> 3) * K4_SUPER<TYPE> + K4_SCALES<TYPE>;
-      const int64_t t = b & 7;
-      auto bytes8 = [](const uint8_t* q) {
-        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-      };
-      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 256 + 16 * half)));
-      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 288 + 16 * half)));
-      _mm256_storeu_ps(d, _mm256_mul_ps(dd, bytes8(sup + 16 * t + 8 * half)));
-      _mm256_storeu_ps(m, _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmin, bytes8(sup + 128 + 16 * t + 8 * half))));
-    } else {
-      const uint8_t* head = w + b * PANEL_BLOCK<TYPE> + PANEL_CODES<TYPE> + 16 * half;
-      const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
-      _mm256_storeu_ps(d, dd);
-      if constexpr (PANEL_BIAS<TYPE> != 0.f)
-        _mm256_storeu_ps(m, _mm256_mul_ps(dd, _mm256_set1_ps(-PANEL_BIAS<TYPE>)));
-      else
-        _mm256_storeu_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 32))));
-    }
+    __m256 d, m;
+    half_scales<TYPE>(w, half, b, d, m);
+    _mm256_storeu_ps(dv + b * 8, d);
+    _mm256_storeu_ps(mv + b * 8, m);
   }
 }
 
-// MR activation rows x one half widened by `widen_half`: `panel_half`'s sums from the buffer.
+// MR activation rows x one half widened by `widen_half`.
 template <int TYPE, int MR>
 inline void wide_half(const uint8_t* codes, const float* dv, const float* mv, const int8_t* qx, int64_t K,
                       const float* dx, const float* sx, const int32_t* c32, float* out, int64_t ldo, int valid) {
   const int64_t nb = K / QK;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = codes + b * 256;
-    const int8_t* xb = qx + b * QK;
-    const __m256 d = _mm256_loadu_ps(dv + b * 8), m = _mm256_loadu_ps(mv + b * 8);
-    if constexpr (TYPE == Q6_K) {  // codes 0..63: two maddubs sums at most in int16
-      __m256i dl[MR], dh[MR], sl[MR], sh[MR];
-      for (int r = 0; r < MR; ++r) dl[r] = dh[r] = sl[r] = sh[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
-        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * (4 + j)));
-        for (int r = 0; r < MR; ++r) {
-          int32_t xl, xh;
-          std::memcpy(&xl, xb + r * K + 4 * j, 4);
-          std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
-          sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
-          sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
-          if (j % 2 == 1) {
-            dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(sl[r], ones));
-            dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(sh[r], ones));
-            sl[r] = sh[r] = _mm256_setzero_si256();
-          }
-        }
-      }
-      for (int r = 0; r < MR; ++r) {
-        const __m256 dxr = _mm256_set1_ps(dx[r * nb + b]);
-        const int32_t* c = c32 + r * 2 * nb + 2 * b;
-        const __m256i il = _mm256_sub_epi32(dl[r], _mm256_set1_epi32(c[0]));
-        const __m256i ih = _mm256_sub_epi32(dh[r], _mm256_set1_epi32(c[1]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_mul_ps(d, dxr), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_mul_ps(m, dxr), acc[r]);
-      }
-      continue;
-    }
-    __m256i s16[MR], dot[MR];
-    for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256(), dot[r] = _mm256_setzero_si256();
+    __m256i s_lo[MR], s_hi[MR], d_lo[MR], d_hi[MR];
+    for (int r = 0; r < MR; ++r) s_lo[r] = s_hi[r] = d_lo[r] = d_hi[r] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
       const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * (4 + j)));
-      for (int r = 0; r < MR; ++r) {
-        int32_t xl, xh;
-        std::memcpy(&xl, xb + r * K + 4 * j, 4);
-        std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
-        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
-        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
-      }
-      if constexpr (FIVE_BIT<TYPE>)  // 5-bit codes: 4 maddubs sums at most in int16
-        if (j % 2 == 1)
-          for (int r = 0; r < MR; ++r) {
-            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(s16[r], ones));
-            s16[r] = _mm256_setzero_si256();
-          }
+      half_step<TYPE, MR>(lo, hi, qx + b * QK, K, j, s_lo, s_hi, d_lo, d_hi);
     }
-    if constexpr (!FIVE_BIT<TYPE>)
-      for (int r = 0; r < MR; ++r) dot[r] = _mm256_madd_epi16(s16[r], ones);
-    for (int r = 0; r < MR; ++r) {
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
-    }
+    half_finish<TYPE, MR>(acc, s_lo, d_lo, d_hi, _mm256_loadu_ps(dv + b * 8), _mm256_loadu_ps(mv + b * 8), dx, sx, c32,
+                          nb, b);
   }
   const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   for (int r = 0; r < MR; ++r) _mm256_maskstore_ps(out + r * ldo, keep, acc[r]);
@@ -1140,16 +1081,130 @@ void x_pairs(const Q8Problem& p, bool plus128, int8_t* q, float* dx, float* sx, 
 }
 
 
+// The pieces `panel_tile` (codes widened per tile, in registers) and `wide_tile` (widened once
+// per call into a buffer) share, so that both compute the same way.
+
+// Vector j (0..3) of block b of panel c of a pair, its codes as bytes: lo the values 4j .. 4j + 3
+// of the 16 rows, hi 16 + 4j .. (Q5's fifth bits, Q6_K's fifth and sixth added in).
+template <int TYPE>
+inline void pair_codes(const uint8_t* w, int64_t panel_bytes, int c, int64_t b, int j, __m512i& lo, __m512i& hi) {
+  const __m512i mask = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16), thirty_two = _mm512_set1_epi8(32);
+  const uint8_t* blk = w + c * panel_bytes + panel_codes_at<TYPE>(b);
+  const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
+  lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+  if constexpr (TYPE == Q6_K) {  // groups 2t (low nibbles) and 2t + 1 (high), codes 0..63
+    uint64_t m4[4];
+    std::memcpy(m4, blk + 256 + 32 * j, 32);
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(m4[0]), lo, sixteen);
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(m4[1]), lo, thirty_two);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(m4[2]), hi, sixteen);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(m4[3]), hi, thirty_two);
+  } else if constexpr (FIVE_BIT<TYPE>) {  // codes 0..31: + 16 where the fifth bit is set
+    uint64_t l, h;
+    std::memcpy(&l, blk + 256 + 16 * j, 8);
+    std::memcpy(&h, blk + 256 + 16 * j + 8, 8);
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(l), lo, sixteen);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(h), hi, sixteen);
+  }
+}
+
+// Block b's scales for the 16 rows of panel c: d and m (value = d * q + m; Q4_0 / Q5_0: m = -bias
+// d; Q8_0: m unused), or for Q6_K its two groups' d * sc in d (low nibbles) and m (high nibbles).
+template <int TYPE>
+inline void pair_scales(const uint8_t* w, int64_t panel_bytes, int c, int64_t b, __m512& d, __m512& m) {
+  m = _mm512_setzero_ps();
+  if constexpr (TYPE == Q6_K) {
+    const uint8_t* sup = w + c * panel_bytes + (b >> 3) * Q6K_PANEL_SUPER;
+    const int64_t t = b & 7;
+    auto bytes16 = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 3328)));
+    d = _mm512_mul_ps(dd, bytes16(sup + 3072 + 32 * t));
+    m = _mm512_mul_ps(dd, bytes16(sup + 3072 + 32 * t + 16));
+  } else if constexpr (K4<TYPE>) {  // d * sc_t and -(dmin * mn_t), 16 rows
+    const uint8_t* sup = w + c * panel_bytes + (b >> 3) * K4_SUPER<TYPE> + K4_SCALES<TYPE>;
+    const int64_t t = b & 7;
+    auto bytes16 = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 256)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 288)));
+    d = _mm512_mul_ps(dd, bytes16(sup + 16 * t));
+    m = _mm512_xor_ps(_mm512_set1_ps(-0.f), _mm512_mul_ps(dmin, bytes16(sup + 128 + 16 * t)));
+  } else {
+    const uint8_t* blk = w + c * panel_bytes + b * PANEL_BLOCK<TYPE> + PANEL_CODES<TYPE>;
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    if constexpr (PANEL_BIAS<TYPE> != 0.f)
+      m = _mm512_mul_ps(d, _mm512_set1_ps(-PANEL_BIAS<TYPE>));
+    else if constexpr (TYPE != Q8_0)
+      m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+  }
+}
+
+// One vector j (0..3) of a block's codes for MR rows and NR panels: lo times x's values 4j ..,
+// hi times 16 + 4j .. into the int32 sums (Q6_K: lo into dl, hi into dh, two scale groups).
+template <int TYPE, int MR, int NR>
+inline void tile_step(const __m512i* lo, const __m512i* hi, const int8_t* xb, int64_t K, int j, __m512i (*dl)[NR],
+                      __m512i (*dh)[NR]) {
+  for (int r = 0; r < MR; ++r) {
+    int32_t xl, xh;
+    std::memcpy(&xl, xb + r * K + 4 * j, 4);
+    std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
+    const __m512i xlv = _mm512_set1_epi32(xl), xhv = _mm512_set1_epi32(xh);
+    for (int c = 0; c < NR; ++c) {
+      dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], lo[c], xlv);
+      if constexpr (TYPE == Q6_K)
+        dh[r][c] = _mm512_dpbusd_epi32(dh[r][c], hi[c], xhv);
+      else
+        dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], hi[c], xhv);
+    }
+  }
+}
+
+// A block's sums into the accumulators, times its scales (`pair_scales`) and each row's dx (and
+// sx; Q6_K: less its c32 bias sums; Q8_0: less 128 * sum(q_x), c128).
+template <int TYPE, int MR, int NR>
+inline void tile_finish(__m512 (*acc)[NR], __m512i (*dl)[NR], __m512i (*dh)[NR], const __m512* d, const __m512* m,
+                        const float* dx, const float* sx, const int32_t* c128, int64_t nb, int64_t b) {
+  for (int r = 0; r < MR; ++r) {
+    const __m512 dxr = _mm512_set1_ps(dx[r * nb + b]);
+    if constexpr (TYPE == Q6_K) {
+      const __m512i cl = _mm512_set1_epi32(c128[r * 2 * nb + 2 * b]), ch = _mm512_set1_epi32(c128[r * 2 * nb + 2 * b + 1]);
+      for (int c = 0; c < NR; ++c) {
+        const __m512i il = _mm512_sub_epi32(dl[r][c], cl), ih = _mm512_sub_epi32(dh[r][c], ch);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_mul_ps(d[c], dxr), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(m[c], dxr), acc[r][c]);
+      }
+    } else {
+      for (int c = 0; c < NR; ++c) {
+        __m512i i = dl[r][c];
+        if constexpr (TYPE == Q8_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(c128[r * nb + b]));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d[c], dxr), acc[r][c]);
+        if constexpr (TYPE != Q8_0) acc[r][c] = _mm512_fmadd_ps(m[c], _mm512_set1_ps(sx[r * nb + b]), acc[r][c]);
+      }
+    }
+  }
+}
+
+template <int MR, int NR>
+inline void store_tile(__m512 (*acc)[NR], float* out, int64_t ldo, int valid_last) {
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) {
+      const __mmask16 keep = c == NR - 1 ? __mmask16((1u << valid_last) - 1) : __mmask16(0xFFFF);
+      _mm512_mask_storeu_ps(out + r * ldo + c * PANEL, keep, acc[r][c]);
+    }
+}
+
 // MR activation rows x NR panels (16 outputs each) over every block.
 template <int TYPE, int MR, int NR>
 inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, int64_t K, const float* dx,
                        const float* sx, const int32_t* c128, float* out, int64_t ldo, int valid_last) {
-  constexpr int64_t PB = PANEL_BLOCK<TYPE>, CODES = PANEL_CODES<TYPE>;
+  constexpr int64_t PB = PANEL_BLOCK<TYPE>;
   const int64_t nb = K / QK;
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
-  const __m512i mask = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   for (int64_t b = 0; b < nb; ++b) {
     // Each panel is its own stream of PB-byte blocks: every line of a block PREFETCH_BYTES ahead
     // of it (a hint: no fault past the end). Without it a decode row read the panels at ~37 GB/s
@@ -1159,61 +1214,9 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
       for (int64_t o = 0; o < PB; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
     }
     const int8_t* xb = qx + b * QK;
-    if constexpr (TYPE == Q6_K) {  // groups 2t (low nibbles) and 2t + 1 (high), codes 0..63
-      __m512i dl[MR][NR], dh[MR][NR];
-      for (int r = 0; r < MR; ++r)
-        for (int c = 0; c < NR; ++c) dl[r][c] = dh[r][c] = _mm512_setzero_si512();
-      const __m512i thirty_two = _mm512_set1_epi8(32);
-      for (int j = 0; j < 4; ++j) {
-        __m512i lo[NR], hi[NR];
-        for (int c = 0; c < NR; ++c) {
-          const uint8_t* blk = w + c * panel_bytes + panel_codes_at<TYPE>(b);
-          const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
-          uint64_t m4[4];
-          std::memcpy(m4, blk + 256 + 32 * j, 32);
-          lo[c] = _mm512_and_si512(raw, mask);
-          hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-          lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(m4[0]), lo[c], sixteen);
-          lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(m4[1]), lo[c], thirty_two);
-          hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(m4[2]), hi[c], sixteen);
-          hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(m4[3]), hi[c], thirty_two);
-        }
-        for (int r = 0; r < MR; ++r) {
-          int32_t xl, xh;
-          std::memcpy(&xl, xb + r * K + 4 * j, 4);
-          std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
-          const __m512i xlv = _mm512_set1_epi32(xl), xhv = _mm512_set1_epi32(xh);
-          for (int c = 0; c < NR; ++c) {
-            dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], lo[c], xlv);
-            dh[r][c] = _mm512_dpbusd_epi32(dh[r][c], hi[c], xhv);
-          }
-        }
-      }
-      __m512 s_lo[NR], s_hi[NR];
-      for (int c = 0; c < NR; ++c) {
-        const uint8_t* sup = w + c * panel_bytes + (b >> 3) * Q6K_PANEL_SUPER;
-        const int64_t t = b & 7;
-        auto bytes16 = [](const uint8_t* p) {
-          return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-        };
-        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 3328)));
-        s_lo[c] = _mm512_mul_ps(dd, bytes16(sup + 3072 + 32 * t));
-        s_hi[c] = _mm512_mul_ps(dd, bytes16(sup + 3072 + 32 * t + 16));
-      }
-      for (int r = 0; r < MR; ++r) {
-        const __m512 dxr = _mm512_set1_ps(dx[r * nb + b]);
-        const __m512i cl = _mm512_set1_epi32(c128[r * 2 * nb + 2 * b]), ch = _mm512_set1_epi32(c128[r * 2 * nb + 2 * b + 1]);
-        for (int c = 0; c < NR; ++c) {
-          const __m512i il = _mm512_sub_epi32(dl[r][c], cl), ih = _mm512_sub_epi32(dh[r][c], ch);
-          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_mul_ps(s_lo[c], dxr), acc[r][c]);
-          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(s_hi[c], dxr), acc[r][c]);
-        }
-      }
-      continue;
-    }
-    __m512i dot[MR][NR];
+    __m512i dl[MR][NR], dh[MR][NR];
     for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NR; ++c) dot[r][c] = _mm512_setzero_si512();
+      for (int c = 0; c < NR; ++c) dl[r][c] = dh[r][c] = _mm512_setzero_si512();
     if constexpr (TYPE == Q8_0) {
       for (int t = 0; t < 8; ++t) {
         __m512i wv[NR];
@@ -1222,73 +1225,21 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
           int32_t x4;
           std::memcpy(&x4, xb + r * K + 4 * t, 4);
           const __m512i xv = _mm512_set1_epi32(x4);
-          for (int c = 0; c < NR; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], wv[c], xv);
+          for (int c = 0; c < NR; ++c) dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], wv[c], xv);
         }
       }
     } else {
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NR], hi[NR];
-        for (int c = 0; c < NR; ++c) {
-          const uint8_t* blk = w + c * panel_bytes + panel_codes_at<TYPE>(b);
-          const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
-          lo[c] = _mm512_and_si512(raw, mask);
-          hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-          if constexpr (FIVE_BIT<TYPE>) {  // codes 0..31: + 16 where the fifth bit is set
-            uint64_t l, h;
-            std::memcpy(&l, blk + 256 + 16 * j, 8);
-            std::memcpy(&h, blk + 256 + 16 * j + 8, 8);
-            lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(l), lo[c], sixteen);
-            hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(h), hi[c], sixteen);
-          }
-        }
-        for (int r = 0; r < MR; ++r) {
-          int32_t xl, xh;
-          std::memcpy(&xl, xb + r * K + 4 * j, 4);
-          std::memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
-          const __m512i xlv = _mm512_set1_epi32(xl), xhv = _mm512_set1_epi32(xh);
-          for (int c = 0; c < NR; ++c) {
-            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo[c], xlv);
-            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], hi[c], xhv);
-          }
-        }
+        for (int c = 0; c < NR; ++c) pair_codes<TYPE>(w, panel_bytes, c, b, j, lo[c], hi[c]);
+        tile_step<TYPE, MR, NR>(lo, hi, xb, K, j, dl, dh);
       }
     }
     __m512 d[NR], m[NR];
-    for (int c = 0; c < NR; ++c) {
-      const uint8_t* blk = w + c * panel_bytes + b * PB + CODES;
-      if constexpr (K4<TYPE>) {  // d * sc_t and -(dmin * mn_t), 16 rows
-        const uint8_t* sup = w + c * panel_bytes + (b >> 3) * K4_SUPER<TYPE> + K4_SCALES<TYPE>;
-        const int64_t t = b & 7;
-        auto bytes16 = [](const uint8_t* p) {
-          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-        };
-        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 256)));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 288)));
-        d[c] = _mm512_mul_ps(dd, bytes16(sup + 16 * t));
-        m[c] = _mm512_xor_ps(_mm512_set1_ps(-0.f), _mm512_mul_ps(dmin, bytes16(sup + 128 + 16 * t)));
-        continue;
-      }
-      d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-      if constexpr (PANEL_BIAS<TYPE> != 0.f)
-        m[c] = _mm512_mul_ps(d[c], _mm512_set1_ps(-PANEL_BIAS<TYPE>));
-      else if constexpr (TYPE != Q8_0)
-        m[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m512 dxr = _mm512_set1_ps(dx[r * nb + b]);
-      for (int c = 0; c < NR; ++c) {
-        __m512i i = dot[r][c];
-        if constexpr (TYPE == Q8_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(c128[r * nb + b]));
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d[c], dxr), acc[r][c]);
-        if constexpr (TYPE != Q8_0) acc[r][c] = _mm512_fmadd_ps(m[c], _mm512_set1_ps(sx[r * nb + b]), acc[r][c]);
-      }
-    }
+    for (int c = 0; c < NR; ++c) pair_scales<TYPE>(w, panel_bytes, c, b, d[c], m[c]);
+    tile_finish<TYPE, MR, NR>(acc, dl, dh, d, m, dx, sx, c128, nb, b);
   }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) {
-      const __mmask16 keep = c == NR - 1 ? __mmask16((1u << valid_last) - 1) : __mmask16(0xFFFF);
-      _mm512_mask_storeu_ps(out + r * ldo + c * PANEL, keep, acc[r][c]);
-    }
+  store_tile<MR, NR>(acc, out, ldo, valid_last);
 }
 
 template <int TYPE, int NR>
@@ -1317,60 +1268,19 @@ constexpr int64_t WIDE_MIN_ROWS = 64;
 
 template <int TYPE, int NR>
 void widen_pair(const uint8_t* w, int64_t panel_bytes, int64_t nb, uint8_t* codes, float* dv, float* mv) {
-  const __m512i mask = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16), thirty_two = _mm512_set1_epi8(32);
   for (int64_t b = 0; b < nb; ++b)
     for (int c = 0; c < NR; ++c) {
-      const uint8_t* blk = w + c * panel_bytes + panel_codes_at<TYPE>(b);
       uint8_t* dst = codes + (b * NR + c) * 512;
       for (int j = 0; j < 4; ++j) {
-        const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
-        __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-        if constexpr (TYPE == Q6_K) {
-          uint64_t m4[4];
-          std::memcpy(m4, blk + 256 + 32 * j, 32);
-          lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(m4[0]), lo, sixteen);
-          lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(m4[1]), lo, thirty_two);
-          hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(m4[2]), hi, sixteen);
-          hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(m4[3]), hi, thirty_two);
-        } else if constexpr (FIVE_BIT<TYPE>) {
-          uint64_t l, h;
-          std::memcpy(&l, blk + 256 + 16 * j, 8);
-          std::memcpy(&h, blk + 256 + 16 * j + 8, 8);
-          lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(l), lo, sixteen);
-          hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(h), hi, sixteen);
-        }
+        __m512i lo, hi;
+        pair_codes<TYPE>(w, panel_bytes, c, b, j, lo, hi);
         _mm512_storeu_si512(dst + 64 * j, lo);
         _mm512_storeu_si512(dst + 64 * (4 + j), hi);
       }
-      // The scales as `panel_tile` makes them (Q6_K: its s_lo in dv, s_hi in mv).
-      float* d = dv + (b * NR + c) * PANEL;
-      float* m = mv + (b * NR + c) * PANEL;
-      auto bytes16 = [](const uint8_t* q, bool sign) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-        return _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
-      };
-      if constexpr (TYPE == Q6_K) {
-        const uint8_t* sup = w + c * panel_bytes + (b >> 3) * Q6K_PANEL_SUPER;
-        const int64_t t = b & 7;
-        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 3328)));
-        _mm512_storeu_ps(d, _mm512_mul_ps(dd, bytes16(sup + 3072 + 32 * t, true)));
-        _mm512_storeu_ps(m, _mm512_mul_ps(dd, bytes16(sup + 3072 + 32 * t + 16, true)));
-      } else if constexpr (K4<TYPE>) {
-        const uint8_t* sup = w + c * panel_bytes + (b >> 3) * K4_SUPER<TYPE> + K4_SCALES<TYPE>;
-        const int64_t t = b & 7;
-        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 256)));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 288)));
-        _mm512_storeu_ps(d, _mm512_mul_ps(dd, bytes16(sup + 16 * t, false)));
-        _mm512_storeu_ps(m, _mm512_xor_ps(_mm512_set1_ps(-0.f), _mm512_mul_ps(dmin, bytes16(sup + 128 + 16 * t, false))));
-      } else {
-        const uint8_t* h = w + c * panel_bytes + b * PANEL_BLOCK<TYPE> + PANEL_CODES<TYPE>;
-        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-        _mm512_storeu_ps(d, dd);
-        if constexpr (PANEL_BIAS<TYPE> != 0.f)
-          _mm512_storeu_ps(m, _mm512_mul_ps(dd, _mm512_set1_ps(-PANEL_BIAS<TYPE>)));
-        else
-          _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32))));
-      }
+      __m512 d, m;
+      pair_scales<TYPE>(w, panel_bytes, c, b, d, m);
+      _mm512_storeu_ps(dv + (b * NR + c) * PANEL, d);
+      _mm512_storeu_ps(mv + (b * NR + c) * PANEL, m);
     }
 }
 
@@ -1384,51 +1294,26 @@ inline void wide_tile(const uint8_t* codes, const float* dv, const float* mv, co
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const int8_t* xb = qx + b * QK;
     const uint8_t* wb = codes + b * NR * 512;
-    __m512i dl[MR][NR], dh[MR][NR];  // Q6_K: values 0-15 and 16-31 apart; the others: dl only
+    __m512i dl[MR][NR], dh[MR][NR];
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NR; ++c) dl[r][c] = dh[r][c] = _mm512_setzero_si512();
-    for (int t = 0; t < 8; ++t) {
-      __m512i wv[NR];
-      for (int c = 0; c < NR; ++c) wv[c] = _mm512_loadu_si512(wb + c * 512 + 64 * t);
-      for (int r = 0; r < MR; ++r) {
-        int32_t x4;
-        std::memcpy(&x4, xb + r * K + 4 * t, 4);
-        const __m512i xv = _mm512_set1_epi32(x4);
-        for (int c = 0; c < NR; ++c) {
-          if (TYPE == Q6_K && t >= 4)
-            dh[r][c] = _mm512_dpbusd_epi32(dh[r][c], wv[c], xv);
-          else
-            dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], wv[c], xv);
-        }
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo[NR], hi[NR];
+      for (int c = 0; c < NR; ++c) {
+        lo[c] = _mm512_loadu_si512(wb + c * 512 + 64 * j);
+        hi[c] = _mm512_loadu_si512(wb + c * 512 + 64 * (4 + j));
       }
+      tile_step<TYPE, MR, NR>(lo, hi, qx + b * QK, K, j, dl, dh);
     }
-    const float* db = dv + b * NR * PANEL;
-    const float* mb = mv + b * NR * PANEL;
-    for (int r = 0; r < MR; ++r) {
-      const __m512 dxr = _mm512_set1_ps(dx[r * nb + b]);
-      if constexpr (TYPE == Q6_K) {
-        const __m512i cl = _mm512_set1_epi32(c32[r * 2 * nb + 2 * b]), ch = _mm512_set1_epi32(c32[r * 2 * nb + 2 * b + 1]);
-        for (int c = 0; c < NR; ++c) {
-          const __m512i il = _mm512_sub_epi32(dl[r][c], cl), ih = _mm512_sub_epi32(dh[r][c], ch);
-          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_mul_ps(_mm512_loadu_ps(db + c * PANEL), dxr), acc[r][c]);
-          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(_mm512_loadu_ps(mb + c * PANEL), dxr), acc[r][c]);
-        }
-      } else {
-        const __m512 sxr = _mm512_set1_ps(sx[r * nb + b]);
-        for (int c = 0; c < NR; ++c) {
-          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dl[r][c]), _mm512_mul_ps(_mm512_loadu_ps(db + c * PANEL), dxr), acc[r][c]);
-          acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(mb + c * PANEL), sxr, acc[r][c]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < MR; ++r)
+    __m512 d[NR], m[NR];
     for (int c = 0; c < NR; ++c) {
-      const __mmask16 keep = c == NR - 1 ? __mmask16((1u << valid_last) - 1) : __mmask16(0xFFFF);
-      _mm512_mask_storeu_ps(out + r * ldo + c * PANEL, keep, acc[r][c]);
+      d[c] = _mm512_loadu_ps(dv + (b * NR + c) * PANEL);
+      m[c] = _mm512_loadu_ps(mv + (b * NR + c) * PANEL);
     }
+    tile_finish<TYPE, MR, NR>(acc, dl, dh, d, m, dx, sx, c32, nb, b);
+  }
+  store_tile<MR, NR>(acc, out, ldo, valid_last);
 }
 
 template <int TYPE, int NR>
