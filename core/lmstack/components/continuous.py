@@ -206,16 +206,21 @@ class ContinuousScheduler(PriorityClasses, Scheduler):
         if fit is None or fit[1] <= 0:
             return self.token_budget
         a, b = fit
+        decode_step = a + b * decodes
+
+        def prompt_tokens(seconds: float) -> int:  # beside the decodes in a step of that time
+            return int((seconds - a) / b) - decodes
+
         limits = []
         if o.max_step_ratio:
-            limits.append(o.max_step_ratio * (a + b * decodes))
+            limits.append(o.max_step_ratio * decode_step)
         if o.max_step_ms:
             limits.append(o.max_step_ms / 1000.0)
-        tokens = max(MIN_PREFILL_TOKENS, min(int((min(limits) - a) / b) - decodes, self.token_budget))
+        tokens = max(MIN_PREFILL_TOKENS, min(prompt_tokens(min(limits)), self.token_budget))
         if o.ttft_target_ms:
-            catch_up = self._tokens_for_ttft(running, a + b * decodes, b, tokens)
+            catch_up = self._tokens_for_ttft(running, decode_step, b, tokens)
             if o.ttft_max_step_ratio:  # the rest of the backlog in the next steps
-                catch_up = min(catch_up, int((o.ttft_max_step_ratio * (a + b * decodes) - a) / b) - decodes)
+                catch_up = min(catch_up, prompt_tokens(o.ttft_max_step_ratio * decode_step))
             tokens = max(tokens, catch_up)
         return min(tokens, self.token_budget)
 

@@ -1340,30 +1340,30 @@ void wide_pair(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const 
 template <int TYPE>
 void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, int64_t t0, int64_t t1) {
   const int64_t panels = (p.N + PANEL - 1) / PANEL, panel_bytes = p.K / QK * panel_block_bytes(TYPE);
-  if (WIDE<TYPE> && p.M >= WIDE_MIN_ROWS) {
+  // f(NR, the pair's panels, its first output column, the valid outputs of its last panel).
+  auto each_pair = [&](auto&& f) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t first = 2 * t;
       const uint8_t* w = packed + first * panel_bytes;
       const int valid_last = int(std::min<int64_t>(PANEL, p.N - (first + (first + 1 < panels ? 1 : 0)) * PANEL));
       if (first + 1 < panels)
-        wide_pair<TYPE, 2>(w, panel_bytes, p, c128, first * PANEL, valid_last);
+        f(std::integral_constant<int, 2>(), w, first * PANEL, valid_last);
       else
-        wide_pair<TYPE, 1>(w, panel_bytes, p, c128, first * PANEL, valid_last);
+        f(std::integral_constant<int, 1>(), w, first * PANEL, valid_last);
     }
+  };
+  if (WIDE<TYPE> && p.M >= WIDE_MIN_ROWS) {
+    each_pair([&](auto nr, const uint8_t* w, int64_t col, int valid_last) {
+      wide_pair<TYPE, decltype(nr)::value>(w, panel_bytes, p, c128, col, valid_last);
+    });
     return;
   }
   constexpr int64_t ROW_CHUNK = 64;
   for (int64_t rc = 0; rc < p.M; rc += ROW_CHUNK) {
     const int64_t rc1 = std::min(p.M, rc + ROW_CHUNK);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t first = 2 * t, col = first * PANEL;
-      const uint8_t* w = packed + first * panel_bytes;
-      const int valid_last = int(std::min<int64_t>(PANEL, p.N - (first + (first + 1 < panels ? 1 : 0)) * PANEL));
-      if (first + 1 < panels)
-        panel_rows<TYPE, 2>(w, panel_bytes, p, c128, rc, rc1, col, valid_last);
-      else
-        panel_rows<TYPE, 1>(w, panel_bytes, p, c128, rc, rc1, col, valid_last);
-    }
+    each_pair([&](auto nr, const uint8_t* w, int64_t col, int valid_last) {
+      panel_rows<TYPE, decltype(nr)::value>(w, panel_bytes, p, c128, rc, rc1, col, valid_last);
+    });
   }
 }
 
