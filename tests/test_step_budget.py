@@ -8,7 +8,12 @@ import random
 
 import pytest
 
-from lmstack.components.continuous import MIN_PREFILL_TOKENS, ContinuousOptions, ContinuousScheduler
+from lmstack.components.continuous import (
+    LONG_GAP_LOOKAHEAD,
+    MIN_PREFILL_TOKENS,
+    ContinuousOptions,
+    ContinuousScheduler,
+)
 from lmstack.engine.step_cost import StepCostModel
 from lmstack.errors import ConfigError
 from lmstack.interfaces import EngineLimits
@@ -98,9 +103,9 @@ def scheduler(cost: StepCostModel | None, **options) -> ContinuousScheduler:
     return ContinuousScheduler(opts, alloc, limits, cost)
 
 
-def decoding(sched: ContinuousScheduler, count: int, streamed: bool = True) -> list:
+def decoding(sched: ContinuousScheduler, count: int, streamed: bool = True, max_tokens: int = 100) -> list:
     """`count` sequences admitted and past their prompts (the next step decodes them)."""
-    seqs = [make_seq(5, 100, streamed=streamed) for _ in range(count)]
+    seqs = [make_seq(5, max_tokens, streamed=streamed) for _ in range(count)]
     for s in seqs:
         sched.add(s)
     while any(s.is_prefill for s in seqs):
@@ -201,6 +206,49 @@ def test_every_request_finishes_and_every_mixed_step_keeps_to_the_target():
     done = simulate(sched, alloc, first, limits=limits, arrivals=late)
     assert len(done) == len(first) + len(late)
     assert worst and max(worst) <= 1.0 + 1e-9
+
+
+def test_a_burst_runs_at_once_when_every_stream_can_afford_one_long_gap():
+    """Streams of 128 tokens may take one gap in 128 past the pace (long_gap_share 0.008, under
+    1 %: ITL P99 keeps to the pace): the first prompt beside them gets the whole budget and
+    each stream counts the gap; the next is paced; a stream of 100 tokens (1 gap would be 1 %)
+    or the option at 0 keeps every step to the pace."""
+    sched = scheduler(fitted(), max_step_ratio=2.5)
+    streams = decoding(sched, 4, max_tokens=128)
+    paced = int((2.5 * (A + B * 4) - A) / B) - 4
+    assert prompt_tokens_beside(sched, prompt_len=3000)[1] == 2048 - 4 > paced
+    assert [s.long_gaps for s in streams] == [1, 1, 1, 1]
+    for it in sched.schedule().scheduled:  # the prompt's next chunk: paced now
+        assert it.seq.long_gaps == (1 if it.seq in streams else 0)
+    assert sched.schedule().num_batched_tokens == 4 + paced
+    for options, max_tokens in (({}, 100), ({"long_gap_share": 0}, 128)):
+        sched = scheduler(fitted(), **options)
+        streams = decoding(sched, 4, max_tokens=max_tokens)
+        assert prompt_tokens_beside(sched, prompt_len=3000)[1] == paced
+        assert [s.long_gaps for s in streams] == [0, 0, 0, 0]
+    with pytest.raises(ConfigError, match="long_gap_share"):
+        ContinuousOptions(long_gap_share=1)
+
+
+def test_a_long_stream_earns_a_long_gap_per_share_of_its_tokens():
+    """Without max_tokens a stream is credited LONG_GAP_LOOKAHEAD tokens to come: its first long
+    gap at once, the next when its gaps so far and to come make 2 / 0.008 = 250; one stream
+    without that share keeps the step to the pace for all."""
+    sched = scheduler(fitted(), max_step_ratio=2.5)
+    (long, other) = decoding(sched, 2, max_tokens=100)
+    long.request.params.max_tokens = other.request.params.max_tokens = None
+    long.long_gaps = 1
+    assert not sched._may_wait_long(long) and sched._may_wait_long(other)
+    long.token_ids += [7] * (250 - LONG_GAP_LOOKAHEAD - long.num_output_tokens - 1)
+    long.num_computed_tokens = long.num_tokens - 1  # decoded them
+    assert not sched._may_wait_long(long)
+    paced = prompt_tokens_beside(sched, prompt_len=3000)[1]
+    assert paced == int((2.5 * (A + B * 2) - A) / B) - 2
+    long.token_ids.append(7)
+    long.num_computed_tokens = long.num_tokens - 1
+    assert sched._may_wait_long(long)
+    assert sched.schedule().num_batched_tokens == 2048  # the prompt's next chunk: all the rest
+    assert (long.long_gaps, other.long_gaps) == (2, 1)
 
 
 def test_option_values_are_checked():

@@ -42,6 +42,9 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     output_text: str = ""
     num_preemptions: int = 0
+    # Steps it waited through, decoding, that carried more prompt tokens than the scheduler's
+    # pace allows (`continuous`: long_gap_share): the gaps between its tokens it was made to take.
+    long_gaps: int = 0
     # Tokens proposed by a speculator, verified in the next step (empty without one).
     draft_token_ids: list[int] = field(default_factory=list)
     # How many drafts the speculator may propose this step (set before it is asked).

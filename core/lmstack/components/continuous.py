@@ -10,19 +10,20 @@ Without running decodes, or before two step sizes are measured, prompts get the 
 so they do when no running request is streamed (`Request.streamed`): a caller that reads a
 request only when it ends sees its total time, which smaller chunks (more steps, each reading
 every weight) lengthen: offline batches ran ~7 % faster without it (median, 2-core Zen 4).
-A chunk never drops below `MIN_PREFILL_TOKENS`, so new requests always progress.
+A chunk never drops below `MIN_PREFILL_TOKENS`, so new requests always progress. Unless every
+decoding stream can take one more step past that pace within `long_gap_share` of its token gaps
+(`_may_wait_long`): then the prompts take the whole budget, and the streams count the gap. At 8
+closed-loop streams (2-core Zen 4) pacing the burst of each round's arrivals desynchronized the
+streams, and 4-5 % of all gaps were paced ones (ITL P99 3.9-4.3x the median, 1.7-1.8x with it).
 
-Unless that pace would make a request wait past `ttft_target_ms` (1 s) for its first token: a
-burst of arrivals beside few decoding streams (each step then carries ~20 prompt tokens) took
-seconds to prefill. The step then carries the prompt tokens that let the pace finish every
-waiting interactive request within the target of its arrival, in admission order, this step's
-own time counted; all of an overdue request's (`_tokens_for_ttft`). What it changed at 8 / 16 /
-32 closed-loop streams, and what it costs (prompts caught up together come back together in a
-closed loop): benchmarks/results/compare_servers-2026-12-06-zen4-vllm/NOTE.md. An overloaded
-server (requests always overdue) then runs steps of the whole budget, each stalling every stream
-(ITL P99 920 ms, 15.7x the median, at 32 streams of a Q4_K_M file); `ttft_max_step_ratio` bounds
-such steps at that many times the decode-only step, at a price in throughput and TTFT P99 (its
-option says what was measured), so it is off by default.
+Nor when that pace would make a request wait past `ttft_target_ms` (1 s) for its first token
+(a burst beside few decoding streams, ~20 prompt tokens a step, took seconds): the step then
+carries the prompt tokens that let the pace finish every waiting interactive request within the
+target of its arrival, in admission order, this step's own time counted; all of an overdue
+request's (`_tokens_for_ttft`; measured: compare_servers-2026-12-06-zen4-vllm/NOTE.md). An
+overloaded server then runs steps of the whole budget, each stalling every stream (ITL P99 15.7x
+the median at 32 streams of a Q4_K_M file); `ttft_max_step_ratio` bounds them, at a price in
+throughput and TTFT P99 (its option says what was measured), so it is off by default.
 
 Order is by priority class, then FCFS (below); subclasses change it by overriding
 `waiting_order_key` (the example priority plugin does), and everything else — budgets,
@@ -33,11 +34,11 @@ Fair share between requests (`fair_share`): one request (or one call's prompts, 
 `Request.group`) may ask for hundreds of sequences, which FCFS would run before anything that
 arrives later. Instead, waiting sequences are admitted round-robin across owners (fewest
 running sequences first, then the order above), and a newly arrived owner with nothing running
-gets its room at once: when the running slots (or KV blocks) are all taken, the newest
-sequences of the owner holding the most are preempted, down to an equal share of
-`max_num_seqs` and no further; prompts in progress leave room in the step for its first
-chunk. Echoed prompt logprobs, the costliest prompt tokens, run at most
-`PROMPT_LOGPROB_TOKENS` a step. A small request waits about a step for a slot, whatever runs.
+gets its room at once: when the running slots (or KV blocks) are all taken, the newest sequences
+of the owner holding the most are preempted, down to an equal share of `max_num_seqs` and no
+further; prompts in progress leave room in the step for its first chunk. Echoed prompt logprobs,
+the costliest prompt tokens, run at most `PROMPT_LOGPROB_TOKENS` a step. A small request waits
+about a step for a slot, whatever runs.
 
 Priority classes, aging and background work (priority >= `BATCH_PRIORITY`, the Batch API's):
 `lmstack.components.priority_classes`, whose rules the scheduler mixes in.
@@ -75,6 +76,9 @@ MIN_PREFILL_TOKENS = 16
 # meanwhile, waited for each; at 64 a 4-token request beside a 4,000-token echo took 2.1 s
 # (128: 4.4 s) and the echo itself no longer (22.5 s), its cost being per row, not per step.
 PROMPT_LOGPROB_TOKENS = 64
+# The tokens to come a stream's long-gap share counts (up to max_tokens): one that may stop at
+# any token is credited only so many, or a max_tokens of thousands would spend it at once.
+LONG_GAP_LOOKAHEAD = 128
 
 
 class ContinuousScheduler(PriorityClasses, Scheduler):
@@ -107,6 +111,8 @@ class ContinuousScheduler(PriorityClasses, Scheduler):
         # Aging reads the time once a step (`schedule`); tests replace the clock.
         self.clock: Callable[[], float] = time.monotonic
         self._now = 0.0
+        # The prompt tokens this step's pace allows (`prefill_allowance`); past it: long gaps.
+        self._paced: int | float = math.inf
         self._top = 0  # the most urgent base priority present this step
         self._interactive_seen = -math.inf  # when interactive work was last present (clock)
         self._priorities: Counter = Counter()  # base priority -> sequences waiting or running
@@ -217,12 +223,22 @@ class ContinuousScheduler(PriorityClasses, Scheduler):
         if o.max_step_ms:
             limits.append(o.max_step_ms / 1000.0)
         tokens = max(MIN_PREFILL_TOKENS, min(prompt_tokens(min(limits)), self.token_budget))
+        self._paced = tokens
+        if o.long_gap_share and all(self._may_wait_long(s) for s in decoding if s.request.streamed):
+            return self.token_budget
         if o.ttft_target_ms:
             catch_up = self._tokens_for_ttft(running, decode_step, b, tokens)
             if o.ttft_max_step_ratio:  # the rest of the backlog in the next steps
                 catch_up = min(catch_up, prompt_tokens(o.ttft_max_step_ratio * decode_step))
             tokens = max(tokens, catch_up)
         return min(tokens, self.token_budget)
+
+    def _may_wait_long(self, seq: Sequence) -> bool:
+        """Whether one more long gap keeps a decoding stream's within `long_gap_share` of its
+        token gaps, those so far and those to come (up to max_tokens, LONG_GAP_LOOKAHEAD at most)."""
+        gaps, max_tokens = seq.num_output_tokens + LONG_GAP_LOOKAHEAD, seq.request.params.max_tokens
+        gaps = gaps if max_tokens is None else min(gaps, max_tokens)
+        return seq.long_gaps + 1 <= self.options.long_gap_share * gaps
 
     def _tokens_for_ttft(
         self, running: Iterable[Sequence] | None, t_decode: float, b: float, pace: int
@@ -362,6 +378,7 @@ class ContinuousScheduler(PriorityClasses, Scheduler):
         out = SchedulerOutput()
         budget = self.token_budget
         self._now = self.clock()
+        self._paced = math.inf
         lo, hi = self._priority_range()
         self._top, self._uniform = lo, lo == hi or not self._classes
         # Background rules (`priority_classes`) apply only with interactive work present;
@@ -510,6 +527,10 @@ class ContinuousScheduler(PriorityClasses, Scheduler):
                 admit([s for s in self.waiting if self.is_background(s) and id(s) not in admitted], left)
         if admitted:
             self.waiting = [s for s in self.waiting if id(s) not in admitted]
+        if sum(it.num_tokens for it in out.scheduled if it.seq.is_prefill) > self._paced:
+            for it in out.scheduled:  # the decodes waited through a step past the pace
+                if not it.seq.is_prefill:
+                    it.seq.long_gaps += 1
         return out
 
 

@@ -49,6 +49,18 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
             description="a step ttft_target_ms enlarges over a decode-only one, at most (0: no limit)"
         ),
     ] = 0.0
+    # A streamed request may wait through a step of a whole prompt (the budget) instead of the
+    # paced chunks, as long as such long gaps stay within this share of its tokens (counting
+    # those to come, up to max_tokens and at most LONG_GAP_LOOKAHEAD ahead): a burst of
+    # arrivals is then prefilled at once when every decoding stream can afford the gap, which
+    # keeps the gaps past the pace under 1 % (ITL P99) with less time to first token than
+    # pacing the burst through many longer steps (0: always paced).
+    long_gap_share: Annotated[
+        float,
+        msgspec.Meta(
+            description="share of a stream's token gaps that may exceed the max_step_ratio pace (0: none)"
+        ),
+    ] = 0.008
     # An absolute bound on such a step, in milliseconds (0: none).
     max_step_ms: Annotated[
         float, msgspec.Meta(description="the longest such step, in milliseconds (0: no bound)")
@@ -103,6 +115,8 @@ class ContinuousOptions(msgspec.Struct, forbid_unknown_fields=True):
             raise ConfigError(
                 f"must be 0 (off) or >= 1, got {self.ttft_max_step_ratio}", "scheduler.ttft_max_step_ratio"
             )
+        if not 0 <= self.long_gap_share < 1:
+            raise ConfigError(f"must be in [0, 1), got {self.long_gap_share}", "scheduler.long_gap_share")
         if self.max_step_ms < 0:
             raise ConfigError("must be >= 0", "scheduler.max_step_ms")
         if self.priority_aging_s < 0:
