@@ -20,7 +20,7 @@ Nor when that pace would make a request wait past `ttft_target_ms` (1 s) for its
 (a burst beside few decoding streams, ~20 prompt tokens a step, took seconds): the step then
 carries the prompt tokens that let the pace finish every waiting interactive request within the
 target of its arrival, in admission order, this step's own time counted; all of an overdue
-request's (`_tokens_for_ttft`; measured: compare_servers-2026-12-06-zen4-vllm/NOTE.md). An
+request's (`_tokens_for_ttft`; measured: benchmarks/HISTORY.md, compare_servers' 2nd run). An
 overloaded server then runs steps of the whole budget, each stalling every stream (ITL P99 15.7x
 the median at 32 streams of a Q4_K_M file); `ttft_max_step_ratio` bounds them, at a price in
 throughput and TTFT P99 (its option says what was measured), so it is off by default.
