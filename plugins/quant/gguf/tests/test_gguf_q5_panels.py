@@ -150,8 +150,8 @@ def test_q5_panel_rows_are_alike_whatever_the_batch(typ, isa):
 def test_large_batches_widen_each_panel_pair_once_and_keep_every_rows_bits(typ, isa):
     """Batches of the 5- and 6-bit kinds from 32 rows (AVX2) or 64 (AVX-512) widen a panel pair's
     (AVX2: a half's) codes to bytes once and run every row tile over them (`wide_pair`,
-    `wide_half`), and AVX-512 batches of 8-63 rows (Q6_K: 8-31) run tiles of 8 rows over one panel
-    first (`TALL`): each row gets the bits it gets alone (the per-tile path), whatever the batch's
+    `wide_half`), and AVX-512 batches under 64 rows (Q6_K: 32) run one panel at a time in tiles of
+    8 rows and one of the rest (`panel_rows_tall`): each row gets the bits it gets alone (the per-tile path), whatever the batch's
     size around the thresholds, with a lone last panel and partial row tiles; the other kinds keep
     the per-tile path and the same rule; the product stays within the rounding bound."""
     skip_missing(isa)
@@ -163,7 +163,7 @@ def test_large_batches_widen_each_panel_pair_once_and_keep_every_rows_bits(typ, 
     packed = ext.gguf_pack_panels(raw, int(typ), k)
     x = torch.randn(70, k) * float(rng.choice((1e-3, 1.0, 50.0)))
     alone = torch.cat([ext.gguf_matmul_panels(x[i : i + 1], packed, int(typ), n, isa) for i in range(70)])
-    for m in (7, 8, 9, 16, 23, 31, 32, 33, 63, 64, 65, 70):
+    for m in (2, 5, 7, 8, 9, 16, 23, 31, 32, 33, 63, 64, 65, 70):
         out = ext.gguf_matmul_panels(x[:m], packed, int(typ), n, isa)
         assert torch.equal(out, alone[:m]), f"{typ.name} m={m} n={n} k={k} seed {seed}"
     w = dequantized(raw.numpy(), typ)

@@ -1334,21 +1334,46 @@ void wide_pair(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const 
   });
 }
 
-// Small batches (decode at 8-63 streams) first run tiles of TALL rows over one panel at a time:
-// a block's codes are then widened once per 8 rows instead of once per 4 (two tiles over the
-// pair), at the price of twice x's broadcasts per vpdpbusd, which loses from 64 rows (and for
-// Q6_K, with its second set of sums, from 32). The rows left over take the pair's tiles. A row's
-// operations are those of any tile: the same bits. In-process A/B on 2-core Zen 4, the 30 layers'
-// matmuls, tall / pair tiles at 8 / 16 / 32 rows: Q4_1 0.83 / 0.91 / 1.00, Q4_K_M's file (Q5_0,
-// Q8_0, Q4_K, Q6_K) 0.78 / 0.84 / 0.91, Q6_K's 0.91 / 0.98 / 1.02.
+// Batches under 64 rows (under 32 for Q6_K, with its second set of sums) run one panel at a time
+// (NR = 1) in tiles of TALL rows and one of the rest: a block's codes are widened once per 8 rows
+// instead of once per 4, and each thread reads one panel's stream at a time. From 64 rows the
+// pair tiles win (x's broadcasts per vpdpbusd are twice as many with NR = 1). A row's operations
+// are those of any tile: the same bits. In-process A/B on 2-core Zen 4, the 30 layers' matmuls,
+// one-panel / pair tiles: Q4_1 0.82 (1 row), 0.84-0.91 (2-4), 0.74-0.82 (5-7), 0.83 / 0.91 /
+// 1.00 (8 / 16 / 32); Q4_K_M's file (Q5_0, Q8_0, Q4_K, Q6_K) 0.76, 0.73-0.79, 0.67-0.70, 0.78 /
+// 0.84 / 0.91; Q6_K's 0.82 (1), 0.81 (4), 0.91 / 0.98 (8 / 16), 1.02 at 32.
 constexpr int TALL = 8;
 template <int TYPE>
 constexpr int64_t TALL_MAX_ROWS = TYPE == Q6_K ? 31 : 63;
 
+// Rows [0, M) of one panel (NR = 1) in tiles of TALL and one of the rest.
+template <int TYPE>
+inline void panel_rows_tall(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const int32_t* c128,
+                            int64_t col, int valid_last) {
+  const int64_t nb = p.K / QK;
+  auto tile = [&](auto mr, int64_t r) {
+    panel_tile<TYPE, decltype(mr)::value, 1>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
+                                             c128 ? c128 + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
+                                             p.out + r * p.ldo + col, p.ldo, valid_last);
+  };
+  int64_t r = 0;
+  for (; r + TALL <= p.M; r += TALL) tile(std::integral_constant<int, TALL>(), r);
+  switch (p.M - r) {
+    case 7: tile(std::integral_constant<int, 7>(), r); break;
+    case 6: tile(std::integral_constant<int, 6>(), r); break;
+    case 5: tile(std::integral_constant<int, 5>(), r); break;
+    case 4: tile(std::integral_constant<int, 4>(), r); break;
+    case 3: tile(std::integral_constant<int, 3>(), r); break;
+    case 2: tile(std::integral_constant<int, 2>(), r); break;
+    case 1: tile(std::integral_constant<int, 1>(), r); break;
+    default: break;
+  }
+}
+
 // Panel pairs [t0, t1) of the output (the last pair may be one panel), every activation row, in
 // chunks of rows so that a chunk of x stays in cache while the thread's panels pass over it
 // (the `WIDE` kinds from WIDE_MIN_ROWS rows: each pair widened once, `wide_pair`; small batches:
-// tall tiles first).
+// one panel at a time, `panel_rows_tall`).
 template <int TYPE>
 void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, int64_t t0, int64_t t1) {
   const int64_t panels = (p.N + PANEL - 1) / PANEL, panel_bytes = p.K / QK * panel_block_bytes(TYPE);
@@ -1370,16 +1395,12 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, i
     });
     return;
   }
-  if (p.M >= TALL && p.M <= TALL_MAX_ROWS<TYPE>) {
-    const int64_t nb = p.K / QK, tall = p.M / TALL * TALL;
+  if (p.M <= TALL_MAX_ROWS<TYPE>) {
     each_pair([&](auto nr, const uint8_t* w, int64_t col, int valid_last) {
       constexpr int NR = decltype(nr)::value;
       for (int c = 0; c < NR; ++c)
-        for (int64_t r = 0; r < tall; r += TALL)
-          panel_tile<TYPE, TALL, 1>(w + c * panel_bytes, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
-                                    c128 ? c128 + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
-                                    p.out + r * p.ldo + col + c * PANEL, p.ldo, c == NR - 1 ? valid_last : PANEL);
-      panel_rows<TYPE, NR>(w, panel_bytes, p, c128, tall, p.M, col, valid_last);
+        panel_rows_tall<TYPE>(w + c * panel_bytes, panel_bytes, p, c128, col + c * PANEL,
+                              c == NR - 1 ? valid_last : PANEL);
     });
     return;
   }
