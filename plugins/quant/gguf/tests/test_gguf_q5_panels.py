@@ -151,7 +151,7 @@ def test_large_batches_widen_each_panel_pair_once_and_keep_every_rows_bits(typ, 
     """Batches of the 5- and 6-bit kinds from 32 rows (AVX2) or 64 (AVX-512) widen a panel pair's
     (AVX2: a half's) codes to bytes once and run every row tile over them (`wide_pair`,
     `wide_half`), and AVX-512 batches under 64 rows (Q6_K: 32) run one panel at a time in tiles of
-    8 rows and one of the rest (`panel_rows_tall`): each row gets the bits it gets alone (the per-tile path), whatever the batch's
+    8 rows and one of the rest (`TALL`): each row gets the bits it gets alone (the per-tile path), whatever the batch's
     size around the thresholds, with a lone last panel and partial row tiles; the other kinds keep
     the per-tile path and the same rule; the product stays within the rounding bound."""
     skip_missing(isa)

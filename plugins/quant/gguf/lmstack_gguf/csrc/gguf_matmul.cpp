@@ -336,18 +336,24 @@ inline int64_t panel_codes_at(int64_t b) {
     return b * PANEL_BLOCK<TYPE>;
 }
 
-// Activation rows [r0, r1) in tiles of 4 and one tile of the rest: tile(MR, r) for each, MR a
-// std::integral_constant so that the tile's row count is a compile-time constant.
-template <class Tile>
+// The last tile of `for_row_tiles`: n (< N + 1) rows from r, if any.
+template <int N, class Tile>
+inline void rest_tile(int64_t n, int64_t r, Tile& tile) {
+  if constexpr (N > 0) {
+    if (n == N)
+      tile(std::integral_constant<int, N>(), r);
+    else
+      rest_tile<N - 1>(n, r, tile);
+  }
+}
+
+// Activation rows [r0, r1) in tiles of MR (4 unless given) and one tile of the rest: tile(MR, r)
+// for each, MR a std::integral_constant so that the tile's row count is a compile-time constant.
+template <int MR = 4, class Tile>
 inline void for_row_tiles(int64_t r0, int64_t r1, Tile&& tile) {
   int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) tile(std::integral_constant<int, 4>(), r);
-  switch (r1 - r) {
-    case 3: tile(std::integral_constant<int, 3>(), r); break;
-    case 2: tile(std::integral_constant<int, 2>(), r); break;
-    case 1: tile(std::integral_constant<int, 1>(), r); break;
-    default: break;
-  }
+  for (; r + MR <= r1; r += MR) tile(std::integral_constant<int, MR>(), r);
+  rest_tile<MR - 1>(r1 - r, r, tile);
 }
 
 #pragma GCC push_options
@@ -1242,11 +1248,12 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
   store_tile<MR, NR>(acc, out, ldo, valid_last);
 }
 
-template <int TYPE, int NR>
+// Rows [r0, r1) of NR panels in tiles of MR rows and one of the rest.
+template <int TYPE, int NR, int MR = 4>
 inline void panel_rows(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const int32_t* c128, int64_t r0,
                        int64_t r1, int64_t col, int valid_last) {
   const int64_t nb = p.K / QK;
-  for_row_tiles(r0, r1, [&](auto mr, int64_t r) {
+  for_row_tiles<MR>(r0, r1, [&](auto mr, int64_t r) {
     panel_tile<TYPE, decltype(mr)::value, NR>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
                                               c128 ? c128 + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
                                               p.out + r * p.ldo + col, p.ldo, valid_last);
@@ -1346,34 +1353,10 @@ constexpr int TALL = 8;
 template <int TYPE>
 constexpr int64_t TALL_MAX_ROWS = TYPE == Q6_K ? 31 : 63;
 
-// Rows [0, M) of one panel (NR = 1) in tiles of TALL and one of the rest.
-template <int TYPE>
-inline void panel_rows_tall(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const int32_t* c128,
-                            int64_t col, int valid_last) {
-  const int64_t nb = p.K / QK;
-  auto tile = [&](auto mr, int64_t r) {
-    panel_tile<TYPE, decltype(mr)::value, 1>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
-                                             c128 ? c128 + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
-                                             p.out + r * p.ldo + col, p.ldo, valid_last);
-  };
-  int64_t r = 0;
-  for (; r + TALL <= p.M; r += TALL) tile(std::integral_constant<int, TALL>(), r);
-  switch (p.M - r) {
-    case 7: tile(std::integral_constant<int, 7>(), r); break;
-    case 6: tile(std::integral_constant<int, 6>(), r); break;
-    case 5: tile(std::integral_constant<int, 5>(), r); break;
-    case 4: tile(std::integral_constant<int, 4>(), r); break;
-    case 3: tile(std::integral_constant<int, 3>(), r); break;
-    case 2: tile(std::integral_constant<int, 2>(), r); break;
-    case 1: tile(std::integral_constant<int, 1>(), r); break;
-    default: break;
-  }
-}
-
 // Panel pairs [t0, t1) of the output (the last pair may be one panel), every activation row, in
 // chunks of rows so that a chunk of x stays in cache while the thread's panels pass over it
 // (the `WIDE` kinds from WIDE_MIN_ROWS rows: each pair widened once, `wide_pair`; small batches:
-// one panel at a time, `panel_rows_tall`).
+// one panel at a time in tiles of TALL rows).
 template <int TYPE>
 void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, int64_t t0, int64_t t1) {
   const int64_t panels = (p.N + PANEL - 1) / PANEL, panel_bytes = p.K / QK * panel_block_bytes(TYPE);
@@ -1399,8 +1382,8 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, i
     each_pair([&](auto nr, const uint8_t* w, int64_t col, int valid_last) {
       constexpr int NR = decltype(nr)::value;
       for (int c = 0; c < NR; ++c)
-        panel_rows_tall<TYPE>(w + c * panel_bytes, panel_bytes, p, c128, col + c * PANEL,
-                              c == NR - 1 ? valid_last : PANEL);
+        panel_rows<TYPE, 1, TALL>(w + c * panel_bytes, panel_bytes, p, c128, 0, p.M, col + c * PANEL,
+                                  c == NR - 1 ? valid_last : PANEL);
     });
     return;
   }
