@@ -85,3 +85,32 @@ def test_the_toolbox_names_results_by_script_date_and_machine_kind(tmp_path, mon
     assert re.fullmatch(r"x-\d{4}-\d\d-\d\d-avx2-quick", folder.name) and folder.is_dir()
     assert toolbox.result_dir("x", out=tmp_path / "elsewhere") == tmp_path / "elsewhere"
     assert [toolbox.ab_order(["a", "b", "c"], r) for r in range(2)] == [["a", "b", "c"], ["c", "b", "a"]]
+
+
+def test_a_run_under_an_isa_cap_is_filed_as_a_stand_in_and_builds_the_peer_for_that_cap(
+    tmp_path, monkeypatch
+):
+    from lmstack_bench import toolbox
+
+    from lmstack.kernels import hardware
+
+    monkeypatch.setattr(
+        hardware, "hardware_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})
+    )
+    monkeypatch.delenv("LMSTACK_MAX_ISA", raising=False)
+    assert toolbox.cpu_kind() == "avx512" and toolbox.isa_cap() is None
+    assert "-DGGML_NATIVE=ON" in toolbox.llama_build_commands(tmp_path, "0.3.36", 2)[1]
+    assert toolbox.llama_build_folder(tmp_path) == tmp_path / "build"
+    monkeypatch.setenv("LMSTACK_MAX_ISA", "avx2")
+    # Judged as the AVX2 class (no avx512f in the flags the targets read), filed apart from it.
+    assert toolbox.cpu_flags() == {"avx2", "fma"} and toolbox.cpu_kind() == "avx2-capped"
+    configure = toolbox.llama_build_commands(tmp_path, "0.3.36", 2)[1]
+    assert (
+        "-DGGML_NATIVE=OFF" in configure
+        and "-DGGML_AVX512=OFF" in configure
+        and "-DGGML_AVX2=ON" in configure
+    )
+    assert configure[configure.index("-B") + 1] == str(tmp_path / "build-avx2")
+    machine = toolbox.machine_info()
+    assert machine["isa_cap"] == "avx2" and "avx512f" in machine["hardware_flags"]
+    assert "avx512f" not in machine["cpu_flags"] and machine["cpu_kind"] == "avx2-capped"

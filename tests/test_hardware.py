@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lmstack.cli import main
+from lmstack.errors import ConfigError
 from lmstack.kernels import hardware
 from lmstack.stack.config import load_stack
 from lmstack.stack.plugins import default_registry
@@ -63,3 +64,49 @@ def test_check_warns_of_bf16_on_a_cpu_without_it(flags, tmp_path, capsys):
 def test_usable_cpus_follows_the_affinity_mask(monkeypatch):
     monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 3, 5})
     assert hardware.usable_cpus() == 3
+
+
+def test_an_isa_cap_hides_the_wider_flags_from_every_choice(monkeypatch):
+    monkeypatch.setattr(
+        hardware,
+        "hardware_flags",
+        lambda: frozenset({"avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16"}),
+    )
+    monkeypatch.delenv("LMSTACK_MAX_ISA", raising=False)
+    assert hardware.auto_dtype(torch.device("cpu")).dtype == torch.bfloat16
+    for no_cap in ("auto", "avx512", ""):
+        monkeypatch.setenv("LMSTACK_MAX_ISA", no_cap)
+        assert hardware.isa_cap() is None and "avx512f" in hardware.cpu_flags()
+    monkeypatch.setenv("LMSTACK_MAX_ISA", "avx2")
+    assert hardware.cpu_flags() == {"avx", "avx2", "fma", "f16c"}
+    assert hardware.auto_dtype(torch.device("cpu")).dtype == torch.float32  # as on an AVX2 CPU
+    assert hardware.cpu_description()["isa_cap"] == "avx2"
+    monkeypatch.setenv("LMSTACK_MAX_ISA", "scalar")
+    assert hardware.cpu_flags() == frozenset()
+    monkeypatch.setenv("LMSTACK_MAX_ISA", "avx3")
+    with pytest.raises(
+        ConfigError, match="LMSTACK_MAX_ISA='avx3': expected one of auto, avx512, avx2, scalar"
+    ):
+        hardware.cpu_flags()
+
+
+def test_a_bad_isa_cap_is_one_line_from_the_cli(monkeypatch, capsys):
+    monkeypatch.setenv("LMSTACK_MAX_ISA", "sse9")
+    assert main(["plugins"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: LMSTACK_MAX_ISA='sse9': expected one of")
+
+
+def test_the_layer_ops_follow_the_isa_cap_at_run_time(monkeypatch):
+    from lmstack.model.layer_ops import native
+
+    ops = native()
+    if ops is None or ops.best_isa() == 0:
+        pytest.skip("the native layer ops are not built here, or this CPU has no AVX2 to cap")
+    x, w = torch.randn(3, 96), torch.randn(96)
+    avx2 = ops.rms_norm(x, w, 1e-5, None)
+    monkeypatch.setenv("LMSTACK_MAX_ISA", "scalar")
+    assert ops.best_isa() == 0
+    scalar = ops.rms_norm(x, w, 1e-5, None)
+    # The scalar build adds in the same order as the vector one (layer_ops.cpp): the same bits
+    # through the other path.
+    assert torch.equal(scalar, avx2)

@@ -253,15 +253,15 @@ def test_an_invalid_component_in_a_named_plugin_is_an_error():
 
 
 def test_the_api_range_is_checked():
-    assert lmstack.PLUGIN_API_VERSION == PLUGIN_API_VERSION == "1.9"
+    assert lmstack.PLUGIN_API_VERSION == PLUGIN_API_VERSION == "1.10"
     assert component("ok", "speculator", api=">=1.0,<2").api_mismatch() is None
     assert component("any", "speculator").api_mismatch() is None  # not declared: accepted
     refused = component("x", "speculator", api=">=2.0", distribution="pkg", version="1.2")
     assert refused.api_mismatch() == (
-        "speculator 'x' (pkg 1.2) supports lmstack plugin API >=2.0, this lmstack provides 1.9; "
-        "upgrade lmstack or install a pkg release for API 1.9"
+        "speculator 'x' (pkg 1.2) supports lmstack plugin API >=2.0, this lmstack provides 1.10; "
+        "upgrade lmstack or install a pkg release for API 1.10"
     )
-    with pytest.raises(InvalidComponent, match=r"api='version 2' is not a version range.*'>=1.9,<2'"):
+    with pytest.raises(InvalidComponent, match=r"api='version 2' is not a version range.*'>=1.10,<2'"):
         component("bad", "speculator", api="version 2")
 
 
@@ -527,7 +527,7 @@ BAD_PLUGINS = {
             register(Component(name="fake-bad", kind="speculator", factory=lambda o, c: None, api=">=2.0"))
         """,
         "is refused: speculator 'fake-bad' (lmstack-bad 1.2) supports lmstack plugin API >=2.0, this "
-        "lmstack provides 1.9; upgrade lmstack or install a lmstack-bad release for API 1.9",
+        "lmstack provides 1.10; upgrade lmstack or install a lmstack-bad release for API 1.10",
     ),
 }
 
@@ -553,7 +553,7 @@ def test_an_allow_listed_plugin_with_an_unsupported_api_is_an_error(installed, m
     installed.activate()
     monkeypatch.setenv("LMSTACK_PLUGINS", "bad,fake_ngram")
     with pytest.raises(
-        ResolutionError, match=r"supports lmstack plugin API >=2.0, this lmstack provides 1.9"
+        ResolutionError, match=r"supports lmstack plugin API >=2.0, this lmstack provides 1.10"
     ):
         default_registry()
 

@@ -66,12 +66,19 @@ def cmd_output(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 
 def cpu_flags() -> set[str]:
-    """This CPU's flags from /proc/cpuinfo (empty elsewhere)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
+    """This CPU's flags as lmstack's kernels see them (empty where /proc/cpuinfo is unreadable):
+    under `LMSTACK_MAX_ISA` (lmstack.kernels.hardware) without those above the cap, so the
+    targets of a capped run are those of the CPU kind it stands in for."""
+    from lmstack.kernels.hardware import cpu_flags as effective
+
+    return set(effective())
+
+
+def isa_cap() -> str | None:
+    """`LMSTACK_MAX_ISA` where it caps the kernels (`avx2`, `scalar`), else None."""
+    from lmstack.kernels.hardware import isa_cap as cap
+
+    return cap()
 
 
 def cpu_model() -> str | None:
@@ -88,15 +95,20 @@ def cpu_model() -> str | None:
 def cpu_kind(flags: set[str] | list[str] | None = None) -> str:
     """The kind of CPU a result is filed under: `amx` (Intel Xeon with AMX), `avx512` (AVX-512
     without AMX, e.g. Zen 4 / Zen 5), `avx2` (no AVX-512), else the architecture. The kernels
-    take different paths on each, so results are only comparable within a kind."""
+    take different paths on each, so results are only comparable within a kind. This machine's
+    kind under `LMSTACK_MAX_ISA` (flags None) is the capped one with `-capped` (`avx2-capped`): a
+    stand-in run, filed apart from the real kind's."""
+    capped = flags is None and isa_cap() is not None
     flags = set(cpu_flags() if flags is None else flags)
     if "amx_tile" in flags:
-        return "amx"
-    if "avx512f" in flags:
-        return "avx512"
-    if "avx2" in flags:
-        return "avx2"
-    return platform.machine().lower() or "cpu"
+        kind = "amx"
+    elif "avx512f" in flags:
+        kind = "avx512"
+    elif "avx2" in flags:
+        kind = "avx2"
+    else:
+        kind = platform.machine().lower() or "cpu"
+    return f"{kind}-capped" if capped else kind
 
 
 def gpu_kind(device_name: str) -> str:
@@ -128,12 +140,30 @@ def machine_info() -> dict[str, Any]:
     except PackageNotFoundError:
         lm_version = None
     flags = cpu_flags()
+    from lmstack.kernels.hardware import hardware_flags
+
+    cap = isa_cap()
     return {
         "cpu_model": cpu_model(),
-        "cpu_kind": cpu_kind(flags),
+        "cpu_kind": cpu_kind(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": affinity,
         "cpu_flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2"))),
+        # A capped run (LMSTACK_MAX_ISA) names the cap and what the CPU itself has.
+        **(
+            {
+                "isa_cap": cap,
+                "hardware_flags": sorted(
+                    f for f in hardware_flags() if f.startswith(("avx512", "amx", "avx2"))
+                ),
+                # torch's and oneDNN's own caps, which the servers' torch kernels follow
+                "torch_isa_env": {
+                    k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+                },
+            }
+            if cap
+            else {}
+        ),
         "memory_total_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -338,24 +368,44 @@ def run_logged(cmd: list[str], log_path: Path, **kw: Any) -> None:
         subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True, **kw)
 
 
+# llama.cpp's own switches for the code an `LMSTACK_MAX_ISA` cap allows (GGML_NATIVE would take
+# every flag of this CPU): the peer runs the same class of vector code as lmstack then.
+LLAMA_CAP_FLAGS = {
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_BMI2=ON",
+             "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"],
+    "scalar": ["-DGGML_NATIVE=OFF", "-DGGML_SSE42=OFF", "-DGGML_AVX=OFF", "-DGGML_AVX2=OFF", "-DGGML_BMI2=OFF",
+               "-DGGML_FMA=OFF", "-DGGML_F16C=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"],
+}  # fmt: skip
+
+
+def llama_build_folder(build_dir: Path) -> Path:
+    """Where the tools are built: `build`, or `build-avx2` / `build-scalar` under a cap."""
+    cap = isa_cap()
+    return build_dir / ("build" if cap is None else f"build-{cap}")
+
+
 def llama_build_commands(build_dir: Path, version: str, jobs: int) -> list[list[str]]:
     """The commands that build llama.cpp's tools from the sdist in `build_dir` (the tar extraction
-    is done in Python between the first two)."""
+    is done in Python between the first two): for this CPU (GGML_NATIVE), or under
+    `LMSTACK_MAX_ISA` for the capped class of CPU (`LLAMA_CAP_FLAGS`), in a folder of its own."""
     import shutil
 
     src = build_dir / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    out = llama_build_folder(build_dir)
+    cap = isa_cap()
     download = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                 f"llama-cpp-python=={version}", "-d", str(build_dir)]  # fmt: skip
     configure = [
-        "cmake", "-S", str(src), "-B", str(build_dir / "build"), "-DCMAKE_BUILD_TYPE=Release",
-        "-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+        "cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release",
+        *(["-DGGML_NATIVE=ON"] if cap is None else LLAMA_CAP_FLAGS[cap]),
+        "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
         f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}", "-DLLAMA_CURL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
         "-DBUILD_SHARED_LIBS=OFF",
     ]  # fmt: skip
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
-    build = ["cmake", "--build", str(build_dir / "build"), "--target", *LLAMA_TOOLS, "-j", str(jobs)]
+    build = ["cmake", "--build", str(out), "--target", *LLAMA_TOOLS, "-j", str(jobs)]
     return [download, configure, build]
 
 
@@ -369,7 +419,7 @@ def build_llama_cpp(
     missing compiles). One cached build serves compare_servers.py and gguf_kquants.py."""
     import tarfile
 
-    bins = {tool: build_dir / "build" / "bin" / tool for tool in LLAMA_TOOLS}
+    bins = {tool: llama_build_folder(build_dir) / "bin" / tool for tool in LLAMA_TOOLS}
     cmds = llama_build_commands(build_dir, version, jobs)
     if all(b.is_file() for b in bins.values()):
         return bins, cmds, False
@@ -521,7 +571,7 @@ def ab_record(
     flags = cpu_flags()
     summary = {
         "cpu_model": cpu_model(),
-        "cpu_kind": cpu_kind(flags),
+        "cpu_kind": cpu_kind(),
         "cpu_flags": sorted(f for f in flags if f.startswith(("avx2", "avx512", "amx"))),
         "torch": torch.__version__,
         "git": git_info(),

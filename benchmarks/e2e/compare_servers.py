@@ -412,10 +412,17 @@ def cpu_line(machine: dict[str, Any]) -> str:
     def has(*names: str) -> str:
         return "yes" if any(n in flags for n in names) else "no"
 
-    return (
+    line = (
         f"{machine.get('cpu_model')}: avx512f {has('avx512f')}, avx512_bf16 {has('avx512_bf16')}, "
         f"amx {has('amx_tile', 'amx_bf16', 'amx_int8')}"
     )
+    if machine.get("isa_cap"):
+        own = ", ".join(machine.get("hardware_flags") or ()) or "its flags unknown"
+        line += (
+            f" as seen under LMSTACK_MAX_ISA={machine['isa_cap']} (the CPU itself has {own}): a stand-in "
+            "for that class of CPU, not one"
+        )
+    return line
 
 
 def weights_lines(types: str | None) -> dict[str, str]:

@@ -55,6 +55,10 @@ def _main(argv: list[str]) -> int:
         return EXIT_ERROR
     args = parser.parse_args(argv)
     try:
+        if os.environ.get("LMSTACK_MAX_ISA"):  # a bad value is one line before anything runs
+            from lmstack.kernels.hardware import isa_cap
+
+            isa_cap()
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

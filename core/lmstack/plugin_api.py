@@ -39,7 +39,7 @@ Everything else in lmstack is internal and may change in any release.
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.9"  # 1.9: stack_mapping, apply_overrides, the step bound; 1.8: modules by concern
+PLUGIN_API_VERSION = "1.10"  # 1.10: isa_cap, hardware_flags; 1.9: stack_mapping, apply_overrides, the step bound; 1.8: modules by concern
 """The plugin API this lmstack provides; see the module docstring for when it changes."""
 
 PUBLIC_API: dict[str, tuple[str, ...]] = {
@@ -183,6 +183,8 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "native_bf16_cpu",
         "usable_cpus",
         "cpu_description",
+        "isa_cap",  # 1.10: LMSTACK_MAX_ISA, and the flags the CPU has beneath it (a capped run's record)
+        "hardware_flags",
     ),
     # The model's building blocks a draft model (EAGLE) or an expert layout reuses.
     "lmstack.model.layer_ops": ("rms_norm", "rotate_", "silu_mul"),

@@ -14,6 +14,8 @@
 
 #include <torch/extension.h>
 
+#include "isa_cap.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -29,7 +31,8 @@ enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1 };
 
 int64_t best_isa() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? ISA_AVX2 : ISA_SCALAR;
+  const int64_t found = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? ISA_AVX2 : ISA_SCALAR;
+  return std::min(found, lmstack::isa_cap());
 }
 
 // One row: (optionally x += r, in place) then out = x * rsqrt(mean(x^2) + eps) * w.

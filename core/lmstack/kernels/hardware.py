@@ -14,6 +14,12 @@ and the memory `allocator.kv_cache_memory: auto` sizes the KV cache from (`kv_bu
 
 The flags come from /proc/cpuinfo (Linux); where that cannot be read, no native bf16 is
 assumed (float32: slower at batch 1 on a bf16 CPU, never wrong).
+
+`LMSTACK_MAX_ISA` caps the vector code: `avx2` makes an AVX-512 machine choose as an AVX2 one
+would (no AVX-512 or AMX flag seen here, so `dtype: auto` is float32; every C++ extension's
+run-time path AVX2, csrc/isa_cap.h), `scalar` as a CPU without AVX; unset, `auto` or `avx512`:
+no cap. For reproducing an older machine's behaviour and for running a whole model through a
+lower kernel path; torch's own kernels follow `ATEN_CPU_CAPABILITY`, set apart.
 """
 
 from __future__ import annotations
@@ -27,9 +33,38 @@ import torch
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
+ISA_CAP_ENV = "LMSTACK_MAX_ISA"
+# What each cap hides: the flags of wider vector code than it allows (prefixes).
+ISA_CAP_HIDES = {"avx2": ("avx512", "amx"), "scalar": ("avx512", "amx", "avx", "fma", "f16c")}
+NO_CAP = ("", "auto", "avx512")
+
+
+def isa_cap() -> str | None:
+    """`LMSTACK_MAX_ISA`: "avx2" or "scalar", None where unset or no cap; ConfigError (one line)
+    for any other value (the C++ extensions would silently ignore it)."""
+    from lmstack.errors import ConfigError
+
+    value = os.environ.get(ISA_CAP_ENV, "").strip().lower()
+    if value in NO_CAP:
+        return None
+    if value not in ISA_CAP_HIDES:
+        raise ConfigError(
+            f"{ISA_CAP_ENV}={value!r}: expected one of auto, avx512, avx2, scalar (the widest vector "
+            "code lmstack's kernels may use)"
+        )
+    return value
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as lmstack's choices see them: the hardware's (`hardware_flags`)
+    less those above `LMSTACK_MAX_ISA`."""
+    cap = isa_cap()
+    flags = hardware_flags()
+    return flags if cap is None else frozenset(f for f in flags if not f.startswith(ISA_CAP_HIDES[cap]))
+
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
+def hardware_flags() -> frozenset[str]:
     """The CPU feature flags of the first processor in /proc/cpuinfo (empty where unreadable)."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
@@ -58,7 +93,11 @@ def cpu_name() -> str:
 def cpu_description() -> dict[str, object]:
     """The CPU a measurement ran on, for result files: model name and its vector / matrix flags."""
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx2", "avx512", "amx")))
-    return {"cpu_model": cpu_name(), "cpu_flags": flags}
+    out: dict[str, object] = {"cpu_model": cpu_name(), "cpu_flags": flags}
+    if isa_cap() is not None:  # the machine's own flags too: a capped run is not that CPU kind
+        out["isa_cap"] = isa_cap()
+        out["hardware_flags"] = sorted(f for f in hardware_flags() if f.startswith(("avx2", "avx512", "amx")))
+    return out
 
 
 def native_bf16_cpu() -> bool:

@@ -34,6 +34,10 @@ import torch
 log = logging.getLogger(__name__)
 
 DEFAULT_FLAGS = ("-O3", "-fopenmp", "-std=c++17")
+# lmstack's own headers, on every extension's include path: `#include "isa_cap.h"` (the
+# LMSTACK_MAX_ISA cap each extension's run-time ISA choice applies).
+SHARED_INCLUDE = Path(__file__).resolve().parent.parent / "csrc"
+SHARED_HEADERS = (SHARED_INCLUDE / "isa_cap.h",)
 
 
 @contextlib.contextmanager
@@ -70,7 +74,8 @@ class BuildReport:
 
 
 class NativeExtension:
-    """One C++ extension: `sources` are compiled, `headers` only hashed (an edit rebuilds).
+    """One C++ extension: `sources` are compiled, `headers` only hashed (an edit rebuilds), and
+    lmstack's shared headers (`SHARED_HEADERS`) are on its include path and in its hash.
 
     A plugin's build module holds one, and needs nothing else: ``load = EXTENSION.load``,
     ``load_error = EXTENSION.load_error`` and ``main = EXTENSION.report_build`` (with `report`
@@ -95,7 +100,7 @@ class NativeExtension:
 
     def source_hash(self) -> str:
         h = hashlib.sha256()
-        for path in (*self.sources, *self.headers):
+        for path in (*self.sources, *self.headers, *SHARED_HEADERS):
             # The path too: torch's build records where the sources are, so two checkouts (or a
             # checkout and an installed wheel) sharing one folder would rebuild it for each other,
             # each holding the build lock while the other waits.
@@ -136,6 +141,7 @@ class NativeExtension:
                     name=self.name,
                     sources=[str(p) for p in self.sources],
                     extra_cflags=list(self.flags),
+                    extra_include_paths=[str(SHARED_INCLUDE)],
                     extra_ldflags=["-fopenmp"] if "-fopenmp" in self.flags else [],
                     build_directory=str(folder),
                     verbose=False,

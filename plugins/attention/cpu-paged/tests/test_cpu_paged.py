@@ -299,3 +299,18 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(isa, kv_dtype):
                 q[i : i + 1].contiguous(), kc, vc, meta.block_tables[seq : seq + 1], *one, *fixed
             )
             assert torch.equal(alone[0], batch[i]), (head_dim, window, min_part, ctx)
+
+
+def test_auto_follows_the_isa_cap_at_run_time(monkeypatch):
+    """LMSTACK_MAX_ISA=avx2 (read on every call) on an AVX-512 CPU: the automatic path (isa -1)
+    is the AVX2 one, bit for bit."""
+    if BEST < 2:
+        pytest.skip("this CPU has no AVX-512 to cap")
+    ext = builder.load()
+    q, _, _, kc, vc, meta, _ = paged_batch(
+        [(0, 23), (40, 1), (300, 1)], 2, 3, 64, 16, kv_dtype=torch.bfloat16
+    )
+    args = (q, kc, vc, meta.block_tables, meta.query_start_loc, meta.context_lens, 0.125, 0, None, None)
+    monkeypatch.setenv("LMSTACK_MAX_ISA", "avx2")
+    assert ext.best_isa() == 1
+    assert torch.equal(ext.paged_attention(*args, -1, 256), ext.paged_attention(*args, 1, 256))

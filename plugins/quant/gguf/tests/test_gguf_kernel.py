@@ -56,6 +56,24 @@ def test_matmul_matches_the_dequantized_reference(typ, isa):
         )
 
 
+@needs_ext
+def test_the_run_time_choice_follows_the_isa_cap(monkeypatch):
+    """LMSTACK_MAX_ISA=avx2 (read on every call): the automatic path (isa -1) is the AVX2 one, bit
+    for bit, on a CPU with AVX-512; a forced wider path is refused."""
+    if ext.best_isa() < 1:
+        pytest.skip("this CPU has no AVX2 to cap")
+    raw, _ = blocks_of(np.random.randn(37, 96), T.Q4_1)
+    x = torch.randn(5, 96)
+    monkeypatch.setenv("LMSTACK_MAX_ISA", "avx2")
+    assert ext.best_isa() == 1
+    assert torch.equal(
+        ext.gguf_matmul_q8(x, raw, int(T.Q4_1), -1), ext.gguf_matmul_q8(x, raw, int(T.Q4_1), 1)
+    )
+    monkeypatch.setenv("LMSTACK_MAX_ISA", "scalar")
+    assert ext.best_isa() == 0
+    assert torch.equal(ext.gguf_matmul(x, raw, int(T.Q4_1), -1), ext.gguf_matmul(x, raw, int(T.Q4_1), 0))
+
+
 def assert_rows_alike(matmul, typ: T, isa: int) -> None:
     """`matmul(x, blocks, type, isa)` gives each activation row the same bits alone or among any
     number of others, and at any offset in the batch, on fresh random shapes."""

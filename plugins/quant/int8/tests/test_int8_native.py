@@ -145,3 +145,13 @@ def test_int8_activations_bad_inputs():
         ext.int8_matmul_q8(torch.randn(2, 48), q, scale)
     with pytest.raises(RuntimeError, match="x must be float32"):
         ext.int8_matmul_q8(torch.randn(2, 32, dtype=torch.bfloat16), q[:, :32].contiguous(), scale)
+
+
+def test_the_run_time_choice_follows_the_isa_cap(monkeypatch):
+    """LMSTACK_MAX_ISA=avx2 (read on every call) on an AVX-512 CPU: the automatic path is AVX2's."""
+    if ext.best_isa() < 2:
+        pytest.skip("this CPU has no AVX-512 to cap")
+    monkeypatch.setenv("LMSTACK_MAX_ISA", "avx2")
+    assert ext.best_isa() == 1
+    monkeypatch.setenv("LMSTACK_MAX_ISA", "scalar")
+    assert ext.best_isa() == 0

@@ -20,6 +20,8 @@
 
 #include <torch/extension.h>
 
+#include "isa_cap.h"
+
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <immintrin.h>
@@ -74,12 +76,14 @@ namespace avx512 {
 }  // namespace avx512
 #pragma GCC pop_options
 
-int64_t best_isa() {
+int64_t best_isa() {  // what the CPU has, within LMSTACK_MAX_ISA (isa_cap.h)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return ISA_AVX512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return ISA_AVX2;
-  return ISA_SCALAR;
+  int64_t found = ISA_SCALAR;
+  if (__builtin_cpu_supports("avx512f"))
+    found = ISA_AVX512;
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    found = ISA_AVX2;
+  return std::min(found, lmstack::isa_cap());
 }
 
 namespace {

@@ -31,6 +31,8 @@
 
 #include <torch/extension.h>
 
+#include "isa_cap.h"
+
 #include "kquants.h"
 
 #include <ATen/Parallel.h>
@@ -53,15 +55,16 @@ enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 
 constexpr int QK = 32;  // values per block, every type here
 constexpr int MAX_GSHIFT = 3;  // Q4_1G's groups: at most 8 blocks (256 columns)
 
-int64_t best_isa() {
+int64_t best_isa() {  // what the CPU has, within LMSTACK_MAX_ISA (isa_cap.h)
   __builtin_cpu_init();
+  int64_t found = ISA_SCALAR;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c"))
-    return ISA_AVX512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return ISA_AVX2;
-  return ISA_SCALAR;
+    found = ISA_AVX512;
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    found = ISA_AVX2;
+  return std::min(found, lmstack::isa_cap());
 }
 
 int64_t block_bytes(int64_t type) {

@@ -24,6 +24,8 @@
 
 #include <torch/extension.h>
 
+#include "isa_cap.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -37,13 +39,15 @@ namespace int8_matmul {
 // ISA_AVX512_VNNI changes only the int8-activation kernel; the fp32 one runs its AVX-512 code.
 enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3 };
 
-int64_t best_isa() {
+int64_t best_isa() {  // what the CPU has, within LMSTACK_MAX_ISA (isa_cap.h)
   __builtin_cpu_init();
+  int64_t found = ISA_SCALAR;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("fma"))
-    return __builtin_cpu_supports("avx512vnni") ? ISA_AVX512_VNNI : ISA_AVX512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
-  return ISA_SCALAR;
+    found = __builtin_cpu_supports("avx512vnni") ? ISA_AVX512_VNNI : ISA_AVX512;
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    found = ISA_AVX2;
+  return std::min(found, lmstack::isa_cap());
 }
 
 struct Problem {
