@@ -114,3 +114,6 @@ def test_a_run_under_an_isa_cap_is_filed_as_a_stand_in_and_builds_the_peer_for_t
     machine = toolbox.machine_info()
     assert machine["isa_cap"] == "avx2" and "avx512f" in machine["hardware_flags"]
     assert "avx512f" not in machine["cpu_flags"] and machine["cpu_kind"] == "avx2-capped"
+    monkeypatch.setattr(sys, "argv", ["benchmarks/e2e/x.py", "--quick"])
+    assert toolbox.command_line().startswith("LMSTACK_MAX_ISA=avx2 ")
+    assert toolbox.command_line().endswith("python benchmarks/e2e/x.py --quick")

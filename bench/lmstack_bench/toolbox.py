@@ -50,9 +50,15 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
+# Environment that changes what a run measures, recorded in front of its command when set.
+RECORDED_ENV = ("LMSTACK_MAX_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
 def command_line() -> str:
-    """The command as a person would retype it, recorded in every result."""
-    return shlex.join(["python", *sys.argv])
+    """The command as a person would retype it, recorded in every result (with the ISA caps
+    of `RECORDED_ENV` in front where set: a capped run retyped without them is another run)."""
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in RECORDED_ENV if os.environ.get(k)]
+    return " ".join([*env, shlex.join(["python", *sys.argv])])
 
 
 def cmd_output(cmd: list[str], cwd: Path | None = None) -> str | None:
