@@ -82,6 +82,7 @@ from lmstack_bench.toolbox import (
     LLAMA_CPP_PYTHON,
     Server,
     build_llama_cpp,
+    command_line,
     gguf_tensor_types,
     git_info,
     machine_info,
@@ -887,7 +888,7 @@ def main() -> int:
     machine = machine_info()
     report = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "command": shlex.join(["python", *sys.argv]),
+        "command": command_line(),
         "machine": machine,
         "git": git,
         "loadavg_before": loadavg_before,

@@ -32,7 +32,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from lmstack_bench.toolbox import ab_order, git_info, log, machine_info, plot_ratios, result_dir, write_json
+from lmstack_bench.toolbox import (
+    ab_order,
+    command_line,
+    git_info,
+    log,
+    machine_info,
+    plot_ratios,
+    result_dir,
+    write_json,
+)
 
 PY = sys.executable
 LMSTACK = str(Path(PY).with_name("lmstack"))
@@ -124,7 +133,7 @@ def main() -> int:
     machine = machine_info()
     report = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": shlex.join(["python", *sys.argv]),
+        "command": command_line(),
         "machine": machine,
         "git": git,
         "loadavg_before": loadavg_before,
