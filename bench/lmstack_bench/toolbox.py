@@ -50,8 +50,10 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
+# torch's and oneDNN's own ISA caps, which a capped run sets beside LMSTACK_MAX_ISA.
+TORCH_ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 # Environment that changes what a run measures, recorded in front of its command when set.
-RECORDED_ENV = ("LMSTACK_MAX_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+RECORDED_ENV = ("LMSTACK_MAX_ISA", *TORCH_ISA_ENV)
 
 
 def command_line() -> str:
@@ -146,30 +148,18 @@ def machine_info() -> dict[str, Any]:
     except PackageNotFoundError:
         lm_version = None
     flags = cpu_flags()
-    from lmstack.kernels.hardware import hardware_flags
+    from lmstack.kernels.hardware import cpu_description
 
-    cap = isa_cap()
+    # Under LMSTACK_MAX_ISA: the cap and the flags the CPU itself has.
+    capped = {k: v for k, v in cpu_description().items() if k in ("isa_cap", "hardware_flags")}
     return {
         "cpu_model": cpu_model(),
         "cpu_kind": cpu_kind(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": affinity,
         "cpu_flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2"))),
-        # A capped run (LMSTACK_MAX_ISA) names the cap and what the CPU itself has.
-        **(
-            {
-                "isa_cap": cap,
-                "hardware_flags": sorted(
-                    f for f in hardware_flags() if f.startswith(("avx512", "amx", "avx2"))
-                ),
-                # torch's and oneDNN's own caps, which the servers' torch kernels follow
-                "torch_isa_env": {
-                    k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
-                },
-            }
-            if cap
-            else {}
-        ),
+        **capped,
+        **({"torch_isa_env": {k: os.environ.get(k) for k in TORCH_ISA_ENV}} if capped else {}),
         "memory_total_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(),
         "python": platform.python_version(),

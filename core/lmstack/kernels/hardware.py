@@ -94,8 +94,9 @@ def cpu_description() -> dict[str, object]:
     """The CPU a measurement ran on, for result files: model name and its vector / matrix flags."""
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx2", "avx512", "amx")))
     out: dict[str, object] = {"cpu_model": cpu_name(), "cpu_flags": flags}
-    if isa_cap() is not None:  # the machine's own flags too: a capped run is not that CPU kind
-        out["isa_cap"] = isa_cap()
+    cap = isa_cap()
+    if cap is not None:  # the machine's own flags too: a capped run is not that CPU kind
+        out["isa_cap"] = cap
         out["hardware_flags"] = sorted(f for f in hardware_flags() if f.startswith(("avx2", "avx512", "amx")))
     return out
 

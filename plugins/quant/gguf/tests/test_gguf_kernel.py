@@ -58,8 +58,8 @@ def test_matmul_matches_the_dequantized_reference(typ, isa):
 
 @needs_ext
 def test_the_run_time_choice_follows_the_isa_cap(monkeypatch):
-    """LMSTACK_MAX_ISA=avx2 (read on every call): the automatic path (isa -1) is the AVX2 one, bit
-    for bit, on a CPU with AVX-512; a forced wider path is refused."""
+    """LMSTACK_MAX_ISA (read on every call): under `avx2` the automatic path (isa -1) is the AVX2
+    one bit for bit, under `scalar` the plain C++ one."""
     if ext.best_isa() < 1:
         pytest.skip("this CPU has no AVX2 to cap")
     raw, _ = blocks_of(np.random.randn(37, 96), T.Q4_1)

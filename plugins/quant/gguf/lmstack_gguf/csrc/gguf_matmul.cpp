@@ -733,14 +733,14 @@ inline void half_scales(const uint8_t* w, int half, int64_t b, __m256& d, __m256
   }
 }
 
-// A block's integer sums for MR rows, one vector j (0..3) of codes at a time: the maddubs sums
-// of lo and hi in int16 (s_lo, s_hi), widened into the int32 sums (d_lo, d_hi) where the codes'
-// size requires. Q6_K (codes 0..63): lo and hi apart (two scale groups), widened every second j;
-// the others: one sum (s_lo, d_lo), widened every second j for 5-bit codes, at the end for 4-bit.
 // Holds v in a register as it is at this point (no instruction): GCC may then not reassociate the
 // additions into v across it.
 inline void pin(__m256i& v) { asm volatile("" : "+x"(v)); }
 
+// A block's integer sums for MR rows, one vector j (0..3) of codes at a time: the maddubs sums
+// of lo and hi in int16 (s_lo, s_hi), widened into the int32 sums (d_lo, d_hi) where the codes'
+// size requires. Q6_K (codes 0..63): lo and hi apart (two scale groups), widened every second j;
+// the others: one sum (s_lo, d_lo), widened every second j for 5-bit codes, at the end for 4-bit.
 template <int TYPE, int MR>
 inline void half_step(__m256i lo, __m256i hi, const int8_t* xb, int64_t K, int j, __m256i* s_lo, __m256i* s_hi,
                       __m256i* d_lo, __m256i* d_hi) {
