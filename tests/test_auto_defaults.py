@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import torch
 
-from lmstack.components.paged import PagedOptions
+from lmstack.components.paged import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, PagedOptions, auto_block_size
 from lmstack.components.paged import build as build_paged
 from lmstack.errors import ConfigError, ResolutionError
 from lmstack.interfaces import BuildContext
@@ -297,14 +297,33 @@ def test_the_paged_allocator_sizes_auto_from_the_budget(monkeypatch):
     )
     monkeypatch.setattr(hardware, "host_available_memory", lambda: 64 * 2**20)  # 64 MiB available
     ctx = BuildContext(mc, CPU, torch.float32, torch.float32)
-    per_block = 16 * mc.kv_bytes_per_token(4)
-    assert build_paged(PagedOptions(), ctx).num_blocks == (16 * 2**20) // per_block  # a quarter
+    per_block = CPU_BLOCK_SIZE * mc.kv_bytes_per_token(4)  # block_size auto on a CPU
+    allocator = build_paged(PagedOptions(), ctx)
+    assert (allocator.block_size, allocator.num_blocks) == (
+        CPU_BLOCK_SIZE,
+        (16 * 2**20) // per_block,
+    )  # a quarter
     assert build_paged(PagedOptions(kv_cache_memory="1MiB"), ctx).num_blocks == 2**20 // per_block
     monkeypatch.setattr(hardware, "host_available_memory", lambda: 1024)
     with pytest.raises(
         ConfigError, match=r"auto \(auto on cpu: 25% of the 0.0 GiB available.*holds no block"
     ):
         build_paged(PagedOptions(), ctx)
+
+
+def test_block_size_auto_is_a_number_once_resolved():
+    # A CPU's decode reads fewer, longer runs of K/V with larger blocks; GPUs keep vLLM's 16.
+    assert (CPU_BLOCK_SIZE, GPU_BLOCK_SIZE) == (64, 16)
+    assert PagedOptions().block_size == "auto"
+    r = resolve(load_stack({"device": "cpu"}), registry())
+    assert r.block_size == CPU_BLOCK_SIZE and r.allocator.options.block_size == CPU_BLOCK_SIZE
+    assert r.auto_reasons["block_size"].startswith("auto on cpu: 64")
+    assert auto_block_size(torch.device("cuda"))[0] == GPU_BLOCK_SIZE
+    # A number set in the stack is kept, with no reason to state.
+    r = resolve(load_stack({"device": "cpu", "allocator": {"name": "paged", "block_size": 16}}), registry())
+    assert r.block_size == 16 and "block_size" not in r.auto_reasons
+    with pytest.raises(ConfigError, match=r"must be in \[1, 1024\], got 0"):
+        PagedOptions(block_size=0)
 
 
 def test_resolve_states_the_kv_cache_memory_rule():
@@ -354,9 +373,11 @@ def test_the_model_alone_resolves_to_the_hand_written_cpu_stack(smollm2_path):
         example.dtype,
         example.kv_cache_dtype,
     )
-    # Against the old file: the same components and options, but for the two new autos
-    # (the KV budget is measured; prefix caching is on where installed).
+    # Against the old file: the same components and options, but for the three new autos
+    # (the KV budget is measured; blocks of 64 tokens on a CPU; prefix caching is on where installed).
     want, got = _components(old), _components(alone)
+    assert got["allocator"][1].pop("block_size") == CPU_BLOCK_SIZE
+    assert want["allocator"][1].pop("block_size") == 16
     assert got["allocator"][1].pop("kv_cache_memory") == "auto"
     assert want["allocator"][1].pop("kv_cache_memory") == "1GiB"
     expected_cache = "prefix" if "prefix" in reg.names("cache") else "none"

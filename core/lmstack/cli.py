@@ -340,7 +340,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 # `auto_reasons` keys that are not roles: how `lmstack check` names them.
-_AUTO_LABEL = {"kv_cache_memory": "KV cache memory"}
+_AUTO_LABEL = {"kv_cache_memory": "KV cache memory", "block_size": "KV block size"}
 
 
 def _print_check(

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
+import torch
 
 from lmstack.content_hash import block_hash
 from lmstack.errors import ConfigError
@@ -27,6 +28,20 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 
 
 KV_MEMORY_AUTO = "auto"
+BLOCK_SIZE_AUTO = "auto"
+# `block_size: auto`: on a CPU a decode step reads each sequence's K/V block by block from places
+# scattered over the cache, and the memory system streams a few long runs far faster than many
+# short ones: 64-token blocks made decode attention at 32 streams ~17 % faster than 16-token ones
+# and the closed loop ~10 % (2-core Zen 4; 128 gained ~3 % more but halves prefix-reuse
+# granularity again). GPU kernels read a block per warp: vLLM's 16 there.
+CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 64, 16
+
+
+def auto_block_size(device: torch.device) -> tuple[int, str]:
+    """`block_size: auto` on `device`: (tokens per block, why, for `lmstack check`)."""
+    if device.type == "cpu":
+        return CPU_BLOCK_SIZE, f"auto on cpu: {CPU_BLOCK_SIZE} (decode reads fewer, longer runs of K/V)"
+    return GPU_BLOCK_SIZE, f"auto on {device.type}: {GPU_BLOCK_SIZE}"
 
 
 def parse_bytes(value: int | str, path: str = "allocator.kv_cache_memory") -> int:
@@ -39,7 +54,10 @@ def parse_bytes(value: int | str, path: str = "allocator.kv_cache_memory") -> in
 
 
 class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
-    block_size: Annotated[int, msgspec.Meta(description="tokens per KV-cache block (1 to 1024)")] = 16
+    block_size: Annotated[
+        int | Literal["auto"],
+        msgspec.Meta(description="tokens per KV-cache block (1 to 1024); auto: 64 on a CPU, 16 on a GPU"),
+    ] = BLOCK_SIZE_AUTO
     # Memory budget for K and V of all layers; the block count is derived from it. "auto" is
     # measured when the allocator is built, after the weights are loaded (`kv_budget`): on a GPU
     # 90% of its memory less what is in use (vLLM's gpu_memory_utilization); on a CPU 25% of the
@@ -56,7 +74,7 @@ class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
     ] = None
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size > 1024:
+        if self.block_size != BLOCK_SIZE_AUTO and not 1 <= self.block_size <= 1024:
             raise ConfigError(f"must be in [1, 1024], got {self.block_size}", "allocator.block_size")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"must be >= 1, got {self.num_blocks}", "allocator.num_blocks")
@@ -256,6 +274,8 @@ class PagedAllocator(KVAllocator):
 
 
 def build(options: PagedOptions, ctx: BuildContext) -> PagedAllocator:
+    if options.block_size == BLOCK_SIZE_AUTO:  # a resolved stack holds the number already
+        options = msgspec.structs.replace(options, block_size=auto_block_size(ctx.device)[0])
     if options.num_blocks is not None:
         num_blocks = options.num_blocks
     else:

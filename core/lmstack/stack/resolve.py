@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import msgspec
 import torch
 
-from lmstack.components.paged import KV_MEMORY_AUTO
+from lmstack.components.paged import BLOCK_SIZE_AUTO, KV_MEMORY_AUTO, auto_block_size
 from lmstack.errors import ConfigError, ResolutionError
 from lmstack.kernels.hardware import auto_dtype, kv_budget_reason
 from lmstack.quant.formats import DENSE, GGUF, checkpoint_format_id
@@ -176,6 +177,12 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
         where = f"for a {checkpoint_format} checkpoint on" if role == "quantizer" else "on"
         reasons[role] = f"auto {where} {device.type} (ranked: {ranked}): {selected[role].name}" + (
             f"; skipped {'; '.join(left_out)}" if left_out else ""
+        )
+    alloc = selected["allocator"]
+    if getattr(alloc.options, "block_size", None) == BLOCK_SIZE_AUTO:  # a number from here on
+        size, reasons["block_size"] = auto_block_size(device)
+        selected["allocator"] = replace(
+            alloc, options=msgspec.structs.replace(alloc.options, block_size=size)
         )
     if getattr(selected["allocator"].options, "kv_cache_memory", None) == KV_MEMORY_AUTO:
         # Measured again when the allocator is built, after the weights are loaded.
