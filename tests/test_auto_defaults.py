@@ -13,7 +13,13 @@ import msgspec
 import pytest
 import torch
 
-from lmstack.components.paged import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, PagedOptions, auto_block_size
+from lmstack.components.paged import (
+    CPU_BLOCK_SIZE,
+    GPU_BLOCK_SIZE,
+    PagedOptions,
+    auto_block_size,
+    block_size_of,
+)
 from lmstack.components.paged import build as build_paged
 from lmstack.errors import ConfigError, ResolutionError
 from lmstack.interfaces import BuildContext
@@ -319,6 +325,10 @@ def test_block_size_auto_is_a_number_once_resolved():
     assert r.block_size == CPU_BLOCK_SIZE and r.allocator.options.block_size == CPU_BLOCK_SIZE
     assert r.auto_reasons["block_size"].startswith("auto on cpu: 64")
     assert auto_block_size(torch.device("cuda"))[0] == GPU_BLOCK_SIZE
+    # Unresolved options (a plugin's kit builds them directly): the same rule; none set: 16.
+    assert block_size_of(PagedOptions(), torch.device("cpu")) == CPU_BLOCK_SIZE
+    assert block_size_of(PagedOptions(block_size=32), torch.device("cpu")) == 32
+    assert block_size_of(object(), torch.device("cpu")) == 16
     # A number set in the stack is kept, with no reason to state.
     r = resolve(load_stack({"device": "cpu", "allocator": {"name": "paged", "block_size": 16}}), registry())
     assert r.block_size == 16 and "block_size" not in r.auto_reasons

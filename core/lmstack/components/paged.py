@@ -44,6 +44,13 @@ def auto_block_size(device: torch.device) -> tuple[int, str]:
     return GPU_BLOCK_SIZE, f"auto on {device.type}: {GPU_BLOCK_SIZE}"
 
 
+def block_size_of(options: object, device: torch.device) -> int:
+    """The tokens per block an allocator's options give on `device`: their `block_size` (`auto`
+    resolved, as a resolved stack holds it already), 16 for options without one."""
+    size = getattr(options, "block_size", GPU_BLOCK_SIZE)
+    return auto_block_size(device)[0] if size == BLOCK_SIZE_AUTO else size
+
+
 def parse_bytes(value: int | str, path: str = "allocator.kv_cache_memory") -> int:
     if isinstance(value, int):
         return value
@@ -274,8 +281,7 @@ class PagedAllocator(KVAllocator):
 
 
 def build(options: PagedOptions, ctx: BuildContext) -> PagedAllocator:
-    if options.block_size == BLOCK_SIZE_AUTO:  # a resolved stack holds the number already
-        options = msgspec.structs.replace(options, block_size=auto_block_size(ctx.device)[0])
+    options = msgspec.structs.replace(options, block_size=block_size_of(options, ctx.device))
     if options.num_blocks is not None:
         num_blocks = options.num_blocks
     else:

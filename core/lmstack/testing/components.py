@@ -16,6 +16,7 @@ import msgspec
 import torch
 
 from lmstack import interfaces
+from lmstack.components.paged import block_size_of
 from lmstack.interfaces import BuildContext, EngineLimits
 from lmstack.model.config import ModelConfig
 from lmstack.registry import Component
@@ -117,7 +118,7 @@ def _default_limits(options: Any, ctx: BuildContext) -> None:
 
 def _default_kv_bytes(options: Any, ctx: BuildContext) -> None:
     if ctx.kv_bytes_per_block is None and ctx.model_config is not None:
-        block_size = getattr(options, "block_size", 16)
+        block_size = block_size_of(options, ctx.device)
         ctx.kv_bytes_per_block = block_size * ctx.model_config.kv_bytes_per_token(ctx.kv_cache_dtype.itemsize)
 
 
