@@ -324,5 +324,8 @@ def test_builtins_in_full(capsys, monkeypatch):
     assert "chunked_prefill=true" in out  # a capability
     code, out, _ = run(capsys, "plugins", "paged")
     assert "  stack file    allocator: {name: paged, block_size: auto}" in out
-    assert "  block_size: int | 'auto' = auto\n      tokens per KV-cache block (1 to 1024); auto: 64 on a CPU" in out
+    assert (
+        "  block_size: int | 'auto' = auto\n      tokens per KV-cache block (1 to 1024); auto: 64 on a CPU"
+        in out
+    )
     assert "  num_blocks: int | null = null\n" in out
