@@ -7,7 +7,6 @@ and that prefix caching, on by default, leaves greedy output unchanged."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import msgspec
@@ -326,11 +325,16 @@ def test_block_size_auto_is_a_number_once_resolved():
     assert r.block_size == CPU_BLOCK_SIZE and r.allocator.options.block_size == CPU_BLOCK_SIZE
     assert r.auto_reasons["block_size"].startswith("auto on cpu: 64")
     assert auto_block_size(torch.device("cuda"))[0] == GPU_BLOCK_SIZE
-    # While candidates are weighed (the allocator's options still `auto`), a stack reads the number.
-    unresolved = dataclasses.replace(
-        r, selected={**r.selected, "allocator": dataclasses.replace(r.allocator, options=PagedOptions())}
+    # The number is there before candidates are weighed: an auto candidate's check reads it.
+    seen = []
+    weighed = comp(
+        "weighed",
+        "cache",
+        capabilities={"devices": ("cpu",), "auto_rank": {"cpu": 10}},
+        check=lambda options, stack, key: seen.append(stack.block_size),
     )
-    assert unresolved.block_size == CPU_BLOCK_SIZE
+    resolve(load_stack({"device": "cpu"}), registry(weighed))
+    assert seen and set(seen) == {CPU_BLOCK_SIZE}
     # Unresolved options (a plugin's kit builds them directly): the same rule; none set: 16.
     assert block_size_of(PagedOptions(), torch.device("cpu")) == CPU_BLOCK_SIZE
     assert block_size_of(PagedOptions(block_size=32), torch.device("cpu")) == 32

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from lmstack.components.paged import block_size_of
 from lmstack.content_hash import CacheGeometry, config_digest
 from lmstack.errors import BuildError
 from lmstack.exec.executor import ExecutorSpec
@@ -125,14 +124,14 @@ class _Builder:
                 num_kv_heads=mc.num_kv_heads,
                 head_dim=mc.head_dim,
                 kv_cache_dtype=DTYPE_NAMES[self.stack.kv_cache_dtype],
-                block_size=block_size_of(self.stack.allocator.options, self.stack.device),
+                block_size=getattr(self.stack.allocator.options, "block_size", 16),
                 device=str(self.stack.device),
             )
         )
         self.ctx.block_cache = cache if cache.reuses_blocks else None
 
     def _before_allocator(self) -> None:
-        block_size = block_size_of(self.stack.allocator.options, self.stack.device)
+        block_size = getattr(self.stack.allocator.options, "block_size", 16)
         if self.executor is not None:
             self.ctx.kv_bytes_per_block = self.executor.kv_cache_bytes_per_block(block_size)
         else:  # no executor (check_build): the single-device layout's geometry, from the config

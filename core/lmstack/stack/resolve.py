@@ -144,6 +144,13 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
         if role.name not in selected:
             section = getattr(stack, role.section)
             selected[role.name] = _select_section(registry, role.kind, section, role.section)
+    # `block_size: auto` a number before any candidate is weighed (the allocator is never auto).
+    alloc = selected["allocator"]
+    if getattr(alloc.options, "block_size", None) == BLOCK_SIZE_AUTO:
+        size, reasons["block_size"] = auto_block_size(device)
+        selected["allocator"] = replace(
+            alloc, options=msgspec.structs.replace(alloc.options, block_size=size)
+        )
     sections, views = _convert_sections(stack, registry)
 
     def assemble(reasons: Mapping[str, str]) -> ResolvedStack:
@@ -177,12 +184,6 @@ def resolve(stack: StackConfig, registry: Registry, *, check_device: bool = True
         where = f"for a {checkpoint_format} checkpoint on" if role == "quantizer" else "on"
         reasons[role] = f"auto {where} {device.type} (ranked: {ranked}): {selected[role].name}" + (
             f"; skipped {'; '.join(left_out)}" if left_out else ""
-        )
-    alloc = selected["allocator"]
-    if getattr(alloc.options, "block_size", None) == BLOCK_SIZE_AUTO:  # a number from here on
-        size, reasons["block_size"] = auto_block_size(device)
-        selected["allocator"] = replace(
-            alloc, options=msgspec.structs.replace(alloc.options, block_size=size)
         )
     if getattr(selected["allocator"].options, "kv_cache_memory", None) == KV_MEMORY_AUTO:
         # Measured again when the allocator is built, after the weights are loaded.

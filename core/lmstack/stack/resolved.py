@@ -11,7 +11,6 @@ from typing import Any
 import msgspec
 import torch
 
-from lmstack.components.paged import BLOCK_SIZE_AUTO, auto_block_size
 from lmstack.registry import Component, Registry
 from lmstack.roles import ROLE_NAMES
 from lmstack.roles import ROLES as ROLE_TABLE
@@ -123,9 +122,7 @@ class ResolvedStack:
 
     @property
     def block_size(self) -> int | None:
-        # `auto` is a number once resolution ends; candidates' checks during it see the number too.
-        size = getattr(self.allocator.options, "block_size", None)
-        return auto_block_size(self.device)[0] if size == BLOCK_SIZE_AUTO else size
+        return getattr(self.allocator.options, "block_size", None)
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary: every role's component, origin, options and capabilities, and
