@@ -1,0 +1,178 @@
+"""How far one decode step's attention is from the memory limit: `cpu-paged` over a KV cache
+larger than the CPU's caches, against the same work with every row in cache, and the machine's
+streaming read bandwidth.
+
+    python benchmarks/kernels/decode_attention_memory.py [--batch 32] [--block-sizes 16 64]
+
+One decode step of SmolLM2-135M (30 layers, 9 query heads, 3 KV heads of 64, bf16 K/V): `--batch`
+sequences of 200-330 tokens (fixed seed), each layer its own cache of `--pool-tokens` tokens, the
+step's blocks placed three ways:
+  scattered   at random places in the pool (a server's cache after a while)
+  contiguous  one sequence's blocks one after another
+  in_cache    every sequence reads the same few blocks of one layer's cache (no memory traffic:
+              the kernel's arithmetic alone)
+For each, with one thread and with all, the median of `--reps` steps (the placements interleaved
+round by round), the K/V bytes a step reads and the rate that is. Bandwidth: a sum over a 256 MiB fp32 tensor, one thread and
+all threads (torch's reduction reads at the streaming rate of the memory system).
+
+What the numbers say: `scattered` near `bytes / bandwidth` means the kernel streams; near
+`in_cache + bytes / bandwidth` means its memory reads and its arithmetic do not overlap.
+Writes JSON (the command, the CPU) and a PNG to benchmarks/results/decode_attention_memory-<date>-<kind>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lmstack_bench.toolbox import command_line, git_info, log, machine_info, pyplot, result_dir, write_result
+
+LAYERS, HQ, HKV, D = 30, 9, 3, 64  # SmolLM2-135M's attention
+PLACEMENTS = ("scattered", "contiguous", "in_cache")
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s of a sum over 256 MiB of fp32 with `threads` threads, best of 5."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(64 << 20)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    torch.set_num_threads(before)
+    return x.numel() * 4 / best / 1e9
+
+
+class Step:
+    """One decode step's attention over `LAYERS` caches for one block size."""
+
+    def __init__(self, ext: Any, batch: int, block: int, pool_tokens: int, seed: int) -> None:
+        rng = random.Random(seed)
+        self.ext, self.block = ext, block
+        self.ctx = [rng.randint(200, 330) for _ in range(batch)]
+        blocks = [(c + block - 1) // block for c in self.ctx]
+        pool = max(pool_tokens // block, sum(blocks))
+        self.caches = [
+            (
+                torch.randn(pool, block, HKV, D).to(torch.bfloat16),
+                torch.randn(pool, block, HKV, D).to(torch.bfloat16),
+            )
+            for _ in range(LAYERS)
+        ]
+        places = list(range(pool))
+        rng.shuffle(places)
+        width = max(blocks)
+        self.tables = {name: torch.zeros(batch, width, dtype=torch.int32) for name in PLACEMENTS}
+        at = 0
+        for b, n in enumerate(blocks):
+            self.tables["scattered"][b, :n] = torch.tensor(places[at : at + n], dtype=torch.int32)
+            self.tables["contiguous"][b, :n] = torch.arange(at, at + n, dtype=torch.int32)
+            self.tables["in_cache"][b, :n] = torch.arange(n, dtype=torch.int32)
+            at += n
+        self.query_start = torch.arange(batch + 1, dtype=torch.int32)
+        self.lens = torch.tensor(self.ctx, dtype=torch.int32)
+        self.q = torch.randn(batch, HQ, D)
+        # What a step reads: every context token's K and V row in each layer.
+        self.bytes = sum(self.ctx) * LAYERS * 2 * HKV * D * 2
+
+    def run(self, placement: str) -> float:
+        """Seconds for one step (30 layers) with the blocks placed so."""
+        table = self.tables[placement]
+        caches = [self.caches[0]] * LAYERS if placement == "in_cache" else self.caches
+        t = time.perf_counter()
+        for k, v in caches:
+            # (scale, no window, no fp8 scales, widest ISA, parts of 256 keys, no softcap)
+            self.ext.paged_attention(
+                self.q, k, v, table, self.query_start, self.lens, 0.125, 0, None, None, -1, 256, 0.0
+            )
+        return time.perf_counter() - t
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from lmstack_cpu_paged.build import load
+
+    ext = load()
+    bandwidth = {"1_thread": read_bandwidth(1), "all_threads": read_bandwidth(torch.get_num_threads())}
+    log(f"read bandwidth: {bandwidth['1_thread']:.1f} GB/s one thread, {bandwidth['all_threads']:.1f} all")
+    all_threads = torch.get_num_threads()
+    cells = []
+    for block in args.block_sizes:
+        step = Step(ext, args.batch, block, args.pool_tokens, args.seed)
+        for threads in sorted({1, all_threads}, reverse=True):
+            torch.set_num_threads(threads)  # the extension's OpenMP team follows torch's count
+            for name in PLACEMENTS:
+                step.run(name)  # warm-up
+            times: dict[str, list[float]] = {name: [] for name in PLACEMENTS}
+            for _ in range(args.reps):
+                for name in PLACEMENTS:
+                    times[name].append(step.run(name))
+            for name in PLACEMENTS:
+                ms = statistics.median(times[name]) * 1e3
+                cell = {"block_size": block, "threads": threads, "placement": name, "step_ms": round(ms, 3)}
+                cell["bytes"] = step.bytes
+                if name != "in_cache":
+                    cell["read_gb_s"] = round(step.bytes / ms / 1e6, 2)
+                cells.append(cell)
+                rate = f"  {cell['read_gb_s']:.1f} GB/s" if "read_gb_s" in cell else ""
+                log(f"block {block:4d}, {threads} thread(s): {name:10s} {ms:7.2f} ms{rate}")
+        torch.set_num_threads(all_threads)
+        floor = step.bytes / (bandwidth["all_threads"] * 1e9)
+        log(f"block {block:4d}: bytes / read bandwidth (all threads) {floor * 1e3:.2f} ms")
+        del step
+    return {"bandwidth_gb_s": {k: round(v, 2) for k, v in bandwidth.items()}, "cells": cells}
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    threads = max(c["threads"] for c in report["cells"])
+    cells = [c for c in report["cells"] if c["threads"] == threads]
+    sizes = sorted({c["block_size"] for c in cells})
+    width = 0.8 / len(PLACEMENTS)
+    for i, name in enumerate(PLACEMENTS):
+        ys = [
+            next(c["step_ms"] for c in cells if c["block_size"] == s and c["placement"] == name)
+            for s in sizes
+        ]
+        ax.bar([j + i * width for j in range(len(sizes))], ys, width, label=name)
+    cell = cells[0]
+    floor = cell["bytes"] / (report["bandwidth_gb_s"]["all_threads"] * 1e9) * 1e3
+    ax.axhline(floor, color="k", linestyle="--", label=f"bytes / read bandwidth ({floor:.1f} ms)")
+    ax.set_xticks([j + width for j in range(len(sizes))], [f"{s}-token blocks" for s in sizes])
+    ax.set_ylabel(f"ms per decode step (30 layers, {threads} threads)")
+    ax.set_title(
+        f"cpu-paged decode attention, {report['batch']} sequences, {report['machine'].get('cpu_model')}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--block-sizes", nargs="+", type=int, default=[16, 64])
+    p.add_argument("--pool-tokens", type=int, default=40960, help="tokens each layer's cache holds")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="result folder (default: benchmarks/results/...)")
+    args = p.parse_args(argv)
+    report = {"command": command_line(), "machine": machine_info(), "git": git_info(), "batch": args.batch}
+    report.update(measure(args))
+    path = write_result(
+        result_dir("decode_attention_memory", args.out), "decode_attention_memory", report, plot
+    )
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
