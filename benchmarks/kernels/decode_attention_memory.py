@@ -135,17 +135,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     threads = max(c["threads"] for c in report["cells"])
     cells = [c for c in report["cells"] if c["threads"] == threads]
     sizes = sorted({c["block_size"] for c in cells})
-    width = 0.8 / len(PLACEMENTS)
-    for i, name in enumerate(PLACEMENTS):
-        ys = [
-            next(c["step_ms"] for c in cells if c["block_size"] == s and c["placement"] == name)
-            for s in sizes
-        ]
-        ax.bar([j + i * width for j in range(len(sizes))], ys, width, label=name)
-    cell = cells[0]
-    floor = cell["bytes"] / (report["bandwidth_gb_s"]["all_threads"] * 1e9) * 1e3
+    ms = {(c["block_size"], c["placement"]): c["step_ms"] for c in cells}
+    for name in PLACEMENTS:
+        ax.plot(sizes, [ms[size, name] for size in sizes], marker="o", label=name)
+    floor = cells[0]["bytes"] / (report["bandwidth_gb_s"]["all_threads"] * 1e9) * 1e3
     ax.axhline(floor, color="k", linestyle="--", label=f"bytes / read bandwidth ({floor:.1f} ms)")
-    ax.set_xticks([j + width for j in range(len(sizes))], [f"{s}-token blocks" for s in sizes])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(size) for size in sizes])
+    ax.set_xlabel("KV block size (tokens)")
+    ax.set_ylim(bottom=0)
     ax.set_ylabel(f"ms per decode step (30 layers, {threads} threads)")
     ax.set_title(
         f"cpu-paged decode attention, {report['batch']} sequences, {report['machine'].get('cpu_model')}",
