@@ -196,6 +196,15 @@ def _timed(fn: Callable[[], Any], work: float, repeats: int, seconds: float) -> 
     return max(rates), float(statistics.median(rates))
 
 
+def memory_read_gb_s(mem_mb: int = 256, repeats: int = 5, seconds: float = 2.5) -> tuple[float, float]:
+    """(best, median) GB/s of `.sum()` over `mem_mb` MiB of fp32 with torch's current thread count:
+    a reduction reads at the memory system's streaming rate."""
+    import torch
+
+    x = torch.ones(mem_mb * (1 << 20) // 4, dtype=torch.float32)
+    return _timed(lambda: x.sum(), x.numel() * 4 / 1e9, repeats, seconds)
+
+
 def calibrate(
     threads: int, seconds_budget: float = 10.0, *, size: int = 2048, mem_mb: int = 256, repeats: int = 5
 ) -> dict[str, Any]:
@@ -228,9 +237,7 @@ def calibrate(
             skipped["int8"] = (
                 f"torch._int_mm on the CPU: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             )
-        x = torch.ones(mem_mb * (1 << 20) // 4, dtype=torch.float32)
-        gb = x.numel() * 4 / 1e9
-        mem_best, mem_median = _timed(lambda: x.sum(), gb, repeats, share)
+        mem_best, mem_median = memory_read_gb_s(mem_mb, repeats, share)
     finally:
         torch.set_num_threads(before)
     return {

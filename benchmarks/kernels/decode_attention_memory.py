@@ -12,8 +12,8 @@ step's blocks placed three ways:
   in_cache    every sequence reads the same few blocks of one layer's cache (no memory traffic:
               the kernel's arithmetic alone)
 For each, with one thread and with all, the median of `--reps` steps (the placements interleaved
-round by round), the K/V bytes a step reads and the rate that is. Bandwidth: a sum over a 256 MiB fp32 tensor, one thread and
-all threads (torch's reduction reads at the streaming rate of the memory system).
+round by round), the K/V bytes a step reads and the rate that is. Bandwidth: the roofline
+calibration's read rate (`lmstack_bench.roofline.memory_read_gb_s`), one thread and all.
 
 What the numbers say: `scattered` near `bytes / bandwidth` means the kernel streams; near
 `in_cache + bytes / bandwidth` means its memory reads and its arithmetic do not overlap.
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lmstack_bench.roofline import memory_read_gb_s
 from lmstack_bench.toolbox import command_line, git_info, log, machine_info, pyplot, result_dir, write_result
 
 LAYERS, HQ, HKV, D = 30, 9, 3, 64  # SmolLM2-135M's attention
@@ -37,17 +38,13 @@ PLACEMENTS = ("scattered", "contiguous", "in_cache")
 
 
 def read_bandwidth(threads: int) -> float:
-    """GB/s of a sum over 256 MiB of fp32 with `threads` threads, best of 5."""
+    """Best GB/s of the roofline calibration's read with `threads` torch threads (restored after)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    x = torch.ones(64 << 20)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    torch.set_num_threads(before)
-    return x.numel() * 4 / best / 1e9
+    try:
+        return memory_read_gb_s()[0]
+    finally:
+        torch.set_num_threads(before)
 
 
 class Step:
@@ -55,7 +52,7 @@ class Step:
 
     def __init__(self, ext: Any, batch: int, block: int, pool_tokens: int, seed: int) -> None:
         rng = random.Random(seed)
-        self.ext, self.block = ext, block
+        self.ext = ext
         self.ctx = [rng.randint(200, 330) for _ in range(batch)]
         blocks = [(c + block - 1) // block for c in self.ctx]
         pool = max(pool_tokens // block, sum(blocks))
@@ -99,9 +96,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from lmstack_cpu_paged.build import load
 
     ext = load()
-    bandwidth = {"1_thread": read_bandwidth(1), "all_threads": read_bandwidth(torch.get_num_threads())}
-    log(f"read bandwidth: {bandwidth['1_thread']:.1f} GB/s one thread, {bandwidth['all_threads']:.1f} all")
     all_threads = torch.get_num_threads()
+    bandwidth = {"1_thread": read_bandwidth(1), "all_threads": read_bandwidth(all_threads)}
+    log(f"read bandwidth: {bandwidth['1_thread']:.1f} GB/s one thread, {bandwidth['all_threads']:.1f} all")
     cells = []
     for block in args.block_sizes:
         step = Step(ext, args.batch, block, args.pool_tokens, args.seed)
@@ -115,8 +112,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     times[name].append(step.run(name))
             for name in PLACEMENTS:
                 ms = statistics.median(times[name]) * 1e3
-                cell = {"block_size": block, "threads": threads, "placement": name, "step_ms": round(ms, 3)}
-                cell["bytes"] = step.bytes
+                cell = {"block_size": block, "threads": threads, "placement": name}
+                cell.update(step_ms=round(ms, 3), bytes=step.bytes)
                 if name != "in_cache":
                     cell["read_gb_s"] = round(step.bytes / ms / 1e6, 2)
                 cells.append(cell)
