@@ -2,7 +2,7 @@
 larger than the CPU's caches, against the same work with every row in cache, and the machine's
 streaming read bandwidth.
 
-    python benchmarks/kernels/decode_attention_memory.py [--batch 32] [--block-sizes 16 64]
+    python benchmarks/kernels/decode_attention_memory.py [--batch 32] [--block-sizes 16 64] [--pages]
 
 One decode step of SmolLM2-135M (30 layers, 9 query heads, 3 KV heads of 64, bf16 K/V): `--batch`
 sequences of 200-330 tokens (fixed seed), each layer its own cache of `--pool-tokens` tokens, the
@@ -11,7 +11,10 @@ step's blocks placed three ways:
   contiguous  one sequence's blocks one after another
   in_cache    every sequence reads the same few blocks of one layer's cache (no memory traffic:
               the kernel's arithmetic alone)
-For each, with one thread and with all, the median of `--reps` steps (the placements interleaved
+With `--pages`, `scattered` and `contiguous` again over the same caches copied into 2 MiB
+transparent huge pages (`lmstack.kernels.huge_pages`, as the engine allocates its host KV cache),
+rows `scattered_2m` / `contiguous_2m`: what 4 KiB pages cost the reads. For each, with one thread
+and with all, the median of `--reps` steps (the placements interleaved
 round by round), the K/V bytes a step reads and the rate that is. Bandwidth: the roofline
 calibration's read rate (`lmstack_bench.roofline.memory_read_gb_s`), one thread and all.
 
@@ -33,8 +36,11 @@ import torch
 from lmstack_bench.roofline import memory_read_gb_s
 from lmstack_bench.toolbox import command_line, git_info, log, machine_info, pyplot, result_dir, write_result
 
+from lmstack.kernels.huge_pages import huge_page_bytes, thp_mode, zeros_in_huge_pages
+
 LAYERS, HQ, HKV, D = 30, 9, 3, 64  # SmolLM2-135M's attention
 PLACEMENTS = ("scattered", "contiguous", "in_cache")
+HUGE = ("scattered_2m", "contiguous_2m")  # --pages: the first two over huge-page copies
 
 
 def read_bandwidth(threads: int) -> float:
@@ -50,7 +56,7 @@ def read_bandwidth(threads: int) -> float:
 class Step:
     """One decode step's attention over `LAYERS` caches for one block size."""
 
-    def __init__(self, ext: Any, batch: int, block: int, pool_tokens: int, seed: int) -> None:
+    def __init__(self, ext: Any, batch: int, block: int, pool_tokens: int, seed: int, pages: bool) -> None:
         rng = random.Random(seed)
         self.ext = ext
         self.ctx = [rng.randint(200, 330) for _ in range(batch)]
@@ -63,6 +69,16 @@ class Step:
             )
             for _ in range(LAYERS)
         ]
+        # Plain torch tensors: 4 KiB pages where the host's THP mode is `madvise` (the default of
+        # most distributions); the copies in huge pages as the engine's own cache is allocated.
+        self.huge = []
+        if pages:
+            for k, v in self.caches:
+                hk, hv = zeros_in_huge_pages(k.shape, k.dtype), zeros_in_huge_pages(v.shape, v.dtype)
+                hk.copy_(k), hv.copy_(v)
+                self.huge.append((hk, hv))
+            huge = sum(huge_page_bytes(t) or 0 for pair in self.huge for t in pair)
+            log(f"block {block}: huge-page copies, {huge / 2**20:.0f} MiB of them in huge pages")
         places = list(range(pool))
         rng.shuffle(places)
         width = max(blocks)
@@ -81,8 +97,10 @@ class Step:
 
     def run(self, placement: str) -> float:
         """Seconds for one step (30 layers) with the blocks placed so."""
-        table = self.tables[placement]
+        table = self.tables[placement.removesuffix("_2m")]
         caches = [self.caches[0]] * LAYERS if placement == "in_cache" else self.caches
+        if placement in HUGE:
+            caches = self.huge
         t = time.perf_counter()
         for k, v in caches:
             # (scale, no window, no fp8 scales, widest ISA, parts of 256 keys, no softcap)
@@ -101,16 +119,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     log(f"read bandwidth: {bandwidth['1_thread']:.1f} GB/s one thread, {bandwidth['all_threads']:.1f} all")
     cells = []
     for block in args.block_sizes:
-        step = Step(ext, args.batch, block, args.pool_tokens, args.seed)
+        step = Step(ext, args.batch, block, args.pool_tokens, args.seed, args.pages)
+        placements = PLACEMENTS + (HUGE if args.pages else ())
         for threads in sorted({1, all_threads}, reverse=True):
             torch.set_num_threads(threads)  # the extension's OpenMP team follows torch's count
-            for name in PLACEMENTS:
+            for name in placements:
                 step.run(name)  # warm-up
-            times: dict[str, list[float]] = {name: [] for name in PLACEMENTS}
+            times: dict[str, list[float]] = {name: [] for name in placements}
             for _ in range(args.reps):
-                for name in PLACEMENTS:
+                for name in placements:
                     times[name].append(step.run(name))
-            for name in PLACEMENTS:
+            for name in placements:
                 ms = statistics.median(times[name]) * 1e3
                 cell = {"block_size": block, "threads": threads, "placement": name}
                 cell.update(step_ms=round(ms, 3), bytes=step.bytes)
@@ -133,7 +152,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     cells = [c for c in report["cells"] if c["threads"] == threads]
     sizes = sorted({c["block_size"] for c in cells})
     ms = {(c["block_size"], c["placement"]): c["step_ms"] for c in cells}
-    for name in PLACEMENTS:
+    for name in [n for n in PLACEMENTS + HUGE if (sizes[0], n) in ms]:
         ax.plot(sizes, [ms[size, name] for size in sizes], marker="o", label=name)
     floor = cells[0]["bytes"] / (report["bandwidth_gb_s"]["all_threads"] * 1e9) * 1e3
     ax.axhline(floor, color="k", linestyle="--", label=f"bytes / read bandwidth ({floor:.1f} ms)")
@@ -158,9 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-tokens", type=int, default=40960, help="tokens each layer's cache holds")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pages", action="store_true", help="also the caches in 2 MiB huge pages")
     p.add_argument("--out", type=Path, default=None, help="result folder (default: benchmarks/results/...)")
     args = p.parse_args(argv)
     report = {"command": command_line(), "machine": machine_info(), "git": git_info(), "batch": args.batch}
+    report["thp_mode"] = thp_mode()
     report.update(measure(args))
     path = write_result(
         result_dir("decode_attention_memory", args.out), "decode_attention_memory", report, plot

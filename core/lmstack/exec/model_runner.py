@@ -10,6 +10,7 @@ import torch
 
 from lmstack.batch import AttentionMetadata, ModelInput, ModelOutput, StepPlan
 from lmstack.interfaces import AttentionBackend, Quantizer
+from lmstack.kernels.huge_pages import zeros_in_huge_pages
 from lmstack.model.architecture import ModelArchitecture
 from lmstack.model.checkpoint import CheckpointTensor
 from lmstack.model.config import ModelConfig
@@ -141,8 +142,12 @@ class ModelRunner:
         shape = (num_blocks, block_size, self.num_kv_heads, c.head_dim)
 
         # Indexed by global layer; layers another pipeline stage holds get empty placeholders.
+        # Host caches in huge pages where the OS has them (`lmstack.kernels.huge_pages`: decode
+        # attention reads them scattered, block by block).
         def layer_cache(i: int) -> torch.Tensor:
             size = shape if i in self.layers else (0,)
+            if torch.device(self.device).type == "cpu":
+                return zeros_in_huge_pages(size, self.kv_cache_dtype)
             return torch.zeros(size, dtype=self.kv_cache_dtype, device=self.device)
 
         self.kv_caches = [(layer_cache(i), layer_cache(i)) for i in range(c.num_layers)]
