@@ -70,7 +70,7 @@ class Step:
             for _ in range(LAYERS)
         ]
         # Plain torch tensors: 4 KiB pages where the host's THP mode is `madvise` (the default of
-        # most distributions); the copies in huge pages as the engine's own cache is allocated.
+        # many distributions); the copies in huge pages as the engine's own cache is allocated.
         self.huge = []
         if pages:
             for k, v in self.caches:

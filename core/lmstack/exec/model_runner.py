@@ -146,7 +146,7 @@ class ModelRunner:
         # attention reads them scattered, block by block).
         def layer_cache(i: int) -> torch.Tensor:
             size = shape if i in self.layers else (0,)
-            if torch.device(self.device).type == "cpu":
+            if self.device.type == "cpu":
                 return zeros_in_huge_pages(size, self.kv_cache_dtype)
             return torch.zeros(size, dtype=self.kv_cache_dtype, device=self.device)
 

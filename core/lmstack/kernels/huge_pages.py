@@ -48,8 +48,7 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     it does not use are never written, so never resident. The mapping lives as long as the
     tensor's storage. Tensors under one huge page, and hosts without THP (`thp_mode()` `never`
     or None), get `torch.zeros`."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or thp_mode() in (None, "never"):
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
