@@ -152,8 +152,9 @@ def test_large_batches_widen_each_panel_pair_once_and_keep_every_rows_bits(typ, 
     (AVX2: a half's) codes to bytes once and run every row tile over them (`wide_pair`,
     `wide_half`), and AVX-512 batches under 64 rows (Q6_K: 32) run one panel at a time in tiles of
     8 rows and one of the rest (`TALL`): each row gets the bits it gets alone (the per-tile path), whatever the batch's
-    size around the thresholds, with a lone last panel and partial row tiles; the other kinds keep
-    the per-tile path and the same rule; the product stays within the rounding bound."""
+    size around the thresholds, with a lone last panel and partial row tiles, and in a batch of
+    600; the other kinds keep the per-tile path and the same rule; the product stays within the
+    rounding bound."""
     skip_missing(isa)
     seed = random.randrange(2**32)
     rng = np.random.default_rng(seed)
@@ -168,6 +169,12 @@ def test_large_batches_widen_each_panel_pair_once_and_keep_every_rows_bits(typ, 
         assert torch.equal(out, alone[:m]), f"{typ.name} m={m} n={n} k={k} seed {seed}"
     w = dequantized(raw.numpy(), typ)
     assert within_rounding(alone, rounded_x(x), w, k), f"{typ.name} n={n} k={k} seed {seed}"
+    # A prefill-sized batch against the same rows in calls of 64 and one of the rest (the bias
+    # sums of each row, where a kind has them, found at its offset).
+    big = torch.randn(600, k)
+    out = ext.gguf_matmul_panels(big, packed, int(typ), n, isa)
+    parts = [ext.gguf_matmul_panels(big[r : r + 64], packed, int(typ), n, isa) for r in range(0, 600, 64)]
+    assert torch.equal(out, torch.cat(parts)), f"{typ.name} m=600 n={n} k={k} seed {seed}"
 
 
 @pytest.mark.parametrize("typ", [*FIVE_BIT, T.Q5_K, T.Q6_K], ids=lambda t: t.name)

@@ -261,7 +261,7 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 // 0.625 a weight for Q4_1, and the kernels widen them with F16C):
 //   Q4_0 / Q4_1: 4 vectors of 64 bytes; byte 4c + i of vector j holds row c's value 4j + i in its
 //                low nibble and value 16 + 4j + i in its high nibble (codes 0..15); Q4_0's m = -8d,
-//                made in fp32 by the kernels
+//                made in fp32 by the AVX2 kernels (AVX-512 takes -8 q_x off in integers)
 //   Q5_0 / Q5_1: Q4's 4 vectors of the codes' low 4 bits, then their fifth bits as 8 64-bit masks:
 //                mask 2j holds vector j's low-nibble values, mask 2j + 1 its high-nibble ones, bit
 //                4c + i for byte 4c + i (one AVX-512 mask register each: a masked add of 16 makes
@@ -290,7 +290,7 @@ constexpr bool K4 = TYPE == Q4_K || TYPE == Q5_K;
 template <int TYPE>
 constexpr bool PANEL_M = TYPE == Q4_1 || TYPE == Q5_1;
 // After a block's codes (and fifth bits): the 16 rows' d as the fp16 bits their blocks hold, then
-// (PANEL_M) the 16 m (Q4_0's and Q5_0's offsets, -8 d and -16 d, are made in the kernel).
+// (PANEL_M) the 16 m (Q4_0's and Q5_0's offsets, -8 d and -16 d, are made in the kernels or taken off in integers).
 template <int TYPE>
 constexpr int64_t PANEL_CODES = TYPE == Q8_0 ? 512 : FIVE_BIT<TYPE> ? 320 : 256;
 // (the K-quants: a super-block's bytes per block, K4_SUPER / 8, Q6K_PANEL_SUPER / 8.)
@@ -1156,9 +1156,7 @@ inline void pair_scales(const uint8_t* w, int64_t panel_bytes, int c, int64_t b,
   } else {
     const uint8_t* blk = w + c * panel_bytes + b * PANEL_BLOCK<TYPE> + PANEL_CODES<TYPE>;
     d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-    if constexpr (PANEL_BIAS<TYPE> != 0.f)
-      m = _mm512_mul_ps(d, _mm512_set1_ps(-PANEL_BIAS<TYPE>));
-    else if constexpr (TYPE != Q8_0)
+    if constexpr (PANEL_M<TYPE>)  // (Q4_0's and Q5_0's offsets are taken off in integers: start_sums)
       m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
   }
 }
@@ -1183,26 +1181,45 @@ inline void tile_step(const __m512i* lo, const __m512i* hi, const int8_t* xb, in
   }
 }
 
-// A block's sums into the accumulators, times its scales (`pair_scales`) and each row's dx (and
-// sx; Q6_K: less its c32 bias sums; Q8_0: less 128 * sum(q_x), c128).
+// A block's integer sums for MR rows start from minus what the codes' bias adds to q_w . q_x
+// (`panel_product`'s bias sums c, per row and block, Q6_K per group of 16): Q8_0 (codes + 128)
+// -128 sum(q_x), Q4_0 / Q5_0 (value = d * (q - 8 | 16)) -8 | -16 sum(q_x), Q6_K (q - 32) -32
+// sum(q_x) per group; zero for the types with an m. The sums are then exactly q_w . q_x less the
+// bias term, in integers, before any rounding: one multiply-add per output and block fewer for
+// Q4_0 / Q5_0 than their m * sx (prefill matmuls of Q4_K_M's Q5_0 layers 0.90-0.96x the time,
+// 2-core Zen 4), and no subtraction per output for Q8_0 / Q6_K (the same bits as before).
+template <int TYPE, int MR, int NR>
+inline void start_sums(__m512i (*dl)[NR], __m512i (*dh)[NR], const int32_t* c, int64_t nb, int64_t b) {
+  for (int r = 0; r < MR; ++r) {
+    __m512i l = _mm512_setzero_si512(), h = _mm512_setzero_si512();
+    if constexpr (TYPE == Q6_K) {
+      l = _mm512_set1_epi32(c[r * 2 * nb + 2 * b]), h = _mm512_set1_epi32(c[r * 2 * nb + 2 * b + 1]);
+    } else if constexpr (TYPE == Q8_0) {
+      l = _mm512_set1_epi32(c[r * nb + b]);
+    } else if constexpr (PANEL_BIAS<TYPE> != 0.f) {
+      l = _mm512_set1_epi32(c[r * nb + b]);
+    }
+    for (int j = 0; j < NR; ++j) dl[r][j] = l, dh[r][j] = h;
+  }
+}
+
+// A block's sums (from `start_sums`) into the accumulators, times its scales (`pair_scales`) and
+// each row's dx (and m * sx for the types with an m).
 template <int TYPE, int MR, int NR>
 inline void tile_finish(__m512 (*acc)[NR], __m512i (*dl)[NR], __m512i (*dh)[NR], const __m512* d, const __m512* m,
-                        const float* dx, const float* sx, const int32_t* c128, int64_t nb, int64_t b) {
+                        const float* dx, const float* sx, int64_t nb, int64_t b) {
   for (int r = 0; r < MR; ++r) {
     const __m512 dxr = _mm512_set1_ps(dx[r * nb + b]);
     if constexpr (TYPE == Q6_K) {
-      const __m512i cl = _mm512_set1_epi32(c128[r * 2 * nb + 2 * b]), ch = _mm512_set1_epi32(c128[r * 2 * nb + 2 * b + 1]);
       for (int c = 0; c < NR; ++c) {
-        const __m512i il = _mm512_sub_epi32(dl[r][c], cl), ih = _mm512_sub_epi32(dh[r][c], ch);
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_mul_ps(d[c], dxr), acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(m[c], dxr), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dl[r][c]), _mm512_mul_ps(d[c], dxr), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dh[r][c]), _mm512_mul_ps(m[c], dxr), acc[r][c]);
       }
     } else {
       for (int c = 0; c < NR; ++c) {
-        __m512i i = dl[r][c];
-        if constexpr (TYPE == Q8_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(c128[r * nb + b]));
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d[c], dxr), acc[r][c]);
-        if constexpr (TYPE != Q8_0) acc[r][c] = _mm512_fmadd_ps(m[c], _mm512_set1_ps(sx[r * nb + b]), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dl[r][c]), _mm512_mul_ps(d[c], dxr), acc[r][c]);
+        if constexpr (TYPE != Q8_0 && PANEL_BIAS<TYPE> == 0.f)
+          acc[r][c] = _mm512_fmadd_ps(m[c], _mm512_set1_ps(sx[r * nb + b]), acc[r][c]);
       }
     }
   }
@@ -1220,7 +1237,7 @@ inline void store_tile(__m512 (*acc)[NR], float* out, int64_t ldo, int valid_las
 // MR activation rows x NR panels (16 outputs each) over every block.
 template <int TYPE, int MR, int NR>
 inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, int64_t K, const float* dx,
-                       const float* sx, const int32_t* c128, float* out, int64_t ldo, int valid_last) {
+                       const float* sx, const int32_t* sums, float* out, int64_t ldo, int valid_last) {
   constexpr int64_t PB = PANEL_BLOCK<TYPE>;
   const int64_t nb = K / QK;
   __m512 acc[MR][NR];
@@ -1236,8 +1253,7 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
     }
     const int8_t* xb = qx + b * QK;
     __m512i dl[MR][NR], dh[MR][NR];
-    for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NR; ++c) dl[r][c] = dh[r][c] = _mm512_setzero_si512();
+    start_sums<TYPE, MR, NR>(dl, dh, sums, nb, b);
     if constexpr (TYPE == Q8_0) {
       for (int t = 0; t < 8; ++t) {
         __m512i wv[NR];
@@ -1258,19 +1274,19 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
     }
     __m512 d[NR], m[NR];
     for (int c = 0; c < NR; ++c) pair_scales<TYPE>(w, panel_bytes, c, b, d[c], m[c]);
-    tile_finish<TYPE, MR, NR>(acc, dl, dh, d, m, dx, sx, c128, nb, b);
+    tile_finish<TYPE, MR, NR>(acc, dl, dh, d, m, dx, sx, nb, b);
   }
   store_tile<MR, NR>(acc, out, ldo, valid_last);
 }
 
 // Rows [r0, r1) of NR panels in tiles of MR rows and one of the rest.
 template <int TYPE, int NR, int MR = 4>
-inline void panel_rows(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const int32_t* c128, int64_t r0,
+inline void panel_rows(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const int32_t* sums, int64_t r0,
                        int64_t r1, int64_t col, int valid_last) {
   const int64_t nb = p.K / QK;
   for_row_tiles<MR>(r0, r1, [&](auto mr, int64_t r) {
     panel_tile<TYPE, decltype(mr)::value, NR>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
-                                              c128 ? c128 + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
+                                              sums ? sums + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
                                               p.out + r * p.ldo + col, p.ldo, valid_last);
   });
 }
@@ -1309,7 +1325,7 @@ void widen_pair(const uint8_t* w, int64_t panel_bytes, int64_t nb, uint8_t* code
 // MR rows x NR panels over every block of a pair widened by `widen_pair`.
 template <int TYPE, int MR, int NR>
 inline void wide_tile(const uint8_t* codes, const float* dv, const float* mv, const int8_t* qx, int64_t K,
-                      const float* dx, const float* sx, const int32_t* c32, float* out, int64_t ldo,
+                      const float* dx, const float* sx, const int32_t* sums, float* out, int64_t ldo,
                       int valid_last) {
   const int64_t nb = K / QK;
   __m512 acc[MR][NR];
@@ -1318,8 +1334,7 @@ inline void wide_tile(const uint8_t* codes, const float* dv, const float* mv, co
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = codes + b * NR * 512;
     __m512i dl[MR][NR], dh[MR][NR];
-    for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NR; ++c) dl[r][c] = dh[r][c] = _mm512_setzero_si512();
+    start_sums<TYPE, MR, NR>(dl, dh, sums, nb, b);
     for (int j = 0; j < 4; ++j) {
       __m512i lo[NR], hi[NR];
       for (int c = 0; c < NR; ++c) {
@@ -1333,13 +1348,13 @@ inline void wide_tile(const uint8_t* codes, const float* dv, const float* mv, co
       d[c] = _mm512_loadu_ps(dv + (b * NR + c) * PANEL);
       m[c] = _mm512_loadu_ps(mv + (b * NR + c) * PANEL);
     }
-    tile_finish<TYPE, MR, NR>(acc, dl, dh, d, m, dx, sx, c32, nb, b);
+    tile_finish<TYPE, MR, NR>(acc, dl, dh, d, m, dx, sx, nb, b);
   }
   store_tile<MR, NR>(acc, out, ldo, valid_last);
 }
 
 template <int TYPE, int NR>
-void wide_pair(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const int32_t* c32, int64_t col,
+void wide_pair(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const int32_t* sums, int64_t col,
                int valid_last) {
   const int64_t nb = p.K / QK;
   thread_local std::vector<uint8_t> codes;
@@ -1351,7 +1366,8 @@ void wide_pair(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const 
   widen_pair<TYPE, NR>(w, panel_bytes, nb, codes.data(), dv, mv);
   for_row_tiles(0, p.M, [&](auto mr, int64_t r) {
     wide_tile<TYPE, decltype(mr)::value, NR>(codes.data(), dv, mv, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
-                                            c32 ? c32 + r * nb * 2 : nullptr, p.out + r * p.ldo + col, p.ldo,
+                                            sums ? sums + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
+                                            p.out + r * p.ldo + col, p.ldo,
                                             valid_last);
   });
 }
@@ -1373,7 +1389,7 @@ constexpr int64_t TALL_MAX_ROWS = TYPE == Q6_K ? 31 : 63;
 // (the `WIDE` kinds from WIDE_MIN_ROWS rows: each pair widened once, `wide_pair`; small batches:
 // one panel at a time in tiles of TALL rows).
 template <int TYPE>
-void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, int64_t t0, int64_t t1) {
+void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* sums, int64_t t0, int64_t t1) {
   const int64_t panels = (p.N + PANEL - 1) / PANEL, panel_bytes = p.K / QK * panel_block_bytes(TYPE);
   // f(NR, the pair's panels, its first output column, the valid outputs of its last panel).
   auto each_pair = [&](auto&& f) {
@@ -1389,7 +1405,7 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, i
   };
   if (WIDE<TYPE> && p.M >= WIDE_MIN_ROWS) {
     each_pair([&](auto nr, const uint8_t* w, int64_t col, int valid_last) {
-      wide_pair<TYPE, decltype(nr)::value>(w, panel_bytes, p, c128, col, valid_last);
+      wide_pair<TYPE, decltype(nr)::value>(w, panel_bytes, p, sums, col, valid_last);
     });
     return;
   }
@@ -1397,7 +1413,7 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, i
     each_pair([&](auto nr, const uint8_t* w, int64_t col, int valid_last) {
       constexpr int NR = decltype(nr)::value;
       for (int c = 0; c < NR; ++c)
-        panel_rows<TYPE, 1, TALL>(w + c * panel_bytes, panel_bytes, p, c128, 0, p.M, col + c * PANEL,
+        panel_rows<TYPE, 1, TALL>(w + c * panel_bytes, panel_bytes, p, sums, 0, p.M, col + c * PANEL,
                                   c == NR - 1 ? valid_last : PANEL);
     });
     return;
@@ -1406,7 +1422,7 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* c128, i
   for (int64_t rc = 0; rc < p.M; rc += ROW_CHUNK) {
     const int64_t rc1 = std::min(p.M, rc + ROW_CHUNK);
     each_pair([&](auto nr, const uint8_t* w, int64_t col, int valid_last) {
-      panel_rows<TYPE, decltype(nr)::value>(w, panel_bytes, p, c128, rc, rc1, col, valid_last);
+      panel_rows<TYPE, decltype(nr)::value>(w, panel_bytes, p, sums, rc, rc1, col, valid_last);
     });
   }
 }
@@ -1960,16 +1976,16 @@ inline void with_panel_kind(int64_t kind, F&& f) {
   }
 }
 
-// Units [u0, u1) of one segment (numbered within it) by its kind's kernel. c32 (Q6_K) and c128
-// (Q8_0 with AVX-512) depend only on x: one copy serves every segment of those kinds.
-void panel_units(const PanelSegment& s, int64_t isa, const int32_t* c32, const int32_t* c128, int64_t u0,
-                 int64_t u1) {
+// Units [u0, u1) of one segment (numbered within it) by its kind's kernel, with the bias sums of its
+// kind (`panel_product`; null where it has none): they depend only on x, so one copy serves every
+// segment of a kind.
+void panel_units(const PanelSegment& s, int64_t isa, const int32_t* sums, int64_t u0, int64_t u1) {
   with_panel_kind(s.kind, [&](auto t) {
     constexpr int TYPE = decltype(t)::value;
     if (isa < ISA_AVX512)
-      avx2::panels_q8<TYPE>(s.p, s.w, TYPE == Q6_K ? c32 : nullptr, u0, u1);
+      avx2::panels_q8<TYPE>(s.p, s.w, sums, u0, u1);
     else
-      avx512::panels_q8<TYPE>(s.p, s.w, TYPE == Q6_K ? c32 : TYPE == Q8_0 ? c128 : nullptr, u0, u1);
+      avx512::panels_q8<TYPE>(s.p, s.w, sums, u0, u1);
   });
 }
 
@@ -1992,7 +2008,6 @@ torch::Tensor panel_product(const torch::Tensor& x, const std::vector<torch::Ten
               " packed, ", types.size(), " types, ", rows.size(), " row counts");
   std::vector<PanelSegment> segments;
   int64_t N = 0, units = 0;
-  bool q6 = false, q8 = false;
   for (size_t i = 0; i < packed.size(); ++i) {
     const std::string at = segment_names ? "segment " + std::to_string(i) + ": " : "";
     const int64_t type = types[i], n = rows[i];
@@ -2010,8 +2025,6 @@ torch::Tensor panel_product(const torch::Tensor& x, const std::vector<torch::Ten
     TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 &&
                     w.size(0) == panels && w.size(1) == nb * panel_block_bytes(type),
                 at, "packed must be gguf_pack_panels' output for N = ", n, ", K = ", K);
-    q6 = q6 || kind == Q6_K;
-    q8 = q8 || kind == Q8_0;
     const int64_t mine = isa >= ISA_AVX512 ? (panels + 1) / 2 : 2 * panels;
     // (The panel kernels read no Layout: the panels hold a d, and an m where the kind has one.)
     segments.push_back({w.data_ptr<uint8_t>(), kind,
@@ -2030,27 +2043,35 @@ torch::Tensor panel_product(const torch::Tensor& x, const std::vector<torch::Ten
     s.p.out = out.data_ptr<float>() + col, s.p.ldo = N;
     col += s.p.N;
   }
-  std::vector<int32_t> c32, c128;
-  if (q6) {  // 32 * sum(q_x) per row and 16 values: what Q6_K's codes' bias 32 adds
-    c32.resize(M * nb * 2);
-    for (int64_t i = 0; i < M * nb * 2; ++i) {
-      int32_t sum = 0;
-      for (int j = 0; j < 16; ++j) sum += q[i * 16 + j];
-      c32[i] = 32 * sum;
-    }
-  }
-  if (q8 && isa >= ISA_AVX512) {  // 128 * sum(q_x) per row and block: what Q8_0's +128 codes add
-    c128.resize(M * nb);
-    for (int64_t i = 0; i < M * nb; ++i) {
-      int32_t sum = 0;
-      for (int j = 0; j < QK; ++j) sum += q[i * QK + j];
-      c128[i] = 128 * sum;
-    }
+  // Per row and 32 values of x (16 for Q6_K's groups), sum(q_x) times the bias of a kind's codes:
+  // what the bias adds to q_w . q_x. AVX2's Q6_K takes it off its sums; AVX-512 starts its sums
+  // from its negation (`start_sums`), for Q8_0 (codes + 128), Q4_0 and Q5_0 (q - 8, q - 16) too.
+  auto bias_sums = [&](int64_t group, int32_t times) {
+    std::vector<int32_t> sums(M * (K / group));
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * (K / group); i < r1 * (K / group); ++i) {
+        int32_t sum = 0;
+        for (int64_t j = 0; j < group; ++j) sum += q[i * group + j];
+        sums[i] = times * sum;
+      }
+    });
+    return sums;
+  };
+  const bool v512 = isa >= ISA_AVX512;
+  std::vector<int32_t> sums[4];  // Q6_K, Q8_0, Q5_0, Q4_0
+  const int64_t kinds[4] = {Q6_K, Q8_0, Q5_0, Q4_0};
+  const int32_t bias[4] = {32, 128, 16, 8};
+  for (int i = 0; i < 4; ++i) {
+    const bool used =
+        std::any_of(segments.begin(), segments.end(), [&](const PanelSegment& s) { return s.kind == kinds[i]; });
+    if (used && (v512 || kinds[i] == Q6_K))
+      sums[i] = bias_sums(kinds[i] == Q6_K ? 16 : QK, v512 ? -bias[i] : bias[i]);
   }
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     for (const auto& s : segments) {
       const int64_t lo = std::max(u0, s.first), hi = std::min(u1, s.first + s.units);
-      if (lo < hi) panel_units(s, isa, c32.data(), c128.data(), lo - s.first, hi - s.first);
+      const int i = int(std::find(kinds, kinds + 4, s.kind) - kinds);
+      if (lo < hi) panel_units(s, isa, i < 4 && !sums[i].empty() ? sums[i].data() : nullptr, lo - s.first, hi - s.first);
     }
   });
   return out;
