@@ -225,6 +225,28 @@ def test_isas_agree():
         assert rel_error(out, outs[0]) < 1e-5
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_dot_scores_agree_with_the_widened_ones(monkeypatch, head_dim):
+    """With AVX512_BF16, bf16 K rows are scored by vdpbf16ps against the query rows split into
+    bf16 hi and lo parts, not widened to fp32 (`score_rows_dot`); LMSTACK_CPU_PAGED_BF16_DOT=0 (read
+    per call) widens them. Decode, prefill and a cached prompt, GQA 3: the two within fp32
+    rounding of each other and of the reference, and not the same bits (the dot path ran)."""
+    ext = builder.load()
+    if BEST < 2 or not ext.bf16_dot():
+        pytest.skip("this CPU has no AVX512_BF16")
+    q, _, _, kc, vc, meta, dense = paged_batch(
+        [(0, 37), (300, 1), (45, 20), (130, 1)], 2, 3, head_dim, 16, kv_dtype=torch.bfloat16
+    )
+    backend = COMPONENT.factory(COMPONENT.options_type(isa="avx512"), None)
+    scale = head_dim**-0.5
+    dot = backend.prefill(q, None, None, kc, vc, meta, scale=scale, sliding_window=None)
+    monkeypatch.setenv("LMSTACK_CPU_PAGED_BF16_DOT", "0")
+    assert not ext.bf16_dot()
+    widened = backend.prefill(q, None, None, kc, vc, meta, scale=scale, sliding_window=None)
+    assert rel_error(dot, widened) < 1e-5 and not torch.equal(dot, widened)
+    assert rel_error(dot, _expect(q, meta, dense, scale)) < 1e-5
+
+
 def test_the_backend_pickles():
     """A multi-process layout sends the backends to its workers: the extension module is left
     out and loaded again, and the copy computes the same bits."""

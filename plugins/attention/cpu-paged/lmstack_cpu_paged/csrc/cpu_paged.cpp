@@ -46,11 +46,13 @@ constexpr int KEY_TILE = 32;  // keys scored together: one max / rescale per row
 struct Scratch {
   std::vector<float> kbuf, vbuf, scores;  // a tile of widened K and V rows; rows x tile scores
   std::vector<int64_t> offs;  // byte offsets of a decode item's K / V rows
+  std::vector<uint16_t> qsplit;  // an item's query rows as bf16 hi and lo parts (bf16 K with AVX512_BF16)
   int sink = 0;
   void reserve(int rows, int d) {
     kbuf.resize(size_t(KEY_TILE) * d);
     vbuf.resize(size_t(KEY_TILE) * d);
     scores.resize(size_t(rows) * KEY_TILE);
+    qsplit.resize(size_t(rows) * d * 2);
   }
 };
 
@@ -75,6 +77,26 @@ namespace avx512 {
 #undef CPU_PAGED_AVX512
 }  // namespace avx512
 #pragma GCC pop_options
+
+// AVX-512 with AVX512_BF16 (Zen 4, Cooper Lake, Sapphire Rapids and later): the same kernel but
+// for bf16 K rows, scored by vdpbf16ps without widening (`score_rows_dot`). Used for bf16 caches
+// where the CPU has it, unless LMSTACK_CPU_PAGED_BF16_DOT=0 (read per call: the tests run both).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+namespace avx512bf16 {
+#define CPU_PAGED_AVX512
+#define CPU_PAGED_BF16DOT
+#include "attention_impl.h"
+#undef CPU_PAGED_BF16DOT
+#undef CPU_PAGED_AVX512
+}  // namespace avx512bf16
+#pragma GCC pop_options
+
+bool bf16_dot() {
+  __builtin_cpu_init();
+  const char* off = std::getenv("LMSTACK_CPU_PAGED_BF16_DOT");
+  return __builtin_cpu_supports("avx512bf16") && !(off && std::string(off) == "0");
+}
 
 int64_t best_isa() {  // what the CPU has, within LMSTACK_MAX_ISA (isa_cap.h)
   __builtin_cpu_init();
@@ -258,6 +280,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   // The fast path where the head dim is 1, 2, 4, 8 or 16 whole registers.
   if (isa < 0) isa = best_isa();
   AttendFn fast = isa == ISA_AVX512 ? avx512::pick_fast(kind, D) : isa == ISA_AVX2 ? avx2::pick_fast(kind, D) : nullptr;
+  if (isa == ISA_AVX512 && kind == KV_BF16 && D % 32 == 0 && fast && bf16_dot()) fast = avx512bf16::pick_fast(kind, D);
   // There, unsplit decode sequences are one item over all their KV heads (contiguous reads),
   // while that still leaves 4 items per thread.
   if (fast && num_slots == 0 && Hkv > 1 && int64_t(items.size()) - int64_t(num_decode) * (Hkv - 1) >= 4 * threads) {
@@ -521,4 +544,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("best_isa", &cpu_paged::best_isa, "2: AVX-512, 1: AVX2+FMA, 0: scalar");
+  m.def("bf16_dot", &cpu_paged::bf16_dot,
+        "whether AVX-512 calls score bf16 K rows by vdpbf16ps (the CPU has AVX512_BF16, and "
+        "LMSTACK_CPU_PAGED_BF16_DOT is not 0)");
 }
