@@ -557,27 +557,32 @@ static inline void pv_head(float* acc, const float* s, const char* vh, const int
   }
 }
 
-// Scores of rows [g0, g1) against the tile's n keys (key j's row at row(j), Kind), W keys at a
-// time summed by the shuffle tree; each query row stays in registers while it is scored.
+// One query row's scores sg[0:n] against the tile's n keys (key j's row at row(j)), W keys at a
+// time summed by the shuffle tree: dot(k) is key row k's W partial products with the row.
+template <typename RowFn, typename DotFn>
+static inline void score_keys(int n, RowFn row, DotFn dot, float* sg) {
+  for (int j0 = 0; j0 < n; j0 += W) {
+    vf p[W];
+#pragma GCC unroll 16
+    for (int j = 0; j < W; ++j) p[key_slot(j)] = j0 + j < n ? dot(row(j0 + j)) : vzero();
+    vstore(sg + j0, lane_sums(p));
+  }
+}
+
+// Scores of rows [g0, g1) against the tile's n keys (Kind); each query row stays in registers
+// while it is scored.
 template <int Kind, int NV, typename RowFn>
 static inline void score_rows(const float* q, int g0, int g1, int n, RowFn row, float* s, const float* lut) {
   for (int g = g0; g < g1; ++g) {
     vf qv[NV];
     for (int c = 0; c < NV; ++c) qv[c] = vload(q + size_t(g) * NV * W + c * W);
-    for (int j0 = 0; j0 < n; j0 += W) {
-      vf p[W];
-#pragma GCC unroll 16
-      for (int j = 0; j < W; ++j) {
-        vf a = vzero();
-        if (j0 + j < n) {
-          const char* k = row(j0 + j);
+    auto dot = [&](const char* k) {
+      vf a = vzero();
 #pragma GCC unroll 8
-          for (int c = 0; c < NV; ++c) a = vfma(qv[c], load_vec<Kind>(k, c, lut), a);
-        }
-        p[key_slot(j)] = a;
-      }
-      vstore(s + size_t(g) * KEY_TILE + j0, lane_sums(p));
-    }
+      for (int c = 0; c < NV; ++c) a = vfma(qv[c], load_vec<Kind>(k, c, lut), a);
+      return a;
+    };
+    score_keys(n, row, dot, s + size_t(g) * KEY_TILE);
   }
 }
 
@@ -612,24 +617,17 @@ static inline void score_rows_dot(const uint16_t* qs, int g0, int g1, int n, Row
       qh[c] = (__m512bh)_mm512_loadu_si512(qs + (size_t(g) * NV + 2 * c) * 32);
       ql[c] = (__m512bh)_mm512_loadu_si512(qs + (size_t(g) * NV + 2 * c + 1) * 32);
     }
-    for (int j0 = 0; j0 < n; j0 += W) {
-      vf p[W];
-#pragma GCC unroll 16
-      for (int j = 0; j < W; ++j) {
-        vf a = vzero();
-        if (j0 + j < n) {
-          const char* k = row(j0 + j);
+    auto dot = [&](const char* k) {
+      vf a = vzero();
 #pragma GCC unroll 8
-          for (int c = 0; c < NV / 2; ++c) {
-            const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + 64 * c);
-            a = _mm512_dpbf16_ps(a, qh[c], kv);
-            a = _mm512_dpbf16_ps(a, ql[c], kv);
-          }
-        }
-        p[key_slot(j)] = a;
+      for (int c = 0; c < NV / 2; ++c) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + 64 * c);
+        a = _mm512_dpbf16_ps(a, qh[c], kv);
+        a = _mm512_dpbf16_ps(a, ql[c], kv);
       }
-      vstore(s + size_t(g) * KEY_TILE + j0, lane_sums(p));
-    }
+      return a;
+    };
+    score_keys(n, row, dot, s + size_t(g) * KEY_TILE);
   }
 }
 #endif
