@@ -290,7 +290,8 @@ constexpr bool K4 = TYPE == Q4_K || TYPE == Q5_K;
 template <int TYPE>
 constexpr bool PANEL_M = TYPE == Q4_1 || TYPE == Q5_1;
 // After a block's codes (and fifth bits): the 16 rows' d as the fp16 bits their blocks hold, then
-// (PANEL_M) the 16 m (Q4_0's and Q5_0's offsets, -8 d and -16 d, are made in the kernels or taken off in integers).
+// (PANEL_M) the 16 m (Q4_0's and Q5_0's offsets, -8 d and -16 d: made by the AVX2 kernels, taken
+// off in integers by the AVX-512 ones).
 template <int TYPE>
 constexpr int64_t PANEL_CODES = TYPE == Q8_0 ? 512 : FIVE_BIT<TYPE> ? 320 : 256;
 // (the K-quants: a super-block's bytes per block, K4_SUPER / 8, Q6K_PANEL_SUPER / 8.)
@@ -1194,9 +1195,7 @@ inline void start_sums(__m512i (*dl)[NR], __m512i (*dh)[NR], const int32_t* c, i
     __m512i l = _mm512_setzero_si512(), h = _mm512_setzero_si512();
     if constexpr (TYPE == Q6_K) {
       l = _mm512_set1_epi32(c[r * 2 * nb + 2 * b]), h = _mm512_set1_epi32(c[r * 2 * nb + 2 * b + 1]);
-    } else if constexpr (TYPE == Q8_0) {
-      l = _mm512_set1_epi32(c[r * nb + b]);
-    } else if constexpr (PANEL_BIAS<TYPE> != 0.f) {
+    } else if constexpr (TYPE == Q8_0 || PANEL_BIAS<TYPE> != 0.f) {
       l = _mm512_set1_epi32(c[r * nb + b]);
     }
     for (int j = 0; j < NR; ++j) dl[r][j] = l, dh[r][j] = h;
@@ -1959,6 +1958,7 @@ struct PanelSegment {
   int64_t kind;
   Q8Problem p;
   int64_t first, units;  // units [first, first + units) of the call: AVX-512 panel pairs, AVX2 halves
+  const int32_t* sums = nullptr;  // the bias sums of its kind, where its kernel takes them
 };
 
 // f(std::integral_constant<int, kind>) for a panel kind (`panel_kind`), as `with_kind` for layouts.
@@ -1977,15 +1977,14 @@ inline void with_panel_kind(int64_t kind, F&& f) {
 }
 
 // Units [u0, u1) of one segment (numbered within it) by its kind's kernel, with the bias sums of its
-// kind (`panel_product`; null where it has none): they depend only on x, so one copy serves every
-// segment of a kind.
-void panel_units(const PanelSegment& s, int64_t isa, const int32_t* sums, int64_t u0, int64_t u1) {
+// kind (`s.sums`, made by `panel_product` once per kind: they depend only on x).
+void panel_units(const PanelSegment& s, int64_t isa, int64_t u0, int64_t u1) {
   with_panel_kind(s.kind, [&](auto t) {
     constexpr int TYPE = decltype(t)::value;
     if (isa < ISA_AVX512)
-      avx2::panels_q8<TYPE>(s.p, s.w, sums, u0, u1);
+      avx2::panels_q8<TYPE>(s.p, s.w, s.sums, u0, u1);
     else
-      avx512::panels_q8<TYPE>(s.p, s.w, sums, u0, u1);
+      avx512::panels_q8<TYPE>(s.p, s.w, s.sums, u0, u1);
   });
 }
 
@@ -2058,20 +2057,19 @@ torch::Tensor panel_product(const torch::Tensor& x, const std::vector<torch::Ten
     return sums;
   };
   const bool v512 = isa >= ISA_AVX512;
-  std::vector<int32_t> sums[4];  // Q6_K, Q8_0, Q5_0, Q4_0
   const int64_t kinds[4] = {Q6_K, Q8_0, Q5_0, Q4_0};
   const int32_t bias[4] = {32, 128, 16, 8};
-  for (int i = 0; i < 4; ++i) {
-    const bool used =
-        std::any_of(segments.begin(), segments.end(), [&](const PanelSegment& s) { return s.kind == kinds[i]; });
-    if (used && (v512 || kinds[i] == Q6_K))
-      sums[i] = bias_sums(kinds[i] == Q6_K ? 16 : QK, v512 ? -bias[i] : bias[i]);
+  std::vector<int32_t> sums[4];  // per kind above, made once for every segment of the kind
+  for (auto& s : segments) {
+    const int i = int(std::find(kinds, kinds + 4, s.kind) - kinds);
+    if (i == 4 || (!v512 && s.kind != Q6_K)) continue;
+    if (sums[i].empty()) sums[i] = bias_sums(s.kind == Q6_K ? 16 : QK, v512 ? -bias[i] : bias[i]);
+    s.sums = sums[i].data();
   }
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     for (const auto& s : segments) {
       const int64_t lo = std::max(u0, s.first), hi = std::min(u1, s.first + s.units);
-      const int i = int(std::find(kinds, kinds + 4, s.kind) - kinds);
-      if (lo < hi) panel_units(s, isa, i < 4 && !sums[i].empty() ? sums[i].data() : nullptr, lo - s.first, hi - s.first);
+      if (lo < hi) panel_units(s, isa, lo - s.first, hi - s.first);
     }
   });
   return out;
