@@ -30,7 +30,8 @@ from lmstack_bench.toolbox import ab_record, git_show, result_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = "plugins/attention/cpu-paged/lmstack_cpu_paged/csrc"
-GEOMETRIES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # query heads, KV heads, head dim
+# query heads, KV heads, head dim (Phi-3-mini's 96: not whole AVX-512 registers, the general path)
+GEOMETRIES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128), "phi3": (32, 32, 96)}
 BLOCK = 16
 # name: (query lengths, context lengths before each sequence's queries)
 CASES = {

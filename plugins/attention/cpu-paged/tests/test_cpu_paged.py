@@ -9,6 +9,9 @@ changing from layer to layer), tanh soft-capping of the scores.
 from __future__ import annotations
 
 import itertools
+import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -245,6 +248,19 @@ def test_bf16_dot_scores_agree_with_the_widened_ones(monkeypatch, head_dim):
     widened = backend.prefill(q, None, None, kc, vc, meta, scale=scale, sliding_window=None)
     assert rel_error(dot, widened) < 1e-5 and not torch.equal(dot, widened)
     assert rel_error(dot, _expect(q, meta, dense, scale)) < 1e-5
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86's prefetcht1")
+def test_the_built_kernels_prefetch():
+    """The kernels' next-tile prefetches are in the object the build made: GCC once left every
+    `__builtin_prefetch` of this source out of it without a word (attention_impl.h)."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump here to read the built extension with")
+    text = subprocess.run(
+        [objdump, "-d", builder.load().__file__], capture_output=True, text=True, check=True
+    )
+    assert text.stdout.count("prefetcht1") >= 8  # every kind of the fast and general paths
 
 
 def test_the_backend_pickles():
