@@ -1245,10 +1245,14 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
   for (int64_t b = 0; b < nb; ++b) {
     // Each panel is its own stream of PB-byte blocks: every line of a block PREFETCH_BYTES ahead
     // of it (a hint: no fault past the end). Without it a decode row read the panels at ~37 GB/s
-    // on a Zen 5, where the block kernel's software prefetch streams its rows at ~50.
+    // on a Zen 5, where the block kernel's software prefetch streams its rows at ~50. Q8_0's
+    // blocks, the most bytes per product, are prefetched into L2 only (T1): in-process A/B on a
+    // 2-core Zen 4, every layer of a file in turn, 9 rounds: the Q6_K file's (mostly Q8_0)
+    // matmuls 0.86-0.91x the time at 1 row, 0.80-0.89x at 8, 0.98-1.00x at 32, the Q8_0 LM head
+    // 0.80-0.94x; T1 for the other kinds too moved them 0.85-1.33x (K-quants slower), so not.
     for (int c = 0; c < NR; ++c) {
       const char* next = reinterpret_cast<const char*>(w + c * panel_bytes + panel_codes_at<TYPE>(b)) + PREFETCH_BYTES;
-      for (int64_t o = 0; o < PB; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+      for (int64_t o = 0; o < PB; o += 64) _mm_prefetch(next + o, TYPE == Q8_0 ? _MM_HINT_T1 : _MM_HINT_T0);
     }
     const int8_t* xb = qx + b * QK;
     __m512i dl[MR][NR], dh[MR][NR];
