@@ -705,9 +705,10 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
       sc.sink += sum;
     }
     for (int h0 = 0; h0 < rows; h0 += group) {  // each KV head's rows
-      const char* kh = kc + (h0 / group) * head_bytes;
+      const int64_t at = (h0 / group) * head_bytes;  // the head's place in a row
+      const char* kh = kc + at;
       const int h1 = std::min(rows, h0 + group);
-      prefetch_head(kc, next, next + KEY_TILE, (h0 / group) * head_bytes);
+      prefetch_head(kc, next, next + KEY_TILE, at);
       if constexpr (Kind == KV_F32) {
         score_rows<KV_F32, NV>(q, h0, h1, n, [&](int j) { return kh + o[j]; }, s, lut);
       } else if constexpr (DOT) {
@@ -733,9 +734,10 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
         std::fill(sr, sr + n, 0.0f);  // nothing visible: the V pass below adds nothing for this row
     }
     for (int h0 = 0; h0 < rows; h0 += group) {  // each KV head's rows
-      const char* vh = vc + (h0 / group) * head_bytes;
+      const int64_t at = (h0 / group) * head_bytes;
+      const char* vh = vc + at;
       const int h1 = std::min(rows, h0 + group);
-      prefetch_head(vc, next, next + KEY_TILE, (h0 / group) * head_bytes);
+      prefetch_head(vc, next, next + KEY_TILE, at);
       // More rows than one pass holds (prefill, verification): fp8 V rows (a few integer ops and
       // a conversion per register) widened to fp32 once, as K above, instead of once per 4 rows,
       // then the fp32 passes; bf16 rows too where a row fills the registers (AVX2, d = 128), as
