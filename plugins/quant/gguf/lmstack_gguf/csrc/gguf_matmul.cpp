@@ -1203,7 +1203,10 @@ inline void start_sums(__m512i (*dl)[NR], __m512i (*dh)[NR], const int32_t* c, i
 }
 
 // A block's sums (from `start_sums`) into the accumulators, times its scales (`pair_scales`) and
-// each row's dx (and m * sx for the types with an m).
+// each row's dx (and m * sx for the types with an m). Q6_K's two groups are joined before dx is
+// applied (sum_lo * d + sum_hi * m, then times dx: 5 vector operations per output instead of 6,
+// which share the pipes with the tile's vpdpbusd): its matmuls took 0.88-0.96x the time in
+// interleaved A/B (2-core Zen 4, SmolLM2's Q6_K down_proj layers, 32 to 2,048 rows).
 template <int TYPE, int MR, int NR>
 inline void tile_finish(__m512 (*acc)[NR], __m512i (*dl)[NR], __m512i (*dh)[NR], const __m512* d, const __m512* m,
                         const float* dx, const float* sx, int64_t nb, int64_t b) {
@@ -1211,8 +1214,9 @@ inline void tile_finish(__m512 (*acc)[NR], __m512i (*dl)[NR], __m512i (*dh)[NR],
     const __m512 dxr = _mm512_set1_ps(dx[r * nb + b]);
     if constexpr (TYPE == Q6_K) {
       for (int c = 0; c < NR; ++c) {
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dl[r][c]), _mm512_mul_ps(d[c], dxr), acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dh[r][c]), _mm512_mul_ps(m[c], dxr), acc[r][c]);
+        const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(dl[r][c]), d[c]);
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dh[r][c]), m[c], lo);
+        acc[r][c] = _mm512_fmadd_ps(t, dxr, acc[r][c]);
       }
     } else {
       for (int c = 0; c < NR; ++c) {
@@ -1304,8 +1308,10 @@ inline void panel_rows(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p
 // block's scales into fp32 (the values `panel_tile` makes, by the same operations), and then runs
 // its row tiles over the buffer (K = 1536: 48 KB, in L2). Integer sums are exact and each output
 // takes the same fp32 operations in the same order as in `panel_tile`: the same bits for a row
-// whatever the batch. 64 rows: at 32 Q5_1 took 1.07x the per-tile time, Q6_K 0.89x (above).
-constexpr int64_t WIDE_MIN_ROWS = 64;
+// whatever the batch. From 64 rows, Q6_K's from 32: at 32 Q5_1 took 1.07x the per-tile time,
+// Q6_K 0.89x (above; again 0.95x for SmolLM2's Q6_K down_proj layers, 2-core Zen 4).
+template <int TYPE>
+constexpr int64_t WIDE_MIN_ROWS = TYPE == Q6_K ? 32 : 64;
 
 template <int TYPE, int NR>
 void widen_pair(const uint8_t* w, int64_t panel_bytes, int64_t nb, uint8_t* codes, float* dv, float* mv) {
@@ -1406,7 +1412,7 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* sums, i
         f(std::integral_constant<int, 1>(), w, first * PANEL, valid_last);
     }
   };
-  if (WIDE<TYPE> && p.M >= WIDE_MIN_ROWS) {
+  if (WIDE<TYPE> && p.M >= WIDE_MIN_ROWS<TYPE>) {
     each_pair([&](auto nr, const uint8_t* w, int64_t col, int valid_last) {
       wide_pair<TYPE, decltype(nr)::value>(w, panel_bytes, p, sums, col, valid_last);
     });
