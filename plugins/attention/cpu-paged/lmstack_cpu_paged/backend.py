@@ -39,7 +39,7 @@ class CpuPagedAttention(AttentionBackend):
     def _run(self, q, k_cache, v_cache, meta, rows, scale, window, softcap, k_scale, v_scale) -> torch.Tensor:
         """rows: (query_start [B + 1], context_lens [B]) int32, the batch's query rows."""
         return self._ext.paged_attention(
-            q.contiguous(),
+            q,
             k_cache,
             v_cache,
             meta.block_tables,
@@ -95,7 +95,7 @@ class CpuPagedAttention(AttentionBackend):
             self.write_kv(k, v, k_cache, v_cache, slots, **write_kw)
             window, softcap = kw["sliding_window"], kw.get("logit_softcap")
             return ext.paged_attention(
-                q.contiguous(),
+                q,
                 k_cache,
                 v_cache,
                 tables,

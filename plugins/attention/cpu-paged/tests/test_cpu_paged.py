@@ -352,3 +352,30 @@ def test_auto_follows_the_isa_cap_at_run_time(monkeypatch):
     monkeypatch.setenv("LMSTACK_MAX_ISA", "avx2")
     assert ext.best_isa() == 1
     assert torch.equal(ext.paged_attention(*args, -1, 256), ext.paged_attention(*args, 1, 256))
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_queries_are_read_where_they_lie_in_the_fused_projection(q_dtype):
+    """q as the fused qkv projection leaves it (a view whose tokens are a row of q, k and v heads
+    apart) gives the bits of its contiguous copy, and the output is a fresh [T, Hq, D]; views the
+    kernel cannot read in place (heads apart, a transposed q) are copied first, same bits."""
+    ext = builder.load()
+    q, _, _, kc, vc, meta, _ = paged_batch(
+        [(0, 23), (40, 1), (300, 3)], 2, 3, 64, 16, kv_dtype=torch.bfloat16
+    )
+    q = q.to(q_dtype)
+    t, hq, d = q.shape
+    fused = torch.randn(t, hq + 2 * 2, d).to(q_dtype)
+    fused[:, :hq] = q
+    view = fused[:, :hq]
+    assert not view.is_contiguous()
+    fixed = (0.125, 0, None, None, -1, 256)
+    rest = (kc, vc, meta.block_tables, meta.query_start_loc, meta.context_lens, *fixed)
+    want = ext.paged_attention(q.contiguous(), *rest)
+    got = ext.paged_attention(view, *rest)
+    assert got.is_contiguous() and got.shape == (t, hq, d)
+    assert torch.equal(got, want)
+    spread = torch.zeros(t, hq, 2 * d, dtype=q_dtype)
+    spread[:, :, :d] = q
+    assert torch.equal(ext.paged_attention(spread[:, :, :d], *rest), want)
+    assert torch.equal(ext.paged_attention(q.transpose(0, 1).contiguous().transpose(0, 1), *rest), want)

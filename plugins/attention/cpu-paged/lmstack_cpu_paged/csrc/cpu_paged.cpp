@@ -167,7 +167,8 @@ float merge_parts(const float* m, const float* l, const float* acc, int parts, i
 
 }  // namespace
 
-// q [T, Hq, D] (fp32 or bf16, contiguous); caches [NB, BS, Hkv, D] (fp32, bf16, fp8 e4m3 / e5m2);
+// q [T, Hq, D] (fp32 or bf16; each token's heads contiguous, tokens at any stride: the fused
+// projection's q is a view of its output, read where it lies rather than copied); caches [NB, BS, Hkv, D] (fp32, bf16, fp8 e4m3 / e5m2);
 // block_tables [B, max_blocks] int32; query_start [B + 1] int32; context_lens [B] int32 (cached
 // tokens before each sequence's first query token). window <= 0: none. softcap <= 0: none, else
 // scores (after `scale`) become softcap * tanh(score / softcap). Scales: fp32 [Hkv] for a
@@ -179,8 +180,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               int64_t isa, int64_t min_part, double softcap) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "cpu-paged: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "cpu-paged: bad shapes");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "cpu-paged: q and the caches must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cpu-paged: the caches must be contiguous");
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2) || q.stride(0) < q.size(1) * q.size(2)) q = q.contiguous();
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "cpu-paged: queries must be float32 or bfloat16, got ", q.scalar_type());
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start.scalar_type() == at::kInt &&
@@ -211,7 +212,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     std::copy(vf.data_ptr<float>(), vf.data_ptr<float>() + Hkv, vs.begin());
   }
 
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({T, Hq, D}, q.options());
   if (T == 0 || B == 0) return out;
 
   auto tables = block_tables.contiguous();
@@ -314,6 +315,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
   const bool q_bf16 = q.scalar_type() == at::kBFloat16;
   const char* qp = static_cast<const char*>(q.data_ptr());
+  const int64_t q_tok = q.stride(0);  // elements between two tokens' query rows
   char* op = static_cast<char*>(out.data_ptr());
   const char* kc = static_cast<const char*>(k_cache.data_ptr());
   const char* vc = static_cast<const char*>(v_cache.data_ptr());
@@ -354,7 +356,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
         // Queries in fp32, pre-multiplied by the softmax scale and their head's K scale: a
         // scaled cache's stored keys are then used as they are.
         const float qmul = float(scale) * ks[it.head + r % per_tok / G];
-        const int64_t base = (int64_t(it.tok0 + r / per_tok) * Hq + it.head * G + r % per_tok) * D;
+        const int64_t base = int64_t(it.tok0 + r / per_tok) * q_tok + int64_t(it.head * G + r % per_tok) * D;
         float* dst = qbuf.data() + size_t(r) * D;
         if (q_bf16) {
           const uint16_t* src = reinterpret_cast<const uint16_t*>(qp) + base;
