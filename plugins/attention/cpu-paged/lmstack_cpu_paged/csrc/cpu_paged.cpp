@@ -47,7 +47,6 @@ struct Scratch {
   std::vector<float> kbuf, vbuf, scores;  // a tile of widened K and V rows; rows x tile scores
   std::vector<int64_t> offs;  // byte offsets of a decode item's K / V rows
   std::vector<uint16_t> qsplit;  // an item's query rows as bf16 hi and lo parts (bf16 K with AVX512_BF16)
-  int sink = 0;
   void reserve(int rows, int d) {
     kbuf.resize(size_t(KEY_TILE) * d);
     vbuf.resize(size_t(KEY_TILE) * d);
