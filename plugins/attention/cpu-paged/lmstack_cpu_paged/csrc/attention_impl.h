@@ -11,23 +11,19 @@
 // (no gather of the context into a contiguous copy), and the softmax is online: running max
 // `m`, running sum `l` and an unnormalised accumulator per row, all fp32.
 
-// A hint to bring the cache line at p into L2 (prefetcht1), written as an asm statement: GCC
-// 12 at -O3 left no prefetch instruction at all in this file's objects for __builtin_prefetch or
-// _mm_prefetch (seen with objdump; the gguf kernels' survive), where an asm volatile must stay.
-static inline void prefetch_l2(const char* p) {
+// A hint to bring the cache line at p into L1 (LEVEL 1: prefetcht0) or L2 (2: prefetcht1),
+// written as an asm statement: GCC 12 at -O3 left no prefetch instruction at all in this file's
+// objects for __builtin_prefetch or _mm_prefetch (seen with objdump; the gguf kernels' survive),
+// where an asm volatile must stay.
+template <int LEVEL>
+static inline void cache_hint(const char* p) {
 #if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht1 %0" : : "m"(*p));
+  if constexpr (LEVEL == 1)
+    asm volatile("prefetcht0 %0" : : "m"(*p));
+  else
+    asm volatile("prefetcht1 %0" : : "m"(*p));
 #else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
-
-// The same into L1 (prefetcht0).
-static inline void prefetch_l1(const char* p) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht0 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p, 0, 3);
+  __builtin_prefetch(p, 0, LEVEL == 1 ? 3 : 2);
 #endif
 }
 
@@ -411,7 +407,7 @@ static void attend(const float* q, const int* pos, int rows, int group, int d, i
   const int row_bytes = d * esize;
   auto prefetch = [&](const char* cache, const int64_t* o, int n) {
     for (int j = 0; j < n; ++j)
-      for (int b = 0; b < row_bytes; b += 64) prefetch_l2(cache + o[j] + b);
+      for (int b = 0; b < row_bytes; b += 64) cache_hint<2>(cache + o[j] + b);
   };
   offsets(off[0], std::min(KEY_TILE, k_end - k_begin));
   prefetch(kc, off[0], std::min(KEY_TILE, k_end - k_begin));
@@ -674,7 +670,7 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
     }
   }
   const int64_t row_bytes = heads * head_bytes;
-  // The next tile's rows are prefetched into L2 (prefetch_l2) while this one is computed, a KV
+  // The next tile's rows are prefetched into L2 (cache_hint<2>) while this one is computed, a KV
   // head's K rows as its scoring starts and its V rows as its V pass does: small batches spread
   // over the tile's work. One burst of the whole next tile into L1 instead took 1.04-1.07x the
   // time of no prefetch at all. 2-core Zen 4, one decode step's attention (32 streams, bf16, 30
@@ -682,7 +678,7 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
   // not; 1.13x where every block is in L2 already (the prefetch instructions' own cost).
   auto prefetch_head = [&](const char* cache, int j0, int j1, int64_t at) {
     for (int j = j0; j < std::min(j1, nkeys); ++j)
-      for (int64_t b = 0; b < head_bytes; b += 64) prefetch_l2(cache + offs[j] + at + b);
+      for (int64_t b = 0; b < head_bytes; b += 64) cache_hint<2>(cache + offs[j] + at + b);
   };
   for (int64_t at = 0; at < row_bytes; at += head_bytes) {  // the first tile
     prefetch_head(kc, 0, KEY_TILE, at);
@@ -711,9 +707,9 @@ static void attend_fast(const float* q, const int* pos, int rows, int group, int
     // 0.92-0.97x with every row in cache, the AVX2 code likewise.
     if (touch_first) {
       for (int j = 0; j < n; ++j)
-        for (int64_t b = 0; b < row_bytes; b += 64) prefetch_l1(kc + o[j] + b);
+        for (int64_t b = 0; b < row_bytes; b += 64) cache_hint<1>(kc + o[j] + b);
       for (int j = 0; j < n; ++j)
-        for (int64_t b = 0; b < row_bytes; b += 64) prefetch_l1(vc + o[j] + b);
+        for (int64_t b = 0; b < row_bytes; b += 64) cache_hint<1>(vc + o[j] + b);
     }
     for (int h0 = 0; h0 < rows; h0 += group) {  // each KV head's rows
       const int64_t at = (h0 / group) * head_bytes;  // the head's place in a row
