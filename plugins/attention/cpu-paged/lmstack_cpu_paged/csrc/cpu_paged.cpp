@@ -167,7 +167,8 @@ float merge_parts(const float* m, const float* l, const float* acc, int parts, i
 }  // namespace
 
 // q [T, Hq, D] (fp32 or bf16; each token's heads contiguous, tokens at any stride: the fused
-// projection's q is a view of its output, read where it lies rather than copied); caches [NB, BS, Hkv, D] (fp32, bf16, fp8 e4m3 / e5m2);
+// projection's q is a view of its output, read where it lies rather than copied; other layouts
+// are copied first); caches [NB, BS, Hkv, D] (fp32, bf16, fp8 e4m3 / e5m2);
 // block_tables [B, max_blocks] int32; query_start [B + 1] int32; context_lens [B] int32 (cached
 // tokens before each sequence's first query token). window <= 0: none. softcap <= 0: none, else
 // scores (after `scale`) become softcap * tanh(score / softcap). Scales: fp32 [Hkv] for a
