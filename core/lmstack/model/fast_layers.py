@@ -47,6 +47,17 @@ def plain_layer(layer: Any) -> tuple[LayerCall, int, tuple[dict, ...]] | None:
     linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     (qkv, q_max), (o_proj, o_max), (gate_up, gu_max), (down, d_max) = (fast_op(m) for m in linears)
     rms, rope_, silu = ops.rms_norm, ops.qkv_rope_, ops.silu_mul_
+    # silu(gate) * up straight from the gate_up kernel where its quantizer fuses them
+    # (`fast_swiglu_op()`: the same bits as silu_mul_ over its output), else the two calls.
+    fused = getattr(layer.gate_up_proj, "fast_swiglu_op", None)
+    fused = fused() if fused is not None else None
+    if fused is not None:
+        mlp, gu_max = fused
+    else:
+
+        def mlp(h: torch.Tensor) -> torch.Tensor:
+            return silu(gate_up(h))
+
     w_in, eps_in = norms[0].weight, norms[0].eps
     w_post, eps_post = norms[1].weight, norms[1].eps
     index, heads, kv_heads, q_size = layer.index, layer.num_heads, layer.num_kv_heads, layer.q_size
@@ -56,7 +67,7 @@ def plain_layer(layer: Any) -> tuple[LayerCall, int, tuple[dict, ...]] | None:
         q, k, v = rope_(qkv(rms(x, w_in, eps_in, None)), cos, sin, heads, kv_heads)
         o = o_proj(attn.attend(index, q, k, v).reshape(x.shape[0], q_size))
         h = rms(o, w_post, eps_post, x)  # o += x in place: the residual stream
-        return down(silu(gate_up(h))).add_(o)
+        return down(mlp(h)).add_(o)
 
     hooks = tuple(d for m in (layer, *norms, *linears) for d in (m._forward_hooks, m._forward_pre_hooks))
     return run, min(q_max, o_max, gu_max, d_max), hooks

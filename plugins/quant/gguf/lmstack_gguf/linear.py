@@ -339,6 +339,31 @@ class GGUFLinear(QuantizedLinear):
         op, args, most = self._fast
         return (lambda x: op(x, *args)), most
 
+    def fast_swiglu_op(self) -> tuple | None:
+        """(op, most rows) for a SwiGLU gate_up layer (two equal output parts, gate then up):
+        silu(gate) * up -> fp32 [M, out / 2] in one native call, the gate and up products
+        combined in the kernel's tiles instead of written whole and read back
+        (`gguf_matmul_panels_swiglu`); bit for bit `fast_op`'s output put through
+        `layer_ops.silu_mul`. None unless the layer multiplies every batch its fast path takes
+        by one weight's panels with AVX-512 VNNI and each half is a multiple of 16 rows."""
+        ext = native_kernel()
+        sizes = self.spec.output_sizes
+        if (
+            self._fast is None
+            or self.bias is not None
+            or ext is None
+            or self._fast[0] is not getattr(ext, "gguf_matmul_panels", None)
+            or not hasattr(ext, "gguf_matmul_panels_swiglu")
+            or ext.best_isa() < 2
+            or len(sizes) != 2
+            or sizes[0] != sizes[1]
+            or sizes[0] % 16
+        ):
+            return None
+        op = ext.gguf_matmul_panels_swiglu
+        (packed, ggml_type, n), most = self._fast[1], self._fast[2]
+        return (lambda x: op(x, packed, ggml_type, n)), most
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fast, limit = self._fast, self.kernel_max_rows
         if (

@@ -1228,17 +1228,56 @@ inline void tile_finish(__m512 (*acc)[NR], __m512i (*dl)[NR], __m512i (*dh)[NR],
   }
 }
 
-template <int MR, int NR>
-inline void store_tile(__m512 (*acc)[NR], float* out, int64_t ldo, int valid_last) {
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) {
-      const __mmask16 keep = c == NR - 1 ? __mmask16((1u << valid_last) - 1) : __mmask16(0xFFFF);
-      _mm512_mask_storeu_ps(out + r * ldo + c * PANEL, keep, acc[r][c]);
-    }
+// SwiGLU's silu(g) * u over 16 lanes: layer_ops' silu_mul_row_vec (core/lmstack/csrc/layer_ops.cpp)
+// operation for operation, each rounded on its own, so a fused gate_up gives the bits of its two
+// halves' products put through silu_mul_ (tests hold them equal). layer_ops builds with
+// -ffp-contract=off; here each product is pinned (`rounded`) so that GCC, which contracts a
+// multiply and an add into one fused multiply-add by default, keeps them two roundings.
+inline __m512 rounded(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
 }
 
-// MR activation rows x NR panels (16 outputs each) over every block.
-template <int TYPE, int MR, int NR>
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 one = _mm512_set1_ps(1.0f), magic = _mm512_set1_ps(12582912.0f);
+  auto mul = [](__m512 a, float b) { return rounded(_mm512_mul_ps(a, _mm512_set1_ps(b))); };
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f)), _mm512_set1_ps(-87.0f)),
+                                 _mm512_set1_ps(88.0f));
+  const __m512 k = _mm512_sub_ps(_mm512_add_ps(mul(x, 1.44269504088896341f), magic), magic);
+  __m512 r = _mm512_sub_ps(x, mul(k, 0.693145751953125f));
+  r = _mm512_sub_ps(r, mul(k, 1.428606765330187e-06f));
+  __m512 e = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    e = _mm512_add_ps(rounded(_mm512_mul_ps(e, r)), _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+  const __m512 den = _mm512_add_ps(one, rounded(_mm512_mul_ps(e, _mm512_castsi512_ps(bits))));
+  return _mm512_mul_ps(_mm512_div_ps(g, den), u);
+}
+
+// What a tile writes: its products (PLAIN); a SwiGLU pair's silu(gate) * up, the gate panel's
+// outputs and the up panel's side by side in the tile (GLU, NR = 2); or, one panel at a time,
+// silu of the gate outputs a PLAIN tile left in out times this up panel's (UP, NR = 1).
+enum Store { PLAIN, GLU, UP };
+
+template <int MR, int NR, int MODE = PLAIN>
+inline void store_tile(__m512 (*acc)[NR], float* out, int64_t ldo, int valid_last) {
+  for (int r = 0; r < MR; ++r) {
+    if constexpr (MODE == GLU) {
+      static_assert(NR == 2, "a SwiGLU tile holds a gate and an up panel");
+      _mm512_storeu_ps(out + r * ldo, silu_mul16(acc[r][0], acc[r][1]));
+    } else if constexpr (MODE == UP) {
+      _mm512_storeu_ps(out + r * ldo, silu_mul16(_mm512_loadu_ps(out + r * ldo), acc[r][0]));
+    } else {
+      for (int c = 0; c < NR; ++c) {
+        const __mmask16 keep = c == NR - 1 ? __mmask16((1u << valid_last) - 1) : __mmask16(0xFFFF);
+        _mm512_mask_storeu_ps(out + r * ldo + c * PANEL, keep, acc[r][c]);
+      }
+    }
+  }
+}
+
+// MR activation rows x NR panels (16 outputs each, panel c at w + c * panel_bytes) over every block.
+template <int TYPE, int MR, int NR, int MODE = PLAIN>
 inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, int64_t K, const float* dx,
                        const float* sx, const int32_t* sums, float* out, int64_t ldo, int valid_last) {
   constexpr int64_t PB = PANEL_BLOCK<TYPE>;
@@ -1283,16 +1322,16 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
     for (int c = 0; c < NR; ++c) pair_scales<TYPE>(w, panel_bytes, c, b, d[c], m[c]);
     tile_finish<TYPE, MR, NR>(acc, dl, dh, d, m, dx, sx, nb, b);
   }
-  store_tile<MR, NR>(acc, out, ldo, valid_last);
+  store_tile<MR, NR, MODE>(acc, out, ldo, valid_last);
 }
 
 // Rows [r0, r1) of NR panels in tiles of MR rows and one of the rest.
-template <int TYPE, int NR, int MR = 4>
+template <int TYPE, int NR, int MR = 4, int MODE = PLAIN>
 inline void panel_rows(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const int32_t* sums, int64_t r0,
                        int64_t r1, int64_t col, int valid_last) {
   const int64_t nb = p.K / QK;
   for_row_tiles<MR>(r0, r1, [&](auto mr, int64_t r) {
-    panel_tile<TYPE, decltype(mr)::value, NR>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
+    panel_tile<TYPE, decltype(mr)::value, NR, MODE>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
                                               sums ? sums + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
                                               p.out + r * p.ldo + col, p.ldo, valid_last);
   });
@@ -1332,7 +1371,7 @@ void widen_pair(const uint8_t* w, int64_t panel_bytes, int64_t nb, uint8_t* code
 }
 
 // MR rows x NR panels over every block of a pair widened by `widen_pair`.
-template <int TYPE, int MR, int NR>
+template <int TYPE, int MR, int NR, int MODE = PLAIN>
 inline void wide_tile(const uint8_t* codes, const float* dv, const float* mv, const int8_t* qx, int64_t K,
                       const float* dx, const float* sx, const int32_t* sums, float* out, int64_t ldo,
                       int valid_last) {
@@ -1359,10 +1398,10 @@ inline void wide_tile(const uint8_t* codes, const float* dv, const float* mv, co
     }
     tile_finish<TYPE, MR, NR>(acc, dl, dh, d, m, dx, sx, nb, b);
   }
-  store_tile<MR, NR>(acc, out, ldo, valid_last);
+  store_tile<MR, NR, MODE>(acc, out, ldo, valid_last);
 }
 
-template <int TYPE, int NR>
+template <int TYPE, int NR, int MODE = PLAIN>
 void wide_pair(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const int32_t* sums, int64_t col,
                int valid_last) {
   const int64_t nb = p.K / QK;
@@ -1374,7 +1413,7 @@ void wide_pair(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const 
   float* mv = dv + nb * NR * PANEL;
   widen_pair<TYPE, NR>(w, panel_bytes, nb, codes.data(), dv, mv);
   for_row_tiles(0, p.M, [&](auto mr, int64_t r) {
-    wide_tile<TYPE, decltype(mr)::value, NR>(codes.data(), dv, mv, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
+    wide_tile<TYPE, decltype(mr)::value, NR, MODE>(codes.data(), dv, mv, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
                                             sums ? sums + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
                                             p.out + r * p.ldo + col, p.ldo,
                                             valid_last);
@@ -1396,33 +1435,47 @@ constexpr int64_t TALL_MAX_ROWS = TYPE == Q6_K ? 31 : 63;
 // Panel pairs [t0, t1) of the output (the last pair may be one panel), every activation row, in
 // chunks of rows so that a chunk of x stays in cache while the thread's panels pass over it
 // (the `WIDE` kinds from WIDE_MIN_ROWS rows: each pair widened once, `wide_pair`; small batches:
-// one panel at a time in tiles of TALL rows).
-template <int TYPE>
+// one panel at a time in tiles of TALL rows). SWIGLU: the packed rows are a gate_up layer's gate
+// then up halves, p.N the width of one (a multiple of PANEL); pair t is gate panel t and up panel
+// t, and the tiles write silu(gate) * up to output columns 16t.. (p.N of them in all): the same
+// products as the plain call, so the bits of its output put through layer_ops' silu_mul_.
+template <int TYPE, bool SWIGLU = false>
 void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* sums, int64_t t0, int64_t t1) {
   const int64_t panels = (p.N + PANEL - 1) / PANEL, panel_bytes = p.K / QK * panel_block_bytes(TYPE);
-  // f(NR, the pair's panels, its first output column, the valid outputs of its last panel).
+  constexpr int PAIR = SWIGLU ? GLU : PLAIN;
+  // f(NR, the pair's first panel, the bytes from it to its second, its first output column, the
+  // valid outputs of its last panel).
   auto each_pair = [&](auto&& f) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t first = 2 * t;
-      const uint8_t* w = packed + first * panel_bytes;
-      const int valid_last = int(std::min<int64_t>(PANEL, p.N - (first + (first + 1 < panels ? 1 : 0)) * PANEL));
-      if (first + 1 < panels)
-        f(std::integral_constant<int, 2>(), w, first * PANEL, valid_last);
-      else
-        f(std::integral_constant<int, 1>(), w, first * PANEL, valid_last);
+      if constexpr (SWIGLU) {
+        f(std::integral_constant<int, 2>(), packed + t * panel_bytes, panels * panel_bytes, t * PANEL, PANEL);
+      } else {
+        const int64_t first = 2 * t;
+        const uint8_t* w = packed + first * panel_bytes;
+        const int valid_last = int(std::min<int64_t>(PANEL, p.N - (first + (first + 1 < panels ? 1 : 0)) * PANEL));
+        if (first + 1 < panels)
+          f(std::integral_constant<int, 2>(), w, panel_bytes, first * PANEL, valid_last);
+        else
+          f(std::integral_constant<int, 1>(), w, panel_bytes, first * PANEL, valid_last);
+      }
     }
   };
   if (WIDE<TYPE> && p.M >= WIDE_MIN_ROWS<TYPE>) {
-    each_pair([&](auto nr, const uint8_t* w, int64_t col, int valid_last) {
-      wide_pair<TYPE, decltype(nr)::value>(w, panel_bytes, p, sums, col, valid_last);
+    each_pair([&](auto nr, const uint8_t* w, int64_t stride, int64_t col, int valid_last) {
+      wide_pair<TYPE, decltype(nr)::value, PAIR>(w, stride, p, sums, col, valid_last);
     });
     return;
   }
   if (p.M <= TALL_MAX_ROWS<TYPE>) {
-    each_pair([&](auto nr, const uint8_t* w, int64_t col, int valid_last) {
+    each_pair([&](auto nr, const uint8_t* w, int64_t stride, int64_t col, int valid_last) {
+      if constexpr (SWIGLU) {  // the gate's outputs into out, then silu of them times the up's
+        panel_rows<TYPE, 1, TALL>(w, stride, p, sums, 0, p.M, col, PANEL);
+        panel_rows<TYPE, 1, TALL, UP>(w + stride, stride, p, sums, 0, p.M, col, PANEL);
+        return;
+      }
       constexpr int NR = decltype(nr)::value;
       for (int c = 0; c < NR; ++c)
-        panel_rows<TYPE, 1, TALL>(w + c * panel_bytes, panel_bytes, p, sums, 0, p.M, col + c * PANEL,
+        panel_rows<TYPE, 1, TALL>(w + c * stride, stride, p, sums, 0, p.M, col + c * PANEL,
                                   c == NR - 1 ? valid_last : PANEL);
     });
     return;
@@ -1430,8 +1483,8 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* sums, i
   constexpr int64_t ROW_CHUNK = 64;
   for (int64_t rc = 0; rc < p.M; rc += ROW_CHUNK) {
     const int64_t rc1 = std::min(p.M, rc + ROW_CHUNK);
-    each_pair([&](auto nr, const uint8_t* w, int64_t col, int valid_last) {
-      panel_rows<TYPE, decltype(nr)::value>(w, panel_bytes, p, sums, rc, rc1, col, valid_last);
+    each_pair([&](auto nr, const uint8_t* w, int64_t stride, int64_t col, int valid_last) {
+      panel_rows<TYPE, decltype(nr)::value, 4, PAIR>(w, stride, p, sums, rc, rc1, col, valid_last);
     });
   }
 }
@@ -1969,6 +2022,7 @@ struct PanelSegment {
   Q8Problem p;
   int64_t first, units;  // units [first, first + units) of the call: AVX-512 panel pairs, AVX2 halves
   const int32_t* sums = nullptr;  // the bias sums of its kind, where its kernel takes them
+  bool swiglu = false;            // a gate_up layer whose columns are silu(gate) * up (AVX-512)
 };
 
 // f(std::integral_constant<int, kind>) for a panel kind (`panel_kind`), as `with_kind` for layouts.
@@ -1993,6 +2047,8 @@ void panel_units(const PanelSegment& s, int64_t isa, int64_t u0, int64_t u1) {
     constexpr int TYPE = decltype(t)::value;
     if (isa < ISA_AVX512)
       avx2::panels_q8<TYPE>(s.p, s.w, s.sums, u0, u1);
+    else if (s.swiglu)
+      avx512::panels_q8<TYPE, true>(s.p, s.w, s.sums, u0, u1);
     else
       avx512::panels_q8<TYPE>(s.p, s.w, s.sums, u0, u1);
   });
@@ -2002,10 +2058,11 @@ void panel_units(const PanelSegment& s, int64_t isa, int64_t u0, int64_t u1) {
 // (as gguf_matmul_q8 does), then one parallel region over every weight's work units, each unit
 // writing its weight's columns of the one output. Every output is the same arithmetic whatever
 // the other weights, so one weight alone is gguf_matmul_panels. `name` and `segment_names` word the
-// errors (the segments' index where there are several).
+// errors (the segments' index where there are several). `swiglu`: one weight, a gate_up layer's
+// two halves, and the output is silu(gate) * up [M, rows / 2] (gguf_matmul_panels_swiglu).
 torch::Tensor panel_product(const torch::Tensor& x, const std::vector<torch::Tensor>& packed,
                             const std::vector<int64_t>& types, const std::vector<int64_t>& rows, int64_t isa,
-                            const char* name, bool segment_names) {
+                            const char* name, bool segment_names, bool swiglu = false) {
   if (isa < 0) isa = best_isa();
   TORCH_CHECK(isa >= ISA_AVX2 && isa <= best_isa(), name, " needs AVX2 (or AVX-512 VNNI) on this CPU");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
@@ -2034,12 +2091,18 @@ torch::Tensor panel_product(const torch::Tensor& x, const std::vector<torch::Ten
     TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 &&
                     w.size(0) == panels && w.size(1) == nb * panel_block_bytes(type),
                 at, "packed must be gguf_pack_panels' output for N = ", n, ", K = ", K);
-    const int64_t mine = isa >= ISA_AVX512 ? (panels + 1) / 2 : 2 * panels;
+    if (swiglu) {
+      TORCH_CHECK(isa >= ISA_AVX512, name, " needs AVX-512 VNNI on this CPU");
+      TORCH_CHECK(packed.size() == 1 && n % (2 * PANEL) == 0, name, " takes one gate_up weight of two halves of a ",
+                  "multiple of ", PANEL, " rows each, got ", packed.size(), " weight(s) of ", n, " rows");
+    }
+    const int64_t width = swiglu ? n / 2 : n;  // output columns
+    const int64_t mine = swiglu ? width / PANEL : isa >= ISA_AVX512 ? (panels + 1) / 2 : 2 * panels;
     // (The panel kernels read no Layout: the panels hold a d, and an m where the kind has one.)
     segments.push_back({w.data_ptr<uint8_t>(), kind,
-                        Q8Problem{nullptr, nullptr, nullptr, nullptr, 0, Layout{kind, 0, 0, 0, 0}, nullptr, M, n, K, 0},
-                        units, mine});
-    N += n;
+                        Q8Problem{nullptr, nullptr, nullptr, nullptr, 0, Layout{kind, 0, 0, 0, 0}, nullptr, M, width, K, 0},
+                        units, mine, nullptr, swiglu});
+    N += width;
     units += mine;
   }
   auto out = torch::empty({M, N}, x.options());
@@ -2098,6 +2161,15 @@ torch::Tensor gguf_matmul_panel_segments(const torch::Tensor& x, const std::vect
                                          const std::vector<int64_t>& types, const std::vector<int64_t>& rows,
                                          int64_t isa) {
   return panel_product(x, packed, types, rows, isa, "gguf_matmul_panel_segments", true);
+}
+
+// A SwiGLU MLP's gate_up layer from its panels (gate_proj's n / 2 rows, then up_proj's; n / 2 a
+// multiple of 16): silu(x @ G^T) * (x @ U^T) -> fp32 [M, n / 2], the gate and up outputs of a row
+// combined as the tiles store them, never written whole. The bits of gguf_matmul_panels put
+// through layer_ops' silu_mul_. AVX-512 VNNI only.
+torch::Tensor gguf_matmul_panels_swiglu(const torch::Tensor& x, const torch::Tensor& packed, int64_t type, int64_t n,
+                                        int64_t isa) {
+  return panel_product(x, {packed}, {type}, {n}, isa, "gguf_matmul_panels_swiglu", false, true);
 }
 
 torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t k, std::optional<torch::Tensor> into) {
@@ -2164,6 +2236,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_matmul_panels", &gguf_matmul::gguf_matmul_panels,
         "x fp32 [M, K] @ W^T from gguf_pack_panels(W), x rounded to int8 per 32-block", py::arg("x"), py::arg("packed"),
         py::arg("type"), py::arg("n"), py::arg("isa") = -1);
+  m.def("gguf_matmul_panels_swiglu", &gguf_matmul::gguf_matmul_panels_swiglu,
+        "silu(x @ G^T) * (x @ U^T) from gguf_pack_panels([G; U]) (n rows, G and U n / 2 each, a multiple of 16), "
+        "x rounded to int8 per 32-block; AVX-512 VNNI",
+        py::arg("x"), py::arg("packed"), py::arg("type"), py::arg("n"), py::arg("isa") = -1);
   m.def("gguf_matmul_panel_segments", &gguf_matmul::gguf_matmul_panel_segments,
         "x fp32 [M, K] @ [W_0; W_1; ...]^T from each W_i's panels (types[i], rows[i] rows), x rounded to int8 once: "
         "gguf_matmul_panels per segment, joined, in one call",

@@ -1,0 +1,101 @@
+"""`gguf_matmul_panels_swiglu` (csrc/gguf_matmul.cpp): a SwiGLU gate_up layer's silu(gate) * up
+straight from its panels, the gate and up products combined as the tiles store them, equals
+`gguf_matmul_panels` put through `layer_ops.silu_mul` bit for bit, for every panel kind and the
+batch sizes of each tile path (one panel at a time, widened pairs, pair tiles); a layer it cannot
+take fails in one line; `GGUFLinear.fast_swiglu_op` offers it only where it applies. Random blocks
+with a fresh seed each run (printed on failure)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from test_gguf_panel_segments import random_blocks
+
+from lmstack.interfaces import LinearSpec
+from lmstack.model.layer_ops import silu_mul
+from lmstack_gguf import native
+from lmstack_gguf.linear import GGUFLinear
+
+ext = None if native.load_error() else native.load()
+pytestmark = pytest.mark.skipif(ext is None, reason="the kernels did not build")
+avx512 = pytest.mark.skipif(ext is None or ext.best_isa() < 2, reason="the fused kernel needs AVX-512 VNNI")
+
+# (kind, K): every panel kind; the K-quants at their 256-value super-blocks.
+KINDS = [
+    (T.Q4_0, 64),
+    (T.Q4_1, 96),
+    (T.Q5_0, 96),
+    (T.Q5_1, 64),
+    (T.Q8_0, 160),
+    (T.Q4_K, 256),
+    (T.Q5_K, 256),
+    (T.Q6_K, 512),
+]
+# One panel at a time (up to 63 rows, Q6_K 31), widened pairs (the 5- and 6-bit kinds from 64
+# rows, Q6_K from 32), pair tiles (the others from 64), with rests of every tile size.
+ROWS = (1, 7, 31, 32, 33, 64, 101)
+
+
+@avx512
+@pytest.mark.parametrize("kind,k", KINDS, ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize("half", [16, 48])
+def test_fused_gate_up_is_the_products_put_through_silu_mul(kind, k, half):
+    seed = random.randrange(2**32)
+    rng = np.random.default_rng(seed)
+    packed = ext.gguf_pack_panels(random_blocks_any(kind, 2 * half, k, rng), int(kind), k)
+    for m in ROWS:
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)) * 3
+        want = silu_mul(ext.gguf_matmul_panels(x, packed, int(kind), 2 * half))
+        got = ext.gguf_matmul_panels_swiglu(x, packed, int(kind), 2 * half)
+        assert got.shape == (m, half) and got.is_contiguous()
+        assert torch.equal(got, want), f"seed {seed}, {kind.name}, {m} rows, {half} per half"
+
+
+def random_blocks_any(kind: T, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """`random_blocks` for the kinds it knows; Q5_K's blocks with finite fp16 d and dmin."""
+    if kind != T.Q5_K:
+        return random_blocks(kind, n, k, rng)
+    raw = rng.integers(0, 256, size=(n, k // 256, 176), dtype=np.uint8)
+    for at in (0, 2):
+        d = (rng.standard_normal((n, k // 256)) * 0.01).astype(np.float16)
+        raw[:, :, at : at + 2] = d.view(np.uint8).reshape(n, k // 256, 2)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+@avx512
+def test_a_layer_the_fused_kernel_cannot_take_is_one_line():
+    rng = np.random.default_rng(0)
+    packed = ext.gguf_pack_panels(random_blocks(T.Q8_0, 48, 64, rng), int(T.Q8_0), 64)
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="two halves of a multiple of 16 rows each, got 1 weight"):
+        ext.gguf_matmul_panels_swiglu(x, packed, int(T.Q8_0), 48)  # halves of 24 rows
+    with pytest.raises(RuntimeError, match="gguf_matmul_panels_swiglu needs AVX-512 VNNI"):
+        ext.gguf_matmul_panels_swiglu(x, packed[:2].contiguous(), int(T.Q8_0), 32, 1)  # AVX2
+
+
+def _gate_up(half: int, k: int, kind: T) -> GGUFLinear:
+    """A gate_up layer (`prefill: panels`) of random gate and up parts, finalized as the loader does."""
+    spec = LinearSpec(k, 2 * half, False, "gate_up_proj", output_sizes=(half, half))
+    layer = GGUFLinear(spec, int8_activations=True, kernel_max_rows=0, panels=True)
+    rng = np.random.default_rng(1)
+    layer._parts = {i: (int(kind), random_blocks(kind, half, k, rng)) for i in range(2)}
+    layer.finalize()
+    return layer
+
+
+@pytest.mark.skipif(ext is None or ext.best_isa() < 1, reason="the panel kernel needs AVX2")
+def test_gguf_linear_offers_the_fused_op_only_where_it_applies():
+    layer = _gate_up(32, 96, T.Q5_0)
+    x = torch.randn(5, 96)
+    fused = layer.fast_swiglu_op()
+    if ext.best_isa() < 2:
+        assert fused is None  # AVX2: the two calls
+        return
+    op, most = fused
+    assert most == layer.fast_op()[1]
+    assert torch.equal(op(x), silu_mul(layer(x)))
+    assert _gate_up(24, 96, T.Q5_0).fast_swiglu_op() is None  # halves not a multiple of 16
