@@ -58,6 +58,17 @@ def plain_layer(layer: Any) -> tuple[LayerCall, int, tuple[dict, ...]] | None:
         def mlp(h: torch.Tensor) -> torch.Tensor:
             return silu(gate_up(h))
 
+    # The down projection's products added into the residual stream as its kernel stores them
+    # where its quantizer offers that (`fast_add_op()`: the same bits as its output then add_).
+    add_into = getattr(layer.down_proj, "fast_add_op", None)
+    add_into = add_into() if add_into is not None else None
+    if add_into is not None:
+        down_add, d_max = add_into
+    else:
+
+        def down_add(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            return down(y).add_(out)
+
     w_in, eps_in = norms[0].weight, norms[0].eps
     w_post, eps_post = norms[1].weight, norms[1].eps
     index, heads, kv_heads, q_size = layer.index, layer.num_heads, layer.num_kv_heads, layer.q_size
@@ -67,7 +78,7 @@ def plain_layer(layer: Any) -> tuple[LayerCall, int, tuple[dict, ...]] | None:
         q, k, v = rope_(qkv(rms(x, w_in, eps_in, None)), cos, sin, heads, kv_heads)
         o = o_proj(attn.attend(index, q, k, v).reshape(x.shape[0], q_size))
         h = rms(o, w_post, eps_post, x)  # o += x in place: the residual stream
-        return down(mlp(h)).add_(o)
+        return down_add(mlp(h), o)
 
     hooks = tuple(d for m in (layer, *norms, *linears) for d in (m._forward_hooks, m._forward_pre_hooks))
     return run, min(q_max, o_max, gu_max, d_max), hooks

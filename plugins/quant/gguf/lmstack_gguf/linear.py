@@ -339,6 +339,32 @@ class GGUFLinear(QuantizedLinear):
         op, args, most = self._fast
         return (lambda x: op(x, *args)), most
 
+    def _panels_avx512(self, op_name: str):
+        """The native op `op_name` where `fast_op` is one weight's panel kernel with AVX-512 VNNI
+        (the fused variants' condition), else None."""
+        ext = native_kernel()
+        if (
+            self._fast is None
+            or self.bias is not None
+            or ext is None
+            or self._fast[0] is not getattr(ext, "gguf_matmul_panels", None)
+            or ext.best_isa() < 2
+        ):
+            return None
+        return getattr(ext, op_name, None)
+
+    def fast_add_op(self) -> tuple | None:
+        """(op, most rows): op(x, out) adds x @ W^T into the fp32 [M, out] tensor `out` in place
+        and returns it, the products added as the kernel's tiles store them
+        (`gguf_matmul_panels_add_`: a residual stream without a product tensor written and read
+        back); bit for bit `fast_op`'s output then torch's `add_`. None where `fast_op` is not one
+        weight's panels with AVX-512 VNNI."""
+        op = self._panels_avx512("gguf_matmul_panels_add_")
+        if op is None:
+            return None
+        (packed, ggml_type, n), most = self._fast[1], self._fast[2]
+        return (lambda x, out: op(x, packed, ggml_type, n, out)), most
+
     def fast_swiglu_op(self) -> tuple | None:
         """(op, most rows) for a SwiGLU gate_up layer (two equal output parts, gate then up):
         silu(gate) * up -> fp32 [M, out / 2] in one native call, the gate and up products
@@ -346,21 +372,10 @@ class GGUFLinear(QuantizedLinear):
         (`gguf_matmul_panels_swiglu`); bit for bit `fast_op`'s output put through
         `layer_ops.silu_mul`. None unless the layer multiplies every batch its fast path takes
         by one weight's panels with AVX-512 VNNI and each half is a multiple of 16 rows."""
-        ext = native_kernel()
+        op = self._panels_avx512("gguf_matmul_panels_swiglu")
         sizes = self.spec.output_sizes
-        if (
-            self._fast is None
-            or self.bias is not None
-            or ext is None
-            or self._fast[0] is not getattr(ext, "gguf_matmul_panels", None)
-            or not hasattr(ext, "gguf_matmul_panels_swiglu")
-            or ext.best_isa() < 2
-            or len(sizes) != 2
-            or sizes[0] != sizes[1]
-            or sizes[0] % 16
-        ):
+        if op is None or len(sizes) != 2 or sizes[0] != sizes[1] or sizes[0] % 16:
             return None
-        op = ext.gguf_matmul_panels_swiglu
         (packed, ggml_type, n), most = self._fast[1], self._fast[2]
         return (lambda x: op(x, packed, ggml_type, n)), most
 

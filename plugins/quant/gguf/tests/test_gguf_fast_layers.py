@@ -1,7 +1,7 @@
 """The decoder's fast path over lmstack-gguf's layers (`GGUFLinear.fast_op`: the bound kernel,
-one call for a fused layer of several segments; gate_up's silu * up in its kernel where
-`fast_swiglu_op` offers it) computes what the generic path computes: a tiny
-Llama 3 as Q4_K_M (q / k Q4_K, v Q6_K: two segments in every qkv), greedy tokens and every
+one call for a fused layer of several segments; gate_up's silu * up and down's residual add in
+their kernels where `fast_swiglu_op` / `fast_add_op` offer them) computes what the generic path
+computes: a tiny Llama 3 as Q4_K_M (q / k Q4_K, v Q6_K: two segments in every qkv), greedy tokens and every
 log-probability compared bit for bit with the fast layers and the per-step attention call off."""
 
 from __future__ import annotations
@@ -65,9 +65,11 @@ def test_fast_layers_over_gguf_segments_are_the_generic_path(q4_k_m, quant, monk
         if qkv._fast is not None:
             assert qkv.fast_op()[1] == qkv._fast[2]
         # With AVX-512 VNNI the gate_up kernel applies silu * up itself (`fast_swiglu_op`; its
-        # Q4_K halves are in panels): the fast path's MLP is that one call.
-        gate_up = model.layers[0].gate_up_proj
-        assert (gate_up.fast_swiglu_op() is not None) == (native_kernel().best_isa() >= 2)
+        # Q4_K halves are in panels) and the down kernel (Q6_K panels) adds into the residual
+        # stream (`fast_add_op`): compared with the generic path's separate calls below.
+        avx512 = native_kernel().best_isa() >= 2
+        assert (model.layers[0].gate_up_proj.fast_swiglu_op() is not None) == avx512
+        assert (model.layers[0].down_proj.fast_add_op() is not None) == avx512
         fast = _generate(llm)
         model._fast_layers = None
         monkeypatch.setattr(

@@ -209,6 +209,12 @@ struct Problem {
   int64_t M, N, K;
 };
 
+// What an AVX-512 panel tile writes: its products (PLAIN); a SwiGLU pair's silu(gate) * up, the
+// gate panel's outputs and the up panel's side by side in the tile (GLU, NR = 2); or, one panel at
+// a time, silu of the gate outputs a PLAIN tile left in out times this up panel's (UP, NR = 1); or
+// its products added to what out holds (ADD: a residual stream, out += x @ W^T).
+enum Store { PLAIN, GLU, UP, ADD };
+
 // The int8-activation path's operands (gguf_matmul_q8).
 struct Q8Problem {
   const int8_t* qx;  // [M, K] int8
@@ -1254,11 +1260,6 @@ inline __m512 silu_mul16(__m512 g, __m512 u) {
   return _mm512_mul_ps(_mm512_div_ps(g, den), u);
 }
 
-// What a tile writes: its products (PLAIN); a SwiGLU pair's silu(gate) * up, the gate panel's
-// outputs and the up panel's side by side in the tile (GLU, NR = 2); or, one panel at a time,
-// silu of the gate outputs a PLAIN tile left in out times this up panel's (UP, NR = 1).
-enum Store { PLAIN, GLU, UP };
-
 template <int MR, int NR, int MODE = PLAIN>
 inline void store_tile(__m512 (*acc)[NR], float* out, int64_t ldo, int valid_last) {
   for (int r = 0; r < MR; ++r) {
@@ -1270,7 +1271,11 @@ inline void store_tile(__m512 (*acc)[NR], float* out, int64_t ldo, int valid_las
     } else {
       for (int c = 0; c < NR; ++c) {
         const __mmask16 keep = c == NR - 1 ? __mmask16((1u << valid_last) - 1) : __mmask16(0xFFFF);
-        _mm512_mask_storeu_ps(out + r * ldo + c * PANEL, keep, acc[r][c]);
+        float* at = out + r * ldo + c * PANEL;
+        if constexpr (MODE == ADD)  // one rounding, as torch's add_ of the product
+          _mm512_mask_storeu_ps(at, keep, _mm512_add_ps(acc[r][c], _mm512_maskz_loadu_ps(keep, at)));
+        else
+          _mm512_mask_storeu_ps(at, keep, acc[r][c]);
       }
     }
   }
@@ -1435,14 +1440,16 @@ constexpr int64_t TALL_MAX_ROWS = TYPE == Q6_K ? 31 : 63;
 // Panel pairs [t0, t1) of the output (the last pair may be one panel), every activation row, in
 // chunks of rows so that a chunk of x stays in cache while the thread's panels pass over it
 // (the `WIDE` kinds from WIDE_MIN_ROWS rows: each pair widened once, `wide_pair`; small batches:
-// one panel at a time in tiles of TALL rows). SWIGLU: the packed rows are a gate_up layer's gate
+// one panel at a time in tiles of TALL rows). EPI GLU: the packed rows are a gate_up layer's gate
 // then up halves, p.N the width of one (a multiple of PANEL); pair t is gate panel t and up panel
 // t, and the tiles write silu(gate) * up to output columns 16t.. (p.N of them in all): the same
-// products as the plain call, so the bits of its output put through layer_ops' silu_mul_.
-template <int TYPE, bool SWIGLU = false>
+// products as the plain call, so the bits of its output put through layer_ops' silu_mul_. EPI
+// ADD: the products added to out's values (the plain call's output then torch's add_, bit for bit).
+template <int TYPE, int EPI = PLAIN>
 void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* sums, int64_t t0, int64_t t1) {
   const int64_t panels = (p.N + PANEL - 1) / PANEL, panel_bytes = p.K / QK * panel_block_bytes(TYPE);
-  constexpr int PAIR = SWIGLU ? GLU : PLAIN;
+  constexpr bool SWIGLU = EPI == GLU;
+  constexpr int PAIR = EPI;
   // f(NR, the pair's first panel, the bytes from it to its second, its first output column, the
   // valid outputs of its last panel).
   auto each_pair = [&](auto&& f) {
@@ -1471,12 +1478,12 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* sums, i
       if constexpr (SWIGLU) {  // the gate's outputs into out, then silu of them times the up's
         panel_rows<TYPE, 1, TALL>(w, stride, p, sums, 0, p.M, col, PANEL);
         panel_rows<TYPE, 1, TALL, UP>(w + stride, stride, p, sums, 0, p.M, col, PANEL);
-        return;
+      } else {
+        constexpr int NR = decltype(nr)::value;
+        for (int c = 0; c < NR; ++c)
+          panel_rows<TYPE, 1, TALL, EPI>(w + c * stride, stride, p, sums, 0, p.M, col + c * PANEL,
+                                         c == NR - 1 ? valid_last : PANEL);
       }
-      constexpr int NR = decltype(nr)::value;
-      for (int c = 0; c < NR; ++c)
-        panel_rows<TYPE, 1, TALL>(w + c * stride, stride, p, sums, 0, p.M, col + c * PANEL,
-                                  c == NR - 1 ? valid_last : PANEL);
     });
     return;
   }
@@ -2022,7 +2029,7 @@ struct PanelSegment {
   Q8Problem p;
   int64_t first, units;  // units [first, first + units) of the call: AVX-512 panel pairs, AVX2 halves
   const int32_t* sums = nullptr;  // the bias sums of its kind, where its kernel takes them
-  bool swiglu = false;            // a gate_up layer whose columns are silu(gate) * up (AVX-512)
+  int epilogue = PLAIN;           // GLU: a gate_up layer's silu(gate) * up; ADD: out += (AVX-512)
 };
 
 // f(std::integral_constant<int, kind>) for a panel kind (`panel_kind`), as `with_kind` for layouts.
@@ -2047,8 +2054,10 @@ void panel_units(const PanelSegment& s, int64_t isa, int64_t u0, int64_t u1) {
     constexpr int TYPE = decltype(t)::value;
     if (isa < ISA_AVX512)
       avx2::panels_q8<TYPE>(s.p, s.w, s.sums, u0, u1);
-    else if (s.swiglu)
-      avx512::panels_q8<TYPE, true>(s.p, s.w, s.sums, u0, u1);
+    else if (s.epilogue == GLU)
+      avx512::panels_q8<TYPE, GLU>(s.p, s.w, s.sums, u0, u1);
+    else if (s.epilogue == ADD)
+      avx512::panels_q8<TYPE, ADD>(s.p, s.w, s.sums, u0, u1);
     else
       avx512::panels_q8<TYPE>(s.p, s.w, s.sums, u0, u1);
   });
@@ -2058,11 +2067,14 @@ void panel_units(const PanelSegment& s, int64_t isa, int64_t u0, int64_t u1) {
 // (as gguf_matmul_q8 does), then one parallel region over every weight's work units, each unit
 // writing its weight's columns of the one output. Every output is the same arithmetic whatever
 // the other weights, so one weight alone is gguf_matmul_panels. `name` and `segment_names` word the
-// errors (the segments' index where there are several). `swiglu`: one weight, a gate_up layer's
-// two halves, and the output is silu(gate) * up [M, rows / 2] (gguf_matmul_panels_swiglu).
+// errors (the segments' index where there are several). `epilogue` GLU: one weight, a gate_up
+// layer's two halves, and the output is silu(gate) * up [M, rows / 2] (gguf_matmul_panels_swiglu);
+// ADD: one weight, its products added into `into` [M, rows] (gguf_matmul_panels_add_).
 torch::Tensor panel_product(const torch::Tensor& x, const std::vector<torch::Tensor>& packed,
                             const std::vector<int64_t>& types, const std::vector<int64_t>& rows, int64_t isa,
-                            const char* name, bool segment_names, bool swiglu = false) {
+                            const char* name, bool segment_names, int epilogue = PLAIN,
+                            const torch::Tensor* into = nullptr) {
+  const bool swiglu = epilogue == GLU;
   if (isa < 0) isa = best_isa();
   TORCH_CHECK(isa >= ISA_AVX2 && isa <= best_isa(), name, " needs AVX2 (or AVX-512 VNNI) on this CPU");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
@@ -2091,8 +2103,8 @@ torch::Tensor panel_product(const torch::Tensor& x, const std::vector<torch::Ten
     TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 &&
                     w.size(0) == panels && w.size(1) == nb * panel_block_bytes(type),
                 at, "packed must be gguf_pack_panels' output for N = ", n, ", K = ", K);
+    if (epilogue != PLAIN) TORCH_CHECK(isa >= ISA_AVX512, name, " needs AVX-512 VNNI on this CPU");
     if (swiglu) {
-      TORCH_CHECK(isa >= ISA_AVX512, name, " needs AVX-512 VNNI on this CPU");
       TORCH_CHECK(packed.size() == 1 && n % (2 * PANEL) == 0, name, " takes one gate_up weight of two halves of a ",
                   "multiple of ", PANEL, " rows each, got ", packed.size(), " weight(s) of ", n, " rows");
     }
@@ -2101,11 +2113,20 @@ torch::Tensor panel_product(const torch::Tensor& x, const std::vector<torch::Ten
     // (The panel kernels read no Layout: the panels hold a d, and an m where the kind has one.)
     segments.push_back({w.data_ptr<uint8_t>(), kind,
                         Q8Problem{nullptr, nullptr, nullptr, nullptr, 0, Layout{kind, 0, 0, 0, 0}, nullptr, M, width, K, 0},
-                        units, mine, nullptr, swiglu});
+                        units, mine, nullptr, epilogue});
     N += width;
     units += mine;
   }
-  auto out = torch::empty({M, N}, x.options());
+  torch::Tensor out;
+  if (epilogue == ADD) {
+    TORCH_CHECK(into != nullptr && packed.size() == 1, name, " takes one weight and the output to add into");
+    TORCH_CHECK(into->device().is_cpu() && into->scalar_type() == torch::kFloat32 && into->is_contiguous() &&
+                    into->dim() == 2 && into->size(0) == M && into->size(1) == N,
+                "out must be a contiguous CPU float32 tensor [", M, ", ", N, "]");
+    out = *into;
+  } else {
+    out = torch::empty({M, N}, x.options());
+  }
   if (M == 0 || N == 0) return out;
   const auto qx = quantize_q8(x, ISA_AVX2);
   const int8_t* q = qx[0].data_ptr<int8_t>();
@@ -2169,7 +2190,15 @@ torch::Tensor gguf_matmul_panel_segments(const torch::Tensor& x, const std::vect
 // through layer_ops' silu_mul_. AVX-512 VNNI only.
 torch::Tensor gguf_matmul_panels_swiglu(const torch::Tensor& x, const torch::Tensor& packed, int64_t type, int64_t n,
                                         int64_t isa) {
-  return panel_product(x, {packed}, {type}, {n}, isa, "gguf_matmul_panels_swiglu", false, true);
+  return panel_product(x, {packed}, {type}, {n}, isa, "gguf_matmul_panels_swiglu", false, GLU);
+}
+
+// out += x @ W^T from W's panels, in place (a residual stream: the down projection's output added
+// as the tiles store it, no product tensor written and read back): gguf_matmul_panels then
+// torch's add_, bit for bit. AVX-512 VNNI only.
+torch::Tensor gguf_matmul_panels_add_(const torch::Tensor& x, const torch::Tensor& packed, int64_t type, int64_t n,
+                                      torch::Tensor out, int64_t isa) {
+  return panel_product(x, {packed}, {type}, {n}, isa, "gguf_matmul_panels_add_", false, ADD, &out);
 }
 
 torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t k, std::optional<torch::Tensor> into) {
@@ -2240,6 +2269,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu(x @ G^T) * (x @ U^T) from gguf_pack_panels([G; U]) (n rows, G and U n / 2 each, a multiple of 16), "
         "x rounded to int8 per 32-block; AVX-512 VNNI",
         py::arg("x"), py::arg("packed"), py::arg("type"), py::arg("n"), py::arg("isa") = -1);
+  m.def("gguf_matmul_panels_add_", &gguf_matmul::gguf_matmul_panels_add_,
+        "out += x @ W^T in place from gguf_pack_panels(W), x rounded to int8 per 32-block; returns out; AVX-512 VNNI",
+        py::arg("x"), py::arg("packed"), py::arg("type"), py::arg("n"), py::arg("out"), py::arg("isa") = -1);
   m.def("gguf_matmul_panel_segments", &gguf_matmul::gguf_matmul_panel_segments,
         "x fp32 [M, K] @ [W_0; W_1; ...]^T from each W_i's panels (types[i], rows[i] rows), x rounded to int8 once: "
         "gguf_matmul_panels per segment, joined, in one call",
