@@ -1336,9 +1336,10 @@ inline void panel_rows(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p
                        int64_t r1, int64_t col, int valid_last) {
   const int64_t nb = p.K / QK;
   for_row_tiles<MR>(r0, r1, [&](auto mr, int64_t r) {
-    panel_tile<TYPE, decltype(mr)::value, NR, MODE>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
-                                              sums ? sums + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
-                                              p.out + r * p.ldo + col, p.ldo, valid_last);
+    panel_tile<TYPE, decltype(mr)::value, NR, MODE>(w, panel_bytes, p.qx + r * p.K, p.K, p.dx + r * nb,
+                                                    p.sx + r * nb,
+                                                    sums ? sums + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
+                                                    p.out + r * p.ldo + col, p.ldo, valid_last);
   });
 }
 
@@ -1418,10 +1419,10 @@ void wide_pair(const uint8_t* w, int64_t panel_bytes, const Q8Problem& p, const 
   float* mv = dv + nb * NR * PANEL;
   widen_pair<TYPE, NR>(w, panel_bytes, nb, codes.data(), dv, mv);
   for_row_tiles(0, p.M, [&](auto mr, int64_t r) {
-    wide_tile<TYPE, decltype(mr)::value, NR, MODE>(codes.data(), dv, mv, p.qx + r * p.K, p.K, p.dx + r * nb, p.sx + r * nb,
-                                            sums ? sums + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
-                                            p.out + r * p.ldo + col, p.ldo,
-                                            valid_last);
+    wide_tile<TYPE, decltype(mr)::value, NR, MODE>(codes.data(), dv, mv, p.qx + r * p.K, p.K, p.dx + r * nb,
+                                                  p.sx + r * nb,
+                                                  sums ? sums + r * nb * (TYPE == Q6_K ? 2 : 1) : nullptr,
+                                                  p.out + r * p.ldo + col, p.ldo, valid_last);
   });
 }
 
@@ -1449,7 +1450,6 @@ template <int TYPE, int EPI = PLAIN>
 void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* sums, int64_t t0, int64_t t1) {
   const int64_t panels = (p.N + PANEL - 1) / PANEL, panel_bytes = p.K / QK * panel_block_bytes(TYPE);
   constexpr bool SWIGLU = EPI == GLU;
-  constexpr int PAIR = EPI;
   // f(NR, the pair's first panel, the bytes from it to its second, its first output column, the
   // valid outputs of its last panel).
   auto each_pair = [&](auto&& f) {
@@ -1469,7 +1469,7 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* sums, i
   };
   if (WIDE<TYPE> && p.M >= WIDE_MIN_ROWS<TYPE>) {
     each_pair([&](auto nr, const uint8_t* w, int64_t stride, int64_t col, int valid_last) {
-      wide_pair<TYPE, decltype(nr)::value, PAIR>(w, stride, p, sums, col, valid_last);
+      wide_pair<TYPE, decltype(nr)::value, EPI>(w, stride, p, sums, col, valid_last);
     });
     return;
   }
@@ -1491,7 +1491,7 @@ void panels_q8(const Q8Problem& p, const uint8_t* packed, const int32_t* sums, i
   for (int64_t rc = 0; rc < p.M; rc += ROW_CHUNK) {
     const int64_t rc1 = std::min(p.M, rc + ROW_CHUNK);
     each_pair([&](auto nr, const uint8_t* w, int64_t stride, int64_t col, int valid_last) {
-      panel_rows<TYPE, decltype(nr)::value, 4, PAIR>(w, stride, p, sums, rc, rc1, col, valid_last);
+      panel_rows<TYPE, decltype(nr)::value, 4, EPI>(w, stride, p, sums, rc, rc1, col, valid_last);
     });
   }
 }
