@@ -27,11 +27,17 @@ from lmstack.model.layer_ops import half_tables, native
 LayerCall = Callable[..., torch.Tensor]  # (x, rope tables, attention) -> the layer's output
 
 
+def offered(linear: nn.Module, name: str) -> tuple | None:
+    """What the linear's quantizer offers as `name()` ((op, most rows)), None where it has no
+    such method or offers nothing for this layer."""
+    offer = getattr(linear, name, None)
+    return offer() if offer is not None else None
+
+
 def fast_op(linear: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
     """A linear's bare op for fp32 CPU rows [T, in] with a contiguous last dim, and the most
     rows it takes: the quantizer's `fast_op()` where the linear has one, else its `forward`."""
-    fast = getattr(linear, "fast_op", None)
-    op = fast() if fast is not None else None
+    op = offered(linear, "fast_op")
     return op if op is not None else (linear.forward, sys.maxsize)
 
 
@@ -49,8 +55,7 @@ def plain_layer(layer: Any) -> tuple[LayerCall, int, tuple[dict, ...]] | None:
     rms, rope_, silu = ops.rms_norm, ops.qkv_rope_, ops.silu_mul_
     # silu(gate) * up straight from the gate_up kernel where its quantizer fuses them
     # (`fast_swiglu_op()`: the same bits as silu_mul_ over its output), else the two calls.
-    fused = getattr(layer.gate_up_proj, "fast_swiglu_op", None)
-    fused = fused() if fused is not None else None
+    fused = offered(layer.gate_up_proj, "fast_swiglu_op")
     if fused is not None:
         mlp, gu_max = fused
     else:
@@ -60,8 +65,7 @@ def plain_layer(layer: Any) -> tuple[LayerCall, int, tuple[dict, ...]] | None:
 
     # The down projection's products added into the residual stream as its kernel stores them
     # where its quantizer offers that (`fast_add_op()`: the same bits as its output then add_).
-    add_into = getattr(layer.down_proj, "fast_add_op", None)
-    add_into = add_into() if add_into is not None else None
+    add_into = offered(layer.down_proj, "fast_add_op")
     if add_into is not None:
         down_add, d_max = add_into
     else:

@@ -339,9 +339,10 @@ class GGUFLinear(QuantizedLinear):
         op, args, most = self._fast
         return (lambda x: op(x, *args)), most
 
-    def _panels_avx512(self, op_name: str):
-        """The native op `op_name` where `fast_op` is one weight's panel kernel with AVX-512 VNNI
-        (the fused variants' condition), else None."""
+    def _panels_avx512(self, op_name: str) -> tuple | None:
+        """(the native op `op_name`, the panel kernel's arguments after x, most rows) where
+        `fast_op` is one weight's panel kernel with AVX-512 VNNI (the fused variants'
+        condition), else None."""
         ext = native_kernel()
         if (
             self._fast is None
@@ -349,9 +350,10 @@ class GGUFLinear(QuantizedLinear):
             or ext is None
             or self._fast[0] is not getattr(ext, "gguf_matmul_panels", None)
             or ext.best_isa() < 2
+            or not hasattr(ext, op_name)
         ):
             return None
-        return getattr(ext, op_name, None)
+        return getattr(ext, op_name), self._fast[1], self._fast[2]
 
     def fast_add_op(self) -> tuple | None:
         """(op, most rows): op(x, out) adds x @ W^T into the fp32 [M, out] tensor `out` in place
@@ -359,10 +361,10 @@ class GGUFLinear(QuantizedLinear):
         (`gguf_matmul_panels_add_`: a residual stream without a product tensor written and read
         back); bit for bit `fast_op`'s output then torch's `add_`. None where `fast_op` is not one
         weight's panels with AVX-512 VNNI."""
-        op = self._panels_avx512("gguf_matmul_panels_add_")
-        if op is None:
+        found = self._panels_avx512("gguf_matmul_panels_add_")
+        if found is None:
             return None
-        (packed, ggml_type, n), most = self._fast[1], self._fast[2]
+        op, (packed, ggml_type, n), most = found
         return (lambda x, out: op(x, packed, ggml_type, n, out)), most
 
     def fast_swiglu_op(self) -> tuple | None:
@@ -372,11 +374,11 @@ class GGUFLinear(QuantizedLinear):
         (`gguf_matmul_panels_swiglu`); bit for bit `fast_op`'s output put through
         `layer_ops.silu_mul`. None unless the layer multiplies every batch its fast path takes
         by one weight's panels with AVX-512 VNNI and each half is a multiple of 16 rows."""
-        op = self._panels_avx512("gguf_matmul_panels_swiglu")
+        found = self._panels_avx512("gguf_matmul_panels_swiglu")
         sizes = self.spec.output_sizes
-        if op is None or len(sizes) != 2 or sizes[0] != sizes[1] or sizes[0] % 16:
+        if found is None or len(sizes) != 2 or sizes[0] != sizes[1] or sizes[0] % 16:
             return None
-        (packed, ggml_type, n), most = self._fast[1], self._fast[2]
+        op, (packed, ggml_type, n), most = found
         return (lambda x: op(x, packed, ggml_type, n)), most
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from test_gguf_panel_segments import random_blocks
+from test_gguf_q5_panels import random_blocks  # every panel kind, Q5_K too
 
 from lmstack.interfaces import LinearSpec
 from lmstack.model.layer_ops import silu_mul
@@ -49,7 +49,7 @@ def fresh_panels(kind: T, k: int, n: int) -> tuple[int, np.random.Generator, tor
     """A fresh seed, its generator, and n random rows of `kind` packed in panels."""
     seed = random.randrange(2**32)
     rng = np.random.default_rng(seed)
-    return seed, rng, ext.gguf_pack_panels(random_blocks_any(kind, n, k, rng), int(kind), k)
+    return seed, rng, ext.gguf_pack_panels(torch.from_numpy(random_blocks(kind, n, k, rng)), int(kind), k)
 
 
 @avx512
@@ -63,17 +63,6 @@ def test_fused_gate_up_is_the_products_put_through_silu_mul(kind, k, half):
         got = ext.gguf_matmul_panels_swiglu(x, packed, int(kind), 2 * half)
         assert got.shape == (m, half) and got.is_contiguous()
         assert torch.equal(got, want), f"seed {seed}, {kind.name}, {m} rows, {half} per half"
-
-
-def random_blocks_any(kind: T, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
-    """`random_blocks` for the kinds it knows; Q5_K's blocks with finite fp16 d and dmin."""
-    if kind != T.Q5_K:
-        return random_blocks(kind, n, k, rng)
-    raw = rng.integers(0, 256, size=(n, k // 256, 176), dtype=np.uint8)
-    for at in (0, 2):
-        d = (rng.standard_normal((n, k // 256)) * 0.01).astype(np.float16)
-        raw[:, :, at : at + 2] = d.view(np.uint8).reshape(n, k // 256, 2)
-    return torch.from_numpy(raw.reshape(n, -1))
 
 
 @avx512
@@ -94,7 +83,7 @@ def test_products_added_in_place_are_the_products_then_add_(kind, k, n):
 @avx512
 def test_a_layer_the_fused_kernel_cannot_take_is_one_line():
     rng = np.random.default_rng(0)
-    packed = ext.gguf_pack_panels(random_blocks(T.Q8_0, 48, 64, rng), int(T.Q8_0), 64)
+    packed = ext.gguf_pack_panels(torch.from_numpy(random_blocks(T.Q8_0, 48, 64, rng)), int(T.Q8_0), 64)
     x = torch.randn(3, 64)
     with pytest.raises(RuntimeError, match="two halves of a multiple of 16 rows each, got 1 weight"):
         ext.gguf_matmul_panels_swiglu(x, packed, int(T.Q8_0), 48)  # halves of 24 rows
@@ -111,7 +100,7 @@ def _gate_up(half: int, k: int, kind: T) -> GGUFLinear:
     spec = LinearSpec(k, 2 * half, False, "gate_up_proj", output_sizes=(half, half))
     layer = GGUFLinear(spec, int8_activations=True, kernel_max_rows=0, panels=True)
     rng = np.random.default_rng(1)
-    layer._parts = {i: (int(kind), random_blocks(kind, half, k, rng)) for i in range(2)}
+    layer._parts = {i: (int(kind), torch.from_numpy(random_blocks(kind, half, k, rng))) for i in range(2)}
     layer.finalize()
     return layer
 
