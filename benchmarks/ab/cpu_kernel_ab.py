@@ -1,7 +1,8 @@
 """A/B of the CPU weight kernels (lmstack-int8's int8 matmul, lmstack-gguf's Q4_1 / Q8_0 matmuls)
 between the sources of a git revision and the working tree, in one process, alternating.
 
-    python benchmarks/ab/cpu_kernel_ab.py --before 4cc0592~1 [--rows 1,2,8] [--rounds 15] [--threads 2]
+    python benchmarks/ab/cpu_kernel_ab.py --before 4cc0592~1 [--rows 1,2,8] [--rounds 15] [--threads 2] \
+        [--paths int8,gguf,gguf_q8,gguf_panels] [--layer-type Q4_1]
 
 Each kernel version is compiled against the installed torch (`lmstack.kernels.native`, its own cache
 folder per source hash) and run over a whole decode step's worth of weights: SmolLM2-135M's 30
@@ -9,9 +10,10 @@ layers (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576) plus the LM
 576->49152, every layer its own copy, so weights stream from memory as in serving. Paths:
   int8         lmstack-int8 `int8_matmul` (int8 weights, fp32 activations)
   int8_q8      lmstack-int8 `int8_matmul_q8` (the same weights, activations rounded to int8)
-  gguf         lmstack-gguf `gguf_matmul` (Q4_1 layers, Q8_0 head, fp32 activations)
+  gguf         lmstack-gguf `gguf_matmul` (Q4_1 layers or `--layer-type`, Q8_0 head, fp32 activations)
   gguf_q8      lmstack-gguf `gguf_matmul_q8` (the same weights, activations rounded to int8)
   gguf_panels  lmstack-gguf `gguf_matmul_panels` (the same weights in 16-row panels, int8 activations)
+(The block paths `gguf` / `gguf_q8` take Q4_0, Q4_1 and Q8_0 layers; Q5_0 / Q5_1 are panels only.)
 The two versions must agree to fp32 rounding (checked first; `bit_identical` records whether
 they gave the same bits). Reports the median time of a pass per
 (path, rows) and after / before; the bytes a pass reads over its time (GB/s) says how close the
@@ -35,23 +37,41 @@ if TYPE_CHECKING:  # the heavy imports happen inside the functions, so --help is
 from lmstack_bench.toolbox import ab_record, git_show, result_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = {  # name: (source in the repository, extension module name)
-    "int8": ("plugins/quant/int8/lmstack_int8/csrc/int8_matmul.cpp", "ab_int8_matmul"),
-    "gguf": ("plugins/quant/gguf/lmstack_gguf/csrc/gguf_matmul.cpp", "ab_gguf_matmul"),
+GGUF_CSRC = "plugins/quant/gguf/lmstack_gguf/csrc/"
+KERNELS = {  # name: (sources in the repository, headers beside them, extension module name)
+    "int8": (["plugins/quant/int8/lmstack_int8/csrc/int8_matmul.cpp"], [], "ab_int8_matmul"),
+    "gguf": (
+        [GGUF_CSRC + "gguf_matmul.cpp", GGUF_CSRC + "kquants.cpp"],
+        [GGUF_CSRC + "kquants.h"],
+        "ab_gguf_matmul",
+    ),
 }
+# Block types the layers can take (`--layer-type`; gguf-py quantizes them), the head stays Q8_0.
+LAYER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out N, in K)
 LAYERS, HEAD = 30, (49152, 576)
 
 
-def build(kernel: str, source: Path, version: str) -> object:
+def build(kernel: str, folder: Path | None, version: str, rev: str | None = None) -> object:
+    """The kernel's extension from its sources as they are at git revision `rev` (copied into
+    `folder`), or in the working tree where `rev` is None."""
     from lmstack.kernels.native import NativeExtension
 
-    _, name = KERNELS[kernel]
-    ext = NativeExtension(name=f"{name}_{version}", cache_name=f"kernel_ab/{kernel}", sources=[source])
+    sources, headers, name = KERNELS[kernel]
+
+    def place(path: str) -> Path:
+        return git_show(rev, path, folder) if rev is not None else ROOT / path
+
+    ext = NativeExtension(
+        name=f"{name}_{version}",
+        cache_name=f"kernel_ab/{kernel}",
+        sources=[place(p) for p in sources],
+        headers=[place(p) for p in headers],
+    )
     return ext.load()
 
 
-def weights(seed: int) -> dict[str, list[tuple[torch.Tensor, int, int]]]:
+def weights(seed: int, layer_type: str = "Q4_1") -> dict[str, list[tuple[torch.Tensor, int, int]]]:
     """Per path family: [(weight, type, K)] for one decode step (30 layers + head)."""
     import numpy as np
     import torch
@@ -64,9 +84,9 @@ def weights(seed: int) -> dict[str, list[tuple[torch.Tensor, int, int]]]:
     blocks = {}
     for s in LAYER_SHAPES:
         w = rng.standard_normal(s, dtype=np.float32) * 0.05
-        blocks[s] = torch.from_numpy(np.ascontiguousarray(quants.quantize(w, GT.Q4_1)))
+        blocks[s] = torch.from_numpy(np.ascontiguousarray(quants.quantize(w, GT[layer_type])))
     head = rng.standard_normal(HEAD, dtype=np.float32) * 0.05
-    gguf = [(blocks[s].clone(), int(GT.Q4_1), s[1]) for s in LAYER_SHAPES * LAYERS]
+    gguf = [(blocks[s].clone(), int(GT[layer_type]), s[1]) for s in LAYER_SHAPES * LAYERS]
     gguf.append((torch.from_numpy(np.ascontiguousarray(quants.quantize(head, GT.Q8_0))), int(GT.Q8_0), 576))
     return {"int8": int8, "gguf": gguf}
 
@@ -91,6 +111,9 @@ def main() -> None:
     ap.add_argument("--paths", default="int8,gguf,gguf_q8")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
+        "--layer-type", choices=LAYER_TYPES, default="Q4_1", help="gguf paths: the layers' block type (Q4_1)"
+    )
+    ap.add_argument(
         "--isa", type=int, default=-1, help="gguf paths: force the kernels' ISA (1: AVX2); -1: the CPU's best"
     )
     args = ap.parse_args()
@@ -102,12 +125,14 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         exts = {}
-        for kernel, (path, _) in KERNELS.items():
+        for kernel in KERNELS:
+            folder = Path(tmp) / kernel
+            folder.mkdir()
             exts[kernel] = {
-                "before": build(kernel, git_show(args.before, path, Path(tmp)), "before"),
-                "after": build(kernel, ROOT / path, "after"),
+                "before": build(kernel, folder, "before", rev=args.before),
+                "after": build(kernel, None, "after"),
             }
-    ws = weights(0)
+    ws = weights(0, args.layer_type)
     scales = {n: torch.rand(n) * 0.01 for n, _ in LAYER_SHAPES + [HEAD]}
     results = []
     for path in paths:
@@ -150,7 +175,13 @@ def main() -> None:
     out = args.out or result_dir("cpu_kernel_ab") / "cpu_kernel_ab.json"
     note = "one process, versions alternating; medians of --rounds passes; quote ratios"
     summary = ab_record(
-        out, results, before=args.before, after="working tree", threads=args.threads, note=note
+        out,
+        results,
+        before=args.before,
+        after="working tree",
+        threads=args.threads,
+        layer_type=args.layer_type,
+        note=note,
     )
     plot(results, out.with_suffix(".png"), summary["cpu_model"])
     print(

@@ -1172,10 +1172,12 @@ inline void pair_scales(const uint8_t* w, int64_t panel_bytes, int c, int64_t b,
 // hi times 16 + 4j .. into the int32 sums (Q6_K: lo into dl, hi into dh, two scale groups).
 // acc += w's unsigned bytes . the 4 signed bytes at x, broadcast to every lane by the vpdpbusd
 // itself (EVEX embedded broadcast: GCC 12 does not fold a set1 into it). One-panel tiles (NR = 1)
-// use it: each broadcast there serves a single vpdpbusd, and dropping the separate vpbroadcastd
-// took SmolLM2 Q4_K_M's layers 0.94-0.95x the time at 16-32 rows (in-process A/B, 2-core Zen 4).
-// Pair tiles keep one broadcast in a register for both panels: embedded there (a load per
-// vpdpbusd) they took 1.02-1.07x.
+// use it: each broadcast there serves a single vpdpbusd, so the separate vpbroadcastd is one
+// instruction per vpdpbusd saved. Same bits; the time it saves is small against this VM's noise:
+// in-process A/Bs at 8-32 rows (2-core Zen 4, SmolLM2 Q4_K_M's and Q6_K's layers, and
+// benchmarks/ab/cpu_kernel_ab.py's Q5_0 step) gave 0.88-1.02x, most runs 0.94-0.99x. Pair tiles
+// keep one broadcast in a register for both panels: embedded there (a load per vpdpbusd) they
+// took 1.02-1.07x.
 using i32_alias = int32_t __attribute__((may_alias));
 inline __m512i dpbusd_x(__m512i acc, __m512i w, const int8_t* x) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const i32_alias*>(x)));
