@@ -1168,8 +1168,6 @@ inline void pair_scales(const uint8_t* w, int64_t panel_bytes, int c, int64_t b,
   }
 }
 
-// One vector j (0..3) of a block's codes for MR rows and NR panels: lo times x's values 4j ..,
-// hi times 16 + 4j .. into the int32 sums (Q6_K: lo into dl, hi into dh, two scale groups).
 // acc += w's unsigned bytes . the 4 signed bytes at x, broadcast to every lane by the vpdpbusd
 // itself (EVEX embedded broadcast: GCC 12 does not fold a set1 into it). One-panel tiles (NR = 1)
 // use it: each broadcast there serves a single vpdpbusd, so the separate vpbroadcastd is one
@@ -1184,30 +1182,38 @@ inline __m512i dpbusd_x(__m512i acc, __m512i w, const int8_t* x) {
   return acc;
 }
 
+// The 4 signed bytes at x broadcast to every lane (a pair tile's register broadcast).
+inline __m512i bcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// acc += w . the 4 bytes at x for a tile of NR panels: embedded for one panel, else from xv, the
+// register broadcast of those bytes (`bcast4`; unused, and so not made, where NR = 1).
+template <int NR>
+inline __m512i dot_x(__m512i acc, __m512i w, const int8_t* x, __m512i xv) {
+  if constexpr (NR == 1)
+    return dpbusd_x(acc, w, x);
+  else
+    return _mm512_dpbusd_epi32(acc, w, xv);
+}
+
+// One vector j (0..3) of a block's codes for MR rows and NR panels: lo times x's values 4j ..,
+// hi times 16 + 4j .. into the int32 sums (Q6_K: lo into dl, hi into dh, two scale groups).
 template <int TYPE, int MR, int NR>
 inline void tile_step(const __m512i* lo, const __m512i* hi, const int8_t* xb, int64_t K, int j, __m512i (*dl)[NR],
                       __m512i (*dh)[NR]) {
   for (int r = 0; r < MR; ++r) {
     const int8_t* xl = xb + r * K + 4 * j;
     const int8_t* xh = xl + 16;
-    if constexpr (NR == 1) {
-      dl[r][0] = dpbusd_x(dl[r][0], lo[0], xl);
-      if constexpr (TYPE == Q6_K)
-        dh[r][0] = dpbusd_x(dh[r][0], hi[0], xh);
-      else
-        dl[r][0] = dpbusd_x(dl[r][0], hi[0], xh);
-      continue;
-    }
-    int32_t l4, h4;
-    std::memcpy(&l4, xl, 4);
-    std::memcpy(&h4, xh, 4);
-    const __m512i xlv = _mm512_set1_epi32(l4), xhv = _mm512_set1_epi32(h4);
+    const __m512i xlv = bcast4(xl), xhv = bcast4(xh);
     for (int c = 0; c < NR; ++c) {
-      dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], lo[c], xlv);
+      dl[r][c] = dot_x<NR>(dl[r][c], lo[c], xl, xlv);
       if constexpr (TYPE == Q6_K)
-        dh[r][c] = _mm512_dpbusd_epi32(dh[r][c], hi[c], xhv);
+        dh[r][c] = dot_x<NR>(dh[r][c], hi[c], xh, xhv);
       else
-        dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], hi[c], xhv);
+        dl[r][c] = dot_x<NR>(dl[r][c], hi[c], xh, xhv);
     }
   }
 }
@@ -1334,14 +1340,9 @@ inline void panel_tile(const uint8_t* w, int64_t panel_bytes, const int8_t* qx, 
         __m512i wv[NR];
         for (int c = 0; c < NR; ++c) wv[c] = _mm512_loadu_si512(w + c * panel_bytes + b * PB + 64 * t);
         for (int r = 0; r < MR; ++r) {
-          if constexpr (NR == 1) {
-            dl[r][0] = dpbusd_x(dl[r][0], wv[0], xb + r * K + 4 * t);
-            continue;
-          }
-          int32_t x4;
-          std::memcpy(&x4, xb + r * K + 4 * t, 4);
-          const __m512i xv = _mm512_set1_epi32(x4);
-          for (int c = 0; c < NR; ++c) dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], wv[c], xv);
+          const int8_t* x = xb + r * K + 4 * t;
+          const __m512i xv = bcast4(x);
+          for (int c = 0; c < NR; ++c) dl[r][c] = dot_x<NR>(dl[r][c], wv[c], x, xv);
         }
       }
     } else {
